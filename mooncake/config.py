@@ -1,0 +1,113 @@
+"""Typed configuration, validated once at load (TOML file -> pydantic models).
+
+Values discovered at run time (number of KV blocks, eos ids, ...) live in the
+objects that discover them, never written back here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("", description="Local HF model directory or GGUF file; empty: the bundled SmolLM2-135M-Instruct.")
+    name: str = Field("", description="Model name served in the API; empty: derived from the path.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF) are kept.")
+
+
+class EngineConfig(_Section):
+    block_tokens: int = Field(16, ge=1, le=4096, description="Token positions per KV block.")
+    kv_cache_bytes: int = Field(1 * GiB, ge=1 * MiB, description="Bytes of the preallocated paged KV pool.")
+    max_batch: int = Field(32, ge=1, le=1024, description="Most sequences in one decode step.")
+    prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk.")
+    max_model_len: int = Field(0, ge=0, description="Context limit; 0: the model's own.")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
+
+
+class StoreConfig(_Section):
+    device_bytes: int = Field(0, ge=0, description="Device (GPU, else CPU tensor) tier capacity; 0: no device tier.")
+    dram_bytes: int = Field(2 * GiB, ge=0, description="Host DRAM tier capacity (pinned when CUDA is present).")
+    lmdb_bytes: int = Field(8 * GiB, ge=0, description="LMDB (SSD) tier capacity; 0: no disk tier.")
+    data_dir: str = Field("./mooncake-data", description="Directory of the LMDB tier (one sub-dir per store node).")
+    ssd_admission: Literal["on_demotion", "after_hits"] = Field(
+        "on_demotion", description="on_demotion: every block demoted from DRAM is written; after_hits: only blocks hit >= ssd_admission_hits times.")
+    ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
+    promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
+    lease_timeout_s: float = Field(30.0, gt=0, description="Blocks leased by a transfer are released after this.")
+
+
+class ConductorConfig(_Section):
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0: any free port.")
+    api_key: str = Field("", description="If set, HTTP requests need 'Authorization: Bearer <key>'.")
+    endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
+        "cache_aware", description="Prefill selection policy.")
+    use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
+    ttft_slo_ms: float = Field(0.0, ge=0, description="Time-to-first-token SLO; 0: no early rejection on TTFT.")
+    tbt_slo_ms: float = Field(0.0, ge=0, description="Time-between-tokens SLO; 0: no early rejection on TBT.")
+    max_waiting: int = Field(256, ge=1, description="Requests queued cluster-wide before new ones get 503.")
+    heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval the roles are told to use.")
+    dead_after_s: float = Field(3.0, gt=0, description="A node silent this long is dead.")
+    request_timeout_s: float = Field(300.0, gt=0, description="A request with no progress this long fails.")
+    max_migrations: int = Field(2, ge=0, description="Times a request may move after its worker dies.")
+    hot_block_hits: int = Field(4, ge=1, description="Hits in the window that make a block hot.")
+    hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
+    replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
+    max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
+
+
+class NodeConfig(_Section):
+    name: str = Field("node0", description="Node (machine) name; roles with the same name are local to each other.")
+    host: str = Field("127.0.0.1", description="Address this node's roles bind and advertise.")
+    kv_port: int = Field(0, ge=0, le=65535, description="Decode KV ingress port; 0: any free port.")
+    store_port: int = Field(0, ge=0, le=65535, description="Store object-API port; 0: any free port.")
+    node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    store: StoreConfig = StoreConfig()
+    conductor: ConductorConfig = ConductorConfig()
+    node: NodeConfig = NodeConfig()
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the key."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    """Read and validate a TOML config; ``overrides`` is merged on top ({"section": {...}})."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update(values)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}: {problems}") from None

@@ -1,0 +1,308 @@
+"""Wire protocol: msgspec structs (a tagged union) in MessagePack, tensors as frames.
+
+A message on the wire is a ZeroMQ multipart message::
+
+    [msgpack(Message), payload_0, payload_1, ...]
+
+Messages that carry tensors describe them in a ``tensors: list[TensorSpec]``
+field, one spec per payload frame, in order. Payload frames are the raw bytes
+of contiguous CPU tensors, sent with ``copy=False``; receivers rebuild tensors
+over the received buffers without a copy (``frames_to_tensors``). Never pickle.
+
+The store's object API addresses blocks by ``BlockHash``; one block is one
+payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
+block_tokens, head_dim]`` (see ``mooncake.engine``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Union
+
+import msgspec
+import torch
+
+# ----------------------------------------------------------------- tensors
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ProtocolError(f"unknown dtype {name!r}")
+    return dt
+
+
+def tensor_frame(t: torch.Tensor) -> tuple[TensorSpec, memoryview]:
+    """A contiguous CPU tensor as (spec, zero-copy buffer). The caller keeps ``t`` alive
+    until ZeroMQ has sent it (``copy=False``)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return TensorSpec(dtype_name(t.dtype), tuple(t.shape)), memoryview(raw.numpy())
+
+
+def frame_tensor(buf: Any, spec: TensorSpec) -> torch.Tensor:
+    """A tensor over a received buffer (zmq.Frame, bytes or memoryview), without a copy."""
+    dtype = dtype_from_name(spec.dtype)
+    mv = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
+    n = 1
+    for d in spec.shape:
+        n *= d
+    expected = n * torch.empty(0, dtype=dtype).element_size()
+    if mv.nbytes != expected:
+        raise ProtocolError(f"tensor frame has {mv.nbytes} bytes, spec {spec} needs {expected}")
+    if expected == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():  # received buffers are read-only; we never write to them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mv, dtype=dtype).view(spec.shape)
+
+
+# ----------------------------------------------------------------- errors
+
+
+class ProtocolError(ValueError):
+    """A frame or message that does not decode into the protocol."""
+
+
+# ----------------------------------------------------------------- messages
+
+
+class Msg(msgspec.Struct, tag_field="t", omit_defaults=True):
+    """Base of every message; the subclass name is its tag."""
+
+
+# ---- membership (every role <-> conductor)
+
+
+class Register(Msg, tag="register"):
+    role: str  # "prefill" | "decode" | "store"
+    node_id: str
+    endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}
+    info: dict[str, Any] = {}  # role facts: block_tokens, model_id, capacities, ...
+
+
+class Registered(Msg, tag="registered"):
+    node_id: str
+    heartbeat_s: float
+
+
+class Heartbeat(Msg, tag="heartbeat"):
+    node_id: str
+    load: dict[str, Any] = {}  # running/waiting counts, free blocks, tier bytes...
+
+
+class Reregister(Msg, tag="reregister"):
+    """Conductor -> node: I do not know you (e.g. I restarted); register again."""
+
+
+# ---- store object API (client <-> store ROUTER)
+
+
+class Put(Msg, tag="put"):
+    """Store blocks; one payload frame per hash, in order."""
+
+    hashes: list[bytes]
+    tensors: list[TensorSpec]
+    model_id: str = ""
+
+
+class Get(Msg, tag="get"):
+    """Fetch blocks. With ``prefix=True`` stop at the first missing block."""
+
+    hashes: list[bytes]
+    prefix: bool = False
+    lease_s: float = 0.0  # >0: keep the returned blocks from eviction this long
+
+
+class Exists(Msg, tag="exists"):
+    hashes: list[bytes]
+
+
+class PrefixQuery(Msg, tag="prefix"):
+    """How many leading blocks of a hash chain are present."""
+
+    hashes: list[bytes]
+
+
+class Remove(Msg, tag="remove"):
+    hashes: list[bytes]
+
+
+class Replicate(Msg, tag="replicate"):
+    """Copy the given blocks (those present) to another store node."""
+
+    hashes: list[bytes]
+    target: str  # the target store's endpoint
+
+
+class StatsQuery(Msg, tag="stats"):
+    pass
+
+
+class Release(Msg, tag="release"):
+    """Drop the leases taken by a Get."""
+
+    hashes: list[bytes]
+
+
+class Ok(Msg, tag="ok"):
+    """Generic reply. ``count``: blocks stored / removed / present-prefix length."""
+
+    count: int = 0
+    flags: list[bool] = []
+    data: dict[str, Any] = {}
+
+
+class Blocks(Msg, tag="blocks"):
+    """Reply to Get: the blocks found, one payload frame each."""
+
+    hashes: list[bytes]
+    tensors: list[TensorSpec]
+
+
+class Error(Msg, tag="error"):
+    message: str
+    code: str = "bad_request"
+
+
+class BlockEvent(Msg, tag="block_event"):
+    """Store or engine -> conductor: blocks stored in / removed from a node's tier."""
+
+    node_id: str
+    kind: str  # "stored" | "removed"
+    tier: str  # "device" | "dram" | "lmdb"
+    hashes: list[bytes]
+
+
+# ---- request path (conductor <-> prefill / decode, prefill -> decode)
+
+
+class Sampling(msgspec.Struct, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class FetchPlan(msgspec.Struct, array_like=True):
+    """Blocks ``[start, end)`` of the prompt's hash chain are to be read from ``endpoint``."""
+
+    start: int
+    end: int
+    endpoint: str
+
+
+class PrefillRequest(Msg, tag="prefill_req"):
+    req_id: str
+    tokens: list[int]
+    hashes: list[bytes]
+    sampling: Sampling
+    decode_node: str
+    decode_endpoint: str
+    fetch: list[FetchPlan] = []
+    store_endpoint: str = ""  # where new full blocks are written
+    generated: list[int] = []  # tokens already streamed (migration): prefilled as prompt
+
+
+class PrefillDone(Msg, tag="prefill_done"):
+    req_id: str
+    node_id: str
+    first_token: int
+    cached_tokens: int
+    computed_tokens: int
+    prefill_s: float
+    finished: str = ""  # finish reason if the first token already ends the request
+
+
+class KVTransfer(Msg, tag="kv"):
+    """Prefill -> decode: the request's KV, all blocks including the partial last one."""
+
+    req_id: str
+    tokens: list[int]  # prompt (+ already generated) tokens whose KV is attached
+    next_token: int  # the token sampled at the end of prefill
+    sampling: Sampling
+    num_generated: int  # tokens already produced, next_token included
+    tensors: list[TensorSpec]
+    hashes: list[bytes] = []  # full-block hashes of ``tokens``
+    store_endpoint: str = ""
+
+
+class TokenEvent(Msg, tag="tokens"):
+    """Decode -> conductor: new tokens of a request; ``finished`` set on the last."""
+
+    req_id: str
+    tokens: list[int]
+    finished: str = ""  # "" | "stop" | "length" | "abort" | "error"
+    error: str = ""
+
+
+class Abort(Msg, tag="abort"):
+    req_id: str
+
+
+class Failed(Msg, tag="failed"):
+    """Worker -> conductor: a request could not be served here."""
+
+    req_id: str
+    node_id: str
+    message: str
+    retry: bool = True
+
+
+Message = Union[
+    Register, Registered, Heartbeat, Reregister,
+    Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
+    Ok, Blocks, Error, BlockEvent,
+    PrefillRequest, PrefillDone, KVTransfer, TokenEvent, Abort, Failed,
+]  # fmt: skip
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
+    """Frames for ``msg``; tensors (if any) become payload frames and fill ``msg.tensors``.
+
+    Returns the frame list; it holds references to the tensors so that they stay
+    alive while ZeroMQ sends them without copying.
+    """
+    payload = []
+    specs = []
+    for t in tensors:
+        spec, buf = tensor_frame(t)
+        specs.append(spec)
+        payload.append(buf)
+    if specs:
+        msg.tensors = specs  # type: ignore[attr-defined]
+    return [_encoder.encode(msg), *payload]
+
+
+def decode(frames: Sequence[Any]) -> tuple[Msg, list[torch.Tensor]]:
+    """(message, tensors) from received frames; raises ProtocolError on anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = frames[0]
+    head = head.bytes if hasattr(head, "bytes") else head
+    try:
+        msg = _decoder.decode(head)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"undecodable message: {e}") from None
+    specs = getattr(msg, "tensors", None) or []
+    if len(specs) != len(frames) - 1:
+        raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
+    return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
