@@ -1,0 +1,184 @@
+"""Mooncake-format traces: reading, validating, scaling, hash-id expansion.
+
+A trace is JSON Lines; each object has ``timestamp`` (ms), ``input_length``,
+``output_length`` and ``hash_ids`` (ids of ``trace_block`` = 512-token blocks,
+prefix-chained: equal leading ids mean an equal prefix). Every block but the
+last is full, so ``(len(hash_ids) - 1) * 512 < input_length <= len(hash_ids) * 512``.
+
+Scaling keeps the reuse structure: each hash id expands to ``block_tokens``
+token ids that depend on the id only, the partial last block scales
+proportionally, so two requests sharing ``k`` leading ids share exactly
+``k * block_tokens`` leading tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mooncake.bench.prompts import TokenRange, block_token_ids
+from mooncake.bench.workloads import Session
+
+TRACE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace line that does not follow the Mooncake format; names the line."""
+
+    def __init__(self, path: str, line_no: int, message: str) -> None:
+        super().__init__(f"{path}:{line_no}: {message}")
+        self.path = path
+        self.line_no = line_no
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One validated trace line."""
+
+    line_no: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TraceScaling:
+    """How to shrink a trace to a small machine while keeping its reuse structure."""
+
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    """Tokens each hash block expands to (512 keeps the trace's real lengths)."""
+    time_scale: float = 1.0
+    """Multiplies timestamps: 0.5 replays twice as fast."""
+    max_input_tokens: int | None = None
+    """Prompts longer than this (after block scaling) are truncated."""
+    max_output_tokens: int | None = None
+    """Caps each request's max_tokens."""
+    max_requests: int | None = None
+    """Keep only the first N requests."""
+    duration_s: float | None = None
+    """Keep only requests whose scaled arrival is within this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        if not self.time_scale > 0:
+            raise ValueError("time_scale must be > 0")
+        for name in ("max_input_tokens", "max_output_tokens", "max_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError("duration_s must be > 0")
+
+
+def _int_field(obj: dict, key: str, path: str, line_no: int) -> int:
+    if key not in obj:
+        raise TraceError(path, line_no, f"missing field {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(path, line_no, f"{key!r} must be an integer, got {value!r}")
+    if value < 0:
+        raise TraceError(path, line_no, f"{key!r} must be >= 0, got {value}")
+    return value
+
+
+def parse_trace_line(text: str, path: str, line_no: int) -> TraceRecord:
+    """Validate one JSON line; raise :class:`TraceError` naming the line."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(path, line_no, f"invalid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise TraceError(path, line_no, "expected a JSON object")
+    if "timestamp" not in obj:
+        raise TraceError(path, line_no, "missing field 'timestamp'")
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(path, line_no, f"'timestamp' must be a number >= 0, got {ts!r}")
+    input_length = _int_field(obj, "input_length", path, line_no)
+    output_length = _int_field(obj, "output_length", path, line_no)
+    if "hash_ids" not in obj:
+        raise TraceError(path, line_no, "missing field 'hash_ids'")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TraceError(path, line_no, "'hash_ids' must be a list of integers")
+    for h in hash_ids:
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise TraceError(path, line_no, f"'hash_ids' must hold integers >= 0, got {h!r}")
+    n = len(hash_ids)
+    if n == 0:
+        raise TraceError(path, line_no, "'hash_ids' is empty (a request needs at least one block)")
+    if not (n - 1) * TRACE_BLOCK_TOKENS < input_length <= n * TRACE_BLOCK_TOKENS:
+        raise TraceError(
+            path, line_no,
+            f"input_length {input_length} is inconsistent with {n} hash_ids "
+            f"(expected {max(0, (n - 1) * TRACE_BLOCK_TOKENS) + 1}..{n * TRACE_BLOCK_TOKENS})")
+    return TraceRecord(line_no, float(ts), input_length, output_length, tuple(hash_ids))
+
+
+def load_trace(path: str | Path) -> list[TraceRecord]:
+    """Read and validate a whole trace file (blank lines are skipped)."""
+    records = []
+    name = str(path)
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                records.append(parse_trace_line(line, name, line_no))
+    if not records:
+        raise TraceError(name, 0, "trace is empty")
+    return records
+
+
+def scaled_input_length(record: TraceRecord, block_tokens: int) -> int:
+    """Prompt length after scaling: full blocks scale exactly, the last one proportionally."""
+    n = len(record.hash_ids)
+    last = record.input_length - (n - 1) * TRACE_BLOCK_TOKENS
+    last_scaled = max(1, min(block_tokens, round(last * block_tokens / TRACE_BLOCK_TOKENS)))
+    return (n - 1) * block_tokens + last_scaled
+
+
+def expand_prompt(record: TraceRecord, block_tokens: int, token_range: TokenRange,
+                  cache: dict[int, list[int]] | None = None) -> list[int]:
+    """The token ids of a trace request: one deterministic block per hash id.
+
+    ``cache`` (hash id -> block tokens) saves regenerating blocks shared by
+    many requests; the result does not depend on it.
+    """
+    length = scaled_input_length(record, block_tokens)
+    tokens: list[int] = []
+    for h in record.hash_ids:
+        block = cache.get(h) if cache is not None else None
+        if block is None:
+            block = block_token_ids(h, block_tokens, token_range)
+            if cache is not None:
+                cache[h] = block
+        tokens.extend(block)
+    return tokens[:length]
+
+
+def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
+                   token_range: TokenRange) -> list[Session]:
+    """Scaled single-turn sessions, with arrival offsets (s) from the first timestamp."""
+    if not records:
+        return []
+    t0 = min(r.timestamp_ms for r in records)
+    sessions = []
+    cache: dict[int, list[int]] = {}
+    for i, rec in enumerate(sorted(records, key=lambda r: (r.timestamp_ms, r.line_no))):
+        if scaling.max_requests is not None and i >= scaling.max_requests:
+            break
+        arrival = (rec.timestamp_ms - t0) / 1000.0 * scaling.time_scale
+        if scaling.duration_s is not None and arrival > scaling.duration_s:
+            break
+        prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache)
+        if scaling.max_input_tokens is not None:
+            prompt = prompt[:scaling.max_input_tokens]
+        out = max(1, rec.output_length)
+        if scaling.max_output_tokens is not None:
+            out = min(out, scaling.max_output_tokens)
+        sessions.append(Session(session_id=f"trace-{rec.line_no}", turns=(tuple(prompt),),
+                                max_tokens=(out,), arrival_s=arrival))
+    return sessions
