@@ -1,0 +1,91 @@
+"""The tier interface: one medium (device memory, host DRAM, LMDB) holding KV blocks.
+
+A tier is a plain keyed container with byte accounting. It knows nothing about
+LRU order, eviction or other tiers; ``TieredStore`` decides what goes where.
+Tiers are not thread-safe on their own: the store serialises access.
+
+Values are ``StoredBlock``: an opaque tensor (any dtype/shape; the engine's
+``[layers, 2, kv_heads, block_tokens, head_dim]``) plus the model identity.
+A tensor returned by ``get`` must be treated as read-only by the caller.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+
+
+class StoredBlock(NamedTuple):
+    tensor: torch.Tensor
+    model_id: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def block_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Tier(ABC):
+    """A capacity-bounded block container. ``used_bytes`` counts tensor bytes exactly."""
+
+    name: str  # "device" | "dram" | "lmdb"
+    persistent: bool = False
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+
+    # ---- single-block operations
+
+    @abstractmethod
+    def put(self, key: bytes, block: StoredBlock) -> bool:
+        """Store ``block`` under ``key`` (replacing any old value). False if it does not fit."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> StoredBlock | None:
+        """The block, or None when absent (or, for checked media, corrupt: then deleted)."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: bytes) -> int:
+        """Remove ``key``; returns the bytes freed (0 when absent)."""
+
+    @abstractmethod
+    def nbytes_of(self, key: bytes) -> int | None:
+        """Accounted size of ``key`` without reading its data; None when absent."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every stored key (recovery after a restart; order unspecified)."""
+
+    # ---- batch forms (media with transactions override these)
+
+    def put_many(self, items: Iterable[tuple[bytes, StoredBlock]]) -> list[bool]:
+        return [self.put(k, b) for k, b in items]
+
+    def get_many(self, keys: Iterable[bytes]) -> list[StoredBlock | None]:
+        return [self.get(k) for k in keys]
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        return sum(self.delete(k) for k in keys)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used_bytes + nbytes <= self.capacity_bytes
+
+    def close(self) -> None:
+        """Release the medium (files, memory)."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(used={self.used_bytes}, capacity={self.capacity_bytes})"

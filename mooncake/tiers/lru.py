@@ -1,0 +1,55 @@
+"""O(1) LRU order of one tier: key -> accounted bytes, oldest first.
+
+``OrderedDict`` is a hash map threaded with a doubly linked list (in C): touch,
+insert, remove and pop-oldest are O(1). Victim search skips leased keys only,
+so it costs O(number of leased keys at the cold end), never a full scan.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+
+class LRU:
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, int] = OrderedDict()
+        self.total_bytes = 0
+
+    def add(self, key: bytes, nbytes: int) -> None:
+        """Insert (or refresh) ``key`` as most recently used."""
+        old = self._order.pop(key, None)
+        if old is not None:
+            self.total_bytes -= old
+        self._order[key] = nbytes
+        self.total_bytes += nbytes
+
+    def touch(self, key: bytes) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: bytes) -> int:
+        n = self._order.pop(key, None)
+        if n is None:
+            return 0
+        self.total_bytes -= n
+        return n
+
+    def victim(self, pinned: Callable[[bytes], bool]) -> bytes | None:
+        """The least recently used key that is not ``pinned``; None if every key is."""
+        for key in self._order:
+            if not pinned(key):
+                return key
+        return None
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Keys, least recently used first."""
+        return iter(self._order)
+
+    def items(self) -> list[tuple[bytes, int]]:
+        return list(self._order.items())
