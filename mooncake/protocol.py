@@ -217,6 +217,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     fetch: list[FetchPlan] = []
     store_endpoint: str = ""  # where new full blocks are written
     generated: list[int] = []  # tokens already streamed (migration): prefilled as prompt
+    cache_salt: str = ""
 
 
 class PrefillDone(Msg, tag="prefill_done"):
@@ -226,19 +227,28 @@ class PrefillDone(Msg, tag="prefill_done"):
     cached_tokens: int
     computed_tokens: int
     prefill_s: float
+    fetched_blocks: int = 0  # blocks read from a store
+    fetch_s: float = 0.0
     finished: str = ""  # finish reason if the first token already ends the request
 
 
 class KVTransfer(Msg, tag="kv"):
-    """Prefill -> decode: the request's KV, all blocks including the partial last one."""
+    """Prefill -> decode: a run of the request's KV blocks, ``first_block`` onwards.
+
+    Non-final messages stream full blocks while later chunks still compute; the
+    final one carries the rest (partial tail included) and what decode needs to
+    continue the sequence.
+    """
 
     req_id: str
-    tokens: list[int]  # prompt (+ already generated) tokens whose KV is attached
-    next_token: int  # the token sampled at the end of prefill
-    sampling: Sampling
-    num_generated: int  # tokens already produced, next_token included
+    first_block: int
     tensors: list[TensorSpec]
-    hashes: list[bytes] = []  # full-block hashes of ``tokens``
+    final: bool = False
+    tokens: list[int] = []  # final: all tokens whose KV was sent (prompt + generated so far)
+    next_token: int = -1  # final: the token sampled at the end of prefill
+    sampling: Sampling | None = None
+    num_generated: int = 0  # final: tokens already produced, next_token included
+    cache_salt: str = ""
     store_endpoint: str = ""
 
 
@@ -264,11 +274,50 @@ class Failed(Msg, tag="failed"):
     retry: bool = True
 
 
+# ---- store same-node fast path (shared memory; see mooncake/tiers/shm.py)
+
+
+class ShmRef(msgspec.Struct, array_like=True, frozen=True):
+    """A tensor at ``offset`` in a shared-memory segment."""
+
+    offset: int
+    spec: TensorSpec
+
+
+class ShmPut(Msg, tag="shm_put"):
+    """Put whose block bytes are in the client's shared-memory ``segment``, not in frames."""
+
+    hashes: list[bytes]
+    segment: str
+    blocks: list[ShmRef]
+    model_id: str = ""
+
+
+class ShmGet(Msg, tag="shm_get"):
+    """Get whose reply bytes go into the client's ``segment`` (``size`` bytes) as far as they fit."""
+
+    hashes: list[bytes]
+    segment: str
+    size: int
+    prefix: bool = False
+    lease_s: float = 0.0
+
+
+class ShmBlocks(Msg, tag="shm_blocks"):
+    """Reply to ShmGet: the first ``len(blocks)`` found hashes are in the segment, the rest
+    (that did not fit) follow as payload frames described by ``tensors``."""
+
+    hashes: list[bytes]
+    blocks: list[ShmRef]
+    tensors: list[TensorSpec] = []
+
+
 Message = Union[
     Register, Registered, Heartbeat, Reregister,
     Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
     Ok, Blocks, Error, BlockEvent,
     PrefillRequest, PrefillDone, KVTransfer, TokenEvent, Abort, Failed,
+    ShmPut, ShmGet, ShmBlocks,
 ]  # fmt: skip
 
 _encoder = msgspec.msgpack.Encoder()
