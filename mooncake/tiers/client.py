@@ -1,0 +1,250 @@
+"""StoreClient: async client of a StoreServer (one DEALER, replies matched by request id).
+
+Many calls may be in flight at once from one event loop; each waits at most
+``timeout_s`` and then raises ``StoreUnavailable`` (never hangs). An ``Error``
+reply raises ``StoreError``. The socket is created on first use and belongs to
+that event loop: use one client per loop.
+
+Same-node fast path: with ``shm=None`` (default) a client whose endpoint is
+``ipc://`` or loopback moves block bytes through shared-memory segments
+(``mooncake.tiers.shm``) for requests of at least ``shm_min_bytes``; the
+socket path is used otherwise, and for good if the server cannot attach.
+
+Tensors returned by ``get`` over the socket are read-only views of the received
+frames (no copy); over shared memory they are fresh copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Sequence
+
+import torch
+import zmq
+import zmq.asyncio
+
+from ..blocks import BlockHash
+from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put, Release, Remove,
+                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
+from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
+
+MiB = 1 << 20
+
+
+class StoreError(RuntimeError):
+    """The store answered with an error (``code`` says which kind)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StoreUnavailable(StoreError):
+    """No answer within the timeout (store down or overloaded), or the client is closed."""
+
+
+def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(blocks, torch.Tensor):
+        return list(blocks.unbind(0))
+    return list(blocks)
+
+
+class StoreClient:
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, shm: bool | None = None,
+                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.shm = (is_local_endpoint(endpoint) and shm_available()) if shm is None else shm
+        self.shm_min_bytes = shm_min_bytes
+        self.shm_max_bytes = shm_max_bytes
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._pending: dict[bytes, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._free_segs: list[ShmSegment] = []
+        self._all_segs: list[ShmSegment] = []
+        self._get_hint = 64 * MiB
+        self._closed = False
+
+    # ---------------------------------------------------------------- transport
+
+    def _ensure(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise StoreUnavailable("client is closed")
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)
+            self._sock.connect(self.endpoint)
+            self._reader = asyncio.create_task(self._read())
+        return self._sock
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            fut = self._pending.pop(frames[0].bytes, None)
+            if fut is None or fut.done():
+                continue  # a reply that came after its timeout
+            try:
+                fut.set_result(decode(frames[1:]))
+            except ProtocolError as e:
+                fut.set_exception(StoreError(f"malformed reply: {e}", "bad_reply"))
+
+    async def _call(self, msg: Msg, tensors: Sequence[torch.Tensor] = ()) -> tuple[Msg, list[torch.Tensor]]:
+        sock = self._ensure()
+        rid = next(self._ids).to_bytes(8, "little")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        frames = encode(msg, tensors)
+
+        async def roundtrip() -> tuple[Msg, list[torch.Tensor]]:
+            await sock.send_multipart([rid, *frames], copy=False)
+            return await fut
+
+        try:
+            reply, out = await asyncio.wait_for(roundtrip(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(f"store {self.endpoint} did not answer {type(msg).__name__} "
+                                   f"within {self.timeout_s}s") from None
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, Error):
+            raise StoreError(reply.message, reply.code)
+        return reply, out
+
+    async def _ok(self, msg: Msg, tensors: Sequence[torch.Tensor] = ()) -> Ok:
+        reply, _ = await self._call(msg, tensors)
+        if not isinstance(reply, Ok):
+            raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
+        return reply
+
+    # ---------------------------------------------------------------- shared memory
+
+    def _take_segment(self, nbytes: int) -> ShmSegment | None:
+        for i, seg in enumerate(self._free_segs):
+            if seg.size >= nbytes:
+                return self._free_segs.pop(i)
+        held = sum(s.size for s in self._all_segs)
+        if held + nbytes > self.shm_max_bytes:
+            return None
+        size = max(nbytes, 16 * MiB)
+        seg = ShmSegment(size=1 << (size - 1).bit_length(), create=True)
+        self._all_segs.append(seg)
+        return seg
+
+    def _shm_failed(self, e: StoreError) -> bool:
+        if "shm_unavailable" not in str(e):
+            return False
+        self.shm = False  # the server cannot see our segments: socket from now on
+        return True
+
+    async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str) -> int | None:
+        sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
+        seg = self._take_segment(sum(sizes))
+        if seg is None:
+            return None
+        try:
+            refs, off = [], 0
+            for b, n in zip(blocks, sizes):
+                refs.append(ShmRef(off, seg.write(off, b.detach())))
+                off += n
+            try:
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id))).count
+            except StoreError as e:
+                if self._shm_failed(e):
+                    return None
+                raise
+        finally:
+            self._free_segs.append(seg)
+
+    async def _shm_get(self, hashes: list[bytes], prefix: bool, lease_s: float):
+        seg = self._take_segment(self._get_hint)
+        if seg is None:
+            return None
+        try:
+            try:
+                reply, frames = await self._call(ShmGet(hashes, seg.name, seg.size, prefix, lease_s))
+            except StoreError as e:
+                if self._shm_failed(e):
+                    return None
+                raise
+            if not isinstance(reply, ShmBlocks):
+                raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
+            out = [seg.view(r.offset, r.spec).clone() for r in reply.blocks] + frames
+            if frames:  # did not all fit: ask for a bigger segment next time
+                need = sum(aligned(t.numel() * t.element_size()) for t in out)
+                self._get_hint = min(max(self._get_hint, need), self.shm_max_bytes // 2)
+            return [BlockHash(h) for h in reply.hashes], out
+        finally:
+            self._free_segs.append(seg)
+
+    # ---------------------------------------------------------------- object API
+
+    async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                  model_id: str = "") -> int:
+        """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds."""
+        hs = [bytes(h) for h in hashes]
+        ts = _blocks_list(blocks)
+        if len(hs) != len(ts):
+            raise ValueError(f"{len(hs)} hashes for {len(ts)} blocks")
+        if not hs:
+            return 0
+        if self.shm and sum(t.numel() * t.element_size() for t in ts) >= self.shm_min_bytes:
+            n = await self._shm_put(hs, ts, model_id)
+            if n is not None:
+                return n
+        return (await self._ok(Put(hs, [], model_id), [t.detach() for t in ts])).count
+
+    async def get(self, hashes: Sequence[BlockHash], prefix: bool = True,
+                  lease_s: float = 0.0) -> tuple[list[BlockHash], list[torch.Tensor]]:
+        """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
+        hs = [bytes(h) for h in hashes]
+        if not hs:
+            return [], []
+        if self.shm:
+            got = await self._shm_get(hs, prefix, lease_s)
+            if got is not None:
+                return got
+        reply, tensors = await self._call(Get(hs, prefix, lease_s))
+        if not isinstance(reply, Blocks):
+            raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
+        return [BlockHash(h) for h in reply.hashes], tensors
+
+    async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
+
+    async def prefix(self, hashes: Sequence[BlockHash]) -> int:
+        return (await self._ok(PrefixQuery([bytes(h) for h in hashes]))).count
+
+    async def remove(self, hashes: Sequence[BlockHash]) -> int:
+        return (await self._ok(Remove([bytes(h) for h in hashes]))).count
+
+    async def release(self, hashes: Sequence[BlockHash]) -> None:
+        await self._ok(Release([bytes(h) for h in hashes]))
+
+    async def replicate(self, hashes: Sequence[BlockHash], target_endpoint: str) -> int:
+        """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""
+        return (await self._ok(Replicate([bytes(h) for h in hashes], target_endpoint))).count
+
+    async def stats(self) -> dict[str, Any]:
+        return dict((await self._ok(StatsQuery())).data)
+
+    def close(self) -> None:
+        self._closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(StoreUnavailable("client closed"))
+        self._pending.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
+        for seg in self._all_segs:
+            seg.close()
+        self._all_segs.clear()
+        self._free_segs.clear()

@@ -1,0 +1,273 @@
+"""StoreServer: the tiered store's object API on a ZeroMQ ROUTER socket (asyncio).
+
+Wire: a request is ``[request_id, *protocol frames]`` from a DEALER (the ROUTER
+sees the peer identity first); the reply is ``[request_id, *protocol frames]``
+back to that peer. ``request_id`` is opaque (<= 64 bytes) and echoed, so one
+client socket can have many requests in flight. Tensors are payload frames,
+sent and received without copies. Anything malformed or unknown is answered
+with ``Error`` and the server carries on.
+
+Every store operation that may copy or touch LMDB runs in a worker thread; the
+event loop only moves frames, so it keeps answering (``exists``/``prefix`` are
+answered on the loop from the key index). Run standalone::
+
+    python -m mooncake.tiers.server --endpoint tcp://127.0.0.1:0 --data-dir DIR
+
+prints ``READY <endpoint>`` once bound, and serves until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+import torch
+import zmq
+import zmq.asyncio
+
+from ..config import StoreConfig
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put,
+                        Release, Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode,
+                        encode)
+from .client import StoreClient, StoreError
+from .shm import SegmentCache, aligned
+from .tiered import TieredStore
+
+log = logging.getLogger(__name__)
+MAX_RID = 64
+
+
+class StoreServer:
+    def __init__(self, store: TieredStore, bind_endpoint: str,
+                 on_event: Callable[[BlockEvent], Any] | None = None, node_id: str = "",
+                 workers: int = 4) -> None:
+        self.store = store
+        self.bind_endpoint = bind_endpoint
+        self.on_event = on_event
+        self.node_id = node_id
+        self.endpoint = ""
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-io")
+        self._segments = SegmentCache()
+        self._peers: dict[str, StoreClient] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recv_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the actual endpoint (port 0 resolved)."""
+        self._loop = asyncio.get_running_loop()
+        self.store.on_event = self._store_event
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.bind(self.bind_endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._recv_task = asyncio.create_task(self._serve())
+        return self.endpoint
+
+    async def close(self) -> None:
+        if self._recv_task:
+            self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self._peers.values():
+            c.close()
+        self._peers.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
+        self._pool.shutdown(wait=True)
+        self._segments.close()
+
+    def stored_hashes(self) -> Iterable[tuple[bytes, str]]:
+        """(hash, tier) of every held block, for re-announcing after (re)registration."""
+        return self.store.stored()
+
+    def _store_event(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if self.on_event is None or self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._emit, BlockEvent(self.node_id, kind, tier, list(keys)))
+
+    def _emit(self, ev: BlockEvent) -> None:
+        try:
+            r = self.on_event(ev)  # type: ignore[misc]
+            if inspect.isawaitable(r):
+                self._spawn(r)
+        except Exception:
+            log.exception("on_event failed")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---------------------------------------------------------------- serving
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self._spawn(self._handle(frames))
+
+    async def _handle(self, frames: list) -> None:
+        ident = frames[0].bytes
+        rid = frames[1].bytes if len(frames) > 1 else b""
+        reply: list
+        try:
+            if len(frames) < 3 or len(rid) > MAX_RID:
+                raise ProtocolError("expected [request_id, message, payload...]")
+            msg, tensors = decode(frames[2:])
+            reply = await self._dispatch(msg, tensors)
+        except ProtocolError as e:
+            reply = encode(Error(str(e), "bad_request"))
+        except StoreError as e:
+            reply = encode(Error(str(e), "upstream"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or a bad value must not kill the server
+            log.exception("store request failed")
+            reply = encode(Error(f"{type(e).__name__}: {e}", "internal"))
+        try:
+            await self._sock.send_multipart([ident, rid[:MAX_RID], *reply], copy=False)
+        except zmq.ZMQError as e:
+            log.warning("reply not sent: %s", e)
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _dispatch(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
+        s = self.store
+        if isinstance(msg, Put):
+            if len(msg.hashes) != len(tensors):
+                raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
+            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id)))
+        if isinstance(msg, Get):
+            found = await self._run(s.get_many, msg.hashes, msg.prefix, msg.lease_s)
+            return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
+        if isinstance(msg, Exists):
+            return encode(Ok(flags=s.exists(msg.hashes)))
+        if isinstance(msg, PrefixQuery):
+            return encode(Ok(count=s.prefix_len(msg.hashes)))
+        if isinstance(msg, Remove):
+            return encode(Ok(count=await self._run(s.remove, msg.hashes)))
+        if isinstance(msg, Release):
+            await self._run(s.release, msg.hashes)
+            return encode(Ok())
+        if isinstance(msg, StatsQuery):
+            data = await self._run(s.snapshot)
+            data["node_id"] = self.node_id
+            return encode(Ok(data=data))
+        if isinstance(msg, Replicate):
+            return encode(Ok(count=await self._replicate(msg)))
+        if isinstance(msg, ShmPut):
+            return encode(Ok(count=await self._run(self._shm_put, msg)))
+        if isinstance(msg, ShmGet):
+            head, rest = await self._run(self._shm_get, msg)
+            return encode(head, rest)
+        raise ProtocolError(f"the store does not serve {type(msg).__name__}")
+
+    # ---------------------------------------------------------------- shm + replication
+
+    def _segment(self, name: str):
+        try:
+            return self._segments.get(name)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"shm_unavailable: {e}") from None
+
+    def _shm_put(self, msg: ShmPut) -> int:
+        if len(msg.hashes) != len(msg.blocks):
+            raise ProtocolError(f"{len(msg.hashes)} hashes for {len(msg.blocks)} blocks")
+        seg = self._segment(msg.segment)
+        try:
+            views = [seg.view(r.offset, r.spec) for r in msg.blocks]
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        return self.store.put_many(msg.hashes, views, msg.model_id)
+
+    def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
+        seg = self._segment(msg.segment)
+        found = self.store.get_many(msg.hashes, msg.prefix, msg.lease_s)
+        refs: list[ShmRef] = []
+        off, limit, n = 0, min(msg.size, seg.size), 0
+        for _, block in found:
+            nbytes = block.nbytes
+            if off + nbytes > limit:
+                break
+            refs.append(ShmRef(off, seg.write(off, block.tensor)))
+            off = aligned(off + nbytes)
+            n += 1
+        return ShmBlocks([k for k, _ in found], refs), [b.tensor for _, b in found[n:]]
+
+    async def _replicate(self, msg: Replicate) -> int:
+        found = await self._run(lambda: self.store.get_many(msg.hashes, count=False))
+        if not found:
+            return 0
+        peer = self._peers.get(msg.target)
+        if peer is None:
+            peer = self._peers[msg.target] = StoreClient(msg.target)
+        by_model: dict[str, list[tuple[bytes, torch.Tensor]]] = {}
+        for k, b in found:
+            by_model.setdefault(b.model_id, []).append((k, b.tensor))
+        n = 0
+        for model_id, items in by_model.items():
+            n += await peer.put([k for k, _ in items], [t for _, t in items], model_id)
+        return n
+
+
+# -------------------------------------------------------------------- standalone entry
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mooncake.tiers.server", description="Serve a tiered KV store.")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:0")
+    p.add_argument("--data-dir", default=StoreConfig().data_dir)
+    p.add_argument("--node-id", default="store", help="LMDB lives in DATA_DIR/NODE_ID")
+    p.add_argument("--device-bytes", type=int, default=0)
+    p.add_argument("--dram-bytes", type=int, default=StoreConfig().dram_bytes)
+    p.add_argument("--lmdb-bytes", type=int, default=StoreConfig().lmdb_bytes)
+    p.add_argument("--ssd-admission", choices=["on_demotion", "after_hits"], default="on_demotion")
+    p.add_argument("--ssd-admission-hits", type=int, default=1)
+    p.add_argument("--no-promote", action="store_true")
+    return p.parse_args(argv)
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    cfg = StoreConfig(device_bytes=args.device_bytes, dram_bytes=args.dram_bytes, lmdb_bytes=args.lmdb_bytes,
+                      data_dir=args.data_dir, ssd_admission=args.ssd_admission,
+                      ssd_admission_hits=args.ssd_admission_hits, promote_on_hit=not args.no_promote)
+    store = TieredStore.from_config(cfg, args.node_id)
+    server = StoreServer(store, args.endpoint, node_id=args.node_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    endpoint = await server.start()
+    print(f"READY {endpoint}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(_amain(_parse(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
