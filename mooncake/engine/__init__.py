@@ -1,0 +1,12 @@
+"""The engine: model loading, own Llama-family forward over a paged KV cache, sampling.
+
+Not thread-safe; see ``Engine``.
+"""
+
+from mooncake.engine.engine import Engine
+from mooncake.engine.errors import InvalidRequestError, ModelLoadError
+from mooncake.engine.loader import LoadedModel, default_model_path, load_model
+from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
+
+__all__ = ["load_model", "LoadedModel", "Engine", "Sequence", "PrefillStep", "StepOutput",
+           "ModelLoadError", "InvalidRequestError", "default_model_path"]

@@ -1,0 +1,303 @@
+"""The engine: paged KV cache + own forward + sampling, for prefill and decode roles.
+
+Not thread-safe: the roles call one Engine from a single worker thread. Compute
+is synchronous.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from mooncake.blocks import BlockHash, hash_blocks
+from mooncake.config import EngineConfig
+from mooncake.engine.errors import InvalidRequestError
+from mooncake.engine.kv_cache import BlockManager, allocate_pool
+from mooncake.engine.loader import LoadedModel
+from mooncake.engine.model import Batch, LlamaForward
+from mooncake.engine.sampler import make_generator, sample
+from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
+from mooncake.protocol import Sampling
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    gc = getattr(loaded.hf_model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), loaded.hf_model.config.eos_token_id,
+                getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+class Engine:
+    """One model on one device with a paged KV pool. Not thread-safe."""
+
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        config = loaded.hf_model.config
+        self.model_id = loaded.model_id
+        self.block_tokens = T = cfg.block_tokens
+        model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
+        self.model = LlamaForward(loaded.hf_model, self.max_model_len, T)
+        self.dtype, self.device = self.model.dtype, self.model.device
+        self.block_shape = self.model.block_shape
+        self.block_bytes = math.prod(self.block_shape) * torch.empty(0, dtype=self.dtype).element_size()
+        self.num_blocks = cfg.kv_cache_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError("kv_cache_bytes %d holds no block of %d bytes" % (cfg.kv_cache_bytes, self.block_bytes))
+        self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
+        self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
+        self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
+        self.eos_token_ids = _eos_ids(loaded)
+        self.vocab_size = int(self.model.embed.shape[0])
+        self.chunk_tokens = cfg.prefill_chunk_tokens
+        self.max_batch = cfg.max_batch
+        self._num_seqs = 0
+
+    # ------------------------------------------------------------ requests
+
+    def hashes(self, tokens: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+        return hash_blocks(tokens, self.block_tokens, self.model_id, cache_salt)
+
+    def validate(self, tokens: list[int], sampling: Sampling) -> None:
+        """Raise InvalidRequestError (user-facing message, ``param``) for a request we cannot serve."""
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(tokens) > self.max_model_len - 1:
+            raise InvalidRequestError(
+                "the prompt has %d tokens but the context limit is %d tokens (at most %d prompt "
+                "tokens, to leave room for one generated token)"
+                % (len(tokens), self.max_model_len, self.max_model_len - 1), "prompt")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise InvalidRequestError("prompt token ids must be in [0, %d)" % self.vocab_size, "prompt")
+        if sampling.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
+        if not sampling.temperature >= 0:
+            raise InvalidRequestError("temperature must be >= 0", "temperature")
+        if not 0 < sampling.top_p <= 1:
+            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        if sampling.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0 (0: disabled)", "top_k")
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> int:
+        return self.blocks.cached_prefix(hashes)
+
+    def add_sequence(self, req_id: str, tokens: list[int], sampling: Sampling,
+                     cache_salt: str | None = None, num_generated: int = 0) -> Sequence | None:
+        """Attach the longest cached prefix and allocate the prompt's other blocks; None if the
+        pool cannot hold it (nothing is leaked)."""
+        self.validate(tokens, sampling)
+        T = self.block_tokens
+        hashes = self.hashes(tokens, cache_salt)
+        n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T)
+        held = self.blocks.acquire(hashes[:n_hit])
+        new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
+        if new is None:
+            self.blocks.release(held)
+            return None
+        self._num_seqs += 1
+        return Sequence(req_id, list(tokens), sampling, cache_salt, n_hit * T, n_hit * T, num_generated,
+                        held + new, list(hashes[:n_hit]), generator=make_generator(sampling, self.device),
+                        prompt_hashes=hashes)
+
+    def add_decoding(self, req_id: str, tokens: list[int], kv: torch.Tensor, next_token: int,
+                     sampling: Sampling, num_generated: int, cache_salt: str | None = None) -> Sequence | None:
+        """A sequence whose KV for all of ``tokens`` is ``kv [n_blocks, *block_shape]``; it decodes
+        ``next_token`` next. Leading blocks already cached are shared instead of copied."""
+        self.validate(tokens, sampling)
+        T = self.block_tokens
+        n_blocks = -(-len(tokens) // T)
+        self._check_kv(kv, n_blocks)
+        hashes = self.hashes(tokens, cache_salt)
+        n_hit = self.blocks.cached_prefix(hashes)
+        held = self.blocks.acquire(hashes[:n_hit])
+        new = self.blocks.allocate(n_blocks - n_hit)
+        if new is None:
+            self.blocks.release(held)
+            return None
+        if new:
+            idx = torch.tensor(new, device=self.device)
+            self.pool.index_copy_(0, idx, kv[n_hit:n_blocks].to(self.device, self.dtype))
+        self.blocks.register(new[: len(hashes) - n_hit], hashes[n_hit:])
+        self._num_seqs += 1
+        return Sequence(req_id, list(tokens) + [next_token], sampling, cache_salt, n_hit * T, len(tokens),
+                        num_generated, held + new, list(hashes),
+                        generator=make_generator(sampling, self.device), prompt_hashes=hashes, prefilled=True)
+
+    def free(self, seq: Sequence) -> None:
+        """Hashed full blocks stay cached (LRU); the rest return to the pool. Idempotent."""
+        if seq.freed:
+            return
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.freed = True
+        self._num_seqs -= 1
+
+    # ------------------------------------------------------------ compute
+
+    def prefill(self, seq: Sequence) -> PrefillStep:
+        """Compute the next chunk of the prompt; sample the first token after the last one."""
+        if seq.prefilled or seq.freed:
+            raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
+        start, n = seq.num_computed, len(seq.tokens)
+        end = min(n, start + self.chunk_tokens)
+        logits = self.model.forward(self.pool, self._prefill_batch(seq, start, end, end == n))
+        seq.num_computed = end
+        full = self._register_full(seq, start, end)
+        if end < n:
+            return PrefillStep(full, False)
+        seq.prefilled = True
+        assert logits is not None
+        token = sample(logits, [seq.sampling], [seq.generator])[0]
+        return PrefillStep(full, True, token, self._append(seq, token), logits[0])
+
+    def decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """One token for each sequence, batched (``max_batch`` at a time). A sequence that cannot
+        get a block for its next position gets token None and is left intact."""
+        out: dict[int, StepOutput] = {}
+        ready: list[Sequence] = []
+        T = self.block_tokens
+        for s in seqs:
+            if s.finished or s.freed or not s.prefilled:
+                out[id(s)] = StepOutput(s, None, s.finished)
+                continue
+            if s.num_computed // T >= len(s.block_table):
+                got = self.blocks.allocate(1)
+                if got is None:
+                    out[id(s)] = StepOutput(s, None, "")
+                    continue
+                s.block_table.extend(got)
+            ready.append(s)
+        for i in range(0, len(ready), self.max_batch):
+            part = ready[i: i + self.max_batch]
+            logits = self.model.forward(self.pool, self._decode_batch(part))
+            assert logits is not None
+            tokens = sample(logits, [s.sampling for s in part], [s.generator for s in part])
+            for s, tok in zip(part, tokens):
+                s.num_computed += 1
+                if s.num_computed % T == 0:
+                    self._register_full(s, s.num_computed - 1, s.num_computed)
+                out[id(s)] = StepOutput(s, tok, self._append(s, tok))
+        return [out[id(s)] for s in seqs]
+
+    def _append(self, seq: Sequence, token: int) -> str:
+        seq.tokens.append(token)
+        seq.num_generated += 1
+        s = seq.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+            seq.finished = "stop"
+        elif seq.num_generated >= s.max_tokens or len(seq.tokens) >= self.max_model_len:
+            seq.finished = "length"
+        return seq.finished
+
+    def _register_full(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Key the blocks that became full while computing positions [start, end)."""
+        T = self.block_tokens
+        idx = list(range(start // T, end // T))
+        if not idx:
+            return idx
+        if len(seq.prompt_hashes) < idx[-1] + 1:
+            seq.prompt_hashes = self.hashes(seq.tokens[: (idx[-1] + 1) * T], seq.cache_salt)
+        hs = [seq.prompt_hashes[j] for j in idx]
+        seq.block_hashes.extend(hs)
+        self.blocks.register([seq.block_table[j] for j in idx], hs)
+        return idx
+
+    # ------------------------------------------------------------ batches
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _prefill_batch(self, seq: Sequence, start: int, end: int, logits: bool) -> Batch:
+        T, S = self.block_tokens, end - start
+        table = seq.block_table
+        pos = range(start, end)
+        cols = self._tensor(list(pos))
+        mb = -(-start // T)
+        mask = None
+        if start:
+            mask = (torch.arange(end, device=self.device)[None, :] <= cols[:, None])[None, None]
+        return Batch(
+            ids=self._tensor(seq.tokens[start:end]), positions=cols, B=1, S=S,
+            past_table=self._tensor(table[:mb])[None] if mb else None, key_len=end,
+            row=torch.zeros(S, dtype=torch.long, device=self.device), col=cols,
+            slot_block=self._tensor([table[p // T] for p in pos]),
+            slot_offset=self._tensor([p % T for p in pos]),
+            mask=mask, causal=start == 0 and S > 1,
+            logit_rows=self._tensor([S - 1]) if logits else None, col0=start)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> Batch:
+        T, B = self.block_tokens, len(seqs)
+        ctx = [s.num_computed for s in seqs]
+        mb = -(-max(ctx) // T)
+        rows = [s.block_table[: -(-c // T)] for s, c in zip(seqs, ctx)]
+        cols = self._tensor(ctx)
+        key_len = max(ctx) + 1
+        mask = None
+        if B > 1:
+            mask = (torch.arange(key_len, device=self.device)[None, :] <= cols[:, None])[:, None, None]
+        return Batch(
+            ids=self._tensor([s.tokens[-1] for s in seqs]), positions=cols, B=B, S=1,
+            past_table=self._tensor([r + [0] * (mb - len(r)) for r in rows]) if mb else None,
+            key_len=key_len, row=torch.arange(B, device=self.device), col=cols,
+            slot_block=self._tensor([s.block_table[c // T] for s, c in zip(seqs, ctx)]),
+            slot_offset=self._tensor([c % T for c in ctx]),
+            mask=mask, causal=False, logit_rows=torch.arange(B, device=self.device), col0=ctx[0])
+
+    # ------------------------------------------------------------ KV transfer
+
+    def _check_kv(self, kv: torch.Tensor, n: int) -> None:
+        if kv.dim() != len(self.block_shape) + 1 or tuple(kv.shape[1:]) != self.block_shape or kv.shape[0] < n:
+            raise ValueError("kv has shape %s; expected [>=%d, %s]" % (tuple(kv.shape), n, self.block_shape))
+
+    def export_blocks(self, hashes: list[BlockHash]) -> torch.Tensor:
+        """``[n, *block_shape]``: the leading blocks of ``hashes`` present in the device cache."""
+        blocks = [self.blocks.cached[h] for h in hashes[: self.blocks.cached_prefix(hashes)]]
+        self.blocks.touch(blocks)
+        return self.pool[self._tensor(blocks)]
+
+    def import_blocks(self, hashes: list[BlockHash], kv: torch.Tensor) -> int:
+        """Store blocks as unreferenced cached blocks; already present ones count as stored.
+        Stops at the first block that finds no free or evictable slot; returns how many."""
+        self._check_kv(kv, len(hashes))
+        held: list[int] = []
+        new: list[int] = []
+        new_hashes: list[BlockHash] = []
+        src: list[int] = []
+        for i, h in enumerate(hashes):
+            if h in self.blocks.cached:
+                held.extend(self.blocks.acquire([h]))
+                continue
+            got = self.blocks.allocate(1)
+            if got is None:
+                break
+            held.extend(got)
+            new.extend(got)
+            new_hashes.append(h)
+            src.append(i)
+        if new:
+            rows = kv[torch.tensor(src, device=kv.device)].to(self.device, self.dtype)
+            self.pool.index_copy_(0, self._tensor(new), rows)
+            self.blocks.register(new, new_hashes)
+        self.blocks.release(held)
+        return len(held)
+
+    def export_sequence(self, seq: Sequence, first_block: int = 0, last_block: int | None = None) -> torch.Tensor:
+        """``[n, *block_shape]``: the sequence's computed blocks ``[first_block, last_block)``,
+        the partial tail included."""
+        end = -(-seq.num_computed // self.block_tokens) if last_block is None else last_block
+        return self.pool[self._tensor(seq.block_table[first_block:end])]
+
+    def stats(self) -> dict:
+        """cached_blocks: unreferenced, evictable cached blocks; used_blocks: referenced ones
+        (free + cached + used == num_blocks); prefix_blocks: all keyed blocks."""
+        return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
+                "cached_blocks": len(self.blocks.lru), "used_blocks": self.blocks.num_referenced(),
+                "prefix_blocks": len(self.blocks.cached), "sequences": self._num_seqs}

@@ -1,0 +1,144 @@
+"""Paged KV cache bookkeeping: reference-counted blocks and the device prefix cache.
+
+The pool tensor is ``[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]``
+(one block = ``pool[i]``, index 0 = K after RoPE, 1 = V). ``BlockManager`` knows
+nothing of tensors: it owns which block holds what.
+
+Every block is in exactly one of three states:
+
+- free: holds nothing (``free`` deque),
+- cached: holds a full block keyed by its chained hash, referenced by nobody;
+  evictable, kept in LRU order (``lru`` OrderedDict, oldest first: O(1) touch/evict),
+- referenced: ``ref[b] > 0`` (a sequence or an in-flight import uses it); it may
+  also be keyed in the prefix cache.
+
+Invariant: ``len(free) + len(lru) + #referenced == num_blocks``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Callable
+
+import torch
+
+from mooncake.blocks import BlockHash
+
+BlockEventFn = Callable[[str, list[BlockHash]], None]
+
+
+def allocate_pool(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Zeroed so that padding reads in attention are finite (masked to weight 0)."""
+    return torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, on_event: Callable[[], BlockEventFn | None] = lambda: None) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.hash_of: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
+        self.free: deque[int] = deque(range(num_blocks))
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self._on_event = on_event
+
+    # ------------------------------------------------------------ queries
+
+    def num_available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def num_referenced(self) -> int:
+        return self.num_blocks - self.num_available()
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def lookup(self, h: BlockHash) -> int | None:
+        return self.cached.get(h)
+
+    # ------------------------------------------------------------ changes
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks with ref 1, evicting least recently used cached blocks; None if impossible."""
+        if n > self.num_available():
+            return None
+        out: list[int] = []
+        evicted: list[BlockHash] = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.popleft()
+            else:
+                b, _ = self.lru.popitem(last=False)
+                h = self.hash_of[b]
+                assert h is not None
+                del self.cached[h]
+                self.hash_of[b] = None
+                evicted.append(h)
+            self.ref[b] = 1
+            out.append(b)
+        if evicted:
+            self._emit("removed", evicted)
+        return out
+
+    def acquire(self, hashes: list[BlockHash]) -> list[int]:
+        """Take a reference on the cached blocks of ``hashes`` (all must be present)."""
+        blocks = [self.cached[h] for h in hashes]
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.lru[b]
+            self.ref[b] += 1
+        return blocks
+
+    def register(self, blocks: list[int], hashes: list[BlockHash]) -> int:
+        """Key referenced, full blocks in the prefix cache; one "stored" event. A hash already
+        cached elsewhere leaves its block unkeyed (it returns to the free list when released).
+        Returns how many were keyed."""
+        stored: list[BlockHash] = []
+        for b, h in zip(blocks, hashes):
+            if h in self.cached or self.hash_of[b] is not None:
+                continue
+            self.cached[h] = b
+            self.hash_of[b] = h
+            stored.append(h)
+        if stored:
+            self._emit("stored", stored)
+        return len(stored)
+
+    def touch(self, blocks: list[int]) -> None:
+        """Mark unreferenced cached blocks as most recently used."""
+        for b in blocks:
+            if b in self.lru:
+                self.lru.move_to_end(b)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference on each; in reverse, so a chain's leading blocks are evicted last."""
+        for b in reversed(blocks):
+            r = self.ref[b]
+            if r <= 0:
+                raise RuntimeError("block %d released more often than referenced" % b)
+            self.ref[b] = r - 1
+            if r == 1:
+                if self.hash_of[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.free.append(b)
+
+    def check(self) -> None:
+        """Assert the accounting invariant (tests)."""
+        referenced = sum(1 for r in self.ref if r > 0)
+        assert len(self.free) + len(self.lru) + referenced == self.num_blocks
+        assert all(self.ref[b] == 0 and self.hash_of[b] is None for b in self.free)
+        assert all(self.ref[b] == 0 and self.hash_of[b] is not None for b in self.lru)
+        assert all(self.hash_of[b] == h for h, b in self.cached.items())
+        assert len(set(self.free)) == len(self.free) and not set(self.free) & set(self.lru)
+
+    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
+        fn = self._on_event()
+        if fn is not None:
+            fn(kind, hashes)

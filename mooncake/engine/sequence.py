@@ -1,0 +1,56 @@
+"""Per-request engine state and the results of prefill / decode steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mooncake.blocks import BlockHash
+from mooncake.protocol import Sampling
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the engine. ``tokens`` grows by one per generated token.
+
+    ``num_computed`` tokens have their KV in the pool (the last token of
+    ``tokens`` is fed next); ``block_table`` lists the pool blocks holding
+    positions ``[i*T, (i+1)*T)``; ``block_hashes`` are the chained hashes of its
+    full blocks (with its ``cache_salt``).
+    """
+
+    req_id: str
+    tokens: list[int]
+    sampling: Sampling
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    num_computed: int = 0
+    num_generated: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    finished: str = ""  # "" | "stop" | "length"
+    generator: torch.Generator | None = None
+    prompt_hashes: list[BlockHash] = field(default_factory=list)  # full blocks of the prompt
+    prefilled: bool = False
+    freed: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class PrefillStep:
+    new_full_blocks: list[int]  # block indices within the sequence that became full in this chunk
+    done: bool
+    token: int | None = None  # sampled after the last chunk
+    finished: str = ""  # "" | "stop" | "length"
+    logits: torch.Tensor | None = None  # last-position logits when done
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token: int | None  # None: no block for this step (sequence intact) or already finished
+    finished: str = ""
