@@ -25,7 +25,7 @@ def run_labels(paths: list[Path], reports: list[Report]) -> list[str]:
     return labels
 
 
-def _cdf(ax, values_ms: list[float], label: str) -> None:
+def _cdf(ax, values_ms: list[float], label: str, color: str) -> None:
     if not values_ms:
         return
     xs = np.sort(np.asarray(values_ms))
@@ -51,10 +51,10 @@ def plot_reports(paths: list[str | Path], out_dir: str | Path) -> list[Path]:
 
     for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for rep, label in zip(reports, labels):
-            key = "ttft_s" if metric == "ttft" else "tpot_s"
+        key = "ttft_s" if metric == "ttft" else "tpot_s"
+        for i, (rep, label) in enumerate(zip(reports, labels)):
             _cdf(ax, [getattr(r, key) * 1000 for r in rep.records if r.ok and getattr(r, key) is not None],
-                 label)
+                 label, f"C{i % 10}")
         ax.set(xlabel=f"{metric.upper()} (ms)", ylabel="fraction of requests", title=f"{title} CDF",
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
@@ -62,15 +62,16 @@ def plot_reports(paths: list[str | Path], out_dir: str | Path) -> list[Path]:
         written.append(_save(fig, out / f"{metric}_cdf.png"))
 
     fig, (ax_t, ax_e) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
-    for rep, label in zip(reports, labels):
+    for i, (rep, label) in enumerate(zip(reports, labels)):
+        color = f"C{i % 10}"  # one colour per run in both panels
         done = [r for r in rep.records if r.ok and r.ttft_s is not None and r.e2e_s is not None]
         starts = [r.start_s for r in done]
-        ax_t.scatter(starts, [r.ttft_s * 1000 for r in done], s=8, alpha=0.6, label=label)
-        ax_e.scatter(starts, [r.e2e_s * 1000 for r in done], s=8, alpha=0.6, label=label)
+        ax_t.scatter(starts, [r.ttft_s * 1000 for r in done], s=8, alpha=0.6, color=color, label=label)
+        ax_e.scatter(starts, [r.e2e_s * 1000 for r in done], s=8, alpha=0.6, color=color, label=label)
         failed = [r for r in rep.records if not r.ok]
         if failed:
-            ax_t.scatter([r.start_s for r in failed], [0] * len(failed), marker="x", s=14,
-                         label=f"{label}: failed/429")
+            ax_t.scatter([r.start_s for r in failed], [0] * len(failed), marker="x", s=14, color=color,
+                         label=f"{label}: failed/429 (at 0)")
     ax_t.set(ylabel="TTFT (ms)", title="Latency over time (by request send time)")
     ax_e.set(xlabel="time since start (s)", ylabel="end-to-end latency (ms)")
     for ax in (ax_t, ax_e):
@@ -82,8 +83,11 @@ def plot_reports(paths: list[str | Path], out_dir: str | Path) -> list[Path]:
               ("goodput", "goodput (req/s)"), ("prefix_hit_rate", "prefix hit rate"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
     for ax, (key, title) in zip(axes, panels):
-        values = [rep.summary.get(key) or 0.0 for rep in reports]
-        ax.bar(range(len(reports)), values, color=[f"C{i % 10}" for i in range(len(reports))])
+        raw = [rep.summary.get(key) for rep in reports]
+        ax.bar(range(len(reports)), [v or 0.0 for v in raw], color=[f"C{i % 10}" for i in range(len(reports))])
+        for i, v in enumerate(raw):
+            if v is None:  # not measured (no SLOs given / no cache usage reported), not zero
+                ax.annotate("n/a", (i, 0), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(reports)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)

@@ -22,6 +22,7 @@ class ProgressBar:
         self.done = self.ok = self.rejected = self.errors = 0
         self._start = time.perf_counter()
         self._last_draw = 0.0
+        self._drawn_done = -1
 
     def update(self, record: RequestRecord) -> None:
         self.done += 1
@@ -44,12 +45,14 @@ class ProgressBar:
                 f"err {self.errors} {elapsed:.1f}s")
 
     def draw(self) -> None:
+        self._drawn_done = self.done
         if self.enabled:
             self.stream.write("\r" + self.render())
             self.stream.flush()
 
     def close(self) -> None:
         if self.enabled:
-            self.draw()
+            if self._drawn_done != self.done:
+                self.draw()
             self.stream.write("\n")
             self.stream.flush()
