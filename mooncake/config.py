@@ -111,3 +111,16 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
         )
         raise ConfigError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
+
+
+def dump_toml(cfg: Config) -> str:
+    """The config as TOML (every key, so the file documents the values in force)."""
+    import json
+
+    lines: list[str] = []
+    for section, model in cfg:
+        lines.append(f"[{section}]")
+        for key, value in model:
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)

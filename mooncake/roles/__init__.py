@@ -1,0 +1,1 @@
+"""One module per role: conductor, prefill, decode, store; plus dev mode."""

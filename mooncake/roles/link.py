@@ -1,0 +1,118 @@
+"""A worker role's connection to the conductor: handshake, heartbeats, messages.
+
+One DEALER socket. ``connect`` registers and waits for the conductor's answer
+(with a timeout); a background task heartbeats with the role's current load. If
+the conductor answers a heartbeat with ``Reregister`` (it restarted and lost its
+state) the link registers again and calls ``on_registered`` so that the role can
+re-announce what it holds (a store's blocks, for instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+import torch
+import zmq
+import zmq.asyncio
+
+from mooncake import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class HandshakeError(RuntimeError):
+    """The conductor did not answer the registration in time."""
+
+
+class ConductorLink:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        register: P.Register,
+        load: Callable[[], dict[str, Any]] = dict,
+        on_registered: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.register_msg = register
+        self.load = load
+        self.on_registered = on_registered
+        self.heartbeat_s = 1.0
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, register.node_id.encode())
+        self.sock.connect(endpoint)
+        self._send_lock = asyncio.Lock()
+        self._reregistering = False
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def node_id(self) -> str:
+        return self.register_msg.node_id
+
+    async def send(self, msg: P.Msg, tensors: list[torch.Tensor] | tuple = ()) -> None:
+        frames = P.encode(msg, tensors)
+        async with self._send_lock:
+            await self.sock.send_multipart(frames, copy=False)
+
+    async def connect(self, timeout_s: float = 30.0) -> None:
+        """Register, retrying until the conductor answers or ``timeout_s`` passes."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            await self.send(self.register_msg)
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                frames = await asyncio.wait_for(self.sock.recv_multipart(), min(2.0, max(remaining, 0.01)))
+            except asyncio.TimeoutError:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise HandshakeError(f"conductor at {self.endpoint} did not answer within {timeout_s:.0f}s") from None
+                continue
+            msg, _ = P.decode(frames)
+            if isinstance(msg, P.Registered):
+                self.heartbeat_s = msg.heartbeat_s
+                log.info("%s registered with conductor %s", self.node_id, self.endpoint)
+                return
+            log.warning("ignoring %s before registration", type(msg).__name__)
+
+    def start_heartbeat(self) -> None:
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.send(P.Heartbeat(node_id=self.node_id, load=self.load()))
+            except Exception:  # a heartbeat that cannot be built must not stop the role
+                log.exception("heartbeat failed")
+
+    async def recv(self) -> tuple[P.Msg, list[torch.Tensor]]:
+        """Next message from the conductor; handles Registered/Reregister itself and
+        drops malformed frames with a log line."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg, tensors = P.decode(frames)
+            except P.ProtocolError as e:
+                log.warning("dropping malformed message from conductor: %s", e)
+                continue
+            if isinstance(msg, P.Reregister):
+                log.info("conductor asked %s to register again", self.node_id)
+                self._reregistering = True
+                await self.send(self.register_msg)
+                continue
+            if isinstance(msg, P.Registered):
+                # Answers to registrations queued before the conductor was up are ignored;
+                # after a re-registration the role re-announces what it holds.
+                self.heartbeat_s = msg.heartbeat_s
+                if self._reregistering and self.on_registered is not None:
+                    asyncio.create_task(self.on_registered())
+                self._reregistering = False
+                continue
+            return msg, tensors
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close(0)

@@ -1,0 +1,172 @@
+"""Prefill role: reuse the longest prefix, compute the rest in chunks, ship KV to decode.
+
+Per request: blocks already in this instance's device cache are attached; the
+conductor's fetch plan names stores holding the next blocks (local node first)
+and they are imported; the rest is computed chunk by chunk, and each chunk's
+full blocks are sent to the decode instance while later chunks compute. The
+first token goes to the conductor; newly computed full blocks are written to
+the node's store in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from mooncake import protocol as P
+from mooncake.blocks import BlockHash
+from mooncake.engine import Sequence
+from mooncake.roles.worker import EngineWorker
+from mooncake.tiers.client import StoreError
+
+log = logging.getLogger(__name__)
+SEND_TIMEOUT_S = 30.0
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.queue: asyncio.Queue[P.PrefillRequest] = asyncio.Queue()
+        self.aborted: set[str] = set()
+        self.current: str | None = None
+        self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
+
+    async def start(self) -> None:
+        self.publish_device_cache()
+        self._tasks.append(asyncio.create_task(self._work_loop()))
+        await self.serve({})
+
+    def load(self) -> dict[str, Any]:
+        return {**super().load(), "waiting": self.queue.qsize(), "running": int(self.current is not None)}
+
+    async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
+        if isinstance(msg, P.PrefillRequest):
+            self.aborted.discard(msg.req_id)
+            self.queue.put_nowait(msg)
+        elif isinstance(msg, P.Abort):
+            if msg.req_id == self.current or any(r.req_id == msg.req_id for r in self.queue._queue):  # type: ignore[attr-defined]
+                self.aborted.add(msg.req_id)
+        else:
+            log.warning("prefill ignores %s", type(msg).__name__)
+
+    async def _work_loop(self) -> None:
+        while True:
+            req = await self.queue.get()
+            if req.req_id in self.aborted:
+                self.aborted.discard(req.req_id)
+                continue
+            self.current = req.req_id
+            try:
+                await self._prefill(req)
+            except Exception as e:  # report, never die
+                log.exception("prefill of %s failed", req.req_id)
+                assert self.link is not None
+                await self.link.send(P.Failed(req.req_id, self.node_id, f"{type(e).__name__}: {e}"))
+            finally:
+                self.current = None
+                self.aborted.discard(req.req_id)
+
+    async def _fetch_prefix(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int) -> tuple[int, float]:
+        """Import the planned store blocks that follow the ``have`` cached ones; (count, seconds)."""
+        t0 = time.perf_counter()
+        got = 0
+        for plan in req.fetch:
+            start = max(plan.start, have + got)
+            if start >= plan.end:
+                continue
+            if start != have + got:
+                break  # a gap: the rest would not be a prefix
+            try:
+                found, blocks = await self.store(plan.endpoint).get(hashes[start:plan.end], prefix=True)
+            except StoreError as e:
+                log.warning("fetch from %s failed, recomputing instead: %s", plan.endpoint, e)
+                break
+            if found:
+                n = await self.run_engine(self.engine.import_blocks, found, torch.stack(blocks))
+                got += n
+                if n < plan.end - start:
+                    break
+            else:
+                break
+        return got, time.perf_counter() - t0
+
+    def _kv_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._kv_socks.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(endpoint)
+            self._kv_socks[endpoint] = sock
+        return sock
+
+    async def _ship(self, endpoint: str, msg: P.KVTransfer, kv: torch.Tensor) -> None:
+        frames = P.encode(msg, list(kv.unbind(0)))
+        await asyncio.wait_for(self._kv_socket(endpoint).send_multipart(frames, copy=False), SEND_TIMEOUT_S)
+
+    async def _prefill(self, req: P.PrefillRequest) -> None:
+        assert self.link is not None
+        eng = self.engine
+        t_start = time.perf_counter()
+        tokens = req.tokens + req.generated
+        salt = req.cache_salt or None
+        hashes = eng.hashes(tokens, salt)
+        have = await self.run_engine(eng.cached_prefix, hashes)
+        fetched, fetch_s = await self._fetch_prefix(req, hashes, have) if req.fetch else (0, 0.0)
+        seq: Sequence | None = await self.run_engine(
+            eng.add_sequence, req.req_id, tokens, req.sampling, salt, len(req.generated))
+        if seq is None:
+            await self.link.send(P.Failed(req.req_id, self.node_id, "prompt does not fit in the KV pool"))
+            return
+        try:
+            await self._compute_and_ship(req, seq, tokens, hashes, fetched, fetch_s, t_start)
+        finally:
+            await self.run_engine(eng.free, seq)
+
+    async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, tokens: list[int],
+                                hashes: list[BlockHash], fetched: int, fetch_s: float, t_start: float) -> None:
+        assert self.link is not None
+        eng = self.engine
+        cached = seq.num_cached_tokens
+        t_compute = time.perf_counter()
+        sent = 0
+        while True:
+            step = await self.run_engine(eng.prefill, seq)
+            if req.req_id in self.aborted:
+                return
+            full = seq.num_computed // eng.block_tokens
+            if step.done:
+                break
+            if full > sent:  # stream finished blocks while the next chunk computes
+                kv = await self.run_engine(eng.export_sequence, seq, sent, full)
+                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, []), kv)
+                sent = full
+        compute_s = time.perf_counter() - t_compute
+        token = int(step.token)  # type: ignore[arg-type]
+        if not step.finished:
+            kv = await self.run_engine(eng.export_sequence, seq, sent, None)
+            final = P.KVTransfer(req.req_id, sent, [], final=True, tokens=tokens, next_token=token,
+                                 sampling=req.sampling, num_generated=len(req.generated) + 1,
+                                 cache_salt=req.cache_salt, store_endpoint=req.store_endpoint)
+            await self._ship(req.decode_endpoint, final, kv)
+        await self.link.send(P.PrefillDone(
+            req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(tokens) - cached,
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=step.finished))
+        new_from = cached // eng.block_tokens
+        if req.store_endpoint and len(hashes) > new_from:
+            kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))
+            self.write_back(req.store_endpoint, hashes[new_from:], kv)
+        log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(tokens), cached,
+                  time.perf_counter() - t_start)
+
+    async def close(self) -> None:
+        for s in self._kv_socks.values():
+            s.close(0)
+        await super().close()

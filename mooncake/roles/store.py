@@ -1,0 +1,80 @@
+"""Store role: the tiered block store served over ZeroMQ, registered with the conductor.
+
+Its node id is stable (``<node name>-store`` unless configured), because the
+LMDB tier lives under it: a restarted store finds its blocks again and
+re-announces them to the conductor's index, as it does whenever the conductor
+asks it to register again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.config import Config
+from mooncake.roles.link import ConductorLink
+from mooncake.tiers.server import StoreServer
+from mooncake.tiers.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+ANNOUNCE_CHUNK = 4096
+
+
+async def run_store(cfg: Config) -> None:
+    node_id = cfg.node.node_id or f"{cfg.node.name}-store"
+    loop = asyncio.get_running_loop()
+    ctx = zmq.asyncio.Context()
+    store = TieredStore.from_config(cfg.store, node_id)
+    link: ConductorLink | None = None
+
+    async def on_event(event: P.BlockEvent) -> None:  # called on the event loop
+        if link is not None:
+            await link.send(event)
+
+    port = cfg.node.store_port
+    server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
+                         node_id=node_id)
+    endpoint = await server.start()
+
+    async def announce() -> None:
+        by_tier: dict[str, list[bytes]] = {}
+        for h, tier in server.stored_hashes():
+            by_tier.setdefault(tier, []).append(bytes(h))
+        for tier, hashes in by_tier.items():
+            for i in range(0, len(hashes), ANNOUNCE_CHUNK):
+                await link.send(P.BlockEvent(node_id, "stored", tier, hashes[i:i + ANNOUNCE_CHUNK]))
+        log.info("store %s announced %d blocks", node_id, sum(map(len, by_tier.values())))
+
+    def load() -> dict[str, Any]:
+        snap = store.snapshot(top_n=0)
+        return {"tiers": {t["name"]: t for t in snap["tiers"]}}
+
+    reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
+                     info={"node_name": cfg.node.name, "pid": os.getpid()})
+    link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce)
+    await link.connect(timeout_s=60)
+    await announce()
+    link.start_heartbeat()
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    drain = asyncio.create_task(_drain(link))
+    await stop.wait()
+    drain.cancel()
+    link.close()
+    await server.close()
+    ctx.term()
+
+
+async def _drain(link: ConductorLink) -> None:
+    """The conductor sends stores nothing but membership; keep the socket read."""
+    while True:
+        msg, _ = await link.recv()
+        log.warning("store ignores %s from the conductor", type(msg).__name__)

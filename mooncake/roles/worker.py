@@ -1,0 +1,141 @@
+"""What prefill and decode roles share: an engine on its own thread, the conductor
+link, device-cache events, store clients and the role's main loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import torch
+import zmq
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.config import Config
+from mooncake.engine import Engine, load_model
+from mooncake.roles.link import ConductorLink
+from mooncake.tiers.client import StoreClient, StoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def node_id_for(cfg: Config, role: str) -> str:
+    return cfg.node.node_id or f"{cfg.node.name}-{role}-{os.getpid()}"
+
+
+class EngineWorker(ABC):
+    """Base of the prefill and decode roles. Engine calls go through ``run_engine``:
+    one thread owns the engine, the event loop never computes."""
+
+    role = ""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.node_id = node_id_for(cfg, self.role)
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
+        self.loaded = load_model(cfg.model)
+        self.engine = Engine(self.loaded, cfg.engine)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.ctx = zmq.asyncio.Context()
+        self._stores: dict[str, StoreClient] = {}
+        self._pending_events: list[tuple[str, list[bytes]]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._writes: set[asyncio.Task] = set()
+        self.link: ConductorLink | None = None
+
+    async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def register_msg(self, endpoints: dict[str, str]) -> P.Register:
+        e = self.engine
+        info = {"model_id": e.model_id, "block_tokens": e.block_tokens, "max_model_len": e.max_model_len,
+                "vocab_size": int(self.loaded.hf_model.config.vocab_size), "num_blocks": e.num_blocks,
+                "block_bytes": e.block_bytes, "node_name": self.cfg.node.name, "pid": os.getpid()}
+        return P.Register(role=self.role, node_id=self.node_id, endpoints=endpoints, info=info)
+
+    def store(self, endpoint: str) -> StoreClient:
+        client = self._stores.get(endpoint)
+        if client is None:
+            client = self._stores[endpoint] = StoreClient(endpoint)
+        return client
+
+    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
+        """Put blocks into a store in the background; a failed write only costs reuse."""
+        async def put() -> None:
+            try:
+                await self.store(endpoint).put(hashes, kv, self.engine.model_id)
+            except StoreError as e:
+                log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
+
+        task = asyncio.create_task(put())
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def load(self) -> dict[str, Any]:
+        return {"free_blocks": self.engine.stats()["free_blocks"]}
+
+    # ---- device prefix cache events -> conductor (batched)
+
+    def publish_device_cache(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_event(kind: str, hashes: list) -> None:  # engine thread
+            loop.call_soon_threadsafe(self._pending_events.append, (kind, [bytes(h) for h in hashes]))
+
+        self.engine.on_block_event = on_event
+        self._tasks.append(asyncio.create_task(self._flush_events()))
+
+    async def _flush_events(self) -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            if not self._pending_events or self.link is None:
+                continue
+            events, self._pending_events = self._pending_events, []
+            for kind, hashes in events:
+                await self.link.send(P.BlockEvent(self.node_id, kind, "device", hashes))
+
+    # ---- main loop
+
+    async def serve(self, endpoints: dict[str, str]) -> None:
+        """Register with the conductor, then handle its messages until stopped."""
+        self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load)
+        await self.link.connect(timeout_s=60)
+        self.link.start_heartbeat()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        receiver = asyncio.create_task(self._receive())
+        await stop.wait()
+        receiver.cancel()
+        await self.close()
+
+    async def _receive(self) -> None:
+        assert self.link is not None
+        while True:
+            msg, tensors = await self.link.recv()
+            try:
+                await self.handle(msg, tensors)
+            except Exception:  # a bad message never kills the role
+                log.exception("error handling %s", type(msg).__name__)
+
+    @abstractmethod
+    async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
+        """A message from the conductor."""
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for c in self._stores.values():
+            c.close()
+        if self.link is not None:
+            self.link.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.ctx.term()

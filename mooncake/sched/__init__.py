@@ -1,0 +1,1 @@
+"""The conductor's planning side: KV index, cost models, policies, admission."""

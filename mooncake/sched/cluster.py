@@ -1,0 +1,70 @@
+"""The conductor's view of the cluster: registered nodes, liveness, assigned work."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Node:
+    node_id: str
+    role: str  # "prefill" | "decode" | "store"
+    name: str  # machine name: nodes with the same name are local to each other
+    ident: bytes  # ZeroMQ routing id on the conductor's ROUTER
+    endpoints: dict[str, str]
+    info: dict[str, Any]
+    last_seen: float
+    load: dict[str, Any] = field(default_factory=dict)
+    # prefill: request -> estimated seconds of work still queued or running
+    work: dict[str, float] = field(default_factory=dict)
+    # decode: request -> expected end time; ``ends`` is the same values kept sorted
+    assigned: dict[str, float] = field(default_factory=dict)
+    ends: list[float] = field(default_factory=list)
+
+    @property
+    def queue_s(self) -> float:
+        return sum(self.work.values())
+
+    def assign(self, req_id: str, expected_end: float) -> None:
+        self.assigned[req_id] = expected_end
+        bisect.insort(self.ends, expected_end)
+
+    def unassign(self, req_id: str) -> None:
+        end = self.assigned.pop(req_id, None)
+        if end is not None:
+            i = bisect.bisect_left(self.ends, end)
+            if i < len(self.ends) and self.ends[i] == end:
+                del self.ends[i]
+
+    def running_at(self, t: float) -> int:
+        """Assigned requests expected to still be decoding at time ``t``."""
+        return len(self.ends) - bisect.bisect_right(self.ends, t)
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+
+    def upsert(self, node_id: str, role: str, name: str, ident: bytes, endpoints: dict[str, str],
+               info: dict[str, Any], now: float) -> tuple[Node, bool]:
+        """Register (or re-register) a node; returns (node, is_new)."""
+        old = self.nodes.get(node_id)
+        node = Node(node_id, role, name, ident, dict(endpoints), dict(info), now)
+        if old is not None:  # keep the conductor's bookkeeping across a re-registration
+            node.work, node.assigned, node.ends = old.work, old.assigned, old.ends
+        self.nodes[node_id] = node
+        return node, old is None
+
+    def get(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def of_role(self, role: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def remove(self, node_id: str) -> Node | None:
+        return self.nodes.pop(node_id, None)
+
+    def silent_since(self, cutoff: float) -> list[Node]:
+        return [n for n in self.nodes.values() if n.last_seen < cutoff]
