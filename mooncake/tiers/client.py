@@ -74,11 +74,17 @@ class StoreClient:
         if self._closed:
             raise StoreUnavailable("client is closed")
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.IMMEDIATE, 1)
-            self._sock.connect(self.endpoint)
+            ctx = zmq.asyncio.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                ctx.term()
+                raise StoreUnavailable(f"cannot connect to {self.endpoint}: {e}") from None
+            self._ctx, self._sock = ctx, sock
             self._reader = asyncio.create_task(self._read())
         return self._sock
 

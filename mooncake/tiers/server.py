@@ -222,8 +222,13 @@ class StoreServer:
         for k, b in found:
             by_model.setdefault(b.model_id, []).append((k, b.tensor))
         n = 0
-        for model_id, items in by_model.items():
-            n += await peer.put([k for k, _ in items], [t for _, t in items], model_id)
+        try:
+            for model_id, items in by_model.items():
+                n += await peer.put([k for k, _ in items], [t for _, t in items], model_id)
+        except StoreError:
+            self._peers.pop(msg.target, None)
+            peer.close()
+            raise
         return n
 
 

@@ -1,0 +1,183 @@
+"""The store server in real subprocesses: round trips, robustness, persistence, replication."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from mooncake.protocol import Error, Get, Put, decode, encode
+from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+@contextmanager
+def store_process(data_dir: Path, *args: str, timeout: float = 60.0):
+    """A standalone store server on a free port; yields its endpoint; always torn down."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
+         "--data-dir", str(data_dir), *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not line or not line[0].startswith("READY "):
+            proc.kill()
+            raise RuntimeError(f"store did not start: {line} {proc.stderr.read()}")
+        yield line[0].split()[1]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def hashes(prefix: str, n: int) -> list[bytes]:
+    return [(prefix.encode() + i.to_bytes(4, "big")).ljust(32, b"\0") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with store_process(tmp_path_factory.mktemp("srv"), "--dram-bytes", str(256 * MiB),
+                       "--lmdb-bytes", str(64 * MiB)) as ep:
+        yield ep
+
+
+@pytest.mark.parametrize("shm", [False, True])
+async def test_concurrent_clients_round_trip_large_blocks(server, shm):
+    async def one(c: int) -> None:
+        client = StoreClient(server, shm=shm)
+        try:
+            hs = hashes(f"c{c}{shm}", 3)
+            blocks = torch.randn(3, 2, 2, 4, 64, 256)  # 3 x 1 MiB
+            assert await client.put(hs, blocks, model_id="m") == 3
+            got_h, got = await client.get(hs + hashes("missing", 1) + hs[:1], prefix=True)
+            assert got_h == hs
+            assert all(torch.equal(a, b) for a, b in zip(got, blocks.unbind(0)))
+            _, some = await client.get(hashes("missing", 1) + hs[1:2], prefix=False)
+            assert len(some) == 1 and torch.equal(some[0], blocks[1])
+        finally:
+            client.close()
+
+    await asyncio.gather(*(one(c) for c in range(4)))
+    client = StoreClient(server)
+    stats = await client.stats()
+    client.close()
+    assert stats["hits"] >= 16 and stats["tiers"][0]["used_bytes"] >= 12 * MiB
+
+
+async def test_object_api_exists_prefix_remove_release(server):
+    c = StoreClient(server)
+    try:
+        hs = hashes("api", 4)
+        await c.put(hs[:3], [torch.arange(8, dtype=torch.int32) + i for i in range(3)])
+        assert await c.exists(hs) == [True, True, True, False]
+        assert await c.prefix(hs) == 3
+        got_h, got = await c.get(hs, lease_s=5.0)
+        assert got_h == hs[:3] and got[2].dtype == torch.int32 and got[2][0] == 2
+        await c.release(hs[:3])
+        assert await c.remove(hs[1:2] + hs[3:]) == 1
+        assert await c.prefix(hs) == 1
+        stats = await c.stats()
+        assert stats["hot"] and {t["name"] for t in stats["tiers"]} == {"dram", "lmdb"}
+    finally:
+        c.close()
+
+
+async def test_malformed_and_unknown_messages_get_errors(server):
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server)
+    try:
+        bad = [
+            [b"r1", b"\xc1garbage"],  # not msgpack
+            [b"r2", b'\x81\xa1t\xa7nothing'],  # unknown tag
+            [b"r3", encode(Put([b"x"], []))[0]],  # declares no tensors, hash without a block
+            [b"r4", *encode(Get([b"x"]))[:1], b"extra frame"],
+            [b"r5"],  # no message at all
+            [b"r6", encode(Error("I am not a request"))[0]],
+        ]
+        for frames in bad:
+            await sock.send_multipart(frames)
+            reply = await asyncio.wait_for(sock.recv_multipart(), 10)
+            assert reply[0] == frames[0]
+            msg, _ = decode(reply[1:])
+            assert isinstance(msg, Error), frames
+        c = StoreClient(server)
+        try:
+            assert await c.prefix(hashes("nothing", 2)) == 0  # still serving
+        finally:
+            c.close()
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def test_client_times_out_instead_of_hanging():
+    c = StoreClient("tcp://127.0.0.1:9", timeout_s=0.3)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await c.exists([b"x" * 32])
+    finally:
+        c.close()
+    assert issubclass(StoreUnavailable, StoreError)
+
+
+async def test_persistence_across_restart(tmp_path):
+    hs = hashes("persist", 6)
+    blocks = torch.randn(6, 2, 2, 4, 32, 128).to(torch.bfloat16)  # 64 KiB each
+    args = ("--dram-bytes", str(128 * 1024), "--lmdb-bytes", str(16 * MiB))
+    with store_process(tmp_path, *args) as ep:
+        c = StoreClient(ep)
+        assert await c.put(hs, blocks, model_id="m") == 6  # most get demoted to LMDB
+        stats = await c.stats()
+        c.close()
+        assert stats["tiers"][1]["blocks"] >= 4
+    with store_process(tmp_path, *args) as ep:  # a new process on the same directory
+        c = StoreClient(ep)
+        try:
+            on_disk = (await c.stats())["tiers"][1]["blocks"]
+            assert on_disk == stats["tiers"][1]["blocks"]
+            got_h, got = await c.get(hs, prefix=False)
+            found = dict(zip(got_h, got))
+            assert len(found) == on_disk
+            for h, b in zip(hs, blocks.unbind(0)):
+                if h in found:
+                    assert found[h].dtype == torch.bfloat16 and torch.equal(found[h], b)
+        finally:
+            c.close()
+
+
+async def test_replication_between_two_stores(tmp_path):
+    with store_process(tmp_path / "a") as src, store_process(tmp_path / "b") as dst:
+        a, b = StoreClient(src), StoreClient(dst)
+        try:
+            hs = hashes("rep", 5)
+            blocks = torch.randn(5, 2, 2, 2, 16, 128)
+            await a.put(hs[:4], blocks[:4], model_id="mod")
+            assert await a.replicate(hs, dst) == 4
+            got_h, got = await b.get(hs, prefix=True)
+            assert got_h == hs[:4] and all(torch.equal(x, y) for x, y in zip(got, blocks[:4].unbind(0)))
+            with pytest.raises(StoreError):
+                await a.replicate(hs[:1], "bogus://nowhere")  # unusable target: an error reply, not a hang
+        finally:
+            a.close()
+            b.close()
