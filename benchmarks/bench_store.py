@@ -1,0 +1,221 @@
+"""Store throughput: raw memcpy and raw LMDB beside the tiers in-process and the store server
+from another process (socket and shared-memory paths). Medians of repeated runs, GB/s (1e9 B/s).
+
+    .venv/bin/python benchmarks/bench_store.py [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import lmdb
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mooncake.tiers.base import StoredBlock  # noqa: E402
+from mooncake.tiers.client import StoreClient  # noqa: E402
+from mooncake.tiers.device import DeviceTier  # noqa: E402
+from mooncake.tiers.dram import DramTier  # noqa: E402
+from mooncake.tiers.lmdb_tier import LmdbTier  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def blocks_for(size: int, total: int) -> list[torch.Tensor]:
+    n = max(2, total // size)
+    return [torch.randn(size // 4) for _ in range(n)]
+
+
+def median_gbps(fn: Callable[[], int], reps: int) -> float:
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        nbytes = fn()
+        rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "little", signed=True) * 4
+
+
+def bench_memcpy(blocks, reps):
+    dst = [torch.empty_like(b) for b in blocks]
+
+    def run():
+        for d, b in zip(dst, blocks):
+            d.copy_(b)
+        return sum(b.nbytes for b in blocks)
+    return median_gbps(run, reps)
+
+
+def bench_alloc_layout(blocks, reps, recycle):
+    tier = DramTier(4 * sum(b.nbytes for b in blocks), recycle=recycle)
+    state = {"i": 0}
+
+    def run():  # steady state: every put replaces (frees) an older block, as under eviction
+        for b in blocks:
+            tier.delete(key(state["i"] - len(blocks)))
+            tier.put(key(state["i"]), StoredBlock(b))
+            state["i"] += 1
+        return sum(b.nbytes for b in blocks)
+    run()
+    return median_gbps(run, reps)
+
+
+def bench_tier(tier, blocks, reps):
+    keys = [key(i) for i in range(len(blocks))]
+    total = sum(b.nbytes for b in blocks)
+    flush = getattr(tier, "flush", lambda: [])
+
+    def put():
+        for k, b in zip(keys, blocks):
+            tier.put(k, StoredBlock(b))
+        flush()
+        return total
+
+    dst = [torch.empty_like(b) for b in blocks]
+
+    def get():  # into the consumer's buffer (e.g. a KV pool), as a transfer would
+        for d, blk in zip(dst, tier.get_many(keys)):
+            d.copy_(blk.tensor)
+        return total
+    p = median_gbps(put, reps)
+    g = median_gbps(get, reps)
+    return p, g
+
+
+def bench_raw_lmdb(blocks, reps, path):
+    env = lmdb.open(path, map_size=4 * sum(b.nbytes for b in blocks) + 64 * MiB, sync=False, metasync=False)
+    keys = [key(i) for i in range(len(blocks))]
+    raws = [memoryview(b.numpy()).cast("B") for b in blocks]
+    total = sum(b.nbytes for b in blocks)
+
+    def put():
+        with env.begin(write=True) as txn:
+            for k, r in zip(keys, raws):
+                txn.put(k, r)
+        return total
+
+    dst = [torch.empty(b.nbytes, dtype=torch.uint8) for b in blocks]
+
+    def get():
+        with env.begin(buffers=True) as txn:
+            for k, d in zip(keys, dst):
+                d.copy_(torch.frombuffer(txn.get(k), dtype=torch.uint8))
+        return total
+    import warnings
+    warnings.simplefilter("ignore", UserWarning)
+    p = median_gbps(put, reps)
+    g = median_gbps(get, reps)
+    env.close()
+    return p, g
+
+
+def start_server(data_dir: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
+                             "--data-dir", data_dir, "--dram-bytes", str(3 * GiB), "--lmdb-bytes", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    line: list[str] = []
+    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(60)
+    if not line or not line[0].startswith("READY"):
+        proc.kill()
+        raise RuntimeError("store server did not start")
+    return proc, line[0].split()[1]
+
+
+async def bench_remote(endpoint, blocks, reps, shm, per_request):
+    client = StoreClient(endpoint, timeout_s=60, shm=shm, shm_min_bytes=0)
+    keys = [key(i + (1 << 40) * shm) for i in range(len(blocks))]
+    total = sum(b.nbytes for b in blocks)
+    chunks = [(keys[i:i + per_request], blocks[i:i + per_request]) for i in range(0, len(blocks), per_request)]
+
+    async def put():
+        for ks, bs in chunks:
+            await client.put(ks, bs)
+        return total
+
+    async def get():
+        for ks, _ in chunks:
+            await client.get(ks)
+        return total
+
+    async def med(fn):
+        rates = []
+        await fn()  # warm-up: connections, segments
+        for _ in range(reps):
+            t = time.perf_counter()
+            n = await fn()
+            rates.append(n / (time.perf_counter() - t) / 1e9)
+        return statistics.median(rates)
+    try:
+        return await med(put), await med(get)
+    finally:
+        client.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller data, fewer repetitions")
+    ap.add_argument("--out", help="also write the markdown table here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # shared 2-core machine: OpenMP spinning across busy cores only adds noise
+    total = 32 * MiB if args.quick else 128 * MiB
+    reps = 3 if args.quick else 7
+    sizes = [256 * KiB, 1 * MiB, 8 * MiB]
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="bench-store-")
+    proc, endpoint = start_server(tmp)
+    try:
+        for size in sizes:
+            blocks = blocks_for(size, total)
+            tot = sum(b.nbytes for b in blocks)
+            r = {"size": f"{size // KiB} KiB"}
+            r["memcpy"] = bench_memcpy(blocks, reps)
+            r["dram fresh alloc put"] = bench_alloc_layout(blocks, reps, recycle=False)
+            r["dram recycled put"] = bench_alloc_layout(blocks, reps, recycle=True)
+            r["device put"], r["device get"] = bench_tier(DeviceTier(2 * tot), blocks, reps)
+            r["dram put"], r["dram get"] = bench_tier(DramTier(2 * tot), blocks, reps)
+            lt = LmdbTier(os.path.join(tmp, f"lmdb-{size}"), 2 * tot)
+            r["lmdb put"], r["lmdb get"] = bench_tier(lt, blocks, reps)
+            lt.close()
+            r["raw lmdb put"], r["raw lmdb get"] = bench_raw_lmdb(blocks, reps, os.path.join(tmp, f"raw-{size}"))
+            per_req = max(1, (8 * MiB) // size)
+            for shm in (False, True):
+                name = "shm" if shm else "socket"
+                r[f"{name} put"], r[f"{name} get"] = asyncio.run(bench_remote(endpoint, blocks, reps, shm, per_req))
+            rows.append(r)
+            print(r, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    cols = [c for c in rows[0] if c != "size"]
+    lines = [f"Block bytes moved per second, GB/s (1e9), median of {reps} runs over {total // MiB} MiB "
+             f"per size; remote = store server in another process on tcp://127.0.0.1, "
+             f"requests of 8 MiB.", "",
+             "| measure | " + " | ".join(r["size"] for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for c in cols:
+        lines.append(f"| {c} | " + " | ".join(f"{r[c]:.2f}" for r in rows) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
