@@ -113,14 +113,29 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
 
 
-def dump_toml(cfg: Config) -> str:
-    """The config as TOML (every key, so the file documents the values in force)."""
+def dump_toml(cfg: Config, comments: bool = False) -> str:
+    """The config as TOML, every key; with ``comments`` each key gets its description."""
     import json
 
     lines: list[str] = []
     for section, model in cfg:
         lines.append(f"[{section}]")
         for key, value in model:
+            if comments:
+                lines.append(f"# {type(model).model_fields[key].description}")
             lines.append(f"{key} = {json.dumps(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+EXAMPLE_HEADER = """\
+# mooncake configuration: every key, with its default.
+# One process per role and node:  mooncake serve --role conductor|prefill|decode|store --config FILE
+# Roles find the conductor at [conductor] endpoint; give each node its own [node] name and host.
+# Regenerate with: python -c "from mooncake.config import example_toml; print(example_toml(), end='')"
+
+"""
+
+
+def example_toml() -> str:
+    return EXAMPLE_HEADER + dump_toml(Config(), comments=True)

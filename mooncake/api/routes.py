@@ -39,6 +39,15 @@ def build_app(conductor: Conductor) -> FastAPI:
         ok = conductor.ready
         return JSONResponse({"status": "ok" if ok else "starting", "nodes": roles}, 200 if ok else 503)
 
+    @app.get("/cluster")
+    async def cluster() -> dict:
+        """Live nodes with their last reported load and the conductor's assignments."""
+        return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
+                "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "endpoints": n.endpoints,
+                           "load": n.load, "queued": len(n.work), "assigned": len(n.assigned),
+                           "blocks_indexed": conductor.index.blocks_of(n.node_id)}
+                          for n in conductor.cluster.nodes.values()]}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(conductor.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -46,7 +55,8 @@ def build_app(conductor: Conductor) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": conductor.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mooncake", "max_model_len": conductor.max_model_len}]}
+                                            "owned_by": "mooncake", "max_model_len": conductor.max_model_len,
+                                            "model_id": conductor.model_facts.get("model_id", "")}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:

@@ -79,7 +79,7 @@ class EngineWorker(ABC):
         task.add_done_callback(self._writes.discard)
 
     def load(self) -> dict[str, Any]:
-        return {"free_blocks": self.engine.stats()["free_blocks"]}
+        return dict(self.engine.stats())
 
     # ---- device prefix cache events -> conductor (batched)
 
