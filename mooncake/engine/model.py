@@ -95,7 +95,7 @@ class LlamaForward:
         mb = b.past_table.shape[1] if b.past_table is not None else 0
         ws = self._workspace(B, max(b.key_len, mb * T))
         if b.past_table is not None:
-            past = pool[b.past_table]  # [B, Mb, L, 2, Hkv, T, D]
+            past = pool.index_select(0, b.past_table.view(-1)).view(B, mb, *pool.shape[1:])
             ws[:, :, :, :, : mb * T].view(self.num_layers, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
         cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]

@@ -1,0 +1,23 @@
+"""Shared fixtures. Model fixtures are session-scoped: the model loads once per test run."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    """The default LoadedModel (bundled SmolLM2-135M-Instruct, converted once and cached)."""
+    from mooncake.config import ModelConfig
+    from mooncake.engine import load_model
+
+    return load_model(ModelConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def oracle_model(loaded_model):
+    """The transformers model read back from the converted HF directory, float32: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(loaded_model.model_dir, dtype=torch.float32).eval()

@@ -1,0 +1,91 @@
+"""Block manager and prefix cache accounting, without the model."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake.blocks import BlockHash
+from mooncake.engine.kv_cache import BlockManager
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "little"))
+
+
+def test_allocate_exhaustion_returns_none_and_leaks_nothing():
+    bm = BlockManager(4)
+    a = bm.allocate(3)
+    assert a is not None and len(a) == 3
+    assert bm.allocate(2) is None
+    assert bm.num_available() == 1
+    bm.release(a)
+    assert bm.num_available() == 4
+    bm.check()
+
+
+def test_cached_blocks_survive_release_and_evict_lru_first():
+    events = []
+    bm = BlockManager(3, lambda: lambda kind, hs: events.append((kind, hs)))
+    a = bm.allocate(3)
+    bm.register(a, [h(1), h(2), h(3)])
+    assert events == [("stored", [h(1), h(2), h(3)])]
+    bm.release(a)  # reversed: h(3) becomes the least recently used
+    assert bm.cached_prefix([h(1), h(2), h(3), h(4)]) == 3
+    got = bm.allocate(1)
+    assert got == [a[2]] and events[-1] == ("removed", [h(3)])
+    assert bm.cached_prefix([h(1), h(2), h(3)]) == 2
+    bm.check()
+
+
+def test_acquire_pins_against_eviction():
+    bm = BlockManager(2)
+    a = bm.allocate(2)
+    bm.register(a, [h(1), h(2)])
+    bm.release(a)
+    pinned = bm.acquire([h(1)])
+    assert bm.allocate(2) is None
+    assert bm.allocate(1) == [a[1]]
+    assert bm.lookup(h(1)) == pinned[0]
+    bm.check()
+
+
+def test_duplicate_hash_stays_unkeyed_and_returns_to_free():
+    bm = BlockManager(2)
+    a, b = bm.allocate(1), bm.allocate(1)
+    assert bm.register(a, [h(7)]) == 1
+    assert bm.register(b, [h(7)]) == 0
+    bm.release(b)
+    assert list(bm.free) == b
+    bm.check()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "release", "acquire"]),
+                          st.integers(0, 5), st.integers(0, 9)), max_size=60))
+def test_accounting_invariant_random_ops(ops):
+    bm = BlockManager(6)
+    owned: list[list[int]] = []  # each entry: blocks one holder references
+    for op, n, k in ops:
+        if op == "alloc":
+            got = bm.allocate(n)
+            if got is None:
+                assert n > bm.num_available()
+            else:
+                owned.append(got)
+        elif op == "register" and owned:
+            blocks = owned[k % len(owned)]
+            bm.register(blocks, [h(k * 10 + i) for i in range(len(blocks))])
+        elif op == "release" and owned:
+            bm.release(owned.pop(k % len(owned)))
+        elif op == "acquire":
+            hs = [h(k * 10 + i) for i in range(n)]
+            m = bm.cached_prefix(hs)
+            owned.append(bm.acquire(hs[:m]))
+        bm.check()
+        refs = sum(len(o) for o in owned)
+        assert sum(bm.ref) == refs
+    for o in owned:
+        bm.release(o)
+    bm.check()
+    assert bm.num_available() == bm.num_blocks
