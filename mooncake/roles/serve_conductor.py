@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 
 import uvicorn
 
@@ -24,6 +27,12 @@ async def run_conductor(cfg: Config) -> None:
     c = cfg.conductor
     server = uvicorn.Server(uvicorn.Config(build_app(conductor), host=c.host, port=c.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=5))
+    # We own SIGTERM/SIGINT (uvicorn would re-raise them after shutting down): stop accepting,
+    # let in-flight responses finish (up to timeout_graceful_shutdown), exit 0.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     log.info("conductor serving %s on http://%s:%d", name, c.host, c.port)
     try:
         await server.serve()

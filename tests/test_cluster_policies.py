@@ -1,0 +1,62 @@
+"""Policies on a real cluster: round_robin spreads a shared prefix; a tight TTFT SLO
+rejects part of a burst up front, before any compute, and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from clusters import MODEL, complete, metric, metrics, start_cluster
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("data"), prefill=2, decode=1, store=1,
+                      policy="round_robin", ttft_slo_ms=5000)
+    yield c
+    c.stop()
+
+
+def test_round_robin_does_not_follow_the_prefix(cluster):
+    prefix = list(range(9000, 9400))
+    before = metrics(cluster.url)
+    for i in range(4):
+        assert complete(cluster.url, prefix + [i + 1], max_tokens=2).status_code == 200
+    after = metrics(cluster.url)
+    per_instance = [metric(after, "mooncake:prefill_dispatched_total", instance=n)
+                    - metric(before, "mooncake:prefill_dispatched_total", instance=n)
+                    for n in ("node0-prefill", "node1-prefill")]
+    assert per_instance == [2, 2]
+
+
+def test_early_rejection_refuses_part_of_a_burst_before_compute(cluster):
+    # With two instances and a 5 s SLO, ~10 s of predicted prefill work is admitted and the
+    # rest refused, whatever one prefill costs on this machine (0.2-2.5 s keeps both non-empty).
+    before = metrics(cluster.url)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            bodies = [{"model": MODEL, "prompt": [1000 + i] + list(range(4000 + i * 7, 4000 + i * 7 + 1000)),
+                       "max_tokens": 4, "temperature": 0} for i in range(60)]
+            return await asyncio.gather(*(client.post(cluster.url + "/v1/completions", json=b) for b in bodies))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    rejected = [r for r in responses if r.status_code == 429]
+    admitted = [r for r in responses if r.status_code == 200]
+    assert rejected and admitted, codes
+    for r in rejected:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "ttft_slo"
+    for r in admitted:
+        assert r.json()["usage"]["completion_tokens"] == 4
+    after = metrics(cluster.url)
+    delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)  # noqa: E731
+    assert delta("mooncake:requests_rejected_total", reason="ttft_slo") == len(rejected)
+    # No compute was spent on a rejected request: only admitted ones reached a prefill instance.
+    assert delta("mooncake:prefill_dispatched_total") == len(admitted)
