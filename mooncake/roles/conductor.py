@@ -246,6 +246,15 @@ class Conductor:
                                         msg.endpoints, info, now)
         if restarted:  # a new process under the same id: what the old one held is gone
             self.index.drop_node(node.node_id)
+        if old is not None:  # requests planned on the old record: moved (restart) or re-pointed
+            for req in list(self.requests.values()):
+                if req.done or req.plan is None or old not in (req.plan.prefill, req.plan.decode):
+                    continue
+                if restarted:
+                    self._migrate(req, f"{msg.role} instance {msg.node_id} restarted")
+                else:
+                    req.plan.prefill = node if req.plan.prefill is old else req.plan.prefill
+                    req.plan.decode = node if req.plan.decode is old else req.plan.decode
         self.metrics.nodes.labels(msg.role).set(len(self.cluster.of_role(msg.role)))
         if new or restarted:
             log.info("%s %s registered%s", msg.role, msg.node_id, " (restarted)" if restarted else "")
