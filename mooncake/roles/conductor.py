@@ -280,10 +280,17 @@ class Conductor:
         req = self.requests.get(msg.req_id)
         if req is None or req.done or req.plan is None or req.plan.prefill is not node:
             return
+        block_bytes = int(node.info.get("block_bytes", 0))
+        bt = self.model_facts["block_tokens"]
+        n_tokens = len(req.tokens) + len(req.generated)
+        self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
+        if not msg.finished:
+            self.metrics.kv_bytes.labels("prefill_to_decode").inc(-(-n_tokens // bt) * block_bytes)
         if not req.generated:
             req.cached_tokens = msg.cached_tokens
             self.metrics.prefix_hits.inc(msg.cached_tokens)
             self.metrics.ttft.observe(now - req.arrived)
+            self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
             req.first_token_at = now
         req.last_token_at = now
         self._emit(req, [msg.first_token], msg.finished)
