@@ -1,0 +1,236 @@
+"""End to end: mooncake (cache-aware / cache-off / round-robin) vs `transformers serve`.
+
+Two workloads, each against every system in turn (one system up at a time):
+
+* trace: the first N requests of the Mooncake trace, hash blocks expanded to 16
+  tokens, prompts truncated to 1,500 tokens, outputs capped at 32, arrivals at
+  the trace's timestamps (scaled);
+* shared-prefix: groups of conversations sharing a long system prefix, 2 turns.
+
+Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
+
+* ``cache_aware``: mooncake's default policy, KV store on;
+* ``cache_off``:  ``conductor.use_store = false`` and a prefill device pool of
+  about one prompt (72 MiB), so prefixes are neither fetched from stores nor,
+  mostly, found in the prefill's own pool (the decode pool keeps its size);
+  the measured hit rate says how much reuse was left;
+* ``round_robin``: mooncake, ``conductor.policy = round_robin``, store on;
+* ``hf_serve``: ``transformers serve --continuous-batching`` on the same
+  converted model (text prompts: it does not take token-id prompts).
+
+    .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--out RESULTS.md]
+
+JSON reports go to --json-dir (default /tmp/mooncake-e2e).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from clusters import small_config  # noqa: E402
+
+from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceScaling,  # noqa: E402
+                            run_benchmark)
+from mooncake.config import MiB, ModelConfig  # noqa: E402
+from mooncake.engine.loader import resolve_model_dir  # noqa: E402
+from mooncake.roles.dev import DevCluster  # noqa: E402
+
+TRACE = "/work/shared/traces/synthetic_trace.jsonl"
+SLOS = {"ttft": 3000.0, "tpot": 300.0}
+SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve"]
+
+
+class RoleSizedCluster(DevCluster):
+    """DevCluster whose prefill instances get their own KV pool size."""
+
+    def __init__(self, *a, prefill_kv_bytes: int | None = None, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.prefill_kv_bytes = prefill_kv_bytes
+
+    def spawn(self, role: str, index: int = 0) -> subprocess.Popen:
+        if role != "prefill" or self.prefill_kv_bytes is None:
+            return super().spawn(role, index)
+        keep = self.cfg.engine.kv_cache_bytes
+        self.cfg.engine.kv_cache_bytes = self.prefill_kv_bytes
+        try:
+            return super().spawn(role, index)
+        finally:
+            self.cfg.engine.kv_cache_bytes = keep
+
+
+def start_mooncake(system: str) -> RoleSizedCluster:
+    cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
+    cfg.engine.kv_cache_bytes = 400 * MiB  # ~8,900 tokens per instance
+    kw = {}
+    if system == "cache_off":
+        cfg.conductor.use_store = False
+        kw["prefill_kv_bytes"] = 72 * MiB  # ~1,600 tokens: one prompt, not a library of prefixes
+    if system == "round_robin":
+        cfg.conductor.policy = "round_robin"
+    cluster = RoleSizedCluster(cfg, prefill=2, decode=1, store=1, **kw)
+    try:
+        cluster.start(timeout_s=300)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+class HFServe:
+    def __init__(self, model_dir: str, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        exe = Path(sys.executable).with_name("transformers")
+        self.cmd = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+                    "--port", str(port), model_dir]
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix="hf-serve-", suffix=".log", delete=False)
+
+    def start(self, timeout_s: float = 300) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited {self.proc.returncode}: "
+                                   f"{Path(self.log.name).read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError("transformers serve did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def workloads(quick: bool, model_dir: str) -> dict[str, dict]:
+    n_trace = 16 if quick else 40
+    trace = dict(workload="trace", trace_path=TRACE, max_requests=n_trace,
+                 scaling=TraceScaling(block_tokens=16, time_scale=1.5, max_input_tokens=1500,
+                                      max_output_tokens=32, max_requests=n_trace))
+    sp = SharedPrefixSpec(groups=2 if quick else 3, sessions_per_group=2 if quick else 4,
+                          prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16)
+    shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,
+                  arrival=ArrivalSpec(kind="poisson", rate=1.0, seed=0))
+    return {"trace": trace, "shared-prefix": shared}
+
+
+async def warm(url: str, model: str | None, text: bool) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        body = {"prompt": "hello there" if text else [1000, 1001, 1002], "max_tokens": 2}
+        if model:
+            body["model"] = model
+        r = await c.post("/v1/completions", json=body)
+        r.raise_for_status()
+
+
+def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    if system == "hf_serve":
+        from clusters import free_port
+        server = HFServe(model_dir, free_port())
+        server.start()
+        url, extra, model = server.url, {"prompt_mode": "text", "model": model_dir}, model_dir
+    else:
+        server = start_mooncake(system)
+        url, extra, model = server.url, {"ignore_eos": True}, None
+    print(f"[{system}] up in {time.perf_counter() - t0:.0f} s", flush=True)
+    try:
+        asyncio.run(warm(url, model, system == "hf_serve"))
+        for name, kw in wl.items():
+            kw = dict(kw)
+            if system == "hf_serve" and "tokenizer" in kw:
+                kw.pop("tokenizer")  # text prompts: the answers are appended as text
+            cfg = BenchConfig(base_url=url, goodput_slos_ms=SLOS, label=f"{system}/{name}", progress=False,
+                              timeout_s=300, **kw, **extra)
+            t1 = time.perf_counter()
+            report = asyncio.run(run_benchmark(cfg))
+            path = json_dir / f"{system}-{name}.json"
+            report.save(path)
+            s = report.summary
+            out[name] = s
+            print(f"[{system}/{name}] {s['completed']}/{s['requests']} ok, goodput {s['goodput']:.3f} req/s, "
+                  f"throughput {s['request_throughput']:.3f} req/s, hit {s['prefix_hit_rate']}, "
+                  f"ttft p50 {s['ttft_ms']['median']} ms, tpot p50 {s['tpot_ms']['median']} ms "
+                  f"({time.perf_counter() - t1:.0f} s) -> {path}", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def fmt(x, d=2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def table(results: dict[str, dict[str, dict]], wl_name: str) -> str:
+    rows = ["| system | ok / total | goodput (req/s) | throughput (req/s) | TTFT p50 (ms) | TPOT p50 (ms) | "
+            "prefix hit rate | goodput vs hf_serve | goodput vs cache_off |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    base = {k: (v.get(wl_name) or {}).get("goodput") for k, v in results.items()}
+    for system, per in results.items():
+        s = per.get(wl_name)
+        if s is None:
+            rows.append(f"| {system} | failed / not run | | | | | | | |")
+            continue
+        ratio = lambda ref: (fmt(s["goodput"] / ref) + "x") if ref else "-"  # noqa: E731
+        rows.append(f"| {system} | {s['completed']} / {s['requests']} | {fmt(s['goodput'], 3)} | "
+                    f"{fmt(s['request_throughput'], 3)} | {fmt(s['ttft_ms']['median'], 0)} | "
+                    f"{fmt(s['tpot_ms']['median'], 0)} | {fmt(s['prefix_hit_rate'], 3)} | "
+                    f"{ratio(base.get('hf_serve'))} | {ratio(base.get('cache_off'))} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (16 trace requests, 2x2x2 sessions)")
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--json-dir", default="/tmp/mooncake-e2e")
+    ap.add_argument("--out", help="also write the markdown tables here")
+    args = ap.parse_args()
+    json_dir = Path(args.json_dir)
+    json_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = str(resolve_model_dir(ModelConfig())[0])
+    wl = workloads(args.quick, model_dir)
+    results: dict[str, dict[str, dict]] = {}
+    failed = []
+    for system in args.systems:
+        try:
+            results[system] = run_system(system, wl, json_dir, model_dir)
+        except Exception as exc:  # report the others; exit non-zero at the end
+            print(f"[{system}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+            results[system] = {}
+            failed.append(system)
+    text = [f"SLOs for goodput: TTFT <= {SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms."]
+    for name in wl:
+        text += ["", f"### {name}", "", table(results, name)]
+    out = "\n".join(text)
+    print(out)
+    if args.out:
+        Path(args.out).write_text(out + "\n")
+    (json_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
