@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mooncake import protocol as P
@@ -32,6 +32,8 @@ def build_app(conductor: Conductor) -> FastAPI:
         if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
             return JSONResponse(error_body(413, f"request body over {cfg.max_body_bytes} bytes"), 413)
         return await call_next(request)
+
+    app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -76,6 +78,40 @@ def build_app(conductor: Conductor) -> FastAPI:
         return await _serve(conductor, body, tokens, chat=True, max_tokens=limit)
 
     return app
+
+
+class _BodyLimit:
+    """413 for bodies over ``limit`` that carry no Content-Length (chunked uploads): counts
+    bytes as the app reads them; the guard middleware handles the declared ones up front."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen, over = 0, False
+
+        async def limited() -> dict:
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    over = True
+                    raise HTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        async def reply(message: dict) -> None:  # whatever the app made of the error, answer 413
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await JSONResponse(error_body(413, f"request body over {self.limit} bytes"), 413)(
+                    scope, receive, send)
+
+        await self.app(scope, limited, reply)
 
 
 def _check(conductor: Conductor, body: _Sampling) -> None:

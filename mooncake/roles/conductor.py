@@ -34,6 +34,14 @@ from mooncake.tiers.client import StoreClient, StoreError
 log = logging.getLogger(__name__)
 
 
+# role -> (endpoints, info keys) a registration must carry for the role to be usable
+_REGISTER_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "prefill": ((), ("model_id", "block_tokens", "max_model_len")),
+    "decode": (("kv",), ("model_id", "block_tokens", "max_model_len")),
+    "store": (("store",), ()),
+}
+
+
 @dataclass(eq=False)
 class RequestState:
     req_id: str
@@ -231,6 +239,14 @@ class Conductor:
 
     async def _on_register(self, ident: bytes, msg: P.Register, now: float) -> None:
         info = msg.info
+        needs = _REGISTER_NEEDS.get(msg.role)
+        missing = None if needs is None else [k for k in needs[0] if not msg.endpoints.get(k)] + \
+            [k for k in needs[1] if k not in info]
+        if missing is None or missing or not msg.node_id:
+            log.error("refusing registration of %r as %r: missing %s", msg.node_id, msg.role, missing)
+            await self.sock.send_multipart([ident, *P.encode(P.Error(
+                f"cannot register role {msg.role!r} (missing: {missing})", "bad_register"))])
+            return
         if msg.role in ("prefill", "decode"):
             facts = {k: info[k] for k in ("model_id", "block_tokens", "max_model_len", "vocab_size") if k in info}
             if not self.model_facts:
