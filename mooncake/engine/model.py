@@ -72,6 +72,7 @@ class LlamaForward:
             ))
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, self.dtype, self.device)
         self._ws = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self._gather = torch.empty(0, dtype=self.dtype, device=self.device)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -86,6 +87,16 @@ class LlamaForward:
             self._ws = torch.zeros(n + n // 4, dtype=self.dtype, device=self.device)
         return self._ws[:n].view(shape)
 
+    def _gather_past(self, pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``pool[table]`` into a reused buffer (fresh multi-GB allocations cost more than the copy)."""
+        rows = table.numel()
+        per = pool[0].numel()
+        if self._gather.numel() < rows * per:
+            self._gather = torch.empty(rows * per + rows * per // 4, dtype=self.dtype, device=self.device)
+        out = self._gather[: rows * per].view(rows, per)
+        torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out)
+        return out.view(*table.shape, *pool.shape[1:])
+
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None."""
@@ -95,7 +106,7 @@ class LlamaForward:
         mb = b.past_table.shape[1] if b.past_table is not None else 0
         ws = self._workspace(B, max(b.key_len, mb * T))
         if b.past_table is not None:
-            past = pool.index_select(0, b.past_table.view(-1)).view(B, mb, *pool.shape[1:])
+            past = self._gather_past(pool, b.past_table)  # [B, Mb, L, 2, Hkv, T, D]
             ws[:, :, :, :, : mb * T].view(self.num_layers, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
         cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]

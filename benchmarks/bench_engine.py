@@ -1,0 +1,150 @@
+"""Engine vs transformers eager on the same model: prefill, batched decode, suffix prefill.
+
+    .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads N] [--out FILE]
+
+Medians of ``--reps`` repetitions; both sides measured in the same process, one
+after the other, on the same weights (the engine runs on the transformers
+model's own tensors). Prompts are random token ids (distinct per repetition, so
+no prefix hits unless measured on purpose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.protocol import Sampling
+
+GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class Bench:
+    def __init__(self, engine: Engine, hf, reps: int) -> None:
+        self.engine, self.hf, self.reps = engine, hf, reps
+        self.gen = torch.Generator().manual_seed(0)
+        self.vocab = engine.vocab_size
+
+    def prompt(self, n: int) -> list[int]:
+        return torch.randint(100, self.vocab, (n,), generator=self.gen).tolist()
+
+    def prefill_engine(self, ids_fn) -> None:
+        s = self.engine.add_sequence("p", ids_fn(), GREEDY)
+        while not s.prefilled:
+            self.engine.prefill(s)
+        self.engine.free(s)
+
+    @torch.inference_mode()
+    def prefill(self, n: int) -> tuple[float, float]:
+        ours = median_time(lambda: self.prefill_engine(lambda: self.prompt(n)), self.reps)
+        theirs = median_time(lambda: self.hf(torch.tensor([self.prompt(n)]), use_cache=True, logits_to_keep=1),
+                             self.reps)
+        return n / ours, n / theirs
+
+    @torch.inference_mode()
+    def decode(self, batch: int, ctx: int, steps: int) -> tuple[float, float]:
+        eng = self.engine
+        seqs = [eng.add_sequence("d%d" % i, self.prompt(ctx), GREEDY) for i in range(batch)]
+        assert all(s is not None for s in seqs), "KV pool too small for the decode batch"
+        for s in seqs:
+            while not s.prefilled:
+                eng.prefill(s)
+        eng.decode_step(seqs)
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.decode_step(seqs)
+        ours = batch * steps / (time.perf_counter() - t)
+        for s in seqs:
+            eng.free(s)
+        ids = torch.tensor([self.prompt(ctx) for _ in range(batch)])
+        out = self.hf(ids, use_cache=True, logits_to_keep=1)
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = self.hf(nxt, past_key_values=pkv, use_cache=True)
+            pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        theirs = batch * steps / (time.perf_counter() - t)
+        return ours, theirs
+
+    @torch.inference_mode()
+    def suffix(self, prefix: int, suffix: int) -> dict[str, float]:
+        """Seconds to prefill ``suffix`` new tokens after a cached ``prefix``, and cold."""
+        eng = self.engine
+        base = self.prompt(prefix)
+        warm_seq = eng.add_sequence("w", base + self.prompt(suffix), GREEDY)  # leaves the prefix cached
+        while not warm_seq.prefilled:
+            eng.prefill(warm_seq)
+        eng.free(warm_seq)
+        ours_warm = median_time(lambda: self.prefill_engine(lambda: base + self.prompt(suffix)), self.reps)
+        ours_cold = median_time(lambda: self.prefill_engine(lambda: self.prompt(prefix + suffix)), self.reps)
+        pkv = self.hf(torch.tensor([base]), use_cache=True, logits_to_keep=1).past_key_values
+        caches = [copy.deepcopy(pkv) for _ in range(self.reps + 1)]
+        hf_warm = median_time(lambda: self.hf(torch.tensor([self.prompt(suffix)]), past_key_values=caches.pop(),
+                                              use_cache=True, logits_to_keep=1), self.reps)
+        hf_cold = median_time(lambda: self.hf(torch.tensor([self.prompt(prefix + suffix)]), use_cache=True,
+                                              logits_to_keep=1), self.reps)
+        return {"ours_warm": ours_warm, "ours_cold": ours_cold, "hf_warm": hf_warm, "hf_cold": hf_cold}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run: fewer sizes, reps and steps")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--reps", type=int, default=0, help="repetitions per point (default 5, quick 2)")
+    ap.add_argument("--out", default="", help="also write the markdown report here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    reps = a.reps or (2 if a.quick else 5)
+    prefill_sizes = [128, 512] if a.quick else [128, 512, 2048]
+    batches = [1, 8] if a.quick else [1, 8, 32]
+    steps = 4 if a.quick else 16
+    loaded = load_model(ModelConfig(device="cpu"))
+    eng = Engine(loaded, EngineConfig(kv_cache_bytes=(1 << 30) + (256 << 20)))
+    b = Bench(eng, loaded.hf_model, reps)
+    rows = ["| measurement | mooncake engine | transformers eager | ratio |", "|---|---|---|---|"]
+    for n in prefill_sizes:
+        ours, theirs = b.prefill(n)
+        rows.append("| prefill %d tokens (tok/s) | %.0f | %.0f | %.2fx |" % (n, ours, theirs, ours / theirs))
+        print(rows[-1], flush=True)
+    for bs in batches:
+        ours, theirs = b.decode(bs, 512, steps)
+        rows.append("| decode batch %d, ctx 512 (tok/s) | %.1f | %.1f | %.2fx |" % (bs, ours, theirs, ours / theirs))
+        print(rows[-1], flush=True)
+    pre, suf = (448, 64) if a.quick else (1920, 128)
+    r = b.suffix(pre, suf)
+    rows.append("| %d-token suffix after %d cached (s) | %.3f | %.3f | %.2fx faster |"
+                % (suf, pre, r["ours_warm"], r["hf_warm"], r["hf_warm"] / r["ours_warm"]))
+    rows.append("| same %d tokens cold (s) | %.3f | %.3f | %.2fx faster |"
+                % (pre + suf, r["ours_cold"], r["hf_cold"], r["hf_cold"] / r["ours_cold"]))
+    rows.append("| engine: cached vs cold speed-up | %.1fx | %.1fx (DynamicCache) | |"
+                % (r["ours_cold"] / r["ours_warm"], r["hf_cold"] / r["hf_warm"]))
+    print("\n".join(rows[-3:]), flush=True)
+    head = ("model %s, %s, torch %s, %d threads, %s, reps %d (median), decode steps %d"
+            % (loaded.model_id, platform.processor() or platform.machine(), torch.__version__,
+               torch.get_num_threads(), "quick" if a.quick else "full", reps, steps))
+    report = head + "\n\n" + "\n".join(rows) + "\n"
+    print("\n" + report)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()
