@@ -137,9 +137,9 @@ def workloads(quick: bool, model_dir: str) -> dict[str, dict]:
 
 async def warm(url: str, model: str | None, text: bool) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-        body = {"prompt": "hello there" if text else [1000, 1001, 1002], "max_tokens": 2}
-        if model:
-            body["model"] = model
+        if not model:
+            model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hello there" if text else [1000, 1001, 1002], "max_tokens": 2}
         r = await c.post("/v1/completions", json=body)
         r.raise_for_status()
 
