@@ -6,7 +6,7 @@ walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 
 class KVIndex:
@@ -49,9 +49,11 @@ class KVIndex:
     def holders(self, h: bytes) -> dict[str, str]:
         return self._where.get(h, {})
 
-    def prefix_runs(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """For each node, how many leading blocks of the chain it holds (runs from block 0)."""
+    def prefix_runs(self, hashes: Sequence[bytes], stores: Container[str] = ()) -> tuple[dict[str, int], int]:
+        """One walk of the chain: for each node, how many leading blocks it holds (runs
+        from block 0); and how many leading blocks the ``stores`` hold between them."""
         runs: dict[str, int] = {}
+        store_end = 0
         where = self._where
         for i, h in enumerate(hashes):
             locs = where.get(h)
@@ -62,9 +64,12 @@ class KVIndex:
                 if runs.get(node, 0) == i:
                     runs[node] = i + 1
                     advanced = True
+                if store_end == i and node in stores:
+                    store_end = i + 1
+                    advanced = True
             if not advanced:
                 break
-        return runs
+        return runs, store_end
 
     def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
                      prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:

@@ -59,35 +59,29 @@ class Scheduler:
         if waiting >= self.cfg.max_waiting:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", 1.0)
 
-        runs = self.index.prefix_runs(hashes)
         stores = {n.node_id: n for n in self.cluster.of_role("store")} if self.cfg.use_store else {}
         # Blocks must leave at least one prompt token to compute (it yields the logits).
         usable = min(len(hashes), (n_tokens - 1) // block_tokens)
-        store_cover: dict[str, list[tuple[int, int, str]]] = {}
+        # One walk: each node's leading run, and how far the stores together cover the chain.
+        runs, store_end = self.index.prefix_runs(hashes[:usable], stores)
+        fetch_s = self.prefill_cost.fetch_block_s
 
         candidates = []
         for p in prefills:
             dev = min(runs.get(p.node_id, 0), usable)
-            segs: list[tuple[int, int, str]] = []
-            if stores and dev < usable:
-                key = f"{p.name}:{dev}"
-                if key not in store_cover:
-                    local = [s.node_id for s in stores.values() if s.name == p.name]
-                    store_cover[key] = self.index.covering_run(hashes[:usable], dev, set(stores), local)
-                segs = store_cover[key]
-            reusable = segs[-1][1] if segs else dev
+            reusable = max(dev, store_end)
             cached = reusable * block_tokens
             prefill_s = self.prefill_cost.predict(n_tokens - cached, cached)
-            est = p.queue_s + (reusable - dev) * self.prefill_cost.fetch_block_s + prefill_s
-            candidates.append((est, prefill_s, dev, reusable, segs, p))
+            est = p.queue_s + (reusable - dev) * fetch_s + prefill_s
+            candidates.append((est, prefill_s, dev, reusable, p))
 
         if self.cfg.policy == "round_robin":
             chosen = candidates[next(self._rr) % len(candidates)]
         elif self.cfg.policy == "least_loaded":
-            chosen = min(candidates, key=lambda c: (c[5].queue_s, len(c[5].work)))
+            chosen = min(candidates, key=lambda c: (c[4].queue_s, len(c[4].work)))
         else:
             chosen = min(candidates, key=lambda c: c[0])
-        est, prefill_s, dev, reusable, segs, p = chosen
+        est, prefill_s, dev, reusable, p = chosen
 
         if self.cfg.ttft_slo_ms and est * 1000 > self.cfg.ttft_slo_ms:
             best = min(c[0] for c in candidates)
@@ -109,6 +103,10 @@ class Scheduler:
                              f"predicted time between tokens {tbt * 1000:.0f} ms at batch {best_batch} "
                              f"exceeds the {self.cfg.tbt_slo_ms:.0f} ms SLO", retry_after_s=1.0)
 
+        segs: list[tuple[int, int, str]] = []
+        if reusable > dev:  # read from the stores local to the chosen instance first
+            local = [s.node_id for s in stores.values() if s.name == p.name]
+            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
         return Plan(p, best_d, fetch, dev, reusable, est, prefill_s,
                     fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])

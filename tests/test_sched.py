@@ -1,0 +1,130 @@
+"""Units of the conductor's planning side: KV index, cost models, hot blocks, scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake.config import ConductorConfig
+from mooncake.sched.cluster import Cluster
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+from mooncake.sched.hot_blocks import HotBlocks
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.scheduler import Plan, Rejection, Scheduler
+
+H = [bytes([i]) * 32 for i in range(10)]
+
+
+def test_prefix_runs_count_leading_blocks_per_node_and_store_coverage():
+    idx = KVIndex()
+    idx.add("p0", "device", H[:4])
+    idx.add("p1", "device", H[1:6])  # no block 0: no run
+    idx.add("s0", "dram", H[:2])
+    idx.add("s1", "lmdb", H[2:5])
+    runs, store_end = idx.prefix_runs(H, stores={"s0", "s1"})
+    assert runs.get("p0") == 4 and "p1" not in runs
+    assert store_end == 5  # s0 then s1 together
+    assert idx.covering_run(H, 0, {"s0", "s1"}) == [(0, 2, "s0"), (2, 5, "s1")]
+    assert idx.covering_run(H, 3, {"s0", "s1"}) == [(3, 5, "s1")]
+
+
+def test_index_remove_and_drop_node_keep_it_consistent():
+    idx = KVIndex()
+    idx.add("a", "device", H[:3])
+    idx.add("b", "dram", H[:3])
+    idx.remove("a", [H[0]])
+    assert idx.holders(H[0]) == {"b": "dram"}
+    assert idx.drop_node("b") == 3
+    assert idx.holders(H[0]) == {} and len(idx) == 2
+    assert idx.blocks_of("a") == 2
+
+
+def test_hot_blocks_use_a_sliding_window():
+    hot = HotBlocks(threshold=3, window_s=10)
+    assert hot.hit([H[0], H[1]], now=0) == []
+    assert hot.hit([H[0]], now=1) == []
+    assert hot.hit([H[0], H[1]], now=2) == [H[0]]
+    assert hot.hit([H[1]], now=11) == []  # the hits at t=0 left the window: H[1] has 2 (t=2, 11)
+    assert hot.count(H[0]) == 2 and hot.count(H[1]) == 2
+    assert hot.hit([H[1]], now=12) == [H[1]]
+
+
+def test_cost_models_start_from_priors_and_follow_measurements():
+    pc = PrefillCostModel(tokens_per_s=1000, fixed_s=0.0)
+    assert pc.predict(1000, 0) == pytest.approx(1.0, rel=0.05)
+    for n in (200, 400, 800, 1600) * 10:  # the machine is 4x slower than the prior
+        pc.observe(n, 0, 4 * n / 1000)
+    assert pc.predict(1000, 0) == pytest.approx(4.0, rel=0.15)
+    dc = DecodeCostModel(step_s=0.01, per_seq_s=0.001)
+    for b in (1, 8, 16, 32) * 10:
+        dc.observe(b, 0.02 + 0.002 * b)
+    assert dc.predict(20) == pytest.approx(0.06, rel=0.1)
+
+
+def make(policy: str = "cache_aware", **kw) -> tuple[Scheduler, Cluster, KVIndex]:
+    cfg = ConductorConfig(policy=policy, **kw)
+    cluster, idx = Cluster(), KVIndex()
+    for i in range(2):
+        cluster.upsert(f"p{i}", "prefill", f"n{i}", b"x", {}, {}, 0)
+        cluster.upsert(f"s{i}", "store", f"n{i}", b"x", {"store": f"tcp://s{i}"}, {}, 0)
+    cluster.upsert("d0", "decode", "n0", b"x", {"kv": "tcp://d0"}, {}, 0)
+    return Scheduler(cfg, cluster, idx, PrefillCostModel(), DecodeCostModel()), cluster, idx
+
+
+def test_cache_aware_prefers_the_instance_holding_the_prefix():
+    sched, cluster, idx = make()
+    idx.add("p1", "device", H[:8])
+    plan = sched.plan(H[:8], n_tokens=8 * 16 + 5, max_tokens=4, block_tokens=16, now=0)
+    assert isinstance(plan, Plan) and plan.prefill.node_id == "p1" and plan.device_blocks == 8 and not plan.fetch
+
+
+def test_store_blocks_are_fetched_from_the_readers_local_store_first():
+    sched, cluster, idx = make()
+    idx.add("s0", "dram", H[:6])
+    idx.add("s1", "dram", H[:6])
+    cluster.get("p0").work["busy"] = 5.0  # p0 is loaded: p1 wins and reads from s1, its local store
+    plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
+    assert isinstance(plan, Plan) and plan.prefill.node_id == "p1"
+    assert [(f.start, f.end, f.endpoint) for f in plan.fetch] == [(0, 6, "tcp://s1")]
+
+
+def test_at_least_one_prompt_token_is_left_to_compute():
+    sched, _, idx = make()
+    idx.add("p0", "device", H[:4])
+    plan = sched.plan(H[:4], n_tokens=64, max_tokens=4, block_tokens=16, now=0)
+    assert isinstance(plan, Plan) and plan.reusable_blocks == 3
+
+
+def test_round_robin_alternates_whatever_the_cache():
+    sched, _, idx = make("round_robin")
+    idx.add("p0", "device", H[:8])
+    chosen = [sched.plan(H[:8], 200, 4, 16, now=0).prefill.node_id for _ in range(4)]
+    assert chosen == ["p0", "p1", "p0", "p1"]
+
+
+def test_ttft_slo_rejects_when_the_queues_are_too_long():
+    sched, cluster, _ = make(ttft_slo_ms=1000)
+    assert isinstance(sched.plan(H[:2], 40, 4, 16, now=0), Plan)
+    for p in cluster.of_role("prefill"):
+        p.work["queued"] = 2.0
+    r = sched.plan(H[:2], 40, 4, 16, now=0)
+    assert isinstance(r, Rejection) and r.status == 429 and r.reason == "ttft_slo" and r.retry_after_s >= 1
+
+
+def test_tbt_slo_uses_the_batch_expected_when_prefill_finishes():
+    sched, cluster, _ = make(tbt_slo_ms=40)  # prior: 30 ms + 2 ms per sequence -> 5 sequences fit
+    d = cluster.get("d0")
+    for i in range(6):
+        d.assign(f"r{i}", expected_end=100.0)  # all still running at first-token time
+    r = sched.plan(H[:2], 40, 4, 16, now=0)
+    assert isinstance(r, Rejection) and r.reason == "tbt_slo"
+    d.ends[:] = [0.001] * 6  # they end before this request's prefill does
+    d.assigned = {f"r{i}": 0.001 for i in range(6)}
+    assert isinstance(sched.plan(H[:2], 40, 4, 16, now=0), Plan)
+
+
+def test_no_workers_and_overload_are_503():
+    sched, cluster, _ = make(max_waiting=3)
+    assert sched.plan(H[:1], 20, 4, 16, now=0, waiting=3).reason == "overloaded"
+    cluster.remove("d0")
+    r = sched.plan(H[:1], 20, 4, 16, now=0)
+    assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
