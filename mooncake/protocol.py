@@ -7,7 +7,8 @@ A message on the wire is a ZeroMQ multipart message::
 Messages that carry tensors describe them in a ``tensors: list[TensorSpec]``
 field, one spec per payload frame, in order. Payload frames are the raw bytes
 of contiguous CPU tensors, sent with ``copy=False``; receivers rebuild tensors
-over the received buffers without a copy (``frames_to_tensors``). Never pickle.
+over the received buffers without a copy (``decode``). No Python-object serialization
+ever travels on the wire: only MessagePack and raw tensor bytes.
 
 The store's object API addresses blocks by ``BlockHash``; one block is one
 payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
