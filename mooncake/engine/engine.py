@@ -6,6 +6,7 @@ is synchronous.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable
 
@@ -13,10 +14,11 @@ import torch
 
 from mooncake.blocks import BlockHash, hash_blocks
 from mooncake.config import EngineConfig
+from mooncake.engine.batching import decode_batch, prefill_batch
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
 from mooncake.engine.loader import LoadedModel
-from mooncake.engine.model import Batch, LlamaForward
+from mooncake.engine.model import LlamaForward
 from mooncake.engine.sampler import make_generator, sample
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.protocol import Sampling
@@ -60,6 +62,7 @@ class Engine:
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.max_batch = cfg.max_batch
         self._num_seqs = 0
+        self._uids = itertools.count(1)
 
     # ------------------------------------------------------------ requests
 
@@ -105,7 +108,7 @@ class Engine:
         self._num_seqs += 1
         return Sequence(req_id, list(tokens), sampling, cache_salt, n_hit * T, n_hit * T, num_generated,
                         held + new, list(hashes[:n_hit]), generator=make_generator(sampling, self.device),
-                        prompt_hashes=hashes)
+                        prompt_hashes=hashes, uid=next(self._uids))
 
     def add_decoding(self, req_id: str, tokens: list[int], kv: torch.Tensor, next_token: int,
                      sampling: Sampling, num_generated: int, cache_salt: str | None = None) -> Sequence | None:
@@ -129,7 +132,8 @@ class Engine:
         self._num_seqs += 1
         return Sequence(req_id, list(tokens) + [next_token], sampling, cache_salt, n_hit * T, len(tokens),
                         num_generated, held + new, list(hashes),
-                        generator=make_generator(sampling, self.device), prompt_hashes=hashes, prefilled=True)
+                        generator=make_generator(sampling, self.device), prompt_hashes=hashes, prefilled=True,
+                        uid=next(self._uids))
 
     def free(self, seq: Sequence) -> None:
         """Hashed full blocks stay cached (LRU); the rest return to the pool. Idempotent."""
@@ -148,7 +152,7 @@ class Engine:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
-        logits = self.model.forward(self.pool, self._prefill_batch(seq, start, end, end == n))
+        logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device))
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
@@ -177,7 +181,7 @@ class Engine:
             ready.append(s)
         for i in range(0, len(ready), self.max_batch):
             part = ready[i: i + self.max_batch]
-            logits = self.model.forward(self.pool, self._decode_batch(part))
+            logits = self.model.forward(self.pool, decode_batch(part, self.block_tokens, self.device))
             assert logits is not None
             tokens = sample(logits, [s.sampling for s in part], [s.generator for s in part])
             for s, tok in zip(part, tokens):
@@ -210,52 +214,14 @@ class Engine:
         self.blocks.register([seq.block_table[j] for j in idx], hs)
         return idx
 
-    # ------------------------------------------------------------ batches
-
-    def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
-
-    def _prefill_batch(self, seq: Sequence, start: int, end: int, logits: bool) -> Batch:
-        T, S = self.block_tokens, end - start
-        table = seq.block_table
-        pos = range(start, end)
-        cols = self._tensor(list(pos))
-        mb = -(-start // T)
-        mask = None
-        if start:
-            mask = (torch.arange(end, device=self.device)[None, :] <= cols[:, None])[None, None]
-        return Batch(
-            ids=self._tensor(seq.tokens[start:end]), positions=cols, B=1, S=S,
-            past_table=self._tensor(table[:mb])[None] if mb else None, key_len=end,
-            row=torch.zeros(S, dtype=torch.long, device=self.device), col=cols,
-            slot_block=self._tensor([table[p // T] for p in pos]),
-            slot_offset=self._tensor([p % T for p in pos]),
-            mask=mask, causal=start == 0 and S > 1,
-            logit_rows=self._tensor([S - 1]) if logits else None, col0=start)
-
-    def _decode_batch(self, seqs: list[Sequence]) -> Batch:
-        T, B = self.block_tokens, len(seqs)
-        ctx = [s.num_computed for s in seqs]
-        mb = -(-max(ctx) // T)
-        rows = [s.block_table[: -(-c // T)] for s, c in zip(seqs, ctx)]
-        cols = self._tensor(ctx)
-        key_len = max(ctx) + 1
-        mask = None
-        if B > 1:
-            mask = (torch.arange(key_len, device=self.device)[None, :] <= cols[:, None])[:, None, None]
-        return Batch(
-            ids=self._tensor([s.tokens[-1] for s in seqs]), positions=cols, B=B, S=1,
-            past_table=self._tensor([r + [0] * (mb - len(r)) for r in rows]) if mb else None,
-            key_len=key_len, row=torch.arange(B, device=self.device), col=cols,
-            slot_block=self._tensor([s.block_table[c // T] for s, c in zip(seqs, ctx)]),
-            slot_offset=self._tensor([c % T for c in ctx]),
-            mask=mask, causal=False, logit_rows=torch.arange(B, device=self.device), col0=ctx[0])
-
     # ------------------------------------------------------------ KV transfer
 
     def _check_kv(self, kv: torch.Tensor, n: int) -> None:
         if kv.dim() != len(self.block_shape) + 1 or tuple(kv.shape[1:]) != self.block_shape or kv.shape[0] < n:
             raise ValueError("kv has shape %s; expected [>=%d, %s]" % (tuple(kv.shape), n, self.block_shape))
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def export_blocks(self, hashes: list[BlockHash]) -> torch.Tensor:
         """``[n, *block_shape]``: the leading blocks of ``hashes`` present in the device cache."""

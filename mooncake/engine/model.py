@@ -40,6 +40,7 @@ class Batch:
     causal: bool  # B == 1, no past, S > 1: plain causal attention
     logit_rows: torch.Tensor | None  # rows of [B*S] whose logits are wanted; None: none
     col0: int = 0  # B == 1: key position of the first new token
+    rows: list[tuple[int, int, list[int]]] | None = None  # decode: (seq uid, past length, past blocks)
 
 
 class LlamaForward:
@@ -73,6 +74,9 @@ class LlamaForward:
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, self.dtype, self.device)
         self._ws = torch.zeros(0, dtype=self.dtype, device=self.device)
         self._gather = torch.empty(0, dtype=self.dtype, device=self.device)
+        # decode workspace: persists across steps; row r mirrors ``_rows[r] = (uid, valid_len)``
+        self._dws = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self._rows: list[tuple[int, int] | None] = []
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -97,6 +101,30 @@ class LlamaForward:
         torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out)
         return out.view(*table.shape, *pool.shape[1:])
 
+    def _decode_workspace(self, pool: torch.Tensor, b: Batch) -> torch.Tensor:
+        """The decode workspace ``[L, 2, B, Hkv, Kcap, D]``. A row still holding the same
+        sequence's past from the previous step is reused as is (the previous step wrote its
+        token there); other rows are gathered from the pool by block table."""
+        assert b.rows is not None
+        B, T = b.B, self.block_tokens
+        ws = self._dws
+        if ws.dim() != 6 or ws.shape[2] < B or ws.shape[4] < b.key_len:
+            kcap = -(-max(b.key_len + 256, b.key_len * 5 // 4) // T) * T
+            bcap = max(B, ws.shape[2] if ws.dim() == 6 else 0)
+            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
+                                         dtype=self.dtype, device=self.device)
+            self._rows = [None] * bcap
+        for r, (uid, ctx, blocks) in enumerate(b.rows):
+            if self._rows[r] != (uid, ctx):
+                self._rows[r] = None
+                if blocks:
+                    table = torch.tensor(blocks, dtype=torch.long, device=self.device)[None]
+                    past = self._gather_past(pool, table)[0]  # [mb, L, 2, Hkv, T, D]
+                    ws[:, :, r, :, : len(blocks) * T].view(
+                        self.num_layers, 2, self.num_kv_heads, len(blocks), T, self.head_dim).copy_(
+                        past.permute(1, 2, 3, 0, 4, 5))
+        return ws[:, :, :B]
+
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None."""
@@ -104,8 +132,11 @@ class LlamaForward:
         H, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         N = B * S
         mb = b.past_table.shape[1] if b.past_table is not None else 0
-        ws = self._workspace(B, max(b.key_len, mb * T))
-        if b.past_table is not None:
+        if b.rows is not None:
+            ws = self._decode_workspace(pool, b)
+        else:
+            ws = self._workspace(B, max(b.key_len, mb * T))
+        if b.past_table is not None and b.rows is None:
             past = self._gather_past(pool, b.past_table)  # [B, Mb, L, 2, Hkv, T, D]
             ws[:, :, :, :, : mb * T].view(self.num_layers, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
@@ -143,6 +174,9 @@ class LlamaForward:
             x = x + F.linear(g.mul_(F.linear(h, wu, bu)), wd, bd)
         # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
         pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
+        if b.rows is not None:
+            for r, (uid, ctx, _) in enumerate(b.rows):
+                self._rows[r] = (uid, ctx + 1)
         if b.logit_rows is None:
             return None
         x = F.rms_norm(x[b.logit_rows], (self.hidden,), self.norm, self.eps)

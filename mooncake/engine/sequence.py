@@ -33,6 +33,7 @@ class Sequence:
     generator: torch.Generator | None = None
     prompt_hashes: list[BlockHash] = field(default_factory=list)  # full blocks of the prompt
     prefilled: bool = False
+    uid: int = 0  # unique per engine: identifies the sequence in the decode workspace
     freed: bool = False
 
     @property

@@ -1,0 +1,56 @@
+"""Forward-call descriptions (``Batch``) for a prefill chunk and a batched decode step."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mooncake.engine.model import Batch
+from mooncake.engine.sequence import Sequence
+
+
+def _tensorizer(device: torch.device) -> Callable[[list], torch.Tensor]:
+    return lambda data: torch.tensor(data, dtype=torch.long, device=device)
+
+
+def prefill_batch(seq: Sequence, start: int, end: int, logits: bool, T: int, device: torch.device) -> Batch:
+    """Positions [start, end) of one sequence; its blocks for them are allocated."""
+    S = end - start
+    tensor = _tensorizer(device)
+    table = seq.block_table
+    pos = range(start, end)
+    cols = tensor(list(pos))
+    mb = -(-start // T)
+    mask = None
+    if start:
+        mask = (torch.arange(end, device=device)[None, :] <= cols[:, None])[None, None]
+    return Batch(
+        ids=tensor(seq.tokens[start:end]), positions=cols, B=1, S=S,
+        past_table=tensor(table[:mb])[None] if mb else None, key_len=end,
+        row=torch.zeros(S, dtype=torch.long, device=device), col=cols,
+        slot_block=tensor([table[p // T] for p in pos]),
+        slot_offset=tensor([p % T for p in pos]),
+        mask=mask, causal=start == 0 and S > 1,
+        logit_rows=tensor([S - 1]) if logits else None, col0=start)
+
+
+def decode_batch(seqs: list[Sequence], T: int, device: torch.device) -> Batch:
+    """The last token of each sequence at position ``num_computed``; its block is allocated."""
+    B = len(seqs)
+    tensor = _tensorizer(device)
+    ctx = [s.num_computed for s in seqs]
+    rows = [s.block_table[: -(-c // T)] for s, c in zip(seqs, ctx)]
+    cols = tensor(ctx)
+    key_len = max(ctx) + 1
+    mask = None
+    if B > 1:
+        mask = (torch.arange(key_len, device=device)[None, :] <= cols[:, None])[:, None, None]
+    return Batch(
+        ids=tensor([s.tokens[-1] for s in seqs]), positions=cols, B=B, S=1,
+        past_table=None,
+        key_len=key_len, row=torch.arange(B, device=device), col=cols,
+        slot_block=tensor([s.block_table[c // T] for s, c in zip(seqs, ctx)]),
+        slot_offset=tensor([c % T for c in ctx]),
+        mask=mask, causal=False, logit_rows=torch.arange(B, device=device), col0=ctx[0],
+        rows=[(s.uid, c, r) for s, c, r in zip(seqs, ctx, rows)])
