@@ -218,3 +218,19 @@ def test_disconnected_stream_frees_kv_and_slots_everywhere(cluster):
 
     wait_for(idle, 15, "all KV and slots freed")
     assert metric(metrics(cluster.url), "mooncake:requests_total", outcome="aborted") >= 1
+
+
+def test_non_streaming_client_that_gives_up_frees_the_request(cluster):
+    body = {"model": MODEL, "prompt": list(range(3000, 3100)), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    before = metric(metrics(cluster.url), "mooncake:requests_total", outcome="aborted")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(cluster.url + "/v1/completions", json=body, timeout=3)
+
+    def idle():
+        info = httpx.get(cluster.url + "/cluster").json()
+        return info["requests"] == 0 and all(n["load"].get("used_blocks") == 0 for n in info["nodes"]
+                                             if n["role"] in ("prefill", "decode"))
+
+    wait_for(idle, 15, "the abandoned request to be freed")
+    assert metric(metrics(cluster.url), "mooncake:requests_total", outcome="aborted") == before + 1

@@ -8,14 +8,18 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mooncake import protocol as P
 from mooncake.api.errors import APIError, error_body, install_error_handlers
+from mooncake.api.guard import Guard
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from mooncake.api.text_stream import TextStream
 from mooncake.roles.conductor import Conductor, RequestState
+
+
+DISCONNECT_POLL_S = 0.5
 
 
 def build_app(conductor: Conductor) -> FastAPI:
@@ -23,17 +27,7 @@ def build_app(conductor: Conductor) -> FastAPI:
     install_error_handlers(app)
     cfg = conductor.cfg.conductor
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if cfg.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
-                return JSONResponse(error_body(401, "missing or invalid API key", code="invalid_api_key"), 401)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
-            return JSONResponse(error_body(413, f"request body over {cfg.max_body_bytes} bytes"), 413)
-        return await call_next(request)
-
-    app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -61,57 +55,23 @@ def build_app(conductor: Conductor) -> FastAPI:
                                             "model_id": conductor.model_facts.get("model_id", "")}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         _check(conductor, body)
         prompt = body.prompt_input()
         tokens = list(prompt) if isinstance(prompt, list) else conductor.tokenizer.encode(prompt)
-        return await _serve(conductor, body, tokens, chat=False, max_tokens=body.max_tokens or 16)
+        return await _serve(conductor, request, body, tokens, chat=False, max_tokens=body.max_tokens or 16)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check(conductor, body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         text = conductor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         tokens = conductor.tokenizer.encode(text, add_special_tokens=False)
         limit = body.limit() or max(1, conductor.max_model_len - len(tokens))
-        return await _serve(conductor, body, tokens, chat=True, max_tokens=limit)
+        return await _serve(conductor, request, body, tokens, chat=True, max_tokens=limit)
 
     return app
-
-
-class _BodyLimit:
-    """413 for bodies over ``limit`` that carry no Content-Length (chunked uploads): counts
-    bytes as the app reads them; the guard middleware handles the declared ones up front."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        seen, over = 0, False
-
-        async def limited() -> dict:
-            nonlocal seen, over
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    over = True
-                    raise HTTPException(413, f"request body over {self.limit} bytes")
-            return message
-
-        async def reply(message: dict) -> None:  # whatever the app made of the error, answer 413
-            if not over:
-                await send(message)
-            elif message["type"] == "http.response.start":
-                await JSONResponse(error_body(413, f"request body over {self.limit} bytes"), 413)(
-                    scope, receive, send)
-
-        await self.app(scope, limited, reply)
 
 
 def _check(conductor: Conductor, body: _Sampling) -> None:
@@ -121,7 +81,8 @@ def _check(conductor: Conductor, body: _Sampling) -> None:
                        param="model", code="model_not_found")
 
 
-async def _serve(conductor: Conductor, body: _Sampling, tokens: list[int], chat: bool, max_tokens: int) -> Response:
+async def _serve(conductor: Conductor, request: Request, body: _Sampling, tokens: list[int], chat: bool,
+                 max_tokens: int) -> Response:
     sampling = P.Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=max(0, body.top_k), seed=body.seed, ignore_eos=body.ignore_eos)
     limit = conductor.max_model_len
@@ -135,11 +96,23 @@ async def _serve(conductor: Conductor, body: _Sampling, tokens: list[int], chat:
         usage = body.stream_options.include_usage if body.stream_options else False
         return StreamingResponse(_sse(conductor, req, rid, chat, pieces, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        text, reason = [], None
+    text: list[str] = []
+    reason = None
+
+    async def collect() -> None:
+        nonlocal reason
         async for piece, finish in pieces:
             text.append(piece)
             reason = finish or reason
+
+    collector = asyncio.create_task(collect())
+    try:
+        while not collector.done():  # a client that goes away frees the request everywhere
+            await asyncio.wait({collector}, timeout=DISCONNECT_POLL_S)
+            if not collector.done() and await request.is_disconnected():
+                collector.cancel()
+                return Response(status_code=499)
+        collector.result()
     finally:
         conductor.abort(req.req_id)
     if reason == "error":

@@ -125,6 +125,10 @@ class Conductor:
         if vocab and max(tokens) >= vocab:
             raise APIError(400, f"prompt token id {max(tokens)} is outside the vocabulary (size {vocab})",
                            param="prompt")
+        if len(self.requests) >= self.cfg.conductor.max_requests:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise APIError(503, f"{len(self.requests)} requests in flight; try again later", code="overloaded",
+                           retry_after_s=1)
         sampling.max_tokens = min(sampling.max_tokens, limit - len(tokens))
         req = RequestState(f"req-{uuid.uuid4().hex[:16]}", tokens, sampling, cache_salt, time.monotonic())
         self._dispatch(req)
