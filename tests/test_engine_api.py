@@ -146,16 +146,16 @@ def test_seed_reproducible_and_seeds_differ(loaded_model, ids):
     eng = engine(loaded_model)
 
     def sampled(seed, **kw):
-        s = eng.add_sequence("s", ids[:30], Sampling(max_tokens=16, temperature=1.0, seed=seed,
+        s = eng.add_sequence("s", ids[:30], Sampling(max_tokens=10, temperature=1.0, seed=seed,
                                                      ignore_eos=True, **kw))
-        generate(eng, s, 16)
+        generate(eng, s, 10)
         eng.free(s)
         return s.tokens[30:]
 
     a, b, c = sampled(123, top_p=0.95), sampled(123, top_p=0.95), sampled(124, top_p=0.95)
     assert a == b and a != c
-    greedy = eng.add_sequence("g", ids[:30], Sampling(max_tokens=16, temperature=0, ignore_eos=True))
-    generate(eng, greedy, 16)
+    greedy = eng.add_sequence("g", ids[:30], Sampling(max_tokens=10, temperature=0, ignore_eos=True))
+    generate(eng, greedy, 10)
     assert sampled(5, top_k=1) == greedy.tokens[30:]
     assert sampled(6, top_p=1e-6) == greedy.tokens[30:]
 
