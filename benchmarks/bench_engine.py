@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads N] [--out FILE]
 
-Medians of ``--reps`` repetitions; both sides measured in the same process, one
-after the other, on the same weights (the engine runs on the transformers
+Medians of ``--reps`` repetitions (decode: of ``steps`` per-step times); both sides
+measured in the same process, alternating rep by rep, on the same weights (the engine runs on the transformers
 model's own tensors). Prompts are random token ids (distinct per repetition, so
 no prefix hits unless measured on purpose).
 """
@@ -25,14 +25,17 @@ from mooncake.protocol import Sampling
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 
 
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def paired(fa, fb, reps: int) -> tuple[float, float]:
+    """Median seconds of ``fa`` and ``fb``, run alternately so that load changes on a shared
+    machine hit both sides alike."""
+    fa(), fb()  # warm-up
+    ta, tb = [], []
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, out in ((fa, ta), (fb, tb)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
 
 
 class Bench:
@@ -52,9 +55,9 @@ class Bench:
 
     @torch.inference_mode()
     def prefill(self, n: int) -> tuple[float, float]:
-        ours = median_time(lambda: self.prefill_engine(lambda: self.prompt(n)), self.reps)
-        theirs = median_time(lambda: self.hf(torch.tensor([self.prompt(n)]), use_cache=True, logits_to_keep=1),
-                             self.reps)
+        ours, theirs = paired(lambda: self.prefill_engine(lambda: self.prompt(n)),
+                              lambda: self.hf(torch.tensor([self.prompt(n)]), use_cache=True, logits_to_keep=1),
+                              self.reps)
         return n / ours, n / theirs
 
     @torch.inference_mode()
@@ -65,21 +68,18 @@ class Bench:
         for s in seqs:
             while not s.prefilled:
                 eng.prefill(s)
-        eng.decode_step(seqs)
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.decode_step(seqs)
-        ours = batch * steps / (time.perf_counter() - t)
-        for s in seqs:
-            eng.free(s)
         ids = torch.tensor([self.prompt(ctx) for _ in range(batch)])
         out = self.hf(ids, use_cache=True, logits_to_keep=1)
-        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = self.hf(nxt, past_key_values=pkv, use_cache=True)
-            pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        theirs = batch * steps / (time.perf_counter() - t)
+        state = {"pkv": out.past_key_values, "nxt": out.logits[:, -1:].argmax(-1)}
+
+        def hf_step() -> None:
+            o = self.hf(state["nxt"], past_key_values=state["pkv"], use_cache=True)
+            state["pkv"], state["nxt"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+
+        ours_s, theirs_s = paired(lambda: eng.decode_step(seqs), hf_step, steps)
+        for s in seqs:
+            eng.free(s)
+        ours, theirs = batch / ours_s, batch / theirs_s
         return ours, theirs
 
     @torch.inference_mode()
@@ -91,14 +91,16 @@ class Bench:
         while not warm_seq.prefilled:
             eng.prefill(warm_seq)
         eng.free(warm_seq)
-        ours_warm = median_time(lambda: self.prefill_engine(lambda: base + self.prompt(suffix)), self.reps)
-        ours_cold = median_time(lambda: self.prefill_engine(lambda: self.prompt(prefix + suffix)), self.reps)
         pkv = self.hf(torch.tensor([base]), use_cache=True, logits_to_keep=1).past_key_values
         caches = [copy.deepcopy(pkv) for _ in range(self.reps + 1)]
-        hf_warm = median_time(lambda: self.hf(torch.tensor([self.prompt(suffix)]), past_key_values=caches.pop(),
-                                              use_cache=True, logits_to_keep=1), self.reps)
-        hf_cold = median_time(lambda: self.hf(torch.tensor([self.prompt(prefix + suffix)]), use_cache=True,
-                                              logits_to_keep=1), self.reps)
+        ours_warm, hf_warm = paired(
+            lambda: self.prefill_engine(lambda: base + self.prompt(suffix)),
+            lambda: self.hf(torch.tensor([self.prompt(suffix)]), past_key_values=caches.pop(), use_cache=True,
+                            logits_to_keep=1), self.reps)
+        ours_cold, hf_cold = paired(
+            lambda: self.prefill_engine(lambda: self.prompt(prefix + suffix)),
+            lambda: self.hf(torch.tensor([self.prompt(prefix + suffix)]), use_cache=True, logits_to_keep=1),
+            self.reps)
         return {"ours_warm": ours_warm, "ours_cold": ours_cold, "hf_warm": hf_warm, "hf_cold": hf_cold}
 
 
@@ -136,7 +138,7 @@ def main() -> None:
     rows.append("| engine: cached vs cold speed-up | %.1fx | %.1fx (DynamicCache) | |"
                 % (r["ours_cold"] / r["ours_warm"], r["hf_cold"] / r["hf_warm"]))
     print("\n".join(rows[-3:]), flush=True)
-    head = ("model %s, %s, torch %s, %d threads, %s, reps %d (median), decode steps %d"
+    head = ("model %s, %s, torch %s, %d threads, %s, reps %d (median, alternating), decode steps %d"
             % (loaded.model_id, platform.processor() or platform.machine(), torch.__version__,
                torch.get_num_threads(), "quick" if a.quick else "full", reps, steps))
     report = head + "\n\n" + "\n".join(rows) + "\n"
