@@ -80,12 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    keys = sub.add_parser("keys", help="create the cluster keypair for [security] curve_keys_dir")
+    keys.add_argument("dir", help="directory to write cluster.key and cluster.key_secret into")
     from mooncake.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "keys":
+        from mooncake.security import generate_keys
+
+        print(f"wrote {generate_keys(args.dir)}; set [security] curve_keys_dir = \"{args.dir}\" on every role")
+        return 0
     from mooncake.bench.cli import run_bench
 
     return run_bench(args)

@@ -80,12 +80,17 @@ class NodeConfig(_Section):
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
 
 
+class SecurityConfig(_Section):
+    curve_keys_dir: str = Field("", description="Directory with the cluster keypair (mooncake keys DIR); set: role links use ZeroMQ CURVE, authenticated and encrypted.")
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     store: StoreConfig = StoreConfig()
     conductor: ConductorConfig = ConductorConfig()
     node: NodeConfig = NodeConfig()
+    security: SecurityConfig = SecurityConfig()
 
 
 class ConfigError(ValueError):

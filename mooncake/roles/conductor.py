@@ -28,6 +28,7 @@ from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
+from mooncake.security import Curve
 from mooncake.sched.scheduler import Plan, Rejection, Scheduler
 from mooncake.tiers.client import StoreClient, StoreError
 
@@ -80,10 +81,13 @@ class Conductor:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
+        if self.curve is not None:
+            self.curve.server(self.sock, self.ctx)
         self.sock.bind(self.cfg.conductor.endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._tasks += [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._liveness_loop())]
@@ -96,6 +100,8 @@ class Conductor:
         for c in self._stores.values():
             c.close()
         self.sock.close(0)
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
 
     @property
@@ -412,5 +418,5 @@ class Conductor:
     def store_client(self, endpoint: str) -> StoreClient:
         client = self._stores.get(endpoint)
         if client is None:
-            client = self._stores[endpoint] = StoreClient(endpoint)
+            client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
         return client

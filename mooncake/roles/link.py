@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
+from mooncake.security import Curve
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class ConductorLink:
         register: P.Register,
         load: Callable[[], dict[str, Any]] = dict,
         on_registered: Callable[[], Awaitable[None]] | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.register_msg = register
@@ -43,6 +45,8 @@ class ConductorLink:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, register.node_id.encode())
+        if curve is not None:
+            curve.client(self.sock)
         self.sock.connect(endpoint)
         self._send_lock = asyncio.Lock()
         self._reregistering = False

@@ -19,6 +19,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.roles.link import ConductorLink
+from mooncake.security import Curve
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
 
@@ -38,8 +39,9 @@ async def run_store(cfg: Config) -> None:
             await link.send(event)
 
     port = cfg.node.store_port
+    curve = Curve.from_dir(cfg.security.curve_keys_dir)
     server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
-                         node_id=node_id)
+                         node_id=node_id, curve=curve)
     endpoint = await server.start()
 
     async def announce() -> None:
@@ -57,7 +59,7 @@ async def run_store(cfg: Config) -> None:
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
                      info={"node_name": cfg.node.name, "pid": os.getpid()})
-    link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce)
+    link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve)
     await link.connect(timeout_s=60)
     await announce()
     link.start_heartbeat()

@@ -19,6 +19,7 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.roles.link import ConductorLink
+from mooncake.security import Curve
 from mooncake.tiers.client import StoreClient, StoreError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class EngineWorker(ABC):
         self.engine = Engine(self.loaded, cfg.engine)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
         self._stores: dict[str, StoreClient] = {}
         self._pending_events: list[tuple[str, list[bytes]]] = []
         self._tasks: list[asyncio.Task] = []
@@ -63,7 +65,7 @@ class EngineWorker(ABC):
     def store(self, endpoint: str) -> StoreClient:
         client = self._stores.get(endpoint)
         if client is None:
-            client = self._stores[endpoint] = StoreClient(endpoint)
+            client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
         return client
 
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
@@ -105,7 +107,8 @@ class EngineWorker(ABC):
 
     async def serve(self, endpoints: dict[str, str]) -> None:
         """Register with the conductor, then handle its messages until stopped."""
-        self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load)
+        self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
+                                  curve=self.curve)
         await self.link.connect(timeout_s=60)
         self.link.start_heartbeat()
         stop = asyncio.Event()
@@ -138,4 +141,6 @@ class EngineWorker(ABC):
         if self.link is not None:
             self.link.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()

@@ -24,6 +24,8 @@ import torch
 import zmq
 import zmq.asyncio
 
+from mooncake.security import Curve
+
 from ..blocks import BlockHash
 from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put, Release, Remove,
                         Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
@@ -52,8 +54,9 @@ def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Te
 
 class StoreClient:
     def __init__(self, endpoint: str, timeout_s: float = 10.0, shm: bool | None = None,
-                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30) -> None:
+                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, curve: Curve | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout_s = timeout_s
         self.shm = (is_local_endpoint(endpoint) and shm_available()) if shm is None else shm
         self.shm_min_bytes = shm_min_bytes
@@ -78,6 +81,8 @@ class StoreClient:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.curve is not None:
+                self.curve.client(sock)
             try:
                 sock.connect(self.endpoint)
             except zmq.ZMQError as e:

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import StoreConfig
+from ..security import Curve
 from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put,
                         Release, Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode,
                         encode)
@@ -46,8 +47,9 @@ MAX_RID = 64
 class StoreServer:
     def __init__(self, store: TieredStore, bind_endpoint: str,
                  on_event: Callable[[BlockEvent], Any] | None = None, node_id: str = "",
-                 workers: int = 4) -> None:
+                 workers: int = 4, curve: Curve | None = None) -> None:
         self.store = store
+        self.curve = curve
         self.bind_endpoint = bind_endpoint
         self.on_event = on_event
         self.node_id = node_id
@@ -71,6 +73,8 @@ class StoreServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.curve is not None:
+            self.curve.server(self._sock, self._ctx)
         self._sock.bind(self.bind_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._recv_task = asyncio.create_task(self._serve())
@@ -88,6 +92,8 @@ class StoreServer:
         self._peers.clear()
         if self._sock is not None:
             self._sock.close(linger=0)
+            if self.curve is not None:
+                self.curve.stop()
             self._ctx.term()
             self._sock = None
         self._pool.shutdown(wait=True)
@@ -217,7 +223,7 @@ class StoreServer:
             return 0
         peer = self._peers.get(msg.target)
         if peer is None:
-            peer = self._peers[msg.target] = StoreClient(msg.target)
+            peer = self._peers[msg.target] = StoreClient(msg.target, curve=self.curve)
         by_model: dict[str, list[tuple[bytes, torch.Tensor]]] = {}
         for k, b in found:
             by_model.setdefault(b.model_id, []).append((k, b.tensor))

@@ -1,0 +1,69 @@
+"""CURVE on the role links: a cluster with a keypair serves; peers without it cannot join."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import zmq
+
+from clusters import complete, small_config
+from mooncake import protocol as P
+from mooncake.roles.dev import DevCluster
+from mooncake.security import Curve, CurveError, generate_keys
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys")
+    generate_keys(keys)
+    cfg = small_config(tmp_path_factory.mktemp("data"))
+    cfg.security.curve_keys_dir = str(keys)
+    c = DevCluster(cfg)
+    try:
+        c.start(timeout_s=240)
+        yield c
+    finally:
+        c.stop()
+
+
+def try_register(endpoint: str, node_id: str, keys_dir=None) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys_dir is not None:
+        Curve(keys_dir).client(sock)
+    sock.connect(endpoint)
+    reg = P.Register(role="store", node_id=node_id, endpoints={"store": "tcp://127.0.0.1:9"}, info={"pid": 1})
+    sock.send_multipart(P.encode(reg))
+    got = sock.poll(2000)
+    sock.close(0)
+    ctx.term()
+    assert got == 0, "the conductor answered an unauthenticated peer"
+
+
+def test_cluster_with_curve_serves_requests(cluster):
+    r = complete(cluster.url, "Hello there", max_tokens=4)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    nodes = httpx.get(cluster.url + "/cluster").json()["nodes"]
+    assert sorted(n["role"] for n in nodes) == ["decode", "prefill", "store"]
+
+
+def test_peers_without_the_cluster_key_cannot_register(cluster, tmp_path):
+    endpoint = cluster.cfg.conductor.endpoint
+    try_register(endpoint, "rogue-plain")
+    other = tmp_path / "other"
+    generate_keys(other)
+    try_register(endpoint, "rogue-other-key", keys_dir=other)
+    time.sleep(0.5)
+    ids = [n["node_id"] for n in httpx.get(cluster.url + "/cluster").json()["nodes"]]
+    assert not any(i.startswith("rogue") for i in ids)
+    assert complete(cluster.url, "Still serving", max_tokens=2).status_code == 200
+
+
+def test_missing_keys_are_a_clear_error(tmp_path):
+    with pytest.raises(CurveError, match="mooncake keys"):
+        Curve(tmp_path / "nowhere")
