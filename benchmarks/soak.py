@@ -165,7 +165,7 @@ def _err_message(raw: bytes | str) -> str:
 async def one_request(client: httpx.AsyncClient, spec: dict[str, Any], t0: float, timeout_s: float) -> dict[str, Any]:
     rec: dict[str, Any] = {k: spec[k] for k in ("id", "kind", "path", "stream", "prompt_len", "max_tokens")}
     rec.update(start_s=time.monotonic() - t0, ok=False, status=None, error=None, ttft_s=None,
-               completion_tokens=None, cached_tokens=None)
+               completion_tokens=None, cached_tokens=None, text="", chunks=0)
     start = time.monotonic()
 
     async def run() -> None:
@@ -175,7 +175,10 @@ async def one_request(client: httpx.AsyncClient, spec: dict[str, Any], t0: float
             if r.status_code != 200:
                 rec["error"] = _err_message(r.content)
                 return
-            usage = r.json().get("usage") or {}
+            obj = r.json()
+            usage = obj.get("usage") or {}
+            choice = (obj.get("choices") or [{}])[0]
+            rec["text"] = choice.get("text") or (choice.get("message") or {}).get("content") or ""
             rec["completion_tokens"] = usage.get("completion_tokens")
             rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             rec["ok"] = True
@@ -197,8 +200,13 @@ async def one_request(client: httpx.AsyncClient, spec: dict[str, Any], t0: float
                 if "error" in obj:
                     rec["error"] = "in-stream " + _err_message(data)
                     continue  # the server still sends [DONE]
-                if rec["ttft_s"] is None and obj.get("choices"):
-                    rec["ttft_s"] = time.monotonic() - start
+                if obj.get("choices"):
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = time.monotonic() - start
+                    ch = obj["choices"][0]
+                    piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                    rec["text"] += piece
+                    rec["chunks"] += bool(piece)
                 if obj.get("usage"):
                     rec["completion_tokens"] = obj["usage"].get("completion_tokens")
                     rec["cached_tokens"] = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -217,7 +225,7 @@ async def one_request(client: httpx.AsyncClient, spec: dict[str, Any], t0: float
     rec["e2e_s"] = time.monotonic() - start
     rec["end_s"] = time.monotonic() - t0
     if rec["ok"] and rec["completion_tokens"] is not None and rec["completion_tokens"] != spec["max_tokens"]:
-        rec["short"] = True  # ignore_eos: fewer tokens than asked means tokens were lost
+        rec["token_mismatch"] = True  # ignore_eos: exactly max_tokens expected; else tokens lost or duplicated
     return rec
 
 
@@ -464,7 +472,10 @@ def summarize(soak: Soak, args: argparse.Namespace, command: str, started: str, 
         "cluster": {"roles": ROLES, "heartbeat_s": 0.5, "dead_after_s": 2.0, "hot_block_hits": 2, "replicas": 2,
                     "kv_cache_mib": 160, "dram_mib": 128, "lmdb_mib": 256, "engine_threads": 1},
         "requests": {"sent": soak.sent, "finished": len(recs), "ok": len(ok), "failed": len(failed),
-                     "short_outputs": sum(bool(r.get("short")) for r in ok),
+                     "token_mismatch": [{"id": r["id"], "max_tokens": r["max_tokens"],
+                                         "completion_tokens": r["completion_tokens"], "stream": r["stream"],
+                                         "start_s": r["start_s"], "end_s": r["end_s"]}
+                                        for r in ok if r.get("token_mismatch")],
                      "cached_tokens_total": sum(r.get("cached_tokens") or 0 for r in ok),
                      "e2e_p50_s": _pct(e2e, 0.5), "e2e_p95_s": _pct(e2e, 0.95), "e2e_max_s": max(e2e, default=None),
                      "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
@@ -487,10 +498,13 @@ def markdown(s: dict[str, Any]) -> str:
         f"{s['args']['concurrency']} clients, request timeout {s['args']['request_timeout']:.0f}s.", "",
         "## Requests", "",
         f"Sent {q['sent']}, finished {q['finished']}, **ok {q['ok']}**, **failed {q['failed']}**"
-        f" ({100 * q['failed'] / max(1, q['finished']):.1f}%); ok with fewer tokens than max_tokens "
-        f"(ignore_eos): {q['short_outputs']}; cached prompt tokens reported: {q['cached_tokens_total']}.", "",
+        f" ({100 * q['failed'] / max(1, q['finished']):.1f}%); ok but completion_tokens != max_tokens "
+        f"(all requests use ignore_eos): **{len(q['token_mismatch'])}**; cached prompt tokens reported: {q['cached_tokens_total']}.", "",
         f"Latency of ok requests: e2e p50 {f(q['e2e_p50_s'])}s, p95 {f(q['e2e_p95_s'])}s, max {f(q['e2e_max_s'])}s;"
         f" streaming TTFT p50 {f(q['ttft_p50_s'])}s, p95 {f(q['ttft_p95_s'])}s.", "",
+        *([f"Token-count mismatches: " + "; ".join(
+            f"#{m['id']} {m['completion_tokens']} of {m['max_tokens']} ({'stream' if m['stream'] else 'plain'}, "
+            f"{m['start_s']:.0f}s..{m['end_s']:.0f}s)" for m in q["token_mismatch"]), ""] if q["token_mismatch"] else []),
         "| kind | sent | ok | failed |", "|---|---:|---:|---:|",
         *[f"| {k} | {v.get('sent', 0)} | {v.get('ok', 0)} | {v.get('failed', 0)} |" for k, v in q["by_kind"].items()],
         "", "## Failures", "",
