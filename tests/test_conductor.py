@@ -28,9 +28,10 @@ async def test_requests_in_flight_are_bounded(conductor):
     with pytest.raises(APIError) as e:
         conductor.submit([7, 8, 9], P.Sampling(max_tokens=4))
     assert e.value.status == 503 and e.value.code == "overloaded" and e.value.retry_after_s
+    assert a.wire_id in conductor.cluster.get("d0").assigned and a.wire_id in conductor.cluster.get("p0").work
     conductor.abort(a.req_id)  # frees a slot and the instances' bookkeeping
-    assert a.req_id not in conductor.cluster.get("d0").assigned
-    assert a.req_id not in conductor.cluster.get("p0").work
+    assert a.wire_id not in conductor.cluster.get("d0").assigned
+    assert a.wire_id not in conductor.cluster.get("p0").work and a.wire_id not in conductor.attempts
     conductor.submit([7, 8, 9], P.Sampling(max_tokens=4))
 
 
@@ -51,3 +52,17 @@ async def test_block_events_feed_the_index(conductor):
     assert conductor.index.holders(b"b" * 32) == {"p0": "device"} and len(conductor.index) == 1
     conductor._declare_dead(conductor.cluster.get("p0"))
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
+
+
+async def test_messages_of_an_earlier_attempt_are_ignored(conductor):
+    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    old = req.wire_id
+    decode = conductor.cluster.get("d0")
+    conductor._migrate(req, "test")  # a second attempt on the same instances
+    assert req.wire_id != old and req.migrations == 1
+    await conductor._handle(b"d0", P.TokenEvent(old, [5, 6], ""))  # late tokens of attempt 1
+    await conductor._handle(b"p0", P.Failed(old, "p0", "late failure of attempt 1"))
+    assert req.generated == [] and req.migrations == 1 and not req.done
+    await conductor._handle(b"p0", P.PrefillDone(req.wire_id, "p0", 7, 0, 3, 0.01))
+    await conductor._handle(b"d0", P.TokenEvent(req.wire_id, [8], ""))
+    assert req.generated == [7, 8] and decode.assigned

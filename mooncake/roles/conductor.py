@@ -57,7 +57,13 @@ class RequestState:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     migrations: int = 0
+    attempt: int = 0
     done: bool = False
+
+    @property
+    def wire_id(self) -> str:
+        """The id workers know this attempt by: messages from an earlier attempt match nothing."""
+        return f"{self.req_id}#{self.attempt}"
 
 
 class Conductor:
@@ -73,6 +79,7 @@ class Conductor:
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.prefill_cost, self.decode_cost)
         self.hot = HotBlocks(cfg.conductor.hot_block_hits, cfg.conductor.hot_window_s)
         self.requests: dict[str, RequestState] = {}
+        self.attempts: dict[str, RequestState] = {}  # wire id of the current attempt -> request
         self.model_facts: dict[str, Any] = {}  # model_id, block_tokens, max_model_len, eos: from the first worker
         self._replicating: set[bytes] = set()
         self._stores: dict[str, StoreClient] = {}
@@ -157,19 +164,21 @@ class Conductor:
             self.metrics.rejected.labels(plan.reason).inc()
             raise APIError(plan.status, plan.message, code=plan.reason, retry_after_s=plan.retry_after_s)
         req.plan = plan
+        req.attempt += 1
+        self.attempts[req.wire_id] = req
         bt = self.model_facts["block_tokens"]
         if not req.generated:
             self.metrics.prefix_queries.inc(len(tokens))
-        plan.prefill.work[req.req_id] = plan.est_prefill_s
+        plan.prefill.work[req.wire_id] = plan.est_prefill_s
         batch = plan.decode.running_at(time.monotonic() + plan.est_ttft_s) + 1
-        plan.decode.assign(req.req_id, self.scheduler.expected_end(
+        plan.decode.assign(req.wire_id, self.scheduler.expected_end(
             time.monotonic(), plan.est_ttft_s, req.sampling.max_tokens, batch))
         self.metrics.prefill_dispatched.labels(plan.prefill.node_id).inc()
         stores = [n for n in self.cluster.of_role("store") if n.name == plan.prefill.name] or \
             self.cluster.of_role("store")
         store_ep = min(stores, key=lambda s: s.node_id).endpoints["store"] if (stores and self.cfg.conductor.use_store) else ""
         msg = P.PrefillRequest(
-            req_id=req.req_id, tokens=req.tokens, hashes=hashes, sampling=req.sampling,
+            req_id=req.wire_id, tokens=req.tokens, hashes=hashes, sampling=req.sampling,
             decode_node=plan.decode.node_id, decode_endpoint=plan.decode.endpoints["kv"], fetch=plan.fetch,
             store_endpoint=store_ep, generated=req.generated, cache_salt=req.cache_salt)
         asyncio.get_running_loop().create_task(self._send(plan.prefill, msg))
@@ -183,19 +192,26 @@ class Conductor:
 
     def _release(self, req: RequestState) -> None:
         if req.plan is not None:
-            req.plan.prefill.work.pop(req.req_id, None)
-            req.plan.decode.unassign(req.req_id)
+            req.plan.prefill.work.pop(req.wire_id, None)
+            req.plan.decode.unassign(req.wire_id)
+            self.attempts.pop(req.wire_id, None)
+
+    def _abort_attempt(self, req: RequestState) -> None:
+        """Tell the live workers of the current attempt to drop it."""
+        if req.plan is None:
+            return
+        loop = asyncio.get_running_loop()
+        for node in (req.plan.prefill, req.plan.decode):
+            if self.cluster.get(node.node_id) is node:
+                loop.create_task(self._send(node, P.Abort(req.wire_id)))
 
     def _finish(self, req: RequestState, reason: str, error: str = "", outcome: str = "") -> None:
         """End a request: tell its workers to drop it (unless they ended it), free its slots."""
         if req.done:
             return
         req.done = True
-        if req.plan is not None and reason not in ("stop", "length"):
-            loop = asyncio.get_running_loop()
-            for node in (req.plan.prefill, req.plan.decode):
-                if self.cluster.get(node.node_id) is node:
-                    loop.create_task(self._send(node, P.Abort(req.req_id)))
+        if reason not in ("stop", "length"):
+            self._abort_attempt(req)
         self._release(req)
         self.requests.pop(req.req_id, None)
         self.metrics.e2e.observe(time.monotonic() - req.arrived)
@@ -303,7 +319,7 @@ class Conductor:
         self.prefill_cost.observe(msg.computed_tokens, msg.cached_tokens, msg.prefill_s)
         self.prefill_cost.observe_fetch(msg.fetched_blocks, msg.fetch_s)
         node.work.pop(msg.req_id, None)
-        req = self.requests.get(msg.req_id)
+        req = self.attempts.get(msg.req_id)
         if req is None or req.done or req.plan is None or req.plan.prefill is not node:
             return
         block_bytes = int(node.info.get("block_bytes", 0))
@@ -322,9 +338,9 @@ class Conductor:
         self._emit(req, [msg.first_token], msg.finished)
 
     def _on_tokens(self, node: Node, msg: P.TokenEvent, now: float) -> None:
-        req = self.requests.get(msg.req_id)
+        req = self.attempts.get(msg.req_id)
         if req is None or req.done or req.plan is None or req.plan.decode is not node:
-            return  # late tokens of a request that moved or ended
+            return  # late tokens of an attempt that moved or ended
         if msg.error:
             self._on_failed(node, P.Failed(msg.req_id, node.node_id, msg.error))
             return
@@ -341,14 +357,15 @@ class Conductor:
             self._finish(req, finished)
 
     def _on_failed(self, node: Node, msg: P.Failed) -> None:
-        req = self.requests.get(msg.req_id)
-        if req is None or req.done:
-            return
+        req = self.attempts.get(msg.req_id)
+        if req is None or req.done or req.plan is None or node not in (req.plan.prefill, req.plan.decode):
+            return  # a failure of an attempt that already moved or ended
         log.warning("%s failed %s: %s", node.node_id, msg.req_id, msg.message)
         self._migrate(req, msg.message, retry=msg.retry)
 
     def _migrate(self, req: RequestState, why: str, retry: bool = True) -> None:
         """Re-dispatch a request whose worker failed or died (prompt + tokens so far)."""
+        self._abort_attempt(req)
         self._release(req)
         if not retry or req.migrations >= self.cfg.conductor.max_migrations:
             self._finish(req, "error", f"request failed: {why}")

@@ -25,7 +25,7 @@ from mooncake.roles.worker import EngineWorker
 from mooncake.tiers.client import StoreError
 
 log = logging.getLogger(__name__)
-SEND_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 10.0
 
 
 class PrefillWorker(EngineWorker):
@@ -66,6 +66,9 @@ class PrefillWorker(EngineWorker):
             try:
                 await self._prefill(req)
             except Exception as e:  # report, never die
+                if req.req_id in self.aborted:
+                    log.info("prefill of %s stopped: aborted", req.req_id)
+                    continue
                 log.exception("prefill of %s failed", req.req_id)
                 assert self.link is not None
                 await self.link.send(P.Failed(req.req_id, self.node_id, f"{type(e).__name__}: {e}"))
@@ -87,6 +90,7 @@ class PrefillWorker(EngineWorker):
                 found, blocks = await self.store(plan.endpoint).get(hashes[start:plan.end], prefix=True)
             except StoreError as e:
                 log.warning("fetch from %s failed, recomputing instead: %s", plan.endpoint, e)
+                self.forget_store(plan.endpoint, e)
                 break
             if found:
                 n = await self.run_engine(self.engine.import_blocks, found, torch.stack(blocks))
@@ -110,8 +114,19 @@ class PrefillWorker(EngineWorker):
         return sock
 
     async def _ship(self, endpoint: str, msg: P.KVTransfer, kv: torch.Tensor) -> None:
+        """Send KV to a decode instance; gives up when the request is aborted (e.g. the
+        conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S."""
         frames = P.encode(msg, list(kv.unbind(0)))
-        await asyncio.wait_for(self._kv_socket(endpoint).send_multipart(frames, copy=False), SEND_TIMEOUT_S)
+        send = asyncio.ensure_future(self._kv_socket(endpoint).send_multipart(frames, copy=False))
+        deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
+        while not send.done():
+            await asyncio.wait({send}, timeout=0.1)
+            if not send.done() and (msg.req_id in self.aborted or asyncio.get_running_loop().time() > deadline):
+                send.cancel()
+                self._kv_socks.pop(endpoint).close(0)  # its queue may hold parts of this request
+                raise TimeoutError(f"KV to {endpoint} not accepted within {SEND_TIMEOUT_S:.0f}s"
+                                   if msg.req_id not in self.aborted else "aborted")
+        send.result()
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
         assert self.link is not None

@@ -20,7 +20,7 @@ from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.roles.link import ConductorLink
 from mooncake.security import Curve
-from mooncake.tiers.client import StoreClient, StoreError
+from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +68,13 @@ class EngineWorker(ABC):
             client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
         return client
 
+    def forget_store(self, endpoint: str, error: StoreError) -> None:
+        """Drop the client of a store that stopped answering (it holds sockets and shm)."""
+        if isinstance(error, StoreUnavailable):
+            client = self._stores.pop(endpoint, None)
+            if client is not None:
+                client.close()
+
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
         """Put blocks into a store in the background; a failed write only costs reuse."""
         async def put() -> None:
@@ -75,6 +82,7 @@ class EngineWorker(ABC):
                 await self.store(endpoint).put(hashes, kv, self.engine.model_id)
             except StoreError as e:
                 log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
+                self.forget_store(endpoint, e)
 
         task = asyncio.create_task(put())
         self._writes.add(task)

@@ -248,6 +248,7 @@ class StoreClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(StoreUnavailable("client closed"))
+                fut.exception()  # a caller may already have given up on it: not an unhandled error
         self._pending.clear()
         if self._reader is not None:
             self._reader.cancel()
