@@ -32,7 +32,6 @@ import re
 import shlex
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -502,7 +501,7 @@ def markdown(s: dict[str, Any]) -> str:
         f"(all requests use ignore_eos): **{len(q['token_mismatch'])}**; cached prompt tokens reported: {q['cached_tokens_total']}.", "",
         f"Latency of ok requests: e2e p50 {f(q['e2e_p50_s'])}s, p95 {f(q['e2e_p95_s'])}s, max {f(q['e2e_max_s'])}s;"
         f" streaming TTFT p50 {f(q['ttft_p50_s'])}s, p95 {f(q['ttft_p95_s'])}s.", "",
-        *([f"Token-count mismatches: " + "; ".join(
+        *(["Token-count mismatches: " + "; ".join(
             f"#{m['id']} {m['completion_tokens']} of {m['max_tokens']} ({'stream' if m['stream'] else 'plain'}, "
             f"{m['start_s']:.0f}s..{m['end_s']:.0f}s)" for m in q["token_mismatch"]), ""] if q["token_mismatch"] else []),
         "| kind | sent | ok | failed |", "|---|---:|---:|---:|",
@@ -572,7 +571,7 @@ def plot(soak: Soak, s: dict[str, Any], path: Path) -> None:
             ax1.text(e["t_s"] / 60, top, f" {e['event']} {e['name']}", rotation=90, va="top", ha="right",
                      fontsize=7, color="red" if e["event"] == "kill" else "green")
     ax1.set_ylabel("RSS (MiB)")
-    ax1.set_title(f"mooncake soak: RSS per role (red dashed: SIGKILL, green dotted: restart)")
+    ax1.set_title("mooncake soak: RSS per role (red dashed: SIGKILL, green dotted: restart)")
     ax1.legend(loc="center left", fontsize=8, ncol=1, bbox_to_anchor=(1.0, 0.5))
     ax1.grid(alpha=0.3)
     pm = s["per_minute"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -66,3 +67,13 @@ def metrics(url: str) -> str:
 def complete(url: str, prompt: object, max_tokens: int = 16, **extra: object) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -132,7 +132,7 @@ def test_invalid_lines_name_the_line(tmp_path, line, message):
     with pytest.raises(TraceError) as info:
         load_trace(path)
     assert info.value.line_no == 3
-    assert f"bad.jsonl:3: " in str(info.value)
+    assert "bad.jsonl:3: " in str(info.value)
     assert message in str(info.value)
 
 

@@ -5,13 +5,12 @@ disconnects."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 import torch
 
-from clusters import MODEL, complete, metric, metrics, start_cluster
+from clusters import MODEL, complete, metric, metrics, start_cluster, wait_for
 from mooncake.tiers.client import StoreClient
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,16 +44,6 @@ def sse_events(resp: httpx.Response) -> list:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n   "])

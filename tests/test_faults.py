@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, small_config
+from clusters import MODEL, complete, metric, metrics, small_config, wait_for
 from mooncake.config import MiB
 from mooncake.roles.dev import DevCluster
 
@@ -32,16 +32,6 @@ def _start(data_dir, prefill: int, decode: int, store: int, dram_bytes: int | No
         c.stop()
         raise
     return c
-
-
-def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def nodes(c: DevCluster, role: str) -> list[dict]:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ..protocol import dtype_from_name, dtype_name
-from .base import StoredBlock, Tier, block_nbytes
+from .base import StoredBlock, Tier
 
 MAGIC = b"MCK1"
 _PREFIX = struct.Struct("<4sI")
