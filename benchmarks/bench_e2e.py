@@ -2,18 +2,18 @@
 
 Two workloads, each against every system in turn (one system up at a time):
 
-* trace: the first N requests of the Mooncake trace, hash blocks expanded to 16
+* trace: the Mooncake trace's requests of its 3 largest prefix groups (69
+  requests, 95% of their blocks shared; a contiguous slice of a few minutes has
+  under 10% reuse: the trace's sharing is long-range), hash blocks expanded to 16
   tokens, prompts truncated to 1,500 tokens, outputs capped at 32, arrivals at
-  the trace's timestamps (scaled);
+  the trace's timestamps scaled by 0.1;
 * shared-prefix: groups of conversations sharing a long system prefix, 2 turns.
 
 Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
 
 * ``cache_aware``: mooncake's default policy, KV store on;
-* ``cache_off``:  ``conductor.use_store = false`` and a prefill device pool of
-  about one prompt (72 MiB), so prefixes are neither fetched from stores nor,
-  mostly, found in the prefill's own pool (the decode pool keeps its size);
-  the measured hit rate says how much reuse was left;
+* ``cache_off``: ``conductor.use_store = false`` and ``engine.prefix_caching =
+  false``: the same processes, but every prompt is computed in full;
 * ``round_robin``: mooncake, ``conductor.policy = round_robin``, store on;
 * ``hf_serve``: ``transformers serve --continuous-batching`` on the same
   converted model (text prompts: it does not take token-id prompts).
@@ -52,34 +52,15 @@ SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve"]
 
 
-class RoleSizedCluster(DevCluster):
-    """DevCluster whose prefill instances get their own KV pool size."""
-
-    def __init__(self, *a, prefill_kv_bytes: int | None = None, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.prefill_kv_bytes = prefill_kv_bytes
-
-    def spawn(self, role: str, index: int = 0) -> subprocess.Popen:
-        if role != "prefill" or self.prefill_kv_bytes is None:
-            return super().spawn(role, index)
-        keep = self.cfg.engine.kv_cache_bytes
-        self.cfg.engine.kv_cache_bytes = self.prefill_kv_bytes
-        try:
-            return super().spawn(role, index)
-        finally:
-            self.cfg.engine.kv_cache_bytes = keep
-
-
-def start_mooncake(system: str) -> RoleSizedCluster:
+def start_mooncake(system: str) -> DevCluster:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
     cfg.engine.kv_cache_bytes = 400 * MiB  # ~8,900 tokens per instance
-    kw = {}
     if system == "cache_off":
         cfg.conductor.use_store = False
-        kw["prefill_kv_bytes"] = 72 * MiB  # ~1,600 tokens: one prompt, not a library of prefixes
+        cfg.engine.prefix_caching = False
     if system == "round_robin":
         cfg.conductor.policy = "round_robin"
-    cluster = RoleSizedCluster(cfg, prefill=2, decode=1, store=1, **kw)
+    cluster = DevCluster(cfg, prefill=2, decode=1, store=1)
     try:
         cluster.start(timeout_s=300)
     except BaseException:
@@ -124,10 +105,10 @@ class HFServe:
 
 
 def workloads(quick: bool, model_dir: str) -> dict[str, dict]:
-    n_trace = 16 if quick else 40
+    n_trace = 24 if quick else 69
     trace = dict(workload="trace", trace_path=TRACE, max_requests=n_trace,
-                 scaling=TraceScaling(block_tokens=16, time_scale=1.5, max_input_tokens=1500,
-                                      max_output_tokens=32, max_requests=n_trace))
+                 scaling=TraceScaling(block_tokens=16, time_scale=0.1, max_input_tokens=1500,
+                                      max_output_tokens=32, max_requests=n_trace, prefix_groups=3))
     sp = SharedPrefixSpec(groups=2 if quick else 3, sessions_per_group=2 if quick else 4,
                           prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16)
     shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,

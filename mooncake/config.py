@@ -36,6 +36,7 @@ class EngineConfig(_Section):
     prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk.")
     max_model_len: int = Field(0, ge=0, description="Context limit; 0: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
+    prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
 
 
 class StoreConfig(_Section):

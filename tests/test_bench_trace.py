@@ -157,3 +157,16 @@ def test_text_mode_words_are_deterministic():
     with pytest.raises(ValueError):
         TokenRange(5, 5)
     assert TokenRange.parse("10:20") == TokenRange(10, 20)
+
+
+def test_prefix_groups_keep_the_largest_sharing_groups_at_their_times():
+    from mooncake.bench.prompts import TokenRange
+    from mooncake.bench.trace import TraceRecord, TraceScaling, trace_sessions
+
+    recs = [TraceRecord(line_no=i + 1, timestamp_ms=t, input_length=2 * 4, output_length=3, hash_ids=ids)
+            for i, (t, ids) in enumerate([(0, (1, 2)), (10, (7, 8)), (20, (1, 3)), (30, (9,)), (40, (1, 4)),
+                                         (50, (7, 5))])]
+    got = trace_sessions(recs, TraceScaling(block_tokens=4, prefix_groups=2), TokenRange(1000, 30000))
+    assert [s.session_id for s in got] == ["trace-1", "trace-2", "trace-3", "trace-5", "trace-6"]
+    assert [s.arrival_s for s in got] == [0.0, 0.01, 0.02, 0.04, 0.05]
+    assert got[0].turns[0][:4] == got[2].turns[0][:4] != got[1].turns[0][:4]

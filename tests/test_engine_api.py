@@ -196,3 +196,20 @@ def test_rope_scaling_matches_transformers():
         torch.testing.assert_close(inv_freq(cfg, 64), ref.float())
     with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'yarn'"):
         check_rope(SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+
+
+def test_prefix_caching_off_computes_every_prompt_in_full(loaded_model):
+    from mooncake.config import EngineConfig, MiB
+    from mooncake.engine import Engine
+    from mooncake.protocol import Sampling
+
+    eng = Engine(loaded_model, EngineConfig(kv_cache_bytes=64 * MiB, prefix_caching=False))
+    prompt = list(range(100, 164))
+    first = eng.add_sequence("a", prompt, Sampling(max_tokens=1, temperature=0))
+    while not eng.prefill(first).done:
+        pass
+    eng.free(first)
+    assert eng.cached_prefix(eng.hashes(prompt)) == 0
+    again = eng.add_sequence("b", prompt, Sampling(max_tokens=1, temperature=0))
+    assert again.num_cached_tokens == 0
+    eng.free(again)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,13 +61,17 @@ class TraceScaling:
     """Keep only the first N requests."""
     duration_s: float | None = None
     """Keep only requests whose scaled arrival is within this many seconds."""
+    prefix_groups: int | None = None
+    """Keep only the requests of the N largest prefix groups (same first hash id), at their
+    own times: a short replay that keeps the trace's long-range sharing, which a time
+    slice of a few minutes mostly loses."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         if not self.time_scale > 0:
             raise ValueError("time_scale must be > 0")
-        for name in ("max_input_tokens", "max_output_tokens", "max_requests"):
+        for name in ("max_input_tokens", "max_output_tokens", "max_requests", "prefix_groups"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -162,6 +167,10 @@ def expand_prompt(record: TraceRecord, block_tokens: int, token_range: TokenRang
 def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
                    token_range: TokenRange) -> list[Session]:
     """Scaled single-turn sessions, with arrival offsets (s) from the first timestamp."""
+    if scaling.prefix_groups is not None:
+        sizes = Counter(r.hash_ids[0] for r in records if r.hash_ids)
+        keep = {h for h, _ in sizes.most_common(scaling.prefix_groups)}
+        records = [r for r in records if r.hash_ids and r.hash_ids[0] in keep]
     if not records:
         return []
     t0 = min(r.timestamp_ms for r in records)

@@ -60,6 +60,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(loaded)
         self.vocab_size = int(self.model.embed.shape[0])
         self.chunk_tokens = cfg.prefill_chunk_tokens
+        self.prefix_caching = cfg.prefix_caching
         self.max_batch = cfg.max_batch
         self._num_seqs = 0
         self._uids = itertools.count(1)
@@ -90,7 +91,7 @@ class Engine:
             raise InvalidRequestError("top_k must be >= 0 (0: disabled)", "top_k")
 
     def cached_prefix(self, hashes: list[BlockHash]) -> int:
-        return self.blocks.cached_prefix(hashes)
+        return self.blocks.cached_prefix(hashes) if self.prefix_caching else 0
 
     def add_sequence(self, req_id: str, tokens: list[int], sampling: Sampling,
                      cache_salt: str | None = None, num_generated: int = 0) -> Sequence | None:
@@ -99,7 +100,7 @@ class Engine:
         self.validate(tokens, sampling)
         T = self.block_tokens
         hashes = self.hashes(tokens, cache_salt)
-        n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T)
+        n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T) if self.prefix_caching else 0
         held = self.blocks.acquire(hashes[:n_hit])
         new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
         if new is None:

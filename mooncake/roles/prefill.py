@@ -39,7 +39,8 @@ class PrefillWorker(EngineWorker):
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
 
     async def start(self) -> None:
-        self.publish_device_cache()
+        if self.engine.prefix_caching:
+            self.publish_device_cache()
         self._tasks.append(asyncio.create_task(self._work_loop()))
         await self.serve({})
 
