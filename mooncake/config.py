@@ -66,6 +66,7 @@ class ConductorConfig(_Section):
     heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval the roles are told to use.")
     dead_after_s: float = Field(3.0, gt=0, description="A node silent this long is dead.")
     request_timeout_s: float = Field(300.0, gt=0, description="A request with no progress this long fails.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, a role lets its in-flight requests finish for up to this long.")
     max_migrations: int = Field(2, ge=0, description="Times a request may move after its worker dies.")
     hot_block_hits: int = Field(4, ge=1, description="Hits in the window that make a block hot.")
     hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")

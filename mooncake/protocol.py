@@ -104,6 +104,12 @@ class Heartbeat(Msg, tag="heartbeat"):
     load: dict[str, Any] = {}  # running/waiting counts, free blocks, tier bytes...
 
 
+class Leave(Msg, tag="leave"):
+    """Worker -> conductor: I am shutting down; send me no new work (in-flight work finishes)."""
+
+    node_id: str
+
+
 class Reregister(Msg, tag="reregister"):
     """Conductor -> node: I do not know you (e.g. I restarted); register again."""
 
@@ -314,7 +320,7 @@ class ShmBlocks(Msg, tag="shm_blocks"):
 
 
 Message = Union[
-    Register, Registered, Heartbeat, Reregister,
+    Register, Registered, Heartbeat, Leave, Reregister,
     Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
     Ok, Blocks, Error, BlockEvent,
     PrefillRequest, PrefillDone, KVTransfer, TokenEvent, Abort, Failed,

@@ -66,3 +66,11 @@ async def test_messages_of_an_earlier_attempt_are_ignored(conductor):
     await conductor._handle(b"p0", P.PrefillDone(req.wire_id, "p0", 7, 0, 3, 0.01))
     await conductor._handle(b"d0", P.TokenEvent(req.wire_id, [8], ""))
     assert req.generated == [7, 8] and decode.assigned
+
+
+async def test_decode_tokens_that_overtake_the_first_token_wait_for_it(conductor):
+    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    await conductor._handle(b"d0", P.TokenEvent(req.wire_id, [8], ""))
+    assert req.generated == []
+    await conductor._handle(b"p0", P.PrefillDone(req.wire_id, "p0", 7, 0, 3, 0.01))
+    assert req.generated == [7, 8]

@@ -5,6 +5,8 @@ requests run; restart a store on its LMDB directory. Decisions and outputs are a
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -181,3 +183,33 @@ def test_only_decode_killed_mid_stream_ends_with_an_error_event_and_done(single)
     assert errors[0]["error"]["code"] == "worker_failed" and "decode" in errors[0]["error"]["message"]
     assert time.monotonic() - t0 < 60  # ended by failure detection, not by a client timeout
     wait_for(lambda: httpx.get(single.url + "/cluster").json()["requests"] == 0, 10, "the request to be freed")
+
+
+def test_sigterm_on_a_worker_drains_its_requests_and_takes_no_new_work(tmp_path):
+    """A decode instance told to stop finishes the stream it is serving, gets no new
+    request meanwhile, and exits 0."""
+    c = _start(tmp_path, prefill=1, decode=1, store=1)
+    try:
+        body = {"model": MODEL, "prompt": list(range(2000, 2100)), "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=120) as r:
+            chunks = 0
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks += 1
+                if chunks == 3:
+                    os.killpg(c.children["decode0"].pid, signal.SIGTERM)
+                    wait_for(lambda: httpx.get(c.url + "/health").json()["nodes"]["decode"] == 0, 10,
+                             "the draining decode to leave the schedulable set")
+                    refused = complete(c.url, "Hello", max_tokens=2)
+                    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_workers"
+                    break
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert not any('"error"' in line for line in rest)
+        usage = json.loads(rest[-2][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 40
+        assert c.children["decode0"].wait(timeout=30) == 0
+    finally:
+        c.stop()

@@ -58,6 +58,8 @@ class RequestState:
     last_token_at: float = 0.0
     migrations: int = 0
     attempt: int = 0
+    first_of_attempt: bool = False  # the current attempt's prefill token has arrived
+    early: list = field(default_factory=list)  # decode tokens that overtook it, held back
     done: bool = False
 
     @property
@@ -165,6 +167,7 @@ class Conductor:
             raise APIError(plan.status, plan.message, code=plan.reason, retry_after_s=plan.retry_after_s)
         req.plan = plan
         req.attempt += 1
+        req.first_of_attempt, req.early = False, []
         self.attempts[req.wire_id] = req
         bt = self.model_facts["block_tokens"]
         if not req.generated:
@@ -248,6 +251,9 @@ class Conductor:
         node.last_seen = now
         if isinstance(msg, P.Heartbeat):
             self._on_heartbeat(node, msg.load)
+        elif isinstance(msg, P.Leave):
+            self.cluster.set_draining(node.node_id)
+            log.info("%s %s is draining: no new work", node.role, node.node_id)
         elif isinstance(msg, P.BlockEvent):
             if msg.kind == "stored":
                 self.index.add(node.node_id, msg.tier, msg.hashes)
@@ -335,12 +341,19 @@ class Conductor:
             self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
             req.first_token_at = now
         req.last_token_at = now
+        req.first_of_attempt = True
         self._emit(req, [msg.first_token], msg.finished)
+        for early in req.early:  # decode tokens sent on a faster path than the prefill's report
+            self._on_tokens(node if req.plan is None else req.plan.decode, early, now)
+        req.early = []
 
     def _on_tokens(self, node: Node, msg: P.TokenEvent, now: float) -> None:
         req = self.attempts.get(msg.req_id)
         if req is None or req.done or req.plan is None or req.plan.decode is not node:
             return  # late tokens of an attempt that moved or ended
+        if not req.first_of_attempt:
+            req.early.append(msg)
+            return
         if msg.error:
             self._on_failed(node, P.Failed(msg.req_id, node.node_id, msg.error))
             return

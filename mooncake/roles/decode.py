@@ -50,6 +50,9 @@ class DecodeWorker(EngineWorker):
         self._tasks += [asyncio.create_task(self._kv_loop()), asyncio.create_task(self._step_loop())]
         await self.serve({"kv": endpoint})
 
+    def busy(self) -> bool:
+        return bool(self.running or self.ready or self.partial)
+
     def load(self) -> dict[str, Any]:
         steps, self.steps = self.steps, []
         return {**super().load(), "running": len(self.running), "waiting": len(self.ready), "steps": steps[-32:]}

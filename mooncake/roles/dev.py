@@ -82,7 +82,11 @@ class DevCluster:
             os.killpg(proc.pid, sig)
             proc.wait(timeout=30)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every role — all at once, so that each drains its own in-flight work
+        (the conductor its HTTP responses, workers their sequences) — then SIGKILL what
+        is still running after the drain timeout (plus a margin)."""
+        grace_s = self.cfg.conductor.drain_timeout_s + 10 if grace_s is None else grace_s
         for proc in self.children.values():
             if proc.poll() is None:
                 try:

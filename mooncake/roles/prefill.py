@@ -44,6 +44,9 @@ class PrefillWorker(EngineWorker):
         self._tasks.append(asyncio.create_task(self._work_loop()))
         await self.serve({})
 
+    def busy(self) -> bool:
+        return self.current is not None or not self.queue.empty()
+
     def load(self) -> dict[str, Any]:
         return {**super().load(), "waiting": self.queue.qsize(), "running": int(self.current is not None)}
 
@@ -153,8 +156,13 @@ class PrefillWorker(EngineWorker):
         assert self.link is not None
         eng = self.engine
         cached = seq.num_cached_tokens
-        t_compute = time.perf_counter()
         sent = 0
+        reused = cached // eng.block_tokens
+        if reused:  # the reused prefix is known before any compute: it travels while the rest computes
+            kv = await self.run_engine(eng.export_sequence, seq, 0, reused)
+            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0, []), kv)
+            sent = reused
+        t_compute = time.perf_counter()
         while True:
             step = await self.run_engine(eng.prefill, seq)
             if req.req_id in self.aborted:
@@ -168,15 +176,16 @@ class PrefillWorker(EngineWorker):
                 sent = full
         compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
+        # The first token goes out now (time to first token); the KV tail follows to decode.
+        await self.link.send(P.PrefillDone(
+            req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(tokens) - cached,
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=step.finished))
         if not step.finished:
             kv = await self.run_engine(eng.export_sequence, seq, sent, None)
             final = P.KVTransfer(req.req_id, sent, [], final=True, tokens=tokens, next_token=token,
                                  sampling=req.sampling, num_generated=len(req.generated) + 1,
                                  cache_salt=req.cache_salt, store_endpoint=req.store_endpoint)
             await self._ship(req.decode_endpoint, final, kv)
-        await self.link.send(P.PrefillDone(
-            req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(tokens) - cached,
-            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=step.finished))
         new_from = cached // eng.block_tokens
         if req.store_endpoint and len(hashes) > new_from:
             kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))

@@ -26,7 +26,7 @@ async def run_conductor(cfg: Config) -> None:
     await conductor.start()
     c = cfg.conductor
     server = uvicorn.Server(uvicorn.Config(build_app(conductor), host=c.host, port=c.port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=int(c.drain_timeout_s)))
     # We own SIGTERM/SIGINT (uvicorn would re-raise them after shutting down): stop accepting,
     # let in-flight responses finish (up to timeout_graceful_shutdown), exit 0.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

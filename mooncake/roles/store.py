@@ -72,6 +72,7 @@ async def run_store(cfg: Config) -> None:
     drain.cancel()
     link.close()
     await server.close()
+    store.close()  # LMDB synced and closed cleanly
     ctx.term()
 
 

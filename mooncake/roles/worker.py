@@ -125,8 +125,23 @@ class EngineWorker(ABC):
             loop.add_signal_handler(sig, stop.set)
         receiver = asyncio.create_task(self._receive())
         await stop.wait()
+        await self.drain()
         receiver.cancel()
         await self.close()
+
+    def busy(self) -> bool:
+        """Whether the role still holds requests (drained on shutdown)."""
+        return self.engine.stats()["sequences"] > 0
+
+    async def drain(self) -> None:
+        """Tell the conductor we are leaving, then let in-flight work finish (bounded)."""
+        assert self.link is not None
+        await self.link.send(P.Leave(self.node_id))
+        deadline = asyncio.get_running_loop().time() + self.cfg.conductor.drain_timeout_s
+        while self.busy() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        if self._writes:  # blocks on their way to a store
+            await asyncio.wait(set(self._writes), timeout=max(0.1, deadline - asyncio.get_running_loop().time()))
 
     async def _receive(self) -> None:
         assert self.link is not None

@@ -22,6 +22,7 @@ class Node:
     # decode: request -> expected end time; ``ends`` is the same values kept sorted
     assigned: dict[str, float] = field(default_factory=dict)
     ends: list[float] = field(default_factory=list)
+    draining: bool = False
 
     @property
     def queue_s(self) -> float:
@@ -46,6 +47,20 @@ class Node:
 class Cluster:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
+        self._by_role: dict[str, list[Node]] = {}  # rebuilt on membership changes (rare)
+
+    def _reindex(self) -> None:
+        self._by_role = {}
+        for n in self.nodes.values():
+            if not n.draining:
+                self._by_role.setdefault(n.role, []).append(n)
+
+    def set_draining(self, node_id: str) -> None:
+        """The node finishes what it has but gets nothing new (it is shutting down)."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.draining = True
+            self._reindex()
 
     def upsert(self, node_id: str, role: str, name: str, ident: bytes, endpoints: dict[str, str],
                info: dict[str, Any], now: float) -> tuple[Node, bool]:
@@ -55,16 +70,20 @@ class Cluster:
         if old is not None:  # keep the conductor's bookkeeping across a re-registration
             node.work, node.assigned, node.ends = old.work, old.assigned, old.ends
         self.nodes[node_id] = node
+        self._reindex()
         return node, old is None
 
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
 
     def of_role(self, role: str) -> list[Node]:
-        return [n for n in self.nodes.values() if n.role == role]
+        """The live nodes of a role that take new work (a shared list: read it, do not change it)."""
+        return self._by_role.get(role, [])
 
     def remove(self, node_id: str) -> Node | None:
-        return self.nodes.pop(node_id, None)
+        node = self.nodes.pop(node_id, None)
+        self._reindex()
+        return node
 
     def silent_since(self, cutoff: float) -> list[Node]:
         return [n for n in self.nodes.values() if n.last_seen < cutoff]

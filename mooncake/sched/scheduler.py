@@ -65,13 +65,16 @@ class Scheduler:
         # One walk: each node's leading run, and how far the stores together cover the chain.
         runs, store_end = self.index.prefix_runs(hashes[:usable], stores)
         fetch_s = self.prefill_cost.fetch_block_s
+        prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         candidates = []
         for p in prefills:
             dev = min(runs.get(p.node_id, 0), usable)
             reusable = max(dev, store_end)
-            cached = reusable * block_tokens
-            prefill_s = self.prefill_cost.predict(n_tokens - cached, cached)
+            prefill_s = prefill_time.get(reusable)
+            if prefill_s is None:
+                cached = reusable * block_tokens
+                prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
             est = p.queue_s + (reusable - dev) * fetch_s + prefill_s
             candidates.append((est, prefill_s, dev, reusable, p))
 
