@@ -47,7 +47,7 @@ from mooncake.config import MiB, ModelConfig  # noqa: E402
 from mooncake.engine.loader import resolve_model_dir  # noqa: E402
 from mooncake.roles.dev import DevCluster  # noqa: E402
 
-TRACE = "/work/shared/traces/synthetic_trace.jsonl"
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve"]
 

@@ -41,7 +41,7 @@ from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.scheduler import Plan, Scheduler
 
-TRACE = "/work/shared/traces/synthetic_trace.jsonl"
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 BLOCK = 16
 MODEL_ID = "SmolLM2-135M-Instruct"
 VOCAB = 49152
