@@ -31,7 +31,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,7 +45,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mooncake.config import Config, MiB  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from clusters import small_config  # noqa: E402
+
+from mooncake.config import Config  # noqa: E402
 from mooncake.roles.dev import DevCluster  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,26 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def soak_config(data_dir: Path, request_timeout_s: float) -> Config:
-    cfg = Config()
-    cfg.conductor.port = free_port()
-    cfg.conductor.heartbeat_s = 0.5
-    cfg.conductor.dead_after_s = 2.0
-    cfg.conductor.hot_block_hits = 2
-    cfg.conductor.replicas = 2
-    cfg.conductor.request_timeout_s = request_timeout_s
-    cfg.engine.kv_cache_bytes = 160 * MiB
-    cfg.engine.threads = 1
-    cfg.store.dram_bytes = 128 * MiB
-    cfg.store.lmdb_bytes = 256 * MiB
-    cfg.store.data_dir = str(data_dir)
-    return cfg
+    """The tests' small config, with fast failure detection and replication on."""
+    return small_config(data_dir, heartbeat_s=0.5, dead_after_s=2.0, hot_block_hits=2, replicas=2,
+                        request_timeout_s=request_timeout_s)
 
 
 # ----------------------------------------------------------------------------- workload
