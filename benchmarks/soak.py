@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from clusters import small_config  # noqa: E402
 
-from mooncake.config import Config  # noqa: E402
+from mooncake.config import Config, MiB  # noqa: E402
 from mooncake.roles.dev import DevCluster  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
