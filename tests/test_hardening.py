@@ -30,7 +30,7 @@ BODY_LIMIT = 64 * 1024
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp("hardening"), api_key=KEY, max_body_bytes=BODY_LIMIT,
-                       request_timeout_s=60.0)
+                       request_timeout_s=60.0, drain_timeout_s=20.0)
     cfg.engine.max_model_len = 512  # a small context: clamped max_tokens stay cheap
     c = DevCluster(cfg, 1, 1, 1)
     try:

@@ -128,3 +128,18 @@ def test_no_workers_and_overload_are_503():
     cluster.remove("d0")
     r = sched.plan(H[:1], 20, 4, 16, now=0)
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
+
+
+def test_registration_rules():
+    from mooncake.sched.cluster import registration_problem
+
+    facts = {"model_id": "m@1/float32", "block_tokens": 16, "max_model_len": 8192}
+    ok = dict(facts)
+    assert registration_problem("decode", "d0", {"kv": "tcp://x"}, ok, facts) is None
+    assert registration_problem("store", "s0", {"store": "tcp://x"}, {}, facts) is None
+    assert registration_problem("decode", "d0", {}, ok, facts).code == "bad_register"
+    assert registration_problem("wizard", "w0", {}, {}, facts).code == "bad_register"
+    assert registration_problem("prefill", "", {}, ok, facts).code == "bad_register"
+    other = dict(ok, model_id="other@2/float32")
+    assert registration_problem("prefill", "p1", {}, other, facts).code == "model_mismatch"
+    assert registration_problem("prefill", "p1", {}, other, {}) is None  # the first one defines the cluster

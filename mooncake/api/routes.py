@@ -39,6 +39,8 @@ def build_app(conductor: Conductor) -> FastAPI:
     async def cluster() -> dict:
         """Live nodes with their last reported load and the conductor's assignments."""
         return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
+                "estimates": {"prefill_1k_tokens_s": conductor.prefill_cost.predict(1000, 0),
+                              "decode_step_batch_8_s": conductor.decode_cost.predict(8)},
                 "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "endpoints": n.endpoints,
                            "load": n.load, "queued": len(n.work), "assigned": len(n.assigned),
                            "blocks_indexed": conductor.index.blocks_of(n.node_id)}
@@ -140,8 +142,8 @@ async def _pieces(conductor: Conductor, req: RequestState, stream: TextStream) -
                 yield text, None
         else:
             _, reason, error = event
-            if error:
-                yield error, "error"
+            if error or reason == "abort":  # ended by the server (e.g. shutting down), not finished
+                yield error or "the request was cancelled by the server", "error"
             else:
                 yield stream.flush(), "stop" if reason == "stop" else "length"
             return

@@ -24,25 +24,17 @@ from mooncake.api.errors import APIError
 from mooncake.blocks import hash_blocks
 from mooncake.config import Config
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.roles.replicator import Replicator
+from mooncake.sched.cluster import Cluster, Node, model_facts, registration_problem
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
-from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import Curve
 from mooncake.sched.scheduler import Plan, Rejection, Scheduler
-from mooncake.tiers.client import StoreClient, StoreError
 
 log = logging.getLogger(__name__)
 
 
 # role -> (endpoints, info keys) a registration must carry for the role to be usable
-_REGISTER_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "prefill": ((), ("model_id", "block_tokens", "max_model_len")),
-    "decode": (("kv",), ("model_id", "block_tokens", "max_model_len")),
-    "store": (("store",), ()),
-}
-
-
 @dataclass(eq=False)
 class RequestState:
     req_id: str
@@ -79,18 +71,16 @@ class Conductor:
         self.prefill_cost = PrefillCostModel()
         self.decode_cost = DecodeCostModel()
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.prefill_cost, self.decode_cost)
-        self.hot = HotBlocks(cfg.conductor.hot_block_hits, cfg.conductor.hot_window_s)
         self.requests: dict[str, RequestState] = {}
         self.attempts: dict[str, RequestState] = {}  # wire id of the current attempt -> request
         self.model_facts: dict[str, Any] = {}  # model_id, block_tokens, max_model_len, eos: from the first worker
-        self._replicating: set[bytes] = set()
-        self._stores: dict[str, StoreClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
+        self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -104,10 +94,14 @@ class Conductor:
         return self.endpoint
 
     async def close(self) -> None:
+        """After the HTTP side drained: requests still in flight have no client left; tell
+        their workers to drop them (so workers drain at once), then close."""
+        for req in list(self.requests.values()):
+            self._finish(req, "abort", outcome="aborted")  # sends the Aborts as tasks
+        await asyncio.sleep(0.1)  # let those tasks run and ZeroMQ flush them (LINGER is 0)
         for t in self._tasks:
             t.cancel()
-        for c in self._stores.values():
-            c.close()
+        self.replicator.close()
         self.sock.close(0)
         if self.curve is not None:
             self.curve.stop()
@@ -169,7 +163,6 @@ class Conductor:
         req.attempt += 1
         req.first_of_attempt, req.early = False, []
         self.attempts[req.wire_id] = req
-        bt = self.model_facts["block_tokens"]
         if not req.generated:
             self.metrics.prefix_queries.inc(len(tokens))
         plan.prefill.work[req.wire_id] = plan.est_prefill_s
@@ -185,7 +178,7 @@ class Conductor:
             decode_node=plan.decode.node_id, decode_endpoint=plan.decode.endpoints["kv"], fetch=plan.fetch,
             store_endpoint=store_ep, generated=req.generated, cache_salt=req.cache_salt)
         asyncio.get_running_loop().create_task(self._send(plan.prefill, msg))
-        self._note_hits(hashes[: plan.reusable_blocks], bt)
+        self.replicator.note_hits(hashes[: plan.reusable_blocks])
 
     def abort(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit)."""
@@ -271,23 +264,13 @@ class Conductor:
 
     async def _on_register(self, ident: bytes, msg: P.Register, now: float) -> None:
         info = msg.info
-        needs = _REGISTER_NEEDS.get(msg.role)
-        missing = None if needs is None else [k for k in needs[0] if not msg.endpoints.get(k)] + \
-            [k for k in needs[1] if k not in info]
-        if missing is None or missing or not msg.node_id:
-            log.error("refusing registration of %r as %r: missing %s", msg.node_id, msg.role, missing)
-            await self.sock.send_multipart([ident, *P.encode(P.Error(
-                f"cannot register role {msg.role!r} (missing: {missing})", "bad_register"))])
+        refusal = registration_problem(msg.role, msg.node_id, msg.endpoints, info, self.model_facts)
+        if refusal is not None:
+            log.error("refusing registration of %r as %r: %s", msg.node_id, msg.role, refusal.message)
+            await self.sock.send_multipart([ident, *P.encode(refusal)])
             return
-        if msg.role in ("prefill", "decode"):
-            facts = {k: info[k] for k in ("model_id", "block_tokens", "max_model_len", "vocab_size") if k in info}
-            if not self.model_facts:
-                self.model_facts = facts
-            elif facts.get("model_id") != self.model_facts["model_id"] or \
-                    facts.get("block_tokens") != self.model_facts["block_tokens"]:
-                log.error("refusing %s: it serves %s, the cluster serves %s", msg.node_id, facts, self.model_facts)
-                await self.sock.send_multipart([ident, *P.encode(P.Error("model mismatch", "model_mismatch"))])
-                return
+        if msg.role in ("prefill", "decode") and not self.model_facts:
+            self.model_facts = model_facts(info)
         old = self.cluster.get(msg.node_id)
         restarted = old is not None and old.info.get("pid") != info.get("pid")
         node, new = self.cluster.upsert(msg.node_id, msg.role, str(info.get("node_name", "")), ident,
@@ -342,6 +325,9 @@ class Conductor:
             req.first_token_at = now
         req.last_token_at = now
         req.first_of_attempt = True
+        if msg.finished and self.cluster.get(req.plan.decode.node_id) is req.plan.decode:
+            # Done at its first token: the decode may hold streamed blocks that no final part completes.
+            asyncio.get_running_loop().create_task(self._send(req.plan.decode, P.Abort(req.wire_id)))
         self._emit(req, [msg.first_token], msg.finished)
         for early in req.early:  # decode tokens sent on a faster path than the prefill's report
             self._on_tokens(node if req.plan is None else req.plan.decode, early, now)
@@ -409,44 +395,7 @@ class Conductor:
         self.cluster.remove(node.node_id)
         self.index.drop_node(node.node_id)
         self.metrics.nodes.labels(node.role).set(len(self.cluster.of_role(node.role)))
-        client = self._stores.pop(node.endpoints.get("store", ""), None)
-        if client is not None:
-            client.close()
+        self.replicator.forget(node.endpoints.get("store", ""))
         for req in list(self.requests.values()):
             if req.plan is not None and node in (req.plan.prefill, req.plan.decode) and not req.done:
                 self._migrate(req, f"{node.role} instance {node.node_id} died")
-
-    # ------------------------------------------------------------ hot-block replication
-
-    def _note_hits(self, hashes: list[bytes], block_tokens: int) -> None:
-        hot = [h for h in self.hot.hit(hashes, time.monotonic()) if h not in self._replicating]
-        stores = {n.node_id: n for n in self.cluster.of_role("store")}
-        if not hot or len(stores) < 2:
-            return
-        want = min(self.cfg.conductor.replicas, len(stores))
-        by_source: dict[tuple[str, str], list[bytes]] = {}
-        for h in hot:
-            holders = [n for n in self.index.holders(h) if n in stores]
-            if not holders or len(holders) >= want:
-                continue
-            target = min((s for s in stores if s not in holders), key=self.index.blocks_of)
-            by_source.setdefault((holders[0], target), []).append(h)
-        for (src, dst), hs in by_source.items():
-            self._replicating.update(hs)
-            asyncio.get_running_loop().create_task(self._replicate(stores[src], stores[dst], hs))
-
-    async def _replicate(self, src: Node, dst: Node, hashes: list[bytes]) -> None:
-        try:
-            n = await self.store_client(src.endpoints["store"]).replicate(hashes, dst.endpoints["store"])
-            self.metrics.replications.inc(n)
-            log.info("replicated %d hot blocks %s -> %s", n, src.node_id, dst.node_id)
-        except StoreError as e:
-            log.warning("replication %s -> %s failed: %s", src.node_id, dst.node_id, e)
-        finally:
-            self._replicating.difference_update(hashes)
-
-    def store_client(self, endpoint: str) -> StoreClient:
-        client = self._stores.get(endpoint)
-        if client is None:
-            client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
-        return client

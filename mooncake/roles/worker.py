@@ -140,6 +140,8 @@ class EngineWorker(ABC):
         deadline = asyncio.get_running_loop().time() + self.cfg.conductor.drain_timeout_s
         while self.busy() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
+        if self.busy():
+            log.warning("%s: drain timed out, dropping what is left: %s", self.node_id, self.load())
         if self._writes:  # blocks on their way to a store
             await asyncio.wait(set(self._writes), timeout=max(0.1, deadline - asyncio.get_running_loop().time()))
 

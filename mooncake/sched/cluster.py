@@ -6,6 +6,37 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from mooncake.protocol import Error
+
+# What a role must present to join: (endpoints, info keys).
+_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "prefill": ((), ("model_id", "block_tokens", "max_model_len")),
+    "decode": (("kv",), ("model_id", "block_tokens", "max_model_len")),
+    "store": (("store",), ()),
+}
+_FACTS = ("model_id", "block_tokens", "max_model_len", "vocab_size")
+
+
+def model_facts(info: dict[str, Any]) -> dict[str, Any]:
+    """The model facts an engine role reports: what the cluster serves."""
+    return {k: info[k] for k in _FACTS if k in info}
+
+
+def registration_problem(role: str, node_id: str, endpoints: dict[str, str], info: dict[str, Any],
+                         cluster_facts: dict[str, Any]) -> Error | None:
+    """Why a registration is refused (an Error to answer with), or None to accept it."""
+    needs = _NEEDS.get(role)
+    if needs is None or not node_id:
+        return Error(f"cannot register {node_id!r} as role {role!r}", "bad_register")
+    missing = [k for k in needs[0] if not endpoints.get(k)] + [k for k in needs[1] if k not in info]
+    if missing:
+        return Error(f"cannot register role {role!r} (missing: {missing})", "bad_register")
+    if role in ("prefill", "decode") and cluster_facts:
+        facts = model_facts(info)
+        if facts["model_id"] != cluster_facts["model_id"] or facts["block_tokens"] != cluster_facts["block_tokens"]:
+            return Error(f"model mismatch: it serves {facts}, the cluster serves {cluster_facts}", "model_mismatch")
+    return None
+
 
 @dataclass(eq=False)
 class Node:
