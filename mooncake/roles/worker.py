@@ -24,6 +24,7 @@ from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_STORE_CLIENTS = 8  # stores a worker talks to at once: its node's and the replicas it reads
 
 
 def node_id_for(cfg: Config, role: str) -> str:
@@ -63,9 +64,14 @@ class EngineWorker(ABC):
         return P.Register(role=self.role, node_id=self.node_id, endpoints=endpoints, info=info)
 
     def store(self, endpoint: str) -> StoreClient:
-        client = self._stores.get(endpoint)
+        """The client of a store, kept in a small LRU: a restarted store comes back on a new
+        endpoint, and the old client (its sockets and shared-memory segments) must not stay."""
+        client = self._stores.pop(endpoint, None)
         if client is None:
-            client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
+            client = StoreClient(endpoint, curve=self.curve)
+        self._stores[endpoint] = client  # most recently used last
+        while len(self._stores) > MAX_STORE_CLIENTS:
+            self._stores.pop(next(iter(self._stores))).close()
         return client
 
     def forget_store(self, endpoint: str, error: StoreError) -> None:
