@@ -6,6 +6,10 @@ Every socket that binds (conductor, store, decode KV ingress) is a CURVE server
 whose ZAP authenticator admits only clients presenting a public key found in
 that directory; every socket that connects presents the cluster key. A peer
 without the secret can neither connect nor read the traffic.
+
+Not covered yet: the prefill -> decode KV link (PUSH/PULL). Under CURVE its first
+transfer intermittently never arrived (2 runs in 3 of tests/test_security.py),
+cause not found; until it is, that link stays plain TCP: keep it on a private network.
 """
 
 from __future__ import annotations

@@ -42,8 +42,6 @@ class DecodeWorker(EngineWorker):
     async def start(self) -> None:
         self.kv_sock = self.ctx.socket(zmq.PULL)
         self.kv_sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.server(self.kv_sock, self.ctx)
         port = self.cfg.node.kv_port
         self.kv_sock.bind(f"tcp://{self.cfg.node.host}:{port}" if port else f"tcp://{self.cfg.node.host}:*")
         endpoint = self.kv_sock.getsockopt(zmq.LAST_ENDPOINT).decode()

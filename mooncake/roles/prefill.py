@@ -111,8 +111,6 @@ class PrefillWorker(EngineWorker):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            if self.curve is not None:
-                self.curve.client(sock)
             sock.connect(endpoint)
             self._kv_socks[endpoint] = sock
         return sock
