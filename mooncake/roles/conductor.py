@@ -94,8 +94,7 @@ class Conductor:
         return self.endpoint
 
     async def close(self) -> None:
-        """After the HTTP side drained: requests still in flight have no client left; tell
-        their workers to drop them (so workers drain at once), then close."""
+        """After the HTTP drain, requests left have no client: workers drop them, then close."""
         for req in list(self.requests.values()):
             self._finish(req, "abort", outcome="aborted")  # sends the Aborts as tasks
         await asyncio.sleep(0.1)  # let those tasks run and ZeroMQ flush them (LINGER is 0)
