@@ -35,6 +35,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(cfg)
         self.queue: asyncio.Queue[P.PrefillRequest] = asyncio.Queue()
         self.aborted: set[str] = set()
+        self.queued: set[str] = set()  # ids in ``queue``: an Abort for anything else is stale
         self.current: str | None = None
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
 
@@ -53,9 +54,10 @@ class PrefillWorker(EngineWorker):
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.PrefillRequest):
             self.aborted.discard(msg.req_id)
+            self.queued.add(msg.req_id)
             self.queue.put_nowait(msg)
         elif isinstance(msg, P.Abort):
-            if msg.req_id == self.current or any(r.req_id == msg.req_id for r in self.queue._queue):  # type: ignore[attr-defined]
+            if msg.req_id == self.current or msg.req_id in self.queued:
                 self.aborted.add(msg.req_id)
         else:
             log.warning("prefill ignores %s", type(msg).__name__)
@@ -63,6 +65,7 @@ class PrefillWorker(EngineWorker):
     async def _work_loop(self) -> None:
         while True:
             req = await self.queue.get()
+            self.queued.discard(req.req_id)
             if req.req_id in self.aborted:
                 self.aborted.discard(req.req_id)
                 continue
