@@ -36,7 +36,9 @@ import numpy as np
 
 from mooncake.blocks import hash_blocks, root_hash
 from mooncake.config import ConductorConfig
-from mooncake.sched.cluster import Cluster
+from mooncake.protocol import NodeInfo
+from mooncake.sched.booking import DecodeSlots, PrefillQueue
+from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.scheduler import Plan, Scheduler
@@ -89,14 +91,14 @@ def build(n_blocks: int, rng: random.Random, fill: list[list[int]]) -> tuple[Sch
     now = time.monotonic()
     for m in range(N_MACHINES):
         for role in ("prefill", "decode"):
-            cluster.upsert(f"m{m}-{role}", role, f"m{m}", f"m{m}-{role}".encode(), {"kv": f"tcp://10.0.0.{m}:1"},
-                           {}, now)
+            cluster.upsert(Node(f"m{m}-{role}", role, f"m{m}-{role}".encode(), {"kv": f"tcp://10.0.0.{m}:1"},
+                                NodeInfo(f"m{m}", 1), now))
     stores = []
     for s in range(N_STORES):
         m = s * (N_MACHINES // N_STORES)
-        node, _ = cluster.upsert(f"m{m}-store", "store", f"m{m}", f"m{m}-store".encode(),
-                                 {"store": f"tcp://10.0.0.{m}:2"}, {}, now)
-        stores.append(node.node_id)
+        cluster.upsert(Node(f"m{m}-store", "store", f"m{m}-store".encode(), {"store": f"tcp://10.0.0.{m}:2"},
+                            NodeInfo(f"m{m}", 1), now))
+        stores.append(f"m{m}-store")
     prefills = [n.node_id for n in cluster.of_role("prefill")]
 
     index = KVIndex()
@@ -119,14 +121,13 @@ def build(n_blocks: int, rng: random.Random, fill: list[list[int]]) -> tuple[Sch
     fill_s = time.perf_counter() - t0
 
     # Load: queued prefill work, running decode requests with expected ends around now.
+    sched = Scheduler(ConductorConfig(), cluster, index, PrefillCostModel(), DecodeCostModel())
     for i, p in enumerate(cluster.of_role("prefill")):
         for j in range(rng.randint(0, 6)):
-            p.work[f"q{i}-{j}"] = rng.uniform(0.01, 0.5)
+            sched.queues.setdefault(p.node_id, PrefillQueue()).add(f"q{i}-{j}", rng.uniform(0.01, 0.5))
     for i, d in enumerate(cluster.of_role("decode")):
         for j in range(rng.randint(16, 48)):
-            d.assign(f"r{i}-{j}", now + rng.uniform(-0.5, 20.0))
-
-    sched = Scheduler(ConductorConfig(), cluster, index, PrefillCostModel(), DecodeCostModel())
+            sched.slots.setdefault(d.node_id, DecodeSlots()).add(f"r{i}-{j}", now + rng.uniform(-0.5, 20.0))
     print(f"index: {len(index):,} distinct blocks from {n_req:,} requests ({replicas} replicas of the trace) "
           f"({sum(index.blocks_of(n) for n in prefills):,} device copies on {len(prefills)} prefills, "
           f"{sum(index.blocks_of(s) for s in stores):,} on {len(stores)} stores), built in {fill_s:.1f} s",
@@ -169,7 +170,7 @@ def main() -> int:
 
     # Warm up (first-call effects), then time.
     for toks in stream[:200]:
-        sched.plan(hash_blocks(toks, BLOCK, MODEL_ID), len(toks), 32, BLOCK, now, 10)
+        sched.plan(hash_blocks(toks, BLOCK, MODEL_ID), len(toks), 32, BLOCK, now)
 
     # Each decision is timed REPS times back to back: the first timing is what a request
     # saw on this (shared, 2-core) machine, the minimum is the decision's own cost with
@@ -183,7 +184,7 @@ def main() -> int:
             t0 = pc()
             hashes = hash_blocks(toks, BLOCK, MODEL_ID)
             t1 = pc()
-            plan = sched.plan(hashes, len(toks), 32, BLOCK, t_now, 10)
+            plan = sched.plan(hashes, len(toks), 32, BLOCK, t_now)
             t2 = pc()
             hs.append(t1 - t0)
             ps.append(t2 - t1)
@@ -200,7 +201,7 @@ def main() -> int:
         prof = cProfile.Profile()
         prof.enable()
         for toks in stream[:5000]:
-            sched.plan(hash_blocks(toks, BLOCK, MODEL_ID), len(toks), 32, BLOCK, t_now, 10)
+            sched.plan(hash_blocks(toks, BLOCK, MODEL_ID), len(toks), 32, BLOCK, t_now)
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)

@@ -17,6 +17,8 @@ block_tokens, head_dim]`` (see ``mooncake.engine``).
 
 from __future__ import annotations
 
+import enum
+import warnings
 from typing import Any, Iterable, Sequence, Union
 
 import msgspec
@@ -34,10 +36,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# dtypes a tensor frame may carry: KV pools and token ids, nothing exotic
+ALLOWED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
+MAX_DIMS = 8
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ProtocolError(f"unknown dtype {name!r}")
+    dt = ALLOWED_DTYPES.get(name)
+    if dt is None:
+        raise ProtocolError(f"dtype {name!r} is not allowed on the wire")
     return dt
 
 
@@ -54,6 +62,8 @@ def tensor_frame(t: torch.Tensor) -> tuple[TensorSpec, memoryview]:
 def frame_tensor(buf: Any, spec: TensorSpec) -> torch.Tensor:
     """A tensor over a received buffer (zmq.Frame, bytes or memoryview), without a copy."""
     dtype = dtype_from_name(spec.dtype)
+    if len(spec.shape) > MAX_DIMS or any(d < 0 for d in spec.shape):
+        raise ProtocolError(f"invalid tensor shape {spec.shape}")
     mv = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
     n = 1
     for d in spec.shape:
@@ -63,8 +73,6 @@ def frame_tensor(buf: Any, spec: TensorSpec) -> torch.Tensor:
         raise ProtocolError(f"tensor frame has {mv.nbytes} bytes, spec {spec} needs {expected}")
     if expected == 0:
         return torch.empty(spec.shape, dtype=dtype)
-    import warnings
-
     with warnings.catch_warnings():  # received buffers are read-only; we never write to them
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mv, dtype=dtype).view(spec.shape)
@@ -87,11 +95,52 @@ class Msg(msgspec.Struct, tag_field="t", omit_defaults=True):
 # ---- membership (every role <-> conductor)
 
 
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What an engine serves; every engine of a cluster must agree on these."""
+
+    model_id: str
+    block_tokens: int
+    max_model_len: int
+    vocab_size: int
+    block_shape: tuple[int, ...] = ()  # one KV block: [layers, 2, kv_heads, block_tokens, head_dim]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """Facts a role registers with. ``model``, ``num_blocks`` and ``block_bytes``: engine roles only."""
+
+    node_name: str
+    pid: int
+    model: ModelFacts | None = None
+    num_blocks: int = 0
+    block_bytes: int = 0
+
+
+class TierLoad(msgspec.Struct, frozen=True):
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class Load(msgspec.Struct):
+    """What a heartbeat reports. ``progress`` counts completed engine steps and ``pending``
+    says whether the engine has work: work pending with no progress means a stuck engine."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    progress: int = 0
+    pending: bool = False
+    steps: list[tuple[int, float]] = []  # decode: (batch, seconds) of steps since the last heartbeat
+    tiers: dict[str, TierLoad] = {}  # store: per tier
+
+
 class Register(Msg, tag="register"):
     role: str  # "prefill" | "decode" | "store"
     node_id: str
+    info: NodeInfo
     endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}
-    info: dict[str, Any] = {}  # role facts: block_tokens, model_id, capacities, ...
 
 
 class Registered(Msg, tag="registered"):
@@ -101,7 +150,7 @@ class Registered(Msg, tag="registered"):
 
 class Heartbeat(Msg, tag="heartbeat"):
     node_id: str
-    load: dict[str, Any] = {}  # running/waiting counts, free blocks, tier bytes...
+    load: Load = msgspec.field(default_factory=Load)
 
 
 class Leave(Msg, tag="leave"):
@@ -196,6 +245,23 @@ class BlockEvent(Msg, tag="block_event"):
 # ---- request path (conductor <-> prefill / decode, prefill -> decode)
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request's generation ended (OpenAI's ``finish_reason`` for the first two)."""
+
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled: client gone, stop string, server shutting down
+    ERROR = "error"  # failed for good
+
+
+class FailureKind(str, enum.Enum):
+    """What a failure means for the request."""
+
+    RETRY = "retry"  # this worker could not serve it; another may (counts against max_migrations)
+    FATAL = "fatal"  # the request itself cannot be served anywhere (a 4xx for the client)
+    PREEMPTED = "preempted"  # decode ran out of KV blocks and gave it back; resumed elsewhere or later
+
+
 class Sampling(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -214,17 +280,37 @@ class FetchPlan(msgspec.Struct, array_like=True):
     endpoint: str
 
 
-class PrefillRequest(Msg, tag="prefill_req"):
+class DecodeRequest(Msg, tag="decode_req"):
+    """Conductor -> decode, at dispatch: reserve KV blocks for ``tokens`` (whose KV prefill
+    will push) and answer ``Reserved`` once they are held. ``hashes`` are the full blocks'
+    chained hashes, ``root`` the chain's seed (for blocks the generated tokens fill)."""
+
     req_id: str
     tokens: list[int]
     hashes: list[bytes]
+    root: bytes
     sampling: Sampling
-    decode_node: str
+    num_generated: int = 0  # tokens produced by earlier attempts (they are part of ``tokens``)
+    store_endpoint: str = ""  # where the blocks decode completes are written
+
+
+class Reserved(Msg, tag="reserved"):
+    """Decode -> conductor: the blocks for the request are held; its KV may come."""
+
+    req_id: str
+    node_id: str
+
+
+class PrefillRequest(Msg, tag="prefill_req"):
+    req_id: str
+    tokens: list[int]  # prompt + tokens generated by earlier attempts
+    hashes: list[bytes]
+    root: bytes
+    sampling: Sampling
     decode_endpoint: str
+    num_generated: int = 0
     fetch: list[FetchPlan] = []
     store_endpoint: str = ""  # where new full blocks are written
-    generated: list[int] = []  # tokens already streamed (migration): prefilled as prompt
-    cache_salt: str = ""
 
 
 class PrefillDone(Msg, tag="prefill_done"):
@@ -236,36 +322,33 @@ class PrefillDone(Msg, tag="prefill_done"):
     prefill_s: float
     fetched_blocks: int = 0  # blocks read from a store
     fetch_s: float = 0.0
-    finished: str = ""  # finish reason if the first token already ends the request
+    finished: FinishReason | None = None  # set if the first token already ends the request
+
+
+class FirstToken(Msg, tag="first_token"):
+    """Conductor -> decode: the token prefill sampled; decoding starts from it once all KV is in."""
+
+    req_id: str
+    token: int
 
 
 class KVTransfer(Msg, tag="kv"):
-    """Prefill -> decode: a run of the request's KV blocks, ``first_block`` onwards.
-
-    Non-final messages stream full blocks while later chunks still compute; the
-    final one carries the rest (partial tail included) and what decode needs to
-    continue the sequence.
-    """
+    """Prefill -> decode: the request's KV blocks ``first_block`` onwards, one frame per block.
+    Decode knows from its ``DecodeRequest`` how many blocks make the whole."""
 
     req_id: str
     first_block: int
-    tensors: list[TensorSpec]
-    final: bool = False
-    tokens: list[int] = []  # final: all tokens whose KV was sent (prompt + generated so far)
-    next_token: int = -1  # final: the token sampled at the end of prefill
-    sampling: Sampling | None = None
-    num_generated: int = 0  # final: tokens already produced, next_token included
-    cache_salt: str = ""
-    store_endpoint: str = ""
+    tensors: list[TensorSpec] = []
 
 
 class TokenEvent(Msg, tag="tokens"):
-    """Decode -> conductor: new tokens of a request; ``finished`` set on the last."""
+    """Decode -> conductor: generated tokens ``index`` onwards (``index`` counts the request's
+    generated tokens before these); ``finished`` set on the last."""
 
     req_id: str
+    index: int
     tokens: list[int]
-    finished: str = ""  # "" | "stop" | "length" | "abort" | "error"
-    error: str = ""
+    finished: FinishReason | None = None
 
 
 class Abort(Msg, tag="abort"):
@@ -273,12 +356,13 @@ class Abort(Msg, tag="abort"):
 
 
 class Failed(Msg, tag="failed"):
-    """Worker -> conductor: a request could not be served here."""
+    """Worker -> conductor: a request could not be served here (reported once)."""
 
     req_id: str
     node_id: str
     message: str
-    retry: bool = True
+    kind: FailureKind = FailureKind.RETRY
+    param: str = ""  # FATAL: the request field at fault
 
 
 # ---- store same-node fast path (shared memory; see mooncake/tiers/shm.py)
@@ -323,7 +407,7 @@ Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
     Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
     Ok, Blocks, Error, BlockEvent,
-    PrefillRequest, PrefillDone, KVTransfer, TokenEvent, Abort, Failed,
+    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,
 ]  # fmt: skip
 
@@ -348,17 +432,25 @@ def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
     return [_encoder.encode(msg), *payload]
 
 
-def decode(frames: Sequence[Any]) -> tuple[Msg, list[torch.Tensor]]:
-    """(message, tensors) from received frames; raises ProtocolError on anything malformed."""
+def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) -> tuple[Msg, list[torch.Tensor]]:
+    """(message, tensors) from received frames. Raises ProtocolError, and nothing else, on
+    anything malformed. With ``block_shape``, every tensor must be one KV block of that shape
+    in a floating dtype (for sockets that receive KV)."""
     if not frames:
         raise ProtocolError("empty message")
-    head = frames[0]
-    head = head.bytes if hasattr(head, "bytes") else head
     try:
+        head = frames[0]
+        head = head.bytes if hasattr(head, "bytes") else head
         msg = _decoder.decode(head)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ProtocolError(f"undecodable message: {e}") from None
-    specs = getattr(msg, "tensors", None) or []
-    if len(specs) != len(frames) - 1:
-        raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
-    return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
+        specs = getattr(msg, "tensors", None) or []
+        if len(specs) != len(frames) - 1:
+            raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
+        if block_shape is not None:
+            for s in specs:
+                if tuple(s.shape) != tuple(block_shape) or not dtype_from_name(s.dtype).is_floating_point:
+                    raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} float block")
+        return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgspec errors, recursion limits, odd frame objects: all malformed
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 
 from mooncake.config import ConductorConfig
-from mooncake.sched.cluster import Cluster
+from mooncake.conductor.admission import Admission, Rejection
+from mooncake.protocol import NodeInfo
+from mooncake.sched.booking import PrefillQueue
+from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.scheduler import Plan, Rejection, Scheduler
+from mooncake.sched.scheduler import Plan, Scheduler
 
 H = [bytes([i]) * 32 for i in range(10)]
 
@@ -60,13 +63,17 @@ def test_cost_models_start_from_priors_and_follow_measurements():
     assert dc.predict(20) == pytest.approx(0.06, rel=0.1)
 
 
+def node(node_id: str, role: str, machine: str, **endpoints: str) -> Node:
+    return Node(node_id, role, node_id.encode(), endpoints, NodeInfo(machine, 1), 0.0)
+
+
 def make(policy: str = "cache_aware", **kw) -> tuple[Scheduler, Cluster, KVIndex]:
     cfg = ConductorConfig(policy=policy, **kw)
     cluster, idx = Cluster(), KVIndex()
     for i in range(2):
-        cluster.upsert(f"p{i}", "prefill", f"n{i}", b"x", {}, {}, 0)
-        cluster.upsert(f"s{i}", "store", f"n{i}", b"x", {"store": f"tcp://s{i}"}, {}, 0)
-    cluster.upsert("d0", "decode", "n0", b"x", {"kv": "tcp://d0"}, {}, 0)
+        cluster.upsert(node(f"p{i}", "prefill", f"n{i}"))
+        cluster.upsert(node(f"s{i}", "store", f"n{i}", store=f"tcp://s{i}"))
+    cluster.upsert(node("d0", "decode", "n0", kv="tcp://d0"))
     return Scheduler(cfg, cluster, idx, PrefillCostModel(), DecodeCostModel()), cluster, idx
 
 
@@ -81,7 +88,8 @@ def test_store_blocks_are_fetched_from_the_readers_local_store_first():
     sched, cluster, idx = make()
     idx.add("s0", "dram", H[:6])
     idx.add("s1", "dram", H[:6])
-    cluster.get("p0").work["busy"] = 5.0  # p0 is loaded: p1 wins and reads from s1, its local store
+    sched.queues["p0"] = PrefillQueue()
+    sched.queues["p0"].add("busy", 5.0)  # p0 is loaded: p1 wins and reads from s1, its local store
     plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
     assert isinstance(plan, Plan) and plan.prefill.node_id == "p1"
     assert [(f.start, f.end, f.endpoint) for f in plan.fetch] == [(0, 6, "tcp://s1")]
@@ -102,44 +110,44 @@ def test_round_robin_alternates_whatever_the_cache():
 
 
 def test_ttft_slo_rejects_when_the_queues_are_too_long():
-    sched, cluster, _ = make(ttft_slo_ms=1000)
-    assert isinstance(sched.plan(H[:2], 40, 4, 16, now=0), Plan)
+    sched, cluster, _ = make()
+    admission = Admission(ConductorConfig(ttft_slo_ms=1000))
+    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0)) is None
     for p in cluster.of_role("prefill"):
-        p.work["queued"] = 2.0
-    r = sched.plan(H[:2], 40, 4, 16, now=0)
+        sched.book(f"queued-{p.node_id}", sched.plan(H[:2], 40, 4, 16, now=0))
+        sched.queues[p.node_id].add(f"queued-{p.node_id}", 2.0)
+    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0))
     assert isinstance(r, Rejection) and r.status == 429 and r.reason == "ttft_slo" and r.retry_after_s >= 1
 
 
 def test_tbt_slo_uses_the_batch_expected_when_prefill_finishes():
-    sched, cluster, _ = make(tbt_slo_ms=40)  # prior: 30 ms + 2 ms per sequence -> 5 sequences fit
-    d = cluster.get("d0")
-    for i in range(6):
-        d.assign(f"r{i}", expected_end=100.0)  # all still running at first-token time
-    r = sched.plan(H[:2], 40, 4, 16, now=0)
+    sched, cluster, _ = make()  # prior: 30 ms + 2 ms per sequence -> 5 sequences fit in 40 ms
+    admission = Admission(ConductorConfig(tbt_slo_ms=40))
+    plan = sched.plan(H[:2], 40, 4, 16, now=0)
+    for i in range(6):  # all still running at first-token time
+        sched.book(f"r{i}", plan)
+        sched.slots["d0"].add(f"r{i}", 100.0)
+    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0))
     assert isinstance(r, Rejection) and r.reason == "tbt_slo"
-    d.ends[:] = [0.001] * 6  # they end before this request's prefill does
-    d.assigned = {f"r{i}": 0.001 for i in range(6)}
-    assert isinstance(sched.plan(H[:2], 40, 4, 16, now=0), Plan)
+    for i in range(6):  # they end before this request's prefill does
+        sched.slots["d0"].add(f"r{i}", 0.001)
+    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0)) is None
+
+
+def test_booking_is_released_by_the_scheduler():
+    sched, _, _ = make()
+    plan = sched.plan(H[:2], 40, 4, 16, now=0)
+    sched.book("r", plan)
+    assert sched.queued(plan.prefill.node_id) == 1 and sched.assigned("d0") == 1 and sched.waiting() == 1
+    sched.prefill_finished("r")
+    assert sched.waiting() == 0 and sched.queue_s(plan.prefill.node_id) == 0 and sched.assigned("d0") == 1
+    sched.release("r")
+    assert sched.assigned("d0") == 0
+    sched.release("r")  # idempotent
 
 
 def test_no_workers_and_overload_are_503():
-    sched, cluster, _ = make(max_waiting=3)
-    assert sched.plan(H[:1], 20, 4, 16, now=0, waiting=3).reason == "overloaded"
+    sched, cluster, _ = make()
     cluster.remove("d0")
-    r = sched.plan(H[:1], 20, 4, 16, now=0)
+    r = Admission(ConductorConfig()).check_plan(sched.plan(H[:1], 20, 4, 16, now=0))
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
-
-
-def test_registration_rules():
-    from mooncake.sched.cluster import registration_problem
-
-    facts = {"model_id": "m@1/float32", "block_tokens": 16, "max_model_len": 8192}
-    ok = dict(facts)
-    assert registration_problem("decode", "d0", {"kv": "tcp://x"}, ok, facts) is None
-    assert registration_problem("store", "s0", {"store": "tcp://x"}, {}, facts) is None
-    assert registration_problem("decode", "d0", {}, ok, facts).code == "bad_register"
-    assert registration_problem("wizard", "w0", {}, {}, facts).code == "bad_register"
-    assert registration_problem("prefill", "", {}, ok, facts).code == "bad_register"
-    other = dict(ok, model_id="other@2/float32")
-    assert registration_problem("prefill", "p1", {}, other, facts).code == "model_mismatch"
-    assert registration_problem("prefill", "p1", {}, other, {}) is None  # the first one defines the cluster

@@ -1,10 +1,12 @@
-"""Mooncake's conductor policy: pick a prefill/decode pair per request, or reject early.
+"""Mooncake's conductor policy: pick a prefill/decode pair per request, and book its load.
 
 For each prefill instance the estimated TTFT is its queue wait + the time to
 fetch the prefix blocks it lacks from the stores + the prefill time of the
 tokens still uncached. The decode instance is chosen by the batch it is
-expected to run when this request's prefill finishes. With SLOs set, a request
-no pair is predicted to serve in time is refused now, before any compute.
+expected to run when this request's prefill finishes. The plan says everything
+the conductor needs to dispatch (instances, fetch segments, the store to write
+to) and the predictions admission judges against the SLOs; the scheduler books
+the predicted load when the conductor dispatches, and releases it itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Sequence
 
 from mooncake.config import ConductorConfig
 from mooncake.protocol import FetchPlan
+from mooncake.sched.booking import DecodeSlots, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
@@ -24,20 +27,23 @@ from mooncake.sched.kv_index import KVIndex
 class Plan:
     prefill: Node
     decode: Node
-    fetch: list[FetchPlan]
+    fetch: list[FetchPlan]  # store segments the prefill instance reads, in chain order
+    store_endpoint: str  # where new blocks are written ("" for none)
     device_blocks: int  # prefix blocks already in the prefill instance's device cache
     reusable_blocks: int  # prefix blocks reusable in all (device + stores)
-    est_ttft_s: float
     est_prefill_s: float
+    est_ttft_s: float  # the chosen prefill instance's
+    best_ttft_s: float  # the lowest over all instances (what admission judges)
+    decode_batch: int  # predicted batch on the decode instance when this request joins it
+    est_tbt_s: float
+    expected_end: float  # predicted time the request finishes decoding
     fetch_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
-class Rejection:
-    status: int  # 429 or 503
-    reason: str  # metric label: ttft_slo, tbt_slo, no_workers, overloaded
-    message: str
-    retry_after_s: float
+class _Booked:
+    prefill: str
+    decode: str
 
 
 class Scheduler:
@@ -49,16 +55,20 @@ class Scheduler:
         self.prefill_cost = prefill_cost
         self.decode_cost = decode_cost
         self._rr = itertools.count()
+        self.queues: dict[str, PrefillQueue] = {}
+        self.slots: dict[str, DecodeSlots] = {}
+        self._booked: dict[str, _Booked] = {}
+
+    # ------------------------------------------------------------ planning
 
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
-             now: float, waiting: int = 0) -> Plan | Rejection:
+             now: float) -> Plan | None:
+        """The pair for a request of ``n_tokens`` (``hashes``: its full blocks); None when no
+        prefill or no decode instance takes work."""
         prefills = self.cluster.of_role("prefill")
         decodes = self.cluster.of_role("decode")
         if not prefills or not decodes:
-            return Rejection(503, "no_workers", "no prefill or decode instance is available", 1.0)
-        if waiting >= self.cfg.max_waiting:
-            return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", 1.0)
-
+            return None
         stores = {n.node_id: n for n in self.cluster.of_role("store")} if self.cfg.use_store else {}
         # Blocks must leave at least one prompt token to compute (it yields the logits).
         usable = min(len(hashes), (n_tokens - 1) // block_tokens)
@@ -75,44 +85,91 @@ class Scheduler:
             if prefill_s is None:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
-            est = p.queue_s + (reusable - dev) * fetch_s + prefill_s
+            est = self.queue_s(p.node_id) + (reusable - dev) * fetch_s + prefill_s
             candidates.append((est, prefill_s, dev, reusable, p))
 
         if self.cfg.policy == "round_robin":
             chosen = candidates[next(self._rr) % len(candidates)]
         elif self.cfg.policy == "least_loaded":
-            chosen = min(candidates, key=lambda c: (c[4].queue_s, len(c[4].work)))
+            chosen = min(candidates, key=lambda c: (self.queue_s(c[4].node_id), self.queued(c[4].node_id)))
         else:
             chosen = min(candidates, key=lambda c: c[0])
         est, prefill_s, dev, reusable, p = chosen
-
-        if self.cfg.ttft_slo_ms and est * 1000 > self.cfg.ttft_slo_ms:
-            best = min(c[0] for c in candidates)
-            if best * 1000 > self.cfg.ttft_slo_ms:
-                return Rejection(429, "ttft_slo",
-                                 f"predicted time to first token {best * 1000:.0f} ms exceeds the "
-                                 f"{self.cfg.ttft_slo_ms:.0f} ms SLO", retry_after_s=max(1.0, best))
+        best = min(c[0] for c in candidates)
 
         first_token_at = now + est
-        best_d, best_batch = None, None
-        for d in decodes:
-            batch = d.running_at(first_token_at) + 1
-            if best_batch is None or batch < best_batch:
-                best_d, best_batch = d, batch
-        assert best_d is not None and best_batch is not None
-        tbt = self.decode_cost.predict(best_batch)
-        if self.cfg.tbt_slo_ms and tbt * 1000 > self.cfg.tbt_slo_ms:
-            return Rejection(429, "tbt_slo",
-                             f"predicted time between tokens {tbt * 1000:.0f} ms at batch {best_batch} "
-                             f"exceeds the {self.cfg.tbt_slo_ms:.0f} ms SLO", retry_after_s=1.0)
+        decode, batch = min(((d, self._slots(d.node_id).running_at(first_token_at) + 1) for d in decodes),
+                            key=lambda db: db[1])
+        tbt = self.decode_cost.predict(batch)
 
         segs: list[tuple[int, int, str]] = []
         if reusable > dev:  # read from the stores local to the chosen instance first
             local = [s.node_id for s in stores.values() if s.name == p.name]
             segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
-        return Plan(p, best_d, fetch, dev, reusable, est, prefill_s,
-                    fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])
+        return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, est, best, batch, tbt,
+                    first_token_at + max_tokens * tbt, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])
 
-    def expected_end(self, now: float, est_ttft_s: float, max_tokens: int, batch: int) -> float:
-        return now + est_ttft_s + max_tokens * self.decode_cost.predict(batch)
+    @staticmethod
+    def _store_for(prefill: Node, stores: dict[str, Node]) -> str:
+        """New blocks go to the store on the prefill instance's machine, else to any store."""
+        if not stores:
+            return ""
+        local = [s for s in stores.values() if s.name == prefill.name] or list(stores.values())
+        return min(local, key=lambda s: s.node_id).endpoints["store"]
+
+    # ------------------------------------------------------------ booking
+
+    def book(self, req_id: str, plan: Plan) -> None:
+        """Reserve the plan's predicted load: its prefill work and a decode slot."""
+        self.release(req_id)
+        self._queue(plan.prefill.node_id).add(req_id, plan.est_prefill_s)
+        self._slots(plan.decode.node_id).add(req_id, plan.expected_end)
+        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id)
+
+    def prefill_finished(self, req_id: str) -> None:
+        """The request left its prefill instance's queue (it is decoding now)."""
+        b = self._booked.get(req_id)
+        if b is not None:
+            self._queue(b.prefill).remove(req_id)
+
+    def release(self, req_id: str) -> None:
+        """All the request's booked load (it finished, failed or moved)."""
+        b = self._booked.pop(req_id, None)
+        if b is not None:
+            self._queue(b.prefill).remove(req_id)
+            self._slots(b.decode).remove(req_id)
+
+    def forget_node(self, node_id: str) -> None:
+        self.queues.pop(node_id, None)
+        self.slots.pop(node_id, None)
+
+    # ------------------------------------------------------------ load views
+
+    def queue_s(self, node_id: str) -> float:
+        q = self.queues.get(node_id)
+        return q.total_s if q is not None else 0.0
+
+    def queued(self, node_id: str) -> int:
+        q = self.queues.get(node_id)
+        return len(q.work) if q is not None else 0
+
+    def assigned(self, node_id: str) -> int:
+        s = self.slots.get(node_id)
+        return len(s.assigned) if s is not None else 0
+
+    def waiting(self) -> int:
+        """Requests booked on prefill queues cluster-wide (queued or computing)."""
+        return sum(len(q.work) for q in self.queues.values())
+
+    def _queue(self, node_id: str) -> PrefillQueue:
+        q = self.queues.get(node_id)
+        if q is None:
+            q = self.queues[node_id] = PrefillQueue()
+        return q
+
+    def _slots(self, node_id: str) -> DecodeSlots:
+        s = self.slots.get(node_id)
+        if s is None:
+            s = self.slots[node_id] = DecodeSlots()
+        return s
