@@ -45,7 +45,7 @@ from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceSca
                             run_benchmark)
 from mooncake.config import MiB, ModelConfig  # noqa: E402
 from mooncake.engine.loader import resolve_model_dir  # noqa: E402
-from mooncake.roles.dev import DevCluster  # noqa: E402
+from mooncake.dev import DevCluster  # noqa: E402
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}

@@ -28,7 +28,7 @@ from clusters import MODEL, small_config  # noqa: E402
 
 from mooncake.bench.client import RequestRecord, stream_request  # noqa: E402
 from mooncake.config import MiB  # noqa: E402
-from mooncake.roles.dev import DevCluster  # noqa: E402
+from mooncake.dev import DevCluster  # noqa: E402
 
 PROMPT, PREFIX = 2048, 1792
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from clusters import small_config  # noqa: E402
 
 from mooncake.config import Config, MiB  # noqa: E402
-from mooncake.roles.dev import DevCluster  # noqa: E402
+from mooncake.dev import DevCluster  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 ROLES = {"prefill": 2, "decode": 2, "store": 2}

@@ -49,11 +49,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     if args.dev:
-        from mooncake.roles.dev import run_dev
+        from mooncake.dev import run_dev
 
         return run_dev(cfg, args.prefill, args.decode, args.store, args.log_level)
     if args.role == "conductor":
-        from mooncake.roles.serve_conductor import run_conductor as main
+        from mooncake.roles.conductor import run_conductor as main
     elif args.role == "store":
         from mooncake.roles.store import run_store as main
     else:

@@ -39,7 +39,10 @@ class Metrics:
         self.index_blocks = Gauge("mooncake:kv_index_blocks", "Blocks in the global KV index.", registry=r)
         self.nodes = Gauge("mooncake:nodes", "Live nodes per role.", ["role"], registry=r)
         self.replications = Counter("mooncake:replications", "Hot blocks replicated.", registry=r)
-        self.migrations = Counter("mooncake:migrations", "Requests moved after a worker died.", registry=r)
+        self.migrations = Counter("mooncake:migrations", "Requests moved after a worker failed, died or stalled.",
+                                  registry=r)
+        self.preemptions = Counter("mooncake:preemptions", "Requests a decode instance gave back for lack of KV blocks.",
+                                   registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from mooncake.config import Config, MiB
-from mooncake.roles.dev import DevCluster
+from mooncake.dev import DevCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 

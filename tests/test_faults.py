@@ -15,7 +15,7 @@ import pytest
 
 from clusters import MODEL, complete, metric, metrics, small_config, wait_for
 from mooncake.config import MiB
-from mooncake.roles.dev import DevCluster
+from mooncake.dev import DevCluster
 
 pytestmark = pytest.mark.timeout(240)
 

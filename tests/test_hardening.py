@@ -17,7 +17,7 @@ import zmq
 
 from clusters import MODEL, small_config
 from mooncake import protocol as P
-from mooncake.roles.dev import DevCluster
+from mooncake.dev import DevCluster
 from mooncake.tiers.client import StoreClient
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,7 +10,7 @@ import zmq
 
 from clusters import complete, small_config
 from mooncake import protocol as P
-from mooncake.roles.dev import DevCluster
+from mooncake.dev import DevCluster
 from mooncake.security import Curve, CurveError, generate_keys
 
 pytestmark = pytest.mark.timeout(600)

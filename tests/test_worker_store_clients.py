@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mooncake.roles.worker import MAX_STORE_CLIENTS, EngineWorker
+from mooncake.worker import MAX_STORE_CLIENTS, EngineWorker
 
 
 def test_store_clients_are_a_bounded_lru():

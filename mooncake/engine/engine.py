@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mooncake.blocks import BlockHash, hash_blocks
+from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, prefill_batch
 from mooncake.engine.errors import InvalidRequestError
@@ -68,7 +68,11 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def hashes(self, tokens: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The chain of ``tokens`` (roles get it from the conductor; this is for direct use)."""
         return hash_blocks(tokens, self.block_tokens, self.model_id, cache_salt)
+
+    def root(self, cache_salt: str | None = None) -> BlockHash:
+        return root_hash(self.model_id, cache_salt)
 
     def validate(self, tokens: list[int], sampling: Sampling) -> None:
         """Raise InvalidRequestError (user-facing message, ``param``) for a request we cannot serve."""
@@ -93,13 +97,16 @@ class Engine:
     def cached_prefix(self, hashes: list[BlockHash]) -> int:
         return self.blocks.cached_prefix(hashes) if self.prefix_caching else 0
 
-    def add_sequence(self, req_id: str, tokens: list[int], sampling: Sampling,
-                     cache_salt: str | None = None, num_generated: int = 0) -> Sequence | None:
+    def add_sequence(self, req_id: str, tokens: list[int], sampling: Sampling, cache_salt: str | None = None,
+                     num_generated: int = 0, hashes: list[BlockHash] | None = None,
+                     root: BlockHash | None = None) -> Sequence | None:
         """Attach the longest cached prefix and allocate the prompt's other blocks; None if the
-        pool cannot hold it (nothing is leaked)."""
+        pool cannot hold it (nothing is leaked). ``hashes``/``root``: the prompt's chain, when the
+        caller has it (else computed from ``cache_salt``)."""
         self.validate(tokens, sampling)
         T = self.block_tokens
-        hashes = self.hashes(tokens, cache_salt)
+        root = self.root(cache_salt) if root is None else root
+        hashes = self.hashes(tokens, cache_salt) if hashes is None else list(hashes)
         n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T) if self.prefix_caching else 0
         held = self.blocks.acquire(hashes[:n_hit])
         new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
@@ -107,34 +114,57 @@ class Engine:
             self.blocks.release(held)
             return None
         self._num_seqs += 1
-        return Sequence(req_id, list(tokens), sampling, cache_salt, n_hit * T, n_hit * T, num_generated,
+        return Sequence(req_id, list(tokens), sampling, root, n_hit * T, n_hit * T, num_generated,
                         held + new, list(hashes[:n_hit]), generator=make_generator(sampling, self.device),
-                        prompt_hashes=hashes, uid=next(self._uids))
+                        hashes=hashes, uid=next(self._uids))
 
-    def add_decoding(self, req_id: str, tokens: list[int], kv: torch.Tensor, next_token: int,
-                     sampling: Sampling, num_generated: int, cache_salt: str | None = None) -> Sequence | None:
-        """A sequence whose KV for all of ``tokens`` is ``kv [n_blocks, *block_shape]``; it decodes
-        ``next_token`` next. Leading blocks already cached are shared instead of copied."""
+    def reserve(self, req_id: str, tokens: list[int], hashes: list[BlockHash], root: BlockHash,
+                sampling: Sampling, num_generated: int = 0) -> Sequence | None:
+        """Hold the blocks for a sequence whose KV for ``tokens`` will be written in by
+        ``write_kv``; leading blocks already cached are shared (their KV need not come).
+        None if the pool cannot hold it now (nothing is leaked)."""
         self.validate(tokens, sampling)
         T = self.block_tokens
-        n_blocks = -(-len(tokens) // T)
-        self._check_kv(kv, n_blocks)
-        hashes = self.hashes(tokens, cache_salt)
         n_hit = self.blocks.cached_prefix(hashes)
         held = self.blocks.acquire(hashes[:n_hit])
-        new = self.blocks.allocate(n_blocks - n_hit)
+        new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
         if new is None:
             self.blocks.release(held)
             return None
-        if new:
-            idx = torch.tensor(new, device=self.device)
-            self.pool.index_copy_(0, idx, kv[n_hit:n_blocks].to(self.device, self.dtype))
-        self.blocks.register(new[: len(hashes) - n_hit], hashes[n_hit:])
         self._num_seqs += 1
-        return Sequence(req_id, list(tokens) + [next_token], sampling, cache_salt, n_hit * T, len(tokens),
-                        num_generated, held + new, list(hashes),
-                        generator=make_generator(sampling, self.device), prompt_hashes=hashes, prefilled=True,
-                        uid=next(self._uids))
+        return Sequence(req_id, list(tokens), sampling, root, n_hit * T, 0, num_generated, held + new,
+                        generator=make_generator(sampling, self.device), hashes=list(hashes), uid=next(self._uids))
+
+    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor) -> None:
+        """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;
+        blocks it shares from the cache are left as they are."""
+        n_blocks = len(seq.block_table)
+        if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled:
+            raise ValueError("blocks %d..%d do not fit sequence %s of %d blocks"
+                             % (first_block, first_block + len(kv), seq.req_id, n_blocks))
+        self._check_kv(kv, 0)
+        skip = max(0, seq.num_cached_tokens // self.block_tokens - first_block)
+        if skip < len(kv):
+            idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
+            self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
+
+    def begin_decoding(self, seq: Sequence, next_token: int) -> None:
+        """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
+        T = self.block_tokens
+        n_hit = seq.num_cached_tokens // T
+        full = len(seq.tokens) // T
+        self.blocks.register(seq.block_table[n_hit:full], seq.hashes[n_hit:full])
+        seq.block_hashes = list(seq.hashes[:full])
+        seq.num_computed = len(seq.tokens)
+        seq.tokens.append(next_token)
+        seq.num_generated += 1
+        seq.prefilled = True
+
+    def blocks_needed(self, seqs: list[Sequence]) -> int:
+        """Blocks the next decode step of ``seqs`` allocates (those at a block boundary)."""
+        T = self.block_tokens
+        return sum(1 for s in seqs if s.prefilled and not s.finished and not s.freed
+                   and s.num_computed // T >= len(s.block_table))
 
     def free(self, seq: Sequence) -> None:
         """Hashed full blocks stay cached (LRU); the rest return to the pool. Idempotent."""
@@ -208,9 +238,10 @@ class Engine:
         idx = list(range(start // T, end // T))
         if not idx:
             return idx
-        if len(seq.prompt_hashes) < idx[-1] + 1:
-            seq.prompt_hashes = self.hashes(seq.tokens[: (idx[-1] + 1) * T], seq.cache_salt)
-        hs = [seq.prompt_hashes[j] for j in idx]
+        known = len(seq.hashes)
+        if known < idx[-1] + 1:  # blocks past the known chain (generated tokens): extend it
+            seq.hashes += extend_chain(seq.hashes[-1] if known else seq.root, seq.tokens[known * T:(idx[-1] + 1) * T], T)
+        hs = [seq.hashes[j] for j in idx]
         seq.block_hashes.extend(hs)
         self.blocks.register([seq.block_table[j] for j in idx], hs)
         return idx

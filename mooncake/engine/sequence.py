@@ -17,13 +17,14 @@ class Sequence:
     ``num_computed`` tokens have their KV in the pool (the last token of
     ``tokens`` is fed next); ``block_table`` lists the pool blocks holding
     positions ``[i*T, (i+1)*T)``; ``block_hashes`` are the chained hashes of its
-    full blocks (with its ``cache_salt``).
+    full blocks; ``hashes`` is its chain as far as it is known (from ``root``, the
+    chain's seed: model identity and cache salt), extended as blocks fill.
     """
 
     req_id: str
     tokens: list[int]
     sampling: Sampling
-    cache_salt: str | None = None
+    root: BlockHash = BlockHash(b"")
     num_cached_tokens: int = 0
     num_computed: int = 0
     num_generated: int = 0
@@ -31,7 +32,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     finished: str = ""  # "" | "stop" | "length"
     generator: torch.Generator | None = None
-    prompt_hashes: list[BlockHash] = field(default_factory=list)  # full blocks of the prompt
+    hashes: list[BlockHash] = field(default_factory=list)  # the chain over its full blocks, as known
     prefilled: bool = False
     uid: int = 0  # unique per engine: identifies the sequence in the decode workspace
     freed: bool = False

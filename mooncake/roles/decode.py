@@ -1,10 +1,14 @@
-"""Decode role: receive KV from prefill, decode in a continuous batch, stream tokens.
+"""Decode role: reserve KV blocks, receive KV from prefill, decode in a continuous batch.
 
-KV arrives on a PULL socket as a run of ``KVTransfer`` messages per request
-(full blocks while prefill still computes, then a final one with the tail).
-Complete requests join the batch between steps; each step yields one token per
-sequence, sent to the conductor. A finished sequence's new full blocks (those
-holding generated tokens) are written to the store so the next turn hits.
+A request arrives from the conductor as a ``DecodeRequest``: decode reserves the
+blocks its KV needs (waiting, in order, until the pool has room) and answers
+``Reserved``; only then does the conductor send the prefill, whose KV lands
+straight in the reserved blocks. Memory on decode is therefore bounded by its
+pool, never by what prefill pushes. Once all KV is in and the conductor has
+passed on the first token (``FirstToken``), the sequence joins the batch; each
+step streams one token per sequence. When a step needs blocks the pool no longer
+has, the newest sequences are preempted: their full blocks go to the store and
+the conductor gives them a new attempt, which resumes where they were.
 """
 
 from __future__ import annotations
@@ -13,29 +17,45 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import zmq
 
 from mooncake import protocol as P
+from mooncake.blocks import BlockHash
+from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.roles.worker import EngineWorker
+from mooncake.engine.errors import InvalidRequestError
+from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
-PARTIAL_TTL_S = 120.0  # KV of a request whose final part never comes is dropped after this
+
+
+@dataclass(eq=False)
+class Slot:
+    """A request decode holds: reserved (KV arriving), then running."""
+
+    msg: P.DecodeRequest
+    seq: Sequence
+    next_block: int = 0  # KV blocks received so far (in order)
+    first_token: int | None = None
+    next_index: int = 0  # index of the next token among the request's generated tokens
+
+    @property
+    def kv_complete(self) -> bool:
+        return self.next_block >= len(self.seq.block_table)
 
 
 class DecodeWorker(EngineWorker):
     role = "decode"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.partial: dict[str, tuple[float, list[torch.Tensor]]] = {}
-        self.ready: deque[tuple[P.KVTransfer, torch.Tensor]] = deque()
-        self.running: dict[str, Sequence] = {}
-        self.meta: dict[str, P.KVTransfer] = {}  # final transfer message per running request
-        self.aborted: dict[str, float] = {}
+        self.pending: deque[P.DecodeRequest] = deque()  # waiting for room to reserve
+        self.incoming: dict[str, Slot] = {}  # reserved, KV arriving
+        self.running: dict[str, Slot] = {}
+        self.aborted: set[str] = set()  # running requests to retire at the next step
         self.steps: list[tuple[int, float]] = []  # (batch, seconds) since the last heartbeat
         self._wake = asyncio.Event()
 
@@ -49,108 +69,184 @@ class DecodeWorker(EngineWorker):
         await self.serve({"kv": endpoint})
 
     def busy(self) -> bool:
-        return bool(self.running or self.ready or self.partial)
+        return bool(self.running or self.incoming or self.pending)
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> P.Load:
         steps, self.steps = self.steps, []
-        return {**super().load(), "running": len(self.running), "waiting": len(self.ready), "steps": steps[-32:]}
+        load = super().load()
+        load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
+        load.pending = bool(self.running)  # the engine has steps to run (incoming KV waits on prefill)
+        return load
+
+    # ------------------------------------------------------------ conductor messages
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
-        if isinstance(msg, P.Abort):
-            self.aborted[msg.req_id] = time.monotonic()
-            self.partial.pop(msg.req_id, None)
-            self._wake.set()
+        if isinstance(msg, P.DecodeRequest):
+            self.pending.append(msg)
+            await self._reserve_pending()
+        elif isinstance(msg, P.FirstToken):
+            slot = self.incoming.get(msg.req_id)
+            if slot is not None:
+                slot.first_token = msg.token
+                await self._maybe_start(slot)
+        elif isinstance(msg, P.Abort):
+            await self._drop(msg.req_id)
         else:
             log.warning("decode ignores %s", type(msg).__name__)
+
+    async def _drop(self, req_id: str) -> None:
+        """Forget a request wherever it is (aborted by the conductor)."""
+        self.pending = deque(m for m in self.pending if m.req_id != req_id)
+        slot = self.incoming.pop(req_id, None)
+        if slot is not None:
+            await self.run_engine(self.engine.free, slot.seq)
+            await self._reserve_pending()
+        if req_id in self.running:
+            self.aborted.add(req_id)
+            self._wake.set()
+
+    async def _reserve_pending(self) -> None:
+        """Reserve blocks for waiting requests, in order, while the pool has room for them and
+        one more block per running sequence (so that reserving never starves the batch)."""
+        eng = self.engine
+        while self.pending:
+            msg = self.pending[0]
+            need = -(-len(msg.tokens) // eng.block_tokens)
+            seq = None
+            if eng.blocks.num_available() >= need + len(self.running):
+                try:
+                    seq = await self.run_engine(eng.reserve, msg.req_id, msg.tokens, [BlockHash(h) for h in msg.hashes],
+                                                BlockHash(msg.root), msg.sampling, msg.num_generated)
+                except InvalidRequestError as e:
+                    self.pending.popleft()
+                    await self.fail(msg.req_id, e)
+                    continue
+            if seq is None:
+                if not (self.running or self.incoming):  # nothing will free memory: it never fits here
+                    self.pending.popleft()
+                    await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
+                    continue
+                return
+            self.pending.popleft()
+            self.incoming[msg.req_id] = Slot(msg, seq, next_index=msg.num_generated + 1)
+            await self.send(P.Reserved(msg.req_id, self.node_id))
+
+    async def _maybe_start(self, slot: Slot) -> None:
+        if slot.first_token is None or not slot.kv_complete:
+            return
+        rid = slot.msg.req_id
+        await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
+        if self.incoming.pop(rid, None) is slot:
+            self.running[rid] = slot
+            self._wake.set()
+
+    # ------------------------------------------------------------ KV from prefill
 
     async def _kv_loop(self) -> None:
         while True:
             frames = await self.kv_sock.recv_multipart(copy=False)
             try:
-                msg, tensors = P.decode(frames)
-                if not isinstance(msg, P.KVTransfer):
-                    raise P.ProtocolError(f"expected KV, got {type(msg).__name__}")
-            except P.ProtocolError as e:
-                log.warning("dropping malformed KV message: %s", e)
-                continue
-            if msg.req_id in self.aborted:
-                continue
-            now = time.monotonic()
-            blocks = self.partial.setdefault(msg.req_id, (now, []))[1]
-            if msg.first_block != len(blocks):
-                log.warning("KV of %s out of order (block %d, have %d): dropped", msg.req_id, msg.first_block,
-                            len(blocks))
-                self.partial.pop(msg.req_id, None)
-                continue
-            blocks.extend(tensors)
-            if msg.final:
-                self.partial.pop(msg.req_id, None)
-                self.ready.append((msg, torch.stack(blocks)))
-                self._wake.set()
-            self._expire(now)
+                await self._on_kv(frames)
+            except Exception:  # one bad message never stops the ingress
+                log.exception("error handling a KV message")
 
-    def _expire(self, now: float) -> None:
-        for rid, (t, _) in list(self.partial.items()):
-            if now - t > PARTIAL_TTL_S:
-                del self.partial[rid]
-        for rid, t in list(self.aborted.items()):
-            if now - t > PARTIAL_TTL_S:
-                del self.aborted[rid]
+    async def _on_kv(self, frames: list) -> None:
+        try:
+            msg, tensors = P.decode(frames, block_shape=self.engine.block_shape)
+            if not isinstance(msg, P.KVTransfer):
+                raise P.ProtocolError(f"expected KV, got {type(msg).__name__}")
+        except P.ProtocolError as e:
+            log.warning("dropping malformed KV message: %s", e)
+            return
+        slot = self.incoming.get(msg.req_id)
+        if slot is None:
+            log.debug("KV of %s, which is not reserved here: dropped", msg.req_id)
+            return
+        if msg.first_block != slot.next_block or slot.next_block + len(tensors) > len(slot.seq.block_table):
+            log.warning("KV of %s: blocks %d..%d do not continue the %d received of %d: request failed",
+                        msg.req_id, msg.first_block, msg.first_block + len(tensors), slot.next_block,
+                        len(slot.seq.block_table))
+            await self._give_up(slot, "KV arrived out of order or oversized")
+            return
+        if tensors:
+            await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors))
+        slot.next_block += len(tensors)
+        await self._maybe_start(slot)
 
-    async def _admit(self) -> None:
-        eng = self.engine
-        while self.ready and len(self.running) < self.cfg.engine.max_batch:
-            msg, kv = self.ready[0]
-            if msg.req_id in self.aborted:
-                self.ready.popleft()
-                continue
-            assert msg.sampling is not None
-            seq = await self.run_engine(eng.add_decoding, msg.req_id, msg.tokens, kv, msg.next_token,
-                                        msg.sampling, msg.num_generated, msg.cache_salt or None)
-            if seq is None:
-                if not self.running:  # nothing will free memory: this request can never fit here
-                    self.ready.popleft()
-                    await self._send_tokens(msg.req_id, [], "error", "KV does not fit in the decode pool")
-                break  # wait for running sequences to finish
-            self.ready.popleft()
-            self.running[msg.req_id] = seq
-            self.meta[msg.req_id] = msg
+    async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
+        """Free a reserved or running request and report it to the conductor."""
+        rid = slot.msg.req_id
+        self.incoming.pop(rid, None)
+        self.running.pop(rid, None)
+        await self.run_engine(self.engine.free, slot.seq)
+        await self.fail(rid, why, kind)
+
+    # ------------------------------------------------------------ decoding
 
     async def _step_loop(self) -> None:
         while True:
-            for rid in [r for r in self.running if r in self.aborted]:
-                await self._retire(rid, write=False)
-            await self._admit()
-            if not self.running:
-                self._wake.clear()
-                await self._wake.wait()
+            try:
+                if not await self._step():
+                    self._wake.clear()
+                    await self._wake.wait()
+            except Exception as e:  # a step that fails fails its batch, never the role
+                log.exception("decode step failed")
+                for slot in list(self.running.values()):
+                    await self._give_up(slot, f"decode step failed: {type(e).__name__}: {e}")
+
+    async def _step(self) -> bool:
+        """One decode step of the batch; False when there is nothing to run."""
+        for rid in [r for r in self.running if r in self.aborted]:
+            await self._retire(self.running.pop(rid), write=False)
+        self.aborted.clear()
+        await self._reserve_pending()
+        if not self.running:
+            return False
+        await self._make_room()
+        slots = list(self.running.values())
+        if not slots:
+            return False
+        t0 = time.perf_counter()
+        outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
+        self.steps.append((len(slots), time.perf_counter() - t0))
+        self.progress += 1
+        for slot, out in zip(slots, outs):
+            rid = slot.msg.req_id
+            if out.token is None or self.running.get(rid) is not slot:
                 continue
-            seqs = list(self.running.values())
-            t0 = time.perf_counter()
-            outs = await self.run_engine(self.engine.decode_step, seqs)
-            self.steps.append((len(seqs), time.perf_counter() - t0))
-            for out in outs:
-                rid = out.seq.req_id
-                if rid in self.aborted or rid not in self.running:
-                    continue
-                if out.token is None and not out.finished:
-                    continue  # no block this step; retried next step
-                await self._send_tokens(rid, [] if out.token is None else [int(out.token)], out.finished)
-                if out.finished:
-                    await self._retire(rid, write=True)
+            finished = P.FinishReason(out.finished) if out.finished else None
+            await self.send(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished))
+            slot.next_index += 1
+            if finished is not None:
+                await self._retire(self.running.pop(rid), write=True)
+        return True
 
-    async def _send_tokens(self, req_id: str, tokens: list[int], finished: str, error: str = "") -> None:
-        assert self.link is not None
-        await self.link.send(P.TokenEvent(req_id, tokens, finished, error))
+    async def _make_room(self) -> None:
+        """Preempt the newest sequences until the next step's new blocks fit in the pool."""
+        eng = self.engine
+        while eng.blocks_needed([s.seq for s in self.running.values()]) > eng.blocks.num_available():
+            holders = list(self.running.values()) + list(self.incoming.values())
+            victim = max(holders, key=lambda s: s.seq.uid)
+            if len(holders) == 1:
+                await self._give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
+                return
+            log.info("KV pool full: preempting %s", victim.msg.req_id)
+            if victim.msg.req_id in self.running:
+                self.running.pop(victim.msg.req_id)
+                await self._retire(victim, write=True)
+            else:
+                self.incoming.pop(victim.msg.req_id)
+                await self.run_engine(eng.free, victim.seq)
+            await self.fail(victim.msg.req_id, "preempted: the decode KV pool is full", P.FailureKind.PREEMPTED)
 
-    async def _retire(self, req_id: str, write: bool) -> None:
-        seq = self.running.pop(req_id)
-        msg = self.meta.pop(req_id)
-        first_new = len(msg.tokens) // self.engine.block_tokens
+    async def _retire(self, slot: Slot, write: bool) -> None:
+        """Free a sequence; with ``write`` its blocks holding generated tokens go to the store."""
+        seq = slot.seq
+        first_new = len(slot.msg.tokens) // self.engine.block_tokens
         hashes = list(seq.block_hashes)
-        if write and msg.store_endpoint and len(hashes) > first_new:
+        if write and slot.msg.store_endpoint and len(hashes) > first_new:
             kv = await self.run_engine(self.engine.export_sequence, seq, first_new, len(hashes))
-            self.write_back(msg.store_endpoint, hashes[first_new:], kv)
+            self.write_back(slot.msg.store_endpoint, hashes[first_new:], kv)
         await self.run_engine(self.engine.free, seq)
 
     async def close(self) -> None:

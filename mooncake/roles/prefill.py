@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import torch
 import zmq
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
+from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.roles.worker import EngineWorker
+from mooncake.worker import EngineWorker
 from mooncake.tiers.client import StoreError
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ SEND_TIMEOUT_S = 10.0
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.queue: asyncio.Queue[P.PrefillRequest] = asyncio.Queue()
         self.aborted: set[str] = set()
@@ -48,8 +48,10 @@ class PrefillWorker(EngineWorker):
     def busy(self) -> bool:
         return self.current is not None or not self.queue.empty()
 
-    def load(self) -> dict[str, Any]:
-        return {**super().load(), "waiting": self.queue.qsize(), "running": int(self.current is not None)}
+    def load(self) -> P.Load:
+        load = super().load()
+        load.waiting, load.running = self.queue.qsize(), int(self.current is not None)
+        return load
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.PrefillRequest):
@@ -77,8 +79,7 @@ class PrefillWorker(EngineWorker):
                     log.info("prefill of %s stopped: aborted", req.req_id)
                     continue
                 log.exception("prefill of %s failed", req.req_id)
-                assert self.link is not None
-                await self.link.send(P.Failed(req.req_id, self.node_id, f"{type(e).__name__}: {e}"))
+                await self.fail(req.req_id, e)
             finally:
                 self.current = None
                 self.aborted.discard(req.req_id)
@@ -134,38 +135,36 @@ class PrefillWorker(EngineWorker):
         send.result()
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
-        assert self.link is not None
         eng = self.engine
         t_start = time.perf_counter()
-        tokens = req.tokens + req.generated
-        salt = req.cache_salt or None
-        hashes = eng.hashes(tokens, salt)
+        hashes = [BlockHash(h) for h in req.hashes]
         have = await self.run_engine(eng.cached_prefix, hashes)
         fetched, fetch_s = await self._fetch_prefix(req, hashes, have) if req.fetch else (0, 0.0)
         seq: Sequence | None = await self.run_engine(
-            eng.add_sequence, req.req_id, tokens, req.sampling, salt, len(req.generated))
+            eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
+            BlockHash(req.root))
         if seq is None:
-            await self.link.send(P.Failed(req.req_id, self.node_id, "prompt does not fit in the KV pool"))
+            await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
         try:
-            await self._compute_and_ship(req, seq, tokens, hashes, fetched, fetch_s, t_start)
+            await self._compute_and_ship(req, seq, hashes, fetched, fetch_s, t_start)
         finally:
             await self.run_engine(eng.free, seq)
 
-    async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, tokens: list[int],
-                                hashes: list[BlockHash], fetched: int, fetch_s: float, t_start: float) -> None:
-        assert self.link is not None
+    async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
+                                fetched: int, fetch_s: float, t_start: float) -> None:
         eng = self.engine
         cached = seq.num_cached_tokens
         sent = 0
         reused = cached // eng.block_tokens
         if reused:  # the reused prefix is known before any compute: it travels while the rest computes
             kv = await self.run_engine(eng.export_sequence, seq, 0, reused)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0, []), kv)
+            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0), kv)
             sent = reused
         t_compute = time.perf_counter()
         while True:
             step = await self.run_engine(eng.prefill, seq)
+            self.progress += 1
             if req.req_id in self.aborted:
                 return
             full = seq.num_computed // eng.block_tokens
@@ -173,25 +172,23 @@ class PrefillWorker(EngineWorker):
                 break
             if full > sent:  # stream finished blocks while the next chunk computes
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
-                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, []), kv)
+                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent), kv)
                 sent = full
         compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
+        finished = P.FinishReason(step.finished) if step.finished else None
         # The first token goes out now (time to first token); the KV tail follows to decode.
-        await self.link.send(P.PrefillDone(
-            req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(tokens) - cached,
-            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=step.finished))
-        if not step.finished:
+        await self.send(P.PrefillDone(
+            req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished))
+        if finished is None:
             kv = await self.run_engine(eng.export_sequence, seq, sent, None)
-            final = P.KVTransfer(req.req_id, sent, [], final=True, tokens=tokens, next_token=token,
-                                 sampling=req.sampling, num_generated=len(req.generated) + 1,
-                                 cache_salt=req.cache_salt, store_endpoint=req.store_endpoint)
-            await self._ship(req.decode_endpoint, final, kv)
+            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent), kv)
         new_from = cached // eng.block_tokens
         if req.store_endpoint and len(hashes) > new_from:
             kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))
             self.write_back(req.store_endpoint, hashes[new_from:], kv)
-        log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(tokens), cached,
+        log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
 
     async def close(self) -> None:

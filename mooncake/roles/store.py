@@ -12,13 +12,12 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Any
 
 import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
-from mooncake.roles.link import ConductorLink
+from mooncake.link import ConductorLink
 from mooncake.security import Curve
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
@@ -53,12 +52,13 @@ async def run_store(cfg: Config) -> None:
                 await link.send(P.BlockEvent(node_id, "stored", tier, hashes[i:i + ANNOUNCE_CHUNK]))
         log.info("store %s announced %d blocks", node_id, sum(map(len, by_tier.values())))
 
-    def load() -> dict[str, Any]:
+    def load() -> P.Load:
         snap = store.snapshot(top_n=0)
-        return {"tiers": {t["name"]: t for t in snap["tiers"]}}
+        return P.Load(tiers={t["name"]: P.TierLoad(t["used_bytes"], t["capacity_bytes"], t["blocks"], t["hits"],
+                                                    t["evictions"]) for t in snap["tiers"]})
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
-                     info={"node_name": cfg.node.name, "pid": os.getpid()})
+                     info=P.NodeInfo(cfg.node.name, os.getpid()))
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve)
     await link.connect(timeout_s=60)
     await announce()

@@ -1,5 +1,5 @@
-"""What prefill and decode roles share: an engine on its own thread, the conductor
-link, device-cache events, store clients and the role's main loop."""
+"""What the prefill and decode roles share: an engine on its own thread, the conductor
+link, device-cache events, store clients, failure reports and the role's main loop."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -18,13 +19,16 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.engine import Engine, load_model
-from mooncake.roles.link import ConductorLink
+from mooncake.engine.errors import InvalidRequestError
+from mooncake.link import ConductorLink
 from mooncake.security import Curve
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_STORE_CLIENTS = 8  # stores a worker talks to at once: its node's and the replicas it reads
+# Fault injection for tests: the engine thread hangs forever after this many engine calls.
+STALL_ENV = "MOONCAKE_FAULT_STALL_AFTER_CALLS"
 
 
 def node_id_for(cfg: Config, role: str) -> str:
@@ -44,6 +48,8 @@ class EngineWorker(ABC):
             torch.set_num_threads(cfg.engine.threads)
         self.loaded = load_model(cfg.model)
         self.engine = Engine(self.loaded, cfg.engine)
+        self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,
+                                  self.engine.vocab_size, tuple(self.engine.block_shape))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
@@ -52,16 +58,23 @@ class EngineWorker(ABC):
         self._tasks: list[asyncio.Task] = []
         self._writes: set[asyncio.Task] = set()
         self.link: ConductorLink | None = None
+        self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
+        stall = os.environ.get(STALL_ENV, "")
+        self._stall_after = int(stall) if stall.isdigit() else -1
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._stall_after == 0:
+            self._pool.submit(threading.Event().wait)  # the engine thread never returns
+            log.error("fault injection: engine thread stalled")
+        self._stall_after -= 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
-        e = self.engine
-        info = {"model_id": e.model_id, "block_tokens": e.block_tokens, "max_model_len": e.max_model_len,
-                "vocab_size": int(self.loaded.hf_model.config.vocab_size), "num_blocks": e.num_blocks,
-                "block_bytes": e.block_bytes, "node_name": self.cfg.node.name, "pid": os.getpid()}
-        return P.Register(role=self.role, node_id=self.node_id, endpoints=endpoints, info=info)
+        info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
+                          self.engine.block_bytes)
+        return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
+
+    # ---- stores
 
     def store(self, endpoint: str) -> StoreClient:
         """The client of a store, kept in a small LRU: a restarted store comes back on a new
@@ -94,8 +107,25 @@ class EngineWorker(ABC):
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    def load(self) -> dict[str, Any]:
-        return dict(self.engine.stats())
+    # ---- reports to the conductor
+
+    def load(self) -> P.Load:
+        return P.Load(free_blocks=self.engine.blocks.num_available(), progress=self.progress, pending=self.busy())
+
+    async def send(self, msg: P.Msg) -> None:
+        assert self.link is not None
+        await self.link.send(msg)
+
+    async def fail(self, req_id: str, error: BaseException | str, kind: P.FailureKind | None = None) -> None:
+        """Report a request this worker cannot serve, once. An invalid request is FATAL (it would
+        fail anywhere); anything else may succeed elsewhere."""
+        param = ""
+        if kind is None:
+            kind = P.FailureKind.FATAL if isinstance(error, InvalidRequestError) else P.FailureKind.RETRY
+            param = getattr(error, "param", None) or ""
+        message = error if isinstance(error, str) else (
+            str(error) if isinstance(error, InvalidRequestError) else f"{type(error).__name__}: {error}")
+        await self.send(P.Failed(req_id, self.node_id, message, kind, param))
 
     # ---- device prefix cache events -> conductor (batched)
 
@@ -135,21 +165,21 @@ class EngineWorker(ABC):
         receiver.cancel()
         await self.close()
 
+    @abstractmethod
     def busy(self) -> bool:
-        """Whether the role still holds requests (drained on shutdown)."""
-        return self.engine.stats()["sequences"] > 0
+        """Whether the role holds requests (drained on shutdown; a stall is judged on it)."""
 
     async def drain(self) -> None:
         """Tell the conductor we are leaving, then let in-flight work finish (bounded)."""
-        assert self.link is not None
-        await self.link.send(P.Leave(self.node_id))
-        deadline = asyncio.get_running_loop().time() + self.cfg.conductor.drain_timeout_s
-        while self.busy() and asyncio.get_running_loop().time() < deadline:
+        await self.send(P.Leave(self.node_id))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.conductor.drain_timeout_s
+        while self.busy() and loop.time() < deadline:
             await asyncio.sleep(0.1)
         if self.busy():
             log.warning("%s: drain timed out, dropping what is left: %s", self.node_id, self.load())
         if self._writes:  # blocks on their way to a store
-            await asyncio.wait(set(self._writes), timeout=max(0.1, deadline - asyncio.get_running_loop().time()))
+            await asyncio.wait(set(self._writes), timeout=max(0.1, deadline - loop.time()))
 
     async def _receive(self) -> None:
         assert self.link is not None
@@ -158,7 +188,7 @@ class EngineWorker(ABC):
             try:
                 await self.handle(msg, tensors)
             except Exception:  # a bad message never kills the role
-                log.exception("error handling %s", type(msg).__name__)
+                log.exception("error handling %s %s", type(msg).__name__, getattr(msg, "req_id", ""))
 
     @abstractmethod
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
@@ -171,7 +201,7 @@ class EngineWorker(ABC):
             c.close()
         if self.link is not None:
             self.link.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.curve is not None:
             self.curve.stop()
         self.ctx.term()

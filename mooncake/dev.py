@@ -9,6 +9,7 @@ as on a real cluster. Ctrl-C or SIGTERM stops every child.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -22,6 +23,16 @@ from pathlib import Path
 
 from mooncake.config import Config, dump_toml
 from mooncake.engine.loader import resolve_model_dir
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when this process dies, however it
+    dies (SIGKILL included), so that no role outlives ``mooncake serve --dev`` holding its ports."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 class DevCluster:
@@ -45,7 +56,7 @@ class DevCluster:
         path.write_text(dump_toml(cfg))
         cmd = [sys.executable, "-m", "mooncake.cli", "serve", "--role", role, "--config", str(path),
                "--log-level", self.log_level]
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         self.children[name] = proc
         return proc
 

@@ -1,0 +1,302 @@
+"""The conductor: admits requests, has the scheduler plan them, and drives each one's
+life across the instances until it finishes.
+
+One attempt of a request (see ``request.py`` for the states)::
+
+    conductor ──DecodeRequest──▶ decode      reserves the KV blocks, answers Reserved
+    conductor ──PrefillRequest─▶ prefill     computes, pushes KV to decode, reports PrefillDone
+    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents
+
+A failure is reported once, with its kind: RETRY moves the request to a new
+attempt (at most ``max_migrations`` times), PREEMPTED requeues it without
+counting, FATAL ends it with a client error. A node that dies, stalls or
+restarts takes its attempts with it: they move. A request with no progress for
+``request_timeout_s`` moves too, then fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from mooncake import protocol as P
+from mooncake.blocks import extend_chain, hash_blocks, root_hash
+from mooncake.conductor.admission import Admission, Rejection
+from mooncake.conductor.membership import Membership
+from mooncake.conductor.replicator import Replicator
+from mooncake.conductor.request import Request, RequestError, RequestStatus
+from mooncake.conductor.router import Router
+from mooncake.config import Config
+from mooncake.metrics import Metrics
+from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.scheduler import Scheduler
+from mooncake.security import Curve
+
+log = logging.getLogger(__name__)
+Reason = P.FinishReason
+
+
+class Conductor:
+    def __init__(self, cfg: Config, tokenizer: Any, model_name: str) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.cluster = Cluster()
+        self.index = KVIndex()
+        self.prefill_cost = PrefillCostModel()
+        self.decode_cost = DecodeCostModel()
+        self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.prefill_cost, self.decode_cost)
+        self.admission = Admission(cfg.conductor)
+        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.decode_cost, self.metrics,
+                                     self.on_node_lost)
+        self.requests: dict[str, Request] = {}
+        self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
+        self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
+        self.router: Router | None = None
+        self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register)
+        r.on(P.Heartbeat, lambda n, m: self.membership.heartbeat(n, m.load, time.monotonic()))
+        r.on(P.Leave, lambda n, m: self.membership.leave(n))
+        r.on(P.BlockEvent, self._on_block_event)
+        r.on(P.Reserved, self._on_reserved)
+        r.on(P.PrefillDone, self._on_prefill_done)
+        r.on(P.TokenEvent, self._on_tokens)
+        r.on(P.Failed, self._on_failed)
+        self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
+        log.info("conductor listening for roles on %s", r.endpoint)
+        return r.endpoint
+
+    async def close(self) -> None:
+        """After the HTTP drain, requests left have no client: workers drop them, then close."""
+        for req in list(self.requests.values()):
+            self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
+        if self.router is not None:
+            await self.router.flush()
+        for t in self._tasks:
+            t.cancel()
+        self.replicator.close()
+        if self.router is not None:
+            self.router.close()
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.cluster.of_role("prefill")) and bool(self.cluster.of_role("decode"))
+
+    @property
+    def facts(self) -> P.ModelFacts | None:
+        return self.membership.facts
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len if self.facts else 0
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "") -> Request | Rejection:
+        """Admit, plan and dispatch a request; a Rejection says why it is refused."""
+        facts = self.facts
+        pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
+        rejection = self.admission.check_request(tokens, sampling, facts, pool, len(self.requests),
+                                                 self.scheduler.waiting())
+        if rejection is None:
+            assert facts is not None
+            sampling.max_tokens = min(sampling.max_tokens, facts.max_model_len - len(tokens))
+            root = root_hash(facts.model_id, cache_salt or None)
+            req = Request(f"req-{uuid.uuid4().hex[:16]}", list(tokens),
+                          hash_blocks(tokens, facts.block_tokens, facts.model_id, cache_salt or None), root,
+                          sampling, time.monotonic())
+            rejection = self._dispatch(req)
+            if rejection is None:
+                self.requests[req.req_id] = req
+                self.metrics.prefix_queries.inc(len(tokens))
+                return req
+        self.metrics.rejected.labels(rejection.reason).inc()
+        return rejection
+
+    def cancel(self, req_id: str) -> None:
+        """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
+        req = self.requests.get(req_id)
+        if req is not None:
+            self._finish(req, Reason.ABORT)
+
+    def _dispatch(self, req: Request) -> Rejection | None:
+        """A new attempt: plan the prompt + tokens so far, book it, ask decode to reserve."""
+        facts = self.facts
+        assert facts is not None
+        tokens = req.all_tokens
+        bt = facts.block_tokens
+        tail = tokens[len(req.hashes) * bt:]
+        hashes = req.hashes + extend_chain(req.hashes[-1] if req.hashes else req.root, tail, bt)
+        t0 = time.perf_counter()
+        plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
+                                   time.monotonic())
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        rejection = self.admission.check_plan(plan)
+        if rejection is not None:
+            return rejection
+        assert plan is not None
+        wire_id = req.dispatched(plan, time.monotonic())
+        self.attempts[wire_id] = req
+        self.scheduler.book(wire_id, plan)
+        self.metrics.prefill_dispatched.labels(plan.prefill.node_id).inc()
+        self._send(plan.decode.node_id, P.DecodeRequest(
+            wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),
+            store_endpoint=plan.store_endpoint))
+        self._pending_prefill[wire_id] = P.PrefillRequest(
+            wire_id, tokens, hashes, req.root, req.sampling, plan.decode.endpoints["kv"],
+            num_generated=len(req.generated), fetch=plan.fetch, store_endpoint=plan.store_endpoint)
+        self.replicator.note_hits(hashes[: plan.reusable_blocks])
+        return None
+
+    def _send(self, node_id: str, msg: P.Msg) -> None:
+        assert self.router is not None
+        self.router.send(node_id, msg)
+
+    # ------------------------------------------------------------ messages of an attempt
+
+    def _attempt_of(self, node: Node, wire_id: str, role: str) -> Request | None:
+        """The live request whose current attempt is ``wire_id`` and runs its ``role`` part on ``node``."""
+        req = self.attempts.get(wire_id)
+        if req is None or req.done or req.attempt is None:
+            return None  # an attempt that moved or ended: its late messages change nothing
+        plan = req.attempt.plan
+        return req if (plan.prefill if role == "prefill" else plan.decode).node_id == node.node_id else None
+
+    def _on_reserved(self, node: Node, msg: P.Reserved) -> None:
+        req = self._attempt_of(node, msg.req_id, "decode")
+        prefill = self._pending_prefill.pop(msg.req_id, None)
+        if req is None or prefill is None or req.status is not RequestStatus.RESERVING:
+            return
+        req.reserved(time.monotonic())
+        assert req.attempt is not None
+        self._send(req.attempt.plan.prefill.node_id, prefill)
+
+    def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
+        self.prefill_cost.observe(msg.computed_tokens, msg.cached_tokens, msg.prefill_s)
+        self.prefill_cost.observe_fetch(msg.fetched_blocks, msg.fetch_s)
+        req = self._attempt_of(node, msg.req_id, "prefill")
+        if req is None or req.status is not RequestStatus.PREFILLING:
+            return
+        assert req.attempt is not None
+        now = time.monotonic()
+        self.scheduler.prefill_finished(msg.req_id)
+        block_bytes = node.info.block_bytes
+        self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
+        if req.prefilled(msg.first_token, msg.cached_tokens, now):
+            self.metrics.prefix_hits.inc(msg.cached_tokens)
+            self.metrics.ttft.observe(now - req.arrived)
+            self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+        decode = req.attempt.plan.decode.node_id
+        if msg.finished is not None:  # done at its first token: the decode drops its reservation
+            self._finish(req, msg.finished)
+            return
+        n_tokens = len(req.tokens) + len(req.generated) - 1
+        self.metrics.kv_bytes.labels("prefill_to_decode").inc(-(-n_tokens // self.facts.block_tokens) * block_bytes)
+        self._send(decode, P.FirstToken(msg.req_id, msg.first_token))
+
+    def _on_tokens(self, node: Node, msg: P.TokenEvent) -> None:
+        req = self._attempt_of(node, msg.req_id, "decode")
+        if req is None or req.status is not RequestStatus.DECODING:
+            return
+        now = time.monotonic()
+        last = req.last_token_at
+        emitted = req.accept(msg.index, msg.tokens, now)
+        if emitted:
+            self.metrics.itl.observe((now - last) / emitted)
+        if msg.finished is not None and not req.held:
+            self._finish(req, msg.finished, notify=False)
+
+    def _on_failed(self, node: Node, msg: P.Failed) -> None:
+        req = self.attempts.get(msg.req_id)
+        if req is None or req.done or req.attempt is None or \
+                node.node_id not in (req.attempt.plan.prefill.node_id, req.attempt.plan.decode.node_id):
+            return  # a failure of an attempt that already moved or ended
+        log.warning("%s failed %s (%s): %s", node.node_id, msg.req_id, msg.kind.value, msg.message)
+        if msg.kind is P.FailureKind.FATAL:
+            self._finish(req, Reason.ERROR, RequestError(msg.message, 400, msg.param or None, "invalid_request"))
+        else:
+            self._move(req, msg.message, preempted=msg.kind is P.FailureKind.PREEMPTED)
+
+    def _on_block_event(self, node: Node, msg: P.BlockEvent) -> None:
+        if msg.kind == "stored":
+            self.index.add(node.node_id, msg.tier, msg.hashes)
+        else:
+            self.index.remove(node.node_id, msg.hashes)
+        self.metrics.index_blocks.set(len(self.index))
+
+    def _on_register(self, ident: bytes, msg: P.Register) -> P.Msg:
+        return self.membership.register(ident, msg, time.monotonic())
+
+    # ------------------------------------------------------------ ending and moving attempts
+
+    def _end_attempt(self, req: Request, notify: bool = True) -> None:
+        """Release the current attempt's booking; with ``notify`` its workers drop it."""
+        if req.attempt is None:
+            return
+        wire_id, plan = req.wire_id, req.attempt.plan
+        self.scheduler.release(wire_id)
+        self.attempts.pop(wire_id, None)
+        self._pending_prefill.pop(wire_id, None)
+        if notify:
+            for node_id in {plan.prefill.node_id, plan.decode.node_id}:
+                self._send(node_id, P.Abort(wire_id))
+
+    def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
+                notify: bool = True) -> None:
+        """End a request: its workers drop it (unless they ended it themselves), its load is released."""
+        if req.done:
+            return
+        self._end_attempt(req, notify)
+        req.finish(reason, error)
+        self.requests.pop(req.req_id, None)
+        self.metrics.e2e.observe(time.monotonic() - req.arrived)
+        outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
+        self.metrics.requests.labels(outcome).inc()
+
+    def _move(self, req: Request, why: str, preempted: bool = False) -> None:
+        """Give the request a new attempt (prompt + tokens so far) elsewhere or later."""
+        self._end_attempt(req)
+        if not preempted and req.migrations >= self.cfg.conductor.max_migrations:
+            self._finish(req, Reason.ERROR, RequestError(f"request failed: {why}"))
+            return
+        req.requeued(time.monotonic(), counts_as_migration=not preempted)
+        (self.metrics.preemptions if preempted else self.metrics.migrations).inc()
+        rejection = self._dispatch(req)
+        if rejection is not None:
+            self._finish(req, Reason.ERROR, RequestError(
+                f"request failed: {why}; no instance to move it to ({rejection.message})"))
+
+    def on_node_lost(self, node: Node, why: str) -> None:
+        """A node died, stalled or restarted: its attempts move; its stores' clients go."""
+        self.scheduler.forget_node(node.node_id)
+        if node.role == "store":
+            self.replicator.forget(node.endpoints.get("store", ""))
+        for req in list(self.requests.values()):
+            plan = req.attempt.plan if req.attempt else None
+            if plan is not None and node.node_id in (plan.prefill.node_id, plan.decode.node_id):
+                self._move(req, why)
+
+    async def _liveness_loop(self) -> None:
+        cfg = self.cfg.conductor
+        while True:
+            await asyncio.sleep(min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4))
+            try:
+                now = time.monotonic()
+                self.membership.check(now)
+                for req in list(self.requests.values()):
+                    if not req.done and now - req.last_progress > cfg.request_timeout_s:
+                        self._move(req, f"no progress for {cfg.request_timeout_s:.0f}s")
+            except Exception:  # the loop that finds failures must not fail itself
+                log.exception("liveness check failed")

@@ -1,0 +1,128 @@
+"""Membership and liveness: who may join, who is alive, who is stuck, who is leaving.
+
+A node joins with ``Register`` and stays alive by heartbeating. A node silent for
+``dead_after_s`` is dead; an engine node that reports work pending but no engine
+progress for ``stall_after_s`` is stalled (its event loop runs, its engine does
+not): both lose their requests, which move elsewhere. A stalled node that
+progresses again takes work again. ``Leave`` marks a node draining: it finishes
+what it has and gets nothing new.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from mooncake import protocol as P
+from mooncake.config import ConductorConfig
+from mooncake.metrics import Metrics
+from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.cost_model import DecodeCostModel
+from mooncake.sched.kv_index import KVIndex
+
+log = logging.getLogger(__name__)
+
+_ENDPOINTS = {"prefill": (), "decode": ("kv",), "store": ("store",)}  # what each role must advertise
+
+
+def registration_problem(msg: P.Register, facts: P.ModelFacts | None) -> P.Error | None:
+    """Why a registration is refused (the Error to answer with), or None to accept it."""
+    needs = _ENDPOINTS.get(msg.role)
+    if needs is None or not msg.node_id:
+        return P.Error(f"cannot register {msg.node_id!r} as role {msg.role!r}", "bad_register")
+    missing = [k for k in needs if not msg.endpoints.get(k)]
+    if msg.role in ("prefill", "decode") and msg.info.model is None:
+        missing.append("info.model")
+    if missing:
+        return P.Error(f"cannot register role {msg.role!r} (missing: {missing})", "bad_register")
+    model = msg.info.model
+    if model is not None and facts is not None and \
+            (model.model_id, model.block_tokens) != (facts.model_id, facts.block_tokens):
+        return P.Error(f"model mismatch: it serves {model.model_id} in blocks of {model.block_tokens}, "
+                       f"the cluster serves {facts.model_id} in blocks of {facts.block_tokens}", "model_mismatch")
+    return None
+
+
+class Membership:
+    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, decode_cost: DecodeCostModel,
+                 metrics: Metrics, on_lost: Callable[[Node, str], None]) -> None:
+        """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted)."""
+        self.cfg = cfg
+        self.cluster = cluster
+        self.index = index
+        self.decode_cost = decode_cost
+        self.metrics = metrics
+        self.on_lost = on_lost
+        self.facts: P.ModelFacts | None = None  # what the cluster serves: from the first engine
+
+    def register(self, ident: bytes, msg: P.Register, now: float) -> P.Msg:
+        """Admit or refuse a node; returns the answer to send it."""
+        refusal = registration_problem(msg, self.facts)
+        if refusal is not None:
+            log.error("refusing registration of %r as %r: %s", msg.node_id, msg.role, refusal.message)
+            return refusal
+        if msg.info.model is not None and self.facts is None:
+            self.facts = msg.info.model
+        node = Node(msg.node_id, msg.role, ident, dict(msg.endpoints), msg.info, now, progress_at=now)
+        old = self.cluster.upsert(node)
+        restarted = old is not None and old.info.pid != msg.info.pid
+        if restarted:  # a new process under the same id: what the old one held is gone
+            self.index.drop_node(node.node_id)
+        if old is not None:
+            node.load, node.draining = old.load, old.draining and not restarted
+            self.cluster.reindex()
+            if restarted:
+                self.on_lost(old, f"{msg.role} instance {msg.node_id} restarted")
+        self._count(msg.role)
+        if old is None or restarted:
+            log.info("%s %s registered%s", msg.role, msg.node_id, " (restarted)" if restarted else "")
+        return P.Registered(msg.node_id, self.cfg.heartbeat_s)
+
+    def heartbeat(self, node: Node, load: P.Load, now: float) -> None:
+        progressed = load.progress != node.load.progress
+        if progressed or not node.load.pending:
+            node.progress_at = now  # it progressed, or it was idle until now
+        node.load = load
+        if node.stalled and progressed:
+            log.warning("%s %s progresses again: takes work again", node.role, node.node_id)
+            node.stalled = False
+            self.cluster.reindex()
+        if node.role == "decode":
+            for batch, seconds in load.steps:
+                self.decode_cost.observe(int(batch), float(seconds))
+        if node.role in ("prefill", "decode"):
+            self.metrics.running.labels(node.node_id).set(load.running)
+            self.metrics.waiting.labels(node.node_id).set(load.waiting)
+        for tier, st in load.tiers.items():
+            self.metrics.tier_used.labels(node.node_id, tier).set(st.used_bytes)
+            self.metrics.tier_hits.labels(node.node_id, tier).set(st.hits)
+            self.metrics.tier_evictions.labels(node.node_id, tier).set(st.evictions)
+
+    def leave(self, node: Node) -> None:
+        node.draining = True
+        self.cluster.reindex()
+        log.info("%s %s is draining: no new work", node.role, node.node_id)
+
+    def check(self, now: float) -> None:
+        """Declare dead the silent, and stalled the stuck (called periodically)."""
+        for node in self.cluster.silent_since(now - self.cfg.dead_after_s):
+            log.warning("%s %s is silent: declared dead", node.role, node.node_id)
+            self.cluster.remove(node.node_id)
+            self.index.drop_node(node.node_id)
+            self._count(node.role)
+            self.on_lost(node, f"{node.role} instance {node.node_id} died")
+        for node in list(self.cluster.nodes.values()):
+            if not node.stalled and node.load.pending and now - node.progress_at > self.cfg.stall_after_s:
+                log.error("%s %s has had work but made no engine progress for %.0fs: declared unhealthy",
+                          node.role, node.node_id, now - node.progress_at)
+                node.stalled = True
+                self.cluster.reindex()
+                self._count(node.role)
+                self.on_lost(node, f"{node.role} instance {node.node_id} is stalled")
+
+    def largest_pool(self, role: str) -> int:
+        """The most KV blocks an instance of ``role`` holds (0 when none takes work)."""
+        return max((n.info.num_blocks for n in self.cluster.of_role(role)), default=0)
+
+    def _count(self, role: str) -> None:
+        self.metrics.nodes.labels(role).set(len(self.cluster.of_role(role)))

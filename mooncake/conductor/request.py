@@ -1,0 +1,189 @@
+"""A request's life as one state machine: its status, its attempts, its events.
+
+::
+
+    WAITING ──dispatch──▶ RESERVING ──reserved──▶ PREFILLING ──prefilled──▶ DECODING ──tokens…──▶ FINISHED
+       ▲                      │                        │                        │
+       └──────── migrate / preempted (a new attempt) ──┴────────────────────────┘
+                              any state ──finish (stop, length, abort, error)──▶ FINISHED
+
+An attempt is one try on one prefill/decode pair; workers know it by its wire id
+(``<request id>#<attempt>``), so a message of an earlier attempt matches nothing.
+Tokens carry their index among the request's generated tokens: they are emitted
+in index order whatever path (prefill's first token, decode's stream) they came
+by, and an index already emitted is a duplicate. The HTTP layer reads the typed
+events from ``events``; only this module changes a request's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from mooncake.protocol import FinishReason, Sampling
+from mooncake.sched.scheduler import Plan
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, not (or no longer) on any instance
+    RESERVING = "reserving"  # the decode instance is reserving KV blocks
+    PREFILLING = "prefilling"  # the prefill instance has it
+    DECODING = "decoding"  # first token out, the decode instance streams the rest
+    FINISHED = "finished"
+
+
+_NEXT = {
+    RequestStatus.WAITING: {RequestStatus.RESERVING},
+    RequestStatus.RESERVING: {RequestStatus.PREFILLING, RequestStatus.WAITING},
+    RequestStatus.PREFILLING: {RequestStatus.DECODING, RequestStatus.WAITING},
+    RequestStatus.DECODING: {RequestStatus.WAITING},
+    RequestStatus.FINISHED: set(),
+}
+
+
+class TransitionError(RuntimeError):
+    """A transition the state machine does not allow (a bug, never a peer's fault)."""
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed: what the client is told."""
+
+    message: str
+    status: int = 503  # 400 for requests no instance can serve (a FATAL failure)
+    param: str | None = None
+    code: str = "worker_failed"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Event: new generated tokens, in order."""
+
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Event: the last one of a request."""
+
+    reason: FinishReason
+    error: RequestError | None = None
+
+
+@dataclass
+class Attempt:
+    number: int
+    plan: Plan
+
+    def wire_id(self, req_id: str) -> str:
+        return f"{req_id}#{self.number}"
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    tokens: list[int]  # the prompt
+    hashes: list[bytes]  # the prompt's full blocks
+    root: bytes  # the hash chain's seed (model identity + cache salt)
+    sampling: Sampling
+    arrived: float
+    status: RequestStatus = RequestStatus.WAITING
+    attempt: Attempt | None = None
+    attempts: int = 0
+    migrations: int = 0  # attempts moved after a failure (preemptions do not count)
+    generated: list[int] = field(default_factory=list)
+    held: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens that came early
+    cached_tokens: int = 0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    last_progress: float = 0.0
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def wire_id(self) -> str:
+        return self.attempt.wire_id(self.req_id) if self.attempt else ""
+
+    @property
+    def done(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def _to(self, status: RequestStatus) -> None:
+        if status not in _NEXT[self.status]:
+            raise TransitionError(f"{self.req_id}: {self.status.value} -> {status.value}")
+        self.status = status
+
+    # ------------------------------------------------------------ transitions
+
+    def dispatched(self, plan: Plan, now: float) -> str:
+        """A new attempt on ``plan``; returns its wire id."""
+        self._to(RequestStatus.RESERVING)
+        self.attempts += 1
+        self.attempt = Attempt(self.attempts, plan)
+        self.held.clear()
+        self.last_progress = now
+        return self.wire_id
+
+    def reserved(self, now: float) -> None:
+        self._to(RequestStatus.PREFILLING)
+        self.last_progress = now
+
+    def prefilled(self, first_token: int, cached_tokens: int, now: float) -> bool:
+        """The attempt's prefill is done; its first token is emitted. Returns whether it is
+        the request's first token (the time to first token)."""
+        self._to(RequestStatus.DECODING)
+        first = not self.generated
+        if first:
+            self.cached_tokens = cached_tokens
+            self.first_token_at = now
+        self.accept(len(self.generated), [first_token], now)
+        return first
+
+    def accept(self, index: int, ids: list[int], now: float) -> int:
+        """Tokens ``index`` onwards; emits what is next in order. Returns how many were emitted."""
+        if self.status is not RequestStatus.DECODING:
+            raise TransitionError(f"{self.req_id}: tokens while {self.status.value}")
+        self.held[index] = ids
+        emitted = 0
+        while self.held:
+            at = len(self.generated)
+            for i in [i for i in self.held if i + len(self.held[i]) <= at]:
+                del self.held[i]  # wholly emitted already: a duplicate
+            chunk = self.held.pop(at, None)
+            if chunk is None:
+                # a run that starts inside what was emitted contributes its unseen tail
+                overlap = next((i for i in self.held if i < at), None)
+                if overlap is None:
+                    break
+                chunk = self.held.pop(overlap)[at - overlap:]
+            self.generated.extend(chunk)
+            self.events.put_nowait(Tokens(list(chunk)))
+            emitted += len(chunk)
+        if emitted:
+            self.last_progress = self.last_token_at = now
+        return emitted
+
+    def requeued(self, now: float, counts_as_migration: bool) -> None:
+        """The attempt ended without finishing the request: it waits for a new one."""
+        self._to(RequestStatus.WAITING)
+        self.attempt = None
+        self.held.clear()
+        if counts_as_migration:
+            self.migrations += 1
+        self.last_progress = now
+
+    def finish(self, reason: FinishReason, error: RequestError | None = None) -> bool:
+        """The end; returns False if it had already ended (finishing is idempotent)."""
+        if self.done:
+            return False
+        self.status = RequestStatus.FINISHED
+        self.finish_reason, self.error = reason, error
+        self.events.put_nowait(Finished(reason, error))
+        return True
+
+    @property
+    def all_tokens(self) -> list[int]:
+        """What a new attempt prefills: the prompt and what was generated so far."""
+        return self.tokens + self.generated
