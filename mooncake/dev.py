@@ -46,8 +46,8 @@ class DevCluster:
         self.children: dict[str, subprocess.Popen] = {}
         self.url = f"http://{self.cfg.conductor.host}:{self.cfg.conductor.port}"
 
-    def spawn(self, role: str, index: int = 0) -> subprocess.Popen:
-        """Start (or restart) one role process."""
+    def spawn(self, role: str, index: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start (or restart) one role process (``env``: variables added to its environment)."""
         name = f"{role}{index}" if role != "conductor" else "conductor"
         path = self.tmp / f"{name}.toml"
         cfg = self.cfg.model_copy(deep=True)
@@ -56,7 +56,8 @@ class DevCluster:
         path.write_text(dump_toml(cfg))
         cmd = [sys.executable, "-m", "mooncake.cli", "serve", "--role", role, "--config", str(path),
                "--log-level", self.log_level]
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                                env={**os.environ, **env} if env else None)
         self.children[name] = proc
         return proc
 

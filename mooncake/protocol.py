@@ -129,7 +129,9 @@ class Load(msgspec.Struct):
 
     running: int = 0
     waiting: int = 0
-    free_blocks: int = 0
+    free_blocks: int = 0  # engine: KV blocks free or evictable
+    used_blocks: int = 0  # engine: KV blocks held by sequences
+    sequences: int = 0  # engine: sequences holding blocks
     progress: int = 0
     pending: bool = False
     steps: list[tuple[int, float]] = []  # decode: (batch, seconds) of steps since the last heartbeat

@@ -110,7 +110,9 @@ class EngineWorker(ABC):
     # ---- reports to the conductor
 
     def load(self) -> P.Load:
-        return P.Load(free_blocks=self.engine.blocks.num_available(), progress=self.progress, pending=self.busy())
+        st = self.engine.stats()
+        return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
+                      sequences=st["sequences"], progress=self.progress, pending=self.busy())
 
     async def send(self, msg: P.Msg) -> None:
         assert self.link is not None

@@ -1,11 +1,15 @@
-"""Helpers for tests that run real clusters: free ports, small configs, metric parsing."""
+"""Helpers for tests that run real clusters: the one way to start one, small configs, the
+one SSE parser, metric parsing, waiting on conditions."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import httpx
 
@@ -35,14 +39,62 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
     return cfg
 
 
-def start_cluster(data_dir: Path, prefill: int = 1, decode: int = 1, store: int = 1, **conductor: object) -> DevCluster:
-    cluster = DevCluster(small_config(data_dir, **conductor), prefill, decode, store)
+def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 1, store: int = 1,
+                  cfg: Config | None = None, **conductor: object) -> DevCluster:
+    """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``."""
+    if cfg is None:
+        assert data_dir is not None
+        cfg = small_config(data_dir, **conductor)
+    cluster = DevCluster(cfg, prefill, decode, store)
     try:
         cluster.start(timeout_s=240)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def running_cluster(*args: object, **kw: object) -> Iterator[DevCluster]:
+    """``start_cluster`` for a ``with`` block: the cluster is always stopped."""
+    cluster = start_cluster(*args, **kw)  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def sse_events(lines: Iterable[str]) -> list:
+    """The events of an SSE body (its lines): parsed JSON objects, and "[DONE]"."""
+    events: list = []
+    for line in lines:
+        if not line.strip():
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream(url: str, body: dict, on_event: Callable[[int, object], bool | None] | None = None,
+           path: str = "/v1/completions", headers: dict | None = None, timeout: float = 120) -> list:
+    """POST a streaming request and parse its events as they come; ``on_event(n, event)`` is
+    called after the n-th event (1-based) and stops reading when it returns True."""
+    events: list = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.strip():
+                continue
+            events += sse_events([line])
+            if on_event is not None and on_event(len(events), events[-1]):
+                break
+    return events
+
+
+def stream_text(events: list) -> str:
+    return "".join(e["choices"][0].get("text", "") or e["choices"][0].get("delta", {}).get("content", "") or ""
+                   for e in events if isinstance(e, dict) and e.get("choices"))
 
 
 def metric(text: str, name: str, **labels: str) -> float:

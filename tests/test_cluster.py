@@ -4,13 +4,12 @@ disconnects."""
 
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest
 import torch
 
-from clusters import MODEL, complete, metric, metrics, start_cluster, wait_for
+from clusters import MODEL, complete, metric, metrics, running_cluster, sse_events, stream, wait_for
 from mooncake.tiers.client import StoreClient
 
 pytestmark = pytest.mark.timeout(900)
@@ -18,10 +17,9 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("data"), prefill=2, decode=1, store=2,
-                      hot_block_hits=3, replicas=2)
-    yield c
-    c.stop()
+    with running_cluster(tmp_path_factory.mktemp("data"), prefill=2, decode=1, store=2,
+                         hot_block_hits=3, replicas=2) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +31,6 @@ def oracle_text(oracle_model, tokenizer, ids: list[int], n: int) -> str:
     with torch.no_grad():
         out = oracle_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
-
-
-def sse_events(resp: httpx.Response) -> list:
-    events = []
-    for block in resp.text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n   "])
@@ -63,7 +50,7 @@ def test_streaming_is_valid_sse_ending_with_done(cluster, oracle_model, tokenize
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
-    events = sse_events(r)
+    events = sse_events(r.text.split("\n"))
     assert events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
     assert all(e["object"] == "text_completion" for e in chunks)
@@ -189,13 +176,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(cluster, body, sta
 def test_disconnected_stream_frees_kv_and_slots_everywhere(cluster):
     body = {"model": MODEL, "prompt": list(range(3000, 3300)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
-        got = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                got += 1
-            if got >= 3:
-                break
+    stream(cluster.url, body, lambda n, _: n >= 3)
     # The client is gone: every role must drop the request and its blocks.
 
     def idle():

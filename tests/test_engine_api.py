@@ -75,12 +75,25 @@ def test_kv_handoff_prefill_to_decode(loaded_model, ids):
     step = pre.prefill(p)
     kv = pre.export_sequence(p)
     assert kv.shape[0] == 10  # 150 tokens: 9 full blocks + partial tail
-    d = dec.add_decoding("p", p.tokens[:-1], kv, step.token, GREEDY, num_generated=1)
+    tokens = p.tokens[:-1]
+    d = dec.reserve("p", tokens, dec.hashes(tokens), dec.root(), GREEDY)
+    assert d is not None and d.num_cached_tokens == 0 and len(d.block_table) == 10
+    dec.write_kv(d, 0, kv[:4])  # KV arrives in runs, as prefill streams it
+    dec.write_kv(d, 4, kv[4:])
+    with pytest.raises(ValueError):
+        dec.write_kv(d, 9, kv[:2])  # past the reservation
+    dec.begin_decoding(d, step.token)
     pre.free(p)
     assert dec.cached_prefix(dec.hashes(ids[:150])) == 9
     for _ in range(11):
         dec.decode_step([d])
     assert d.finished == "length" and d.tokens == ref.tokens
+    # A second reservation of the same prompt shares the cached blocks: their KV is not rewritten.
+    again = dec.reserve("q", tokens, dec.hashes(tokens), dec.root(), GREEDY)
+    assert again.num_cached_tokens == 9 * 16 and again.block_table[:9] == d.block_table[:9]
+    dec.write_kv(again, 0, torch.zeros_like(kv))  # the shared blocks stay as they were
+    assert torch.equal(dec.export_sequence(d, 0, 9), kv[:9])
+    dec.free(again)
 
 
 def test_pool_exhaustion_is_a_clear_signal(loaded_model, ids):

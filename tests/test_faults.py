@@ -4,7 +4,6 @@ requests run; restart a store on its LMDB directory. Decisions and outputs are a
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -13,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, small_config, wait_for
+from clusters import MODEL, complete, metric, metrics, small_config, start_cluster, stream, stream_text, wait_for
 from mooncake.config import MiB
 from mooncake.dev import DevCluster
 
@@ -27,13 +26,7 @@ def _start(data_dir, prefill: int, decode: int, store: int, dram_bytes: int | No
     cfg = small_config(data_dir, **{**FAST, **conductor})
     if dram_bytes is not None:
         cfg.store.dram_bytes = dram_bytes
-    c = DevCluster(cfg, prefill, decode, store)
-    try:
-        c.start(timeout_s=240)
-    except BaseException:
-        c.stop()
-        raise
-    return c
+    return start_cluster(prefill=prefill, decode=decode, store=store, cfg=cfg)
 
 
 def nodes(c: DevCluster, role: str) -> list[dict]:
@@ -46,20 +39,10 @@ def text_of(r: httpx.Response) -> str:
 
 
 def stream_killing(c: DevCluster, body: dict, kill_after: int, victim) -> tuple[str, list]:
-    """Stream ``body``; after ``kill_after`` token chunks SIGKILL the child ``victim()`` names."""
-    events: list = []
-    with httpx.stream("POST", c.url + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-            if len(events) == kill_after:
-                c.kill(victim())
+    """Stream ``body``; after ``kill_after`` events SIGKILL the child ``victim()`` names."""
+    events = stream(c.url, body, lambda n, _: c.kill(victim()) if n == kill_after else None, timeout=90)
     assert events and events[-1] == "[DONE]", events[-3:]
-    text = "".join(e["choices"][0]["text"] for e in events[:-1] if isinstance(e, dict) and e.get("choices"))
-    return text, events
+    return stream_text(events), events
 
 
 def decode_child(c: DevCluster) -> str:
@@ -191,25 +174,19 @@ def test_sigterm_on_a_worker_drains_its_requests_and_takes_no_new_work(tmp_path)
     c = _start(tmp_path, prefill=1, decode=1, store=1)
     try:
         body = {"model": MODEL, "prompt": list(range(2000, 2100)), "max_tokens": 40, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=120) as r:
-            chunks = 0
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    chunks += 1
-                if chunks == 3:
-                    os.killpg(c.children["decode0"].pid, signal.SIGTERM)
-                    wait_for(lambda: httpx.get(c.url + "/health").json()["nodes"]["decode"] == 0, 10,
-                             "the draining decode to leave the schedulable set")
-                    refused = complete(c.url, "Hello", max_tokens=2)
-                    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_workers"
-                    break
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert not any('"error"' in line for line in rest)
-        usage = json.loads(rest[-2][len("data: "):])["usage"]
-        assert usage["completion_tokens"] == 40
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+        def on_event(n: int, _: object) -> None:
+            if n == 3:
+                os.killpg(c.children["decode0"].pid, signal.SIGTERM)
+                wait_for(lambda: httpx.get(c.url + "/health").json()["nodes"]["decode"] == 0, 10,
+                         "the draining decode to leave the schedulable set")
+                refused = complete(c.url, "Hello", max_tokens=2)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_workers"
+
+        events = stream(c.url, body, on_event)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+        assert events[-2]["usage"]["completion_tokens"] == 40
         assert c.children["decode0"].wait(timeout=30) == 0
     finally:
         c.stop()

@@ -1,24 +1,18 @@
 """Hardening of a live dev cluster: fuzzed HTTP input (schemathesis), explicit bad input,
-API key, cache_salt isolation, malformed ZeroMQ frames to the conductor and a store, and a
-graceful shutdown (SIGTERM drains the running stream, every process exits 0)."""
+API key, cache_salt isolation, and a graceful shutdown (SIGTERM drains the running stream,
+every process exits 0). Malformed ZeroMQ messages: test_malformed.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
-import msgspec
 import pytest
-import zmq
 
-from clusters import MODEL, small_config
-from mooncake import protocol as P
+from clusters import MODEL, running_cluster, small_config, stream
 from mooncake.dev import DevCluster
-from mooncake.tiers.client import StoreClient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,14 +26,8 @@ def cluster(tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp("hardening"), api_key=KEY, max_body_bytes=BODY_LIMIT,
                        request_timeout_s=60.0, drain_timeout_s=20.0)
     cfg.engine.max_model_len = 512  # a small context: clamped max_tokens stay cheap
-    c = DevCluster(cfg, 1, 1, 1)
-    try:
-        c.start(timeout_s=240)
-    except BaseException:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    with running_cluster(cfg=cfg) as c:
+        yield c
 
 
 def post(c: DevCluster, body: object, path: str = "/v1/completions", headers: dict | None = None,
@@ -176,98 +164,22 @@ def test_fuzzed_requests_never_get_a_5xx(cluster):
     ok(cluster)
 
 
-# ---------------------------------------------------------------- ZeroMQ
+# ---------------------------------------------------------------- shutdown (a cluster of its own)
 
 
-def test_malformed_frames_to_the_conductor_are_dropped(cluster):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
-    sock.connect(cluster.cfg.conductor.endpoint)
-    try:
-        for frames in ([b""], [b"garbage"], [b"\xc1\xc1\xc1"], [msgspec.msgpack.encode({"t": "nope"})],
-                       [msgspec.msgpack.encode({"t": "heartbeat"})],  # a field missing
-                       [*P.encode(P.TokenEvent("req-unknown", [1, 2], "stop")), b"extra frame"],
-                       P.encode(P.TokenEvent("req-unknown", [1, 2], "stop")),
-                       P.encode(P.PrefillDone("req-unknown", "node0-prefill", 5, 0, 1, 0.1)),
-                       P.encode(P.BlockEvent("node0-store", "stored", "dram", [b"x" * 32]))):
-            sock.send_multipart(frames)
-        # Registrations that could never be served are refused, and the intruder gets no work.
-        for reg in (P.Register(role="bogus", node_id="evil-1"),
-                    P.Register(role="decode", node_id="evil-2", endpoints={}, info={}),
-                    P.Register(role="store", node_id="evil-3", endpoints={})):
-            sock.send_multipart(P.encode(reg))
-            reply, _ = P.decode(sock.recv_multipart())
-            assert isinstance(reply, P.Error), reply
-        sock.send_multipart(P.encode(P.Heartbeat(node_id="evil-4", load={})))
-        reply, _ = P.decode(sock.recv_multipart())
-        assert isinstance(reply, P.Reregister)
-    finally:
-        sock.close(0)
-        ctx.term()
-    ids = {n["node_id"] for n in httpx.get(cluster.url + "/cluster").json()["nodes"]}
-    assert not ids & {"evil-1", "evil-2", "evil-3", "evil-4"}
-    for _ in range(3):
-        ok(cluster)
-
-
-def test_malformed_frames_to_a_store_get_errors_and_it_keeps_serving(cluster):
-    store = next(n for n in httpx.get(cluster.url + "/cluster").json()["nodes"] if n["role"] == "store")
-    endpoint = store["endpoints"]["store"]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(endpoint)
-    try:
-        for frames in ([b"rid1", b"garbage"], [b"rid2", msgspec.msgpack.encode({"t": "get"})],
-                       [b"rid3", *P.encode(P.Register(role="x", node_id="y"))],
-                       [b"rid4", *P.encode(P.Exists([b"h" * 32])), b"unexpected tensor frame"],
-                       [b"r" * 10_000, b"x"]):
-            sock.send_multipart(frames)
-            reply = sock.recv_multipart()
-            msg, _ = P.decode(reply[1:])
-            assert isinstance(msg, P.Error), msg
-        sock.send_multipart([b"lonely"])  # too short: answered or dropped, never fatal
-        time.sleep(0.2)
-    finally:
-        sock.close(0)
-        ctx.term()
-
-    async def exists() -> list[bool]:
-        client = StoreClient(endpoint)
-        try:
-            return await client.exists([b"\0" * 32])
-        finally:
-            client.close()
-
-    assert asyncio.run(exists()) == [False]
-    ok(cluster)
-
-
-# ---------------------------------------------------------------- shutdown (last: stops the cluster)
-
-
-def test_sigterm_drains_the_running_stream_and_every_process_exits_0(cluster):
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    conductor = cluster.children["conductor"]
-    events: list = []
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                payload = line[len("data: "):]
-                events.append(payload if payload == "[DONE]" else json.loads(payload))
-                if len(events) == 2:
-                    os.killpg(conductor.pid, signal.SIGTERM)
-    assert events[-1] == "[DONE]"
-    assert not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
-    assert events[-2]["usage"]["completion_tokens"] == 30
-    assert conductor.wait(timeout=30) == 0
-    with pytest.raises(httpx.TransportError):
-        httpx.get(cluster.url + "/health", timeout=2)
-    cluster.stop(grace_s=30)
-    codes = {name: p.returncode for name, p in cluster.children.items()}
-    assert codes == {name: 0 for name in codes}, codes
+def test_sigterm_drains_the_running_stream_and_every_process_exits_0(tmp_path):
+    cfg = small_config(tmp_path, drain_timeout_s=20.0)
+    with running_cluster(cfg=cfg) as c:
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        conductor = c.children["conductor"]
+        events = stream(c.url, body, lambda n, _: os.killpg(conductor.pid, signal.SIGTERM) if n == 2 else None)
+        assert events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        assert events[-2]["usage"]["completion_tokens"] == 30
+        assert conductor.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(c.url + "/health", timeout=2)
+        c.stop(grace_s=30)
+        codes = {name: p.returncode for name, p in c.children.items()}
+        assert codes == {name: 0 for name in codes}, codes

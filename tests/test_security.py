@@ -8,9 +8,8 @@ import httpx
 import pytest
 import zmq
 
-from clusters import complete, small_config
+from clusters import complete, running_cluster, small_config
 from mooncake import protocol as P
-from mooncake.dev import DevCluster
 from mooncake.security import Curve, CurveError, generate_keys
 
 pytestmark = pytest.mark.timeout(600)
@@ -22,12 +21,8 @@ def cluster(tmp_path_factory):
     generate_keys(keys)
     cfg = small_config(tmp_path_factory.mktemp("data"))
     cfg.security.curve_keys_dir = str(keys)
-    c = DevCluster(cfg)
-    try:
-        c.start(timeout_s=240)
+    with running_cluster(cfg=cfg) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def try_register(endpoint: str, node_id: str, keys_dir=None) -> None:
@@ -37,7 +32,7 @@ def try_register(endpoint: str, node_id: str, keys_dir=None) -> None:
     if keys_dir is not None:
         Curve(keys_dir).client(sock)
     sock.connect(endpoint)
-    reg = P.Register(role="store", node_id=node_id, endpoints={"store": "tcp://127.0.0.1:9"}, info={"pid": 1})
+    reg = P.Register(role="store", node_id=node_id, info=P.NodeInfo("rogue", 1), endpoints={"store": "tcp://127.0.0.1:9"})
     sock.send_multipart(P.encode(reg))
     got = sock.poll(2000)
     sock.close(0)

@@ -50,7 +50,8 @@ def build_app(conductor: Conductor) -> FastAPI:
         return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
                 "estimates": {"prefill_1k_tokens_s": conductor.prefill_cost.predict(1000, 0),
                               "decode_step_batch_8_s": conductor.decode_cost.predict(8)},
-                "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "endpoints": n.endpoints,
+                "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
+                           "endpoints": n.endpoints,
                            "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),
                            "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,
                            "blocks_indexed": conductor.index.blocks_of(n.node_id)}
