@@ -18,7 +18,6 @@ import pytest
 
 from clusters import MODEL, complete, free_port, metric, metrics, running_cluster, small_config, stream, \
     stream_text, wait_for
-from mooncake.config import MiB
 from mooncake.worker import STALL_ENV
 from oracle import greedy
 

@@ -1,0 +1,138 @@
+"""Wire protocol: msgspec structs (a tagged union) in MessagePack, tensors as frames.
+
+A message on the wire is a ZeroMQ multipart message::
+
+    [msgpack(Message), payload_0, payload_1, ...]
+
+Messages that carry tensors describe them in a ``tensors: list[TensorSpec]``
+field, one spec per payload frame, in order. Payload frames are the raw bytes
+of contiguous CPU tensors, sent with ``copy=False``; receivers rebuild tensors
+over the received buffers without a copy (``decode``). No Python-object serialization
+ever travels on the wire: only MessagePack and raw tensor bytes.
+
+The store's object API addresses blocks by ``BlockHash``; one block is one
+payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
+block_tokens, head_dim]`` (see ``mooncake.engine``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Union
+
+import msgspec
+import torch
+
+from mooncake.protocol.base import Msg
+from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
+                                          Reregister, TierLoad)
+from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
+                                        KVTransfer, PrefillDone, PrefillRequest, Reserved, Sampling, TokenEvent)
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, PrefixQuery, Put, Release, Remove,
+                                     Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
+from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
+                                       dtype_name, frame_tensor, tensor_frame)
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "Abort",
+    "BlockEvent",
+    "Blocks",
+    "DecodeRequest",
+    "Error",
+    "Exists",
+    "Failed",
+    "FailureKind",
+    "FetchPlan",
+    "FinishReason",
+    "FirstToken",
+    "Get",
+    "Heartbeat",
+    "KVTransfer",
+    "Leave",
+    "Load",
+    "MAX_DIMS",
+    "Message",
+    "ModelFacts",
+    "Msg",
+    "NodeInfo",
+    "Ok",
+    "PrefillDone",
+    "PrefillRequest",
+    "PrefixQuery",
+    "ProtocolError",
+    "Put",
+    "Register",
+    "Registered",
+    "Release",
+    "Remove",
+    "Replicate",
+    "Reregister",
+    "Reserved",
+    "Sampling",
+    "ShmBlocks",
+    "ShmGet",
+    "ShmPut",
+    "ShmRef",
+    "StatsQuery",
+    "TensorSpec",
+    "TierLoad",
+    "TokenEvent",
+    "decode",
+    "dtype_from_name",
+    "dtype_name",
+    "encode",
+    "frame_tensor",
+    "tensor_frame",
+]
+
+Message = Union[
+    Register, Registered, Heartbeat, Leave, Reregister,
+    Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
+    Ok, Blocks, Error, BlockEvent,
+    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
+    ShmPut, ShmGet, ShmBlocks,
+]  # fmt: skip
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
+    """Frames for ``msg``; tensors (if any) become payload frames and fill ``msg.tensors``.
+
+    Returns the frame list; it holds references to the tensors so that they stay
+    alive while ZeroMQ sends them without copying.
+    """
+    payload = []
+    specs = []
+    for t in tensors:
+        spec, buf = tensor_frame(t)
+        specs.append(spec)
+        payload.append(buf)
+    if specs:
+        msg.tensors = specs  # type: ignore[attr-defined]
+    return [_encoder.encode(msg), *payload]
+
+
+def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) -> tuple[Msg, list[torch.Tensor]]:
+    """(message, tensors) from received frames. Raises ProtocolError, and nothing else, on
+    anything malformed. With ``block_shape``, every tensor must be one KV block of that shape
+    in a floating dtype (for sockets that receive KV)."""
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        head = frames[0]
+        head = head.bytes if hasattr(head, "bytes") else head
+        msg = _decoder.decode(head)
+        specs = getattr(msg, "tensors", None) or []
+        if len(specs) != len(frames) - 1:
+            raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
+        if block_shape is not None:
+            for s in specs:
+                if tuple(s.shape) != tuple(block_shape) or not dtype_from_name(s.dtype).is_floating_point:
+                    raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} float block")
+        return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgspec errors, recursion limits, odd frame objects: all malformed
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None

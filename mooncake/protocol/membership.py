@@ -1,0 +1,77 @@
+"""Membership: every role <-> the conductor (registration, heartbeats, leaving)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from mooncake.protocol.base import Msg
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What an engine serves; every engine of a cluster must agree on these."""
+
+    model_id: str
+    block_tokens: int
+    max_model_len: int
+    vocab_size: int
+    block_shape: tuple[int, ...] = ()  # one KV block: [layers, 2, kv_heads, block_tokens, head_dim]
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """Facts a role registers with. ``model``, ``num_blocks`` and ``block_bytes``: engine roles only."""
+
+    node_name: str
+    pid: int
+    model: ModelFacts | None = None
+    num_blocks: int = 0
+    block_bytes: int = 0
+
+
+class TierLoad(msgspec.Struct, frozen=True):
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class Load(msgspec.Struct):
+    """What a heartbeat reports. ``progress`` counts completed engine steps and ``pending``
+    says whether the engine has work: work pending with no progress means a stuck engine."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0  # engine: KV blocks free or evictable
+    used_blocks: int = 0  # engine: KV blocks held by sequences
+    sequences: int = 0  # engine: sequences holding blocks
+    progress: int = 0
+    pending: bool = False
+    steps: list[tuple[int, float]] = []  # decode: (batch, seconds) of steps since the last heartbeat
+    tiers: dict[str, TierLoad] = {}  # store: per tier
+
+
+class Register(Msg, tag="register"):
+    role: str  # "prefill" | "decode" | "store"
+    node_id: str
+    info: NodeInfo
+    endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}
+
+
+class Registered(Msg, tag="registered"):
+    node_id: str
+    heartbeat_s: float
+
+
+class Heartbeat(Msg, tag="heartbeat"):
+    node_id: str
+    load: Load = msgspec.field(default_factory=Load)
+
+
+class Leave(Msg, tag="leave"):
+    """Worker -> conductor: I am shutting down; send me no new work (in-flight work finishes)."""
+
+    node_id: str
+
+
+class Reregister(Msg, tag="reregister"):
+    """Conductor -> node: I do not know you (e.g. I restarted); register again."""

@@ -1,0 +1,122 @@
+"""The store's object API (client <-> store ROUTER), its block events, and its same-node
+shared-memory fast path (see mooncake/tiers/shm.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from mooncake.protocol.base import Msg
+from mooncake.protocol.tensors import TensorSpec
+
+
+class Put(Msg, tag="put"):
+    """Store blocks; one payload frame per hash, in order."""
+
+    hashes: list[bytes]
+    tensors: list[TensorSpec]
+    model_id: str = ""
+
+
+class Get(Msg, tag="get"):
+    """Fetch blocks. With ``prefix=True`` stop at the first missing block."""
+
+    hashes: list[bytes]
+    prefix: bool = False
+    lease_s: float = 0.0  # >0: keep the returned blocks from eviction this long
+
+
+class Exists(Msg, tag="exists"):
+    hashes: list[bytes]
+
+
+class PrefixQuery(Msg, tag="prefix"):
+    """How many leading blocks of a hash chain are present."""
+
+    hashes: list[bytes]
+
+
+class Remove(Msg, tag="remove"):
+    hashes: list[bytes]
+
+
+class Replicate(Msg, tag="replicate"):
+    """Copy the given blocks (those present) to another store node."""
+
+    hashes: list[bytes]
+    target: str  # the target store's endpoint
+
+
+class StatsQuery(Msg, tag="stats"):
+    pass
+
+
+class Release(Msg, tag="release"):
+    """Drop the leases taken by a Get."""
+
+    hashes: list[bytes]
+
+
+class Ok(Msg, tag="ok"):
+    """Generic reply. ``count``: blocks stored / removed / present-prefix length."""
+
+    count: int = 0
+    flags: list[bool] = []
+    data: dict[str, Any] = {}
+
+
+class Blocks(Msg, tag="blocks"):
+    """Reply to Get: the blocks found, one payload frame each."""
+
+    hashes: list[bytes]
+    tensors: list[TensorSpec]
+
+
+class Error(Msg, tag="error"):
+    message: str
+    code: str = "bad_request"
+
+
+class BlockEvent(Msg, tag="block_event"):
+    """Store or engine -> conductor: blocks stored in / removed from a node's tier."""
+
+    node_id: str
+    kind: str  # "stored" | "removed"
+    tier: str  # "device" | "dram" | "lmdb"
+    hashes: list[bytes]
+
+
+class ShmRef(msgspec.Struct, array_like=True, frozen=True):
+    """A tensor at ``offset`` in a shared-memory segment."""
+
+    offset: int
+    spec: TensorSpec
+
+
+class ShmPut(Msg, tag="shm_put"):
+    """Put whose block bytes are in the client's shared-memory ``segment``, not in frames."""
+
+    hashes: list[bytes]
+    segment: str
+    blocks: list[ShmRef]
+    model_id: str = ""
+
+
+class ShmGet(Msg, tag="shm_get"):
+    """Get whose reply bytes go into the client's ``segment`` (``size`` bytes) as far as they fit."""
+
+    hashes: list[bytes]
+    segment: str
+    size: int
+    prefix: bool = False
+    lease_s: float = 0.0
+
+
+class ShmBlocks(Msg, tag="shm_blocks"):
+    """Reply to ShmGet: the first ``len(blocks)`` found hashes are in the segment, the rest
+    (that did not fit) follow as payload frames described by ``tensors``."""
+
+    hashes: list[bytes]
+    blocks: list[ShmRef]
+    tensors: list[TensorSpec] = []
