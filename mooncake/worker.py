@@ -189,8 +189,11 @@ class EngineWorker(ABC):
             msg, tensors = await self.link.recv()
             try:
                 await self.handle(msg, tensors)
-            except Exception:  # a bad message never kills the role
-                log.exception("error handling %s %s", type(msg).__name__, getattr(msg, "req_id", ""))
+            except Exception as e:  # a bad message never kills the role; its request is reported
+                req_id = getattr(msg, "req_id", "")
+                log.exception("error handling %s %s", type(msg).__name__, req_id)
+                if req_id and not isinstance(msg, P.Abort):
+                    await self.fail(req_id, e)
 
     @abstractmethod
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:

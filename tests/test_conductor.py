@@ -209,3 +209,18 @@ def test_the_state_machine_refuses_transitions_it_does_not_know():
     with pytest.raises(TransitionError):
         req.accept(0, [1], 0.0)
     assert req.finish(P.FinishReason.ABORT) and not req.finish(P.FinishReason.STOP)
+
+
+async def test_a_request_without_progress_moves_then_fails(conductor):
+    conductor.cfg.conductor.request_timeout_s = 10
+    conductor.cfg.conductor.max_migrations = 1
+    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    start = req.last_progress
+    for n in conductor.cluster.nodes.values():
+        n.last_seen = start + 100  # alive throughout
+    conductor.check_liveness(start + 5)
+    assert req.attempts == 1
+    conductor.check_liveness(start + 11)
+    assert req.attempts == 2 and req.migrations == 1 and not req.done
+    conductor.check_liveness(req.last_progress + 11)
+    assert req.done and "no progress" in events(req)[-1].error.message

@@ -293,10 +293,15 @@ class Conductor:
         while True:
             await asyncio.sleep(min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4))
             try:
-                now = time.monotonic()
-                self.membership.check(now)
-                for req in list(self.requests.values()):
-                    if not req.done and now - req.last_progress > cfg.request_timeout_s:
-                        self._move(req, f"no progress for {cfg.request_timeout_s:.0f}s")
+                self.check_liveness(time.monotonic())
             except Exception:  # the loop that finds failures must not fail itself
                 log.exception("liveness check failed")
+
+    def check_liveness(self, now: float) -> None:
+        """Dead and stalled nodes lose their requests; a request with no progress for
+        ``request_timeout_s`` moves (a migration), and fails once it may move no more."""
+        self.membership.check(now)
+        timeout = self.cfg.conductor.request_timeout_s
+        for req in list(self.requests.values()):
+            if not req.done and now - req.last_progress > timeout:
+                self._move(req, f"no progress for {timeout:.0f}s")

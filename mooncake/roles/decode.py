@@ -168,8 +168,13 @@ class DecodeWorker(EngineWorker):
                         len(slot.seq.block_table))
             await self._give_up(slot, "KV arrived out of order or oversized")
             return
-        if tensors:
-            await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors))
+        try:
+            if tensors:
+                await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors))
+        except Exception as e:  # this request's KV is unusable; the ingress goes on
+            log.exception("writing KV of %s failed", msg.req_id)
+            await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
+            return
         slot.next_block += len(tensors)
         await self._maybe_start(slot)
 
