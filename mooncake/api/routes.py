@@ -1,4 +1,4 @@
-"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health (api/health.py), /metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mooncake import protocol as P
 from mooncake.api.errors import APIError, error_body, install_error_handlers
 from mooncake.api.guard import Guard
+from mooncake.api.health import add_health_routes
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from mooncake.api.text_stream import TextStream
 from mooncake.roles.conductor import Conductor, RequestState
@@ -29,11 +30,7 @@ def build_app(conductor: Conductor) -> FastAPI:
 
     app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        roles = {r: len(conductor.cluster.of_role(r)) for r in ("prefill", "decode", "store")}
-        ok = conductor.ready
-        return JSONResponse({"status": "ok" if ok else "starting", "nodes": roles}, 200 if ok else 503)
+    add_health_routes(app, conductor)
 
     @app.get("/cluster")
     async def cluster() -> dict:

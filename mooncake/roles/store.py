@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
+from mooncake.node_health import start_node_health
 from mooncake.roles.link import ConductorLink
 from mooncake.security import Curve
 from mooncake.tiers.server import StoreServer
@@ -60,7 +61,9 @@ async def run_store(cfg: Config) -> None:
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
                      info={"node_name": cfg.node.name, "pid": os.getpid()})
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve)
+    health = await start_node_health(cfg, "store", node_id)
     await link.connect(timeout_s=60)
+    health.ready = True
     await announce()
     link.start_heartbeat()
 
