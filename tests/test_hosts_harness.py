@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from clusters import wait_for
 from hosts import Hosts, leftovers, unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
@@ -31,8 +32,6 @@ def test_hosts_reach_each_other_until_a_link_goes_down(tmp_path):
                                      "import socket, time\ns = socket.create_server((\"0.0.0.0\", 7777))\n"
                                      "while True: s.accept()[0].close()"], start_new_session=True)
         hosts[2].procs["listener"] = listener
-        from clusters import wait_for
-
         wait_for(lambda: _connect(hosts, 1, 2, 7777) == 0, 20, "the listener")
         hosts.link(2, up=False)
         assert _connect(hosts, 1, 2, 7777) != 0

@@ -91,13 +91,9 @@ def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_se
         resources["limits"] = {"nvidia.com/gpu": 1}
     container = {"name": role, "image": image, "command": _command(role), "env": _env(role, common_env),
                  "ports": container_ports, "resources": resources, **_probes("health")}
-    volumes: list[dict] = []
-    if role == "store":
+    if role == "store":  # the LMDB tier, on the pod's PersistentVolumeClaim
         container["volumeMounts"] = [{"name": "data", "mountPath": DATA_MOUNT}]
-    else:  # torch and the ZeroMQ shared-memory path want more than the default 64 MiB /dev/shm
-        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
-    return _pod(container, grace_s, curve_secret, volumes)
+    return _pod(container, grace_s, curve_secret, [])
 
 
 def store_volume_claim(size: str) -> dict:
