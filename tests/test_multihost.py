@@ -174,13 +174,13 @@ def test_shared_prefix_is_served_from_a_remote_store(cluster, oracle_model, toke
 
 LONG = {"model": MODEL, "prompt": "The history of the printing press", "temperature": 0, "ignore_eos": True}
 LONG_TOKENS = 160
-lost: dict[str, int] = {}
 
 
 def test_decode_host_link_down_mid_stream_migrates_and_completes(cluster, oracle_model, tokenizer):
     expected = oracle(oracle_model, tokenizer, tokenizer.encode(LONG["prompt"]), LONG_TOKENS)
     migrations = metric(metrics(cluster.url), "mooncake:migrations_total")
     events: list = []
+    lost = 0
     body = {**LONG, "max_tokens": LONG_TOKENS, "stream": True}
     with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -192,18 +192,18 @@ def test_decode_host_link_down_mid_stream_migrates_and_completes(cluster, oracle
             if len(events) == 4:  # tokens are flowing: cut the decode host serving this request
                 busy = [n for n in cluster.nodes("decode") if n["assigned"]]
                 assert len(busy) == 1, busy
-                lost["host"] = cluster.host_of(busy[0])
-                cluster.hosts.link(lost["host"], up=False)
+                lost = cluster.host_of(busy[0])
+                cluster.hosts.link(lost, up=False)
     assert events[-1] == "[DONE]", events[-3:]
     assert not any(isinstance(e, dict) and "error" in e for e in events), events
     text = "".join(e["choices"][0]["text"] for e in events[:-1] if isinstance(e, dict) and e.get("choices"))
     assert text == expected
     assert metric(metrics(cluster.url), "mooncake:migrations_total") == migrations + 1
-    assert [cluster.host_of(n) for n in cluster.nodes("decode")] == [7 - lost["host"]]  # only the other one
+    assert [cluster.host_of(n) for n in cluster.nodes("decode")] == [7 - lost]  # only the other one
 
 
 def test_restored_decode_host_rejoins_and_serves(cluster, oracle_model, tokenizer):
-    for i in (3, 4):
+    for i in (3, 4):  # the host cut by the previous test comes back
         cluster.hosts.link(i, up=True)
     wait_for(lambda: len(cluster.nodes("decode")) == 2, 30, "the restored decode host to register again")
     expected = oracle(oracle_model, tokenizer, tokenizer.encode(LONG["prompt"]), 48)
