@@ -1,4 +1,5 @@
-"""``mooncake`` command line: serve (one role, or --dev for all) and bench."""
+"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, config check,
+probe (an exec health probe) and deploy kubernetes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from mooncake.config import ConfigError, load_config
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run one role, or a whole cluster with --dev")
     p.add_argument("--role", choices=["conductor", "prefill", "decode", "store"])
-    p.add_argument("--config", help="TOML config file (see config.example.toml)")
+    p.add_argument("--config", help="TOML config file (see config.example.toml); MOONCAKE_<SECTION>_<KEY> "
+                                    "environment variables apply over it, or alone without it")
     p.add_argument("--dev", action="store_true", help="all roles on this machine, one process each")
     p.add_argument("--model", help="model directory or GGUF file (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
@@ -76,6 +78,62 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ops_parsers(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="print the effective config (file + MOONCAKE_* environment) or its errors")
+    check.add_argument("file", nargs="?", help="TOML config file (omit: defaults + environment only)")
+    probe = sub.add_parser("probe", help="exec health probe of a role: exit 0 when healthy, 1 when not")
+    probe.add_argument("--role", required=True, choices=["conductor", "prefill", "decode", "store"])
+    probe.add_argument("--config", help="TOML config file (the environment applies over it)")
+    probe.add_argument("--check", default="ready", choices=["live", "ready"])
+    deploy = sub.add_parser("deploy", help="render deployment manifests from a config")
+    deploy_sub = deploy.add_subparsers(dest="target", required=True)
+    k8s = deploy_sub.add_parser("kubernetes", help="write Kubernetes manifests (*.yaml) into --out")
+    k8s.add_argument("--config", help="TOML config file of the cluster (the environment applies over it)")
+    k8s.add_argument("--out", required=True, help="directory to write the manifests into")
+    k8s.add_argument("--image", default="mooncake:latest", help="container image (see deploy/Dockerfile)")
+    k8s.add_argument("--namespace", default="mooncake")
+    for role in ("prefill", "decode", "store"):
+        k8s.add_argument(f"--{role}", type=int, default=1, help=f"{role} replicas")
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    """config check, probe and deploy: each loads the config the same way serve does."""
+    try:
+        cfg = load_config(args.file if args.command == "config" else args.config)
+    except ConfigError as e:
+        print(f"mooncake: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        from mooncake.config import dump_toml
+
+        print(dump_toml(cfg), end="")
+        return 0
+    if args.command == "probe":
+        from mooncake.node_health import probe
+
+        try:
+            ok, said = probe(cfg, args.role, args.check)
+        except ValueError as e:
+            print(f"mooncake probe: {e}", file=sys.stderr)
+            return 2
+        print(said, file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
+    from mooncake.deploy.kubernetes import DeployError, Topology, write_manifests
+
+    try:
+        topology = Topology(image=args.image, namespace=args.namespace, prefill=args.prefill,
+                            decode=args.decode, store=args.store)
+        written = write_manifests(cfg, topology, args.out)
+    except DeployError as e:
+        print(f"mooncake deploy: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     from mooncake.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    _ops_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in ("config", "probe", "deploy"):
+        return run_ops(args)
     if args.command == "serve":
         return serve(args)
     if args.command == "keys":

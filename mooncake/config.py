@@ -1,4 +1,5 @@
-"""Typed configuration, validated once at load (TOML file -> pydantic models).
+"""Typed configuration, validated once at load (TOML file, then the environment's
+``MOONCAKE_<SECTION>_<KEY>`` variables over it -> pydantic models).
 
 Values discovered at run time (number of KV blocks, eos ids, ...) live in the
 objects that discover them, never written back here.
@@ -6,9 +7,10 @@ objects that discover them, never written back here.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -81,6 +83,7 @@ class NodeConfig(_Section):
     kv_port: int = Field(0, ge=0, le=65535, description="Decode KV ingress port; 0: any free port.")
     store_port: int = Field(0, ge=0, le=65535, description="Store object-API port; 0: any free port.")
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
+    health_port: int = Field(0, ge=0, le=65535, description="Worker/store HTTP port for /health/live and /health/ready; 0: off.")
 
 
 class SecurityConfig(_Section):
@@ -100,8 +103,39 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the key."""
 
 
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
-    """Read and validate a TOML config; ``overrides`` is merged on top ({"section": {...}})."""
+ENV_PREFIX = "MOONCAKE_"
+
+
+def env_name(section: str, key: str) -> str:
+    """The environment variable that sets ``[section] key``: MOONCAKE_NODE_HOST for node.host."""
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], str]]:
+    """``MOONCAKE_<SECTION>_<KEY>`` variables as {"section": {"key": "value"}}, and which
+    variable set each (section, key). An unknown MOONCAKE_ variable is an error."""
+    known = {env_name(section, key): (section, key)
+             for section, field in Config.model_fields.items()
+             for key in field.annotation.model_fields}  # type: ignore[union-attr]
+    values: dict = {}
+    origin: dict[tuple[str, str], str] = {}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        if var not in known:
+            raise ConfigError(f"unknown environment variable {var} (config keys are MOONCAKE_<SECTION>_<KEY>, "
+                              f"e.g. {env_name('node', 'host')})")
+        section, key = known[var]
+        values.setdefault(section, {})[key] = env[var]
+        origin[(section, key)] = var
+    return values, origin
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config (``path`` may be None: defaults), then the
+    environment's MOONCAKE_<SECTION>_<KEY> variables over it (``env``; default os.environ),
+    then ``overrides`` ({"section": {...}}) on top."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -111,15 +145,23 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise ConfigError(f"config file not found: {p}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
-    for section, values in (overrides or {}).items():
-        raw.setdefault(section, {}).update(values)
+    from_env, origin = env_overrides(os.environ if env is None else env)
+    for layer in (from_env, overrides or {}):
+        for section, values in layer.items():
+            if not isinstance(raw.setdefault(section, {}), dict):
+                raise ConfigError(f"invalid config{f' {path}' if path else ''}: {section} must be a [section]")
+            raw[section].update(values)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
-        raise ConfigError(f"invalid config{f' {path}' if path else ''}: {problems}") from None
+        problems = []
+        for err in e.errors():
+            loc = tuple(str(x) for x in err["loc"])
+            where = ".".join(loc)
+            if loc[:2] in origin and loc[1] not in (overrides or {}).get(loc[0], {}):
+                where = f"{where} (from {origin[loc[:2]]}={from_env[loc[0]][loc[1]]!r})"
+            problems.append(f"{where}: {err['msg']}")
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}: {'; '.join(problems)}") from None
 
 
 def dump_toml(cfg: Config, comments: bool = False) -> str:
@@ -141,6 +183,8 @@ EXAMPLE_HEADER = """\
 # mooncake configuration: every key, with its default.
 # One process per role and node:  mooncake serve --role conductor|prefill|decode|store --config FILE
 # Roles find the conductor at [conductor] endpoint; give each node its own [node] name and host.
+# Every key can also be set in the environment as MOONCAKE_<SECTION>_<KEY> (e.g. MOONCAKE_NODE_HOST),
+# over this file; `mooncake config check FILE` prints the effective config or the errors.
 # Regenerate with: python -c "from mooncake.config import example_toml; print(example_toml(), end='')"
 
 """

@@ -21,6 +21,7 @@ from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.link import ConductorLink
+from mooncake.node_health import start_node_health
 from mooncake.security import Curve
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
@@ -155,7 +156,9 @@ class EngineWorker(ABC):
         """Register with the conductor, then handle its messages until stopped."""
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
                                   curve=self.curve)
+        health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
+        health.ready = True
         self.link.start_heartbeat()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

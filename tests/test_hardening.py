@@ -62,7 +62,8 @@ def test_api_key_is_required_on_the_api(cluster):
     assert_error(post(cluster, body, headers={"Authorization": KEY}), 401)
     assert httpx.get(cluster.url + "/v1/models").status_code == 401
     assert post(cluster, body).status_code == 200
-    assert httpx.get(cluster.url + "/health").status_code == 200  # probes need no key
+    for probe in ("/health", "/health/live", "/health/ready"):  # probes need no key
+        assert httpx.get(cluster.url + probe).status_code == 200
 
 
 def test_oversized_body_is_413_with_or_without_content_length(cluster):

@@ -1,4 +1,5 @@
-"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /cluster.
+"""HTTP routes: /v1/completions, /v1/chat/completions, /v1/models, /health (api/health.py), /metrics,
+/cluster.
 
 A completion route is parse -> submit -> format: the body is validated, turned
 into token ids (off the event loop), submitted to the conductor (a refusal
@@ -22,6 +23,7 @@ from mooncake import protocol as P
 from mooncake.api.errors import APIError, install_error_handlers
 from mooncake.api.guard import Guard
 from mooncake.api.prompts import Prompts
+from mooncake.api.health import add_health_routes
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from mooncake.api.sse import Piece, sse_stream
 from mooncake.api.text_stream import TextStream
@@ -37,11 +39,7 @@ def build_app(conductor: Conductor) -> FastAPI:
     app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
     prompts = Prompts(conductor.tokenizer)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        roles = {r: len(conductor.cluster.of_role(r)) for r in ("prefill", "decode", "store")}
-        ok = conductor.ready
-        return JSONResponse({"status": "ok" if ok else "starting", "nodes": roles}, 200 if ok else 503)
+    add_health_routes(app, conductor)
 
     @app.get("/cluster")
     async def cluster() -> dict:

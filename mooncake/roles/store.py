@@ -18,6 +18,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.link import ConductorLink
+from mooncake.node_health import start_node_health
 from mooncake.security import Curve
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
@@ -60,7 +61,9 @@ async def run_store(cfg: Config) -> None:
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid()))
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve)
+    health = await start_node_health(cfg, "store", node_id)
     await link.connect(timeout_s=60)
+    health.ready = True
     await announce()
     link.start_heartbeat()
 

@@ -1,0 +1,1 @@
+"""Deployment renderers (``mooncake deploy``)."""

@@ -1,0 +1,199 @@
+"""``mooncake deploy kubernetes``: Kubernetes manifests rendered from a cluster config.
+
+One ConfigMap carries the cluster's TOML; everything that differs per pod comes
+from the environment (``MOONCAKE_<SECTION>_<KEY>``): the pod IP as
+``MOONCAKE_NODE_HOST`` (downward API), the Kubernetes node name as the mooncake
+node name (so that a prefill pod's local store is the one on its machine), the
+pod name as the node id. Secrets (API key, CURVE keys) live in a Secret, never in
+the ConfigMap. Objects: Namespace, ConfigMap, Secret, conductor Deployment +
+Service, prefill and decode Deployments, store StatefulSet (a PersistentVolumeClaim
+per pod for the LMDB tier) + headless Service.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+
+from mooncake.config import GiB, Config, dump_toml, env_name
+from mooncake.security import KEY_NAME
+from mooncake.deploy.pods import CURVE_MOUNT, DATA_MOUNT, PodPorts, conductor_pod, store_volume_claim, worker_pod
+
+APP = "mooncake"
+DEFAULT_PORTS = {"kv_port": 5560, "store_port": 5570, "health_port": 8081}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Shared dicts (a selector reused as pod labels) are written out, not as YAML anchors."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def quantity(n_bytes: int) -> str:
+    """A byte count as a Kubernetes quantity in MiB, rounded up (``1536Mi``)."""
+    return f"{math.ceil(n_bytes / (1 << 20))}Mi"
+
+
+class DeployError(ValueError):
+    """The config cannot be deployed as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    image: str = "mooncake:latest"
+    namespace: str = "mooncake"
+    prefill: int = 1
+    decode: int = 1
+    store: int = 1
+
+    def check(self) -> None:
+        if not _DNS_LABEL.match(self.namespace):
+            raise DeployError(f"namespace {self.namespace!r} is not a DNS label (lowercase letters, digits, '-')")
+        if not self.image.strip():
+            raise DeployError("--image is empty")
+        for role in ("prefill", "decode", "store"):
+            if getattr(self, role) < 0:
+                raise DeployError(f"--{role} must be >= 0")
+        if self.prefill < 1 or self.decode < 1:
+            raise DeployError("a working cluster needs at least one prefill and one decode replica")
+
+
+def conductor_zmq_port(cfg: Config) -> int:
+    """The TCP port of ``[conductor] endpoint`` (it must be a fixed tcp:// port)."""
+    url = urlparse(cfg.conductor.endpoint)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not port:
+        raise DeployError(f"[conductor] endpoint must be tcp://HOST:PORT with a fixed port to deploy "
+                          f"(got {cfg.conductor.endpoint!r})")
+    return port
+
+
+def pod_ports(cfg: Config) -> PodPorts:
+    """Every port the roles bind: fixed ones (0 in the config becomes a default)."""
+    if not cfg.conductor.port:
+        raise DeployError("[conductor] port is 0; a Service needs a fixed HTTP port")
+    node = {k: getattr(cfg.node, k) or v for k, v in DEFAULT_PORTS.items()}
+    return PodPorts(http=cfg.conductor.port, zmq=conductor_zmq_port(cfg), **node)
+
+
+def pod_config(cfg: Config, ports: PodPorts) -> Config:
+    """The TOML every pod reads: fixed ports, in-container paths, no secrets."""
+    c = cfg.model_copy(deep=True)
+    c.conductor.api_key = ""  # from the Secret
+    c.conductor.host = "0.0.0.0"
+    c.node.kv_port, c.node.store_port, c.node.health_port = ports.kv_port, ports.store_port, ports.health_port
+    c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
+    c.store.data_dir = DATA_MOUNT
+    c.security.curve_keys_dir = CURVE_MOUNT if cfg.security.curve_keys_dir else ""
+    return c
+
+
+def curve_files(cfg: Config) -> dict[str, str]:
+    """The CURVE key files (text) to put in the Secret; {} without CURVE."""
+    if not cfg.security.curve_keys_dir:
+        return {}
+    d = Path(cfg.security.curve_keys_dir).expanduser()
+    files = {p.name: p.read_text() for p in sorted(d.glob("*")) if p.is_file()} if d.is_dir() else {}
+    if f"{KEY_NAME}.key_secret" not in files:
+        raise DeployError(f"[security] curve_keys_dir {d} holds no {KEY_NAME}.key_secret (create one with: mooncake keys {d})")
+    bad = [n for n in files if not re.match(r"^[-._a-zA-Z0-9]+$", n)]
+    if bad:
+        raise DeployError(f"curve key file names not usable as Secret keys: {bad}")
+    return files
+
+
+def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
+    """File name -> the objects it holds."""
+    topology.check()
+    ports = pod_ports(cfg)
+    ns = topology.namespace
+    conductor_host = f"{APP}-conductor.{ns}.svc.cluster.local"
+    gpu = cfg.model.device == "cuda"
+    grace = math.ceil(cfg.conductor.drain_timeout_s) + 15
+    common_env = {env_name("conductor", "endpoint"): f"tcp://{conductor_host}:{ports.zmq}"}
+    curve = curve_files(cfg)
+    curve_secret = f"{APP}-curve" if curve else ""
+    api_key_secret = f"{APP}-api-key" if cfg.conductor.api_key else ""
+
+    def meta(name: str, **labels: str) -> dict:
+        return {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": APP, **labels}}
+
+    files: dict[str, list[dict]] = {
+        "00-namespace.yaml": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}],
+        "01-config.yaml": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{APP}-config"),
+                            "data": {"cluster.toml": dump_toml(pod_config(cfg, ports))}}],
+    }
+    secrets = []
+    if curve:
+        secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(curve_secret),
+                        "type": "Opaque", "stringData": curve})
+    if api_key_secret:
+        secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(api_key_secret),
+                        "type": "Opaque", "stringData": {"api-key": cfg.conductor.api_key}})
+    if secrets:
+        files["02-secrets.yaml"] = secrets
+    pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
+                    common_env=common_env)
+
+    selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "conductor"}
+    files["10-conductor.yaml"] = [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-conductor", **selector),
+         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": selector},
+                               "spec": conductor_pod(api_key_secret=api_key_secret, **pod_args)}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-conductor", **selector),
+         "spec": {"selector": selector, "ports": [
+             {"name": "http", "port": ports.http, "targetPort": "http", "protocol": "TCP"},
+             {"name": "zmq", "port": ports.zmq, "targetPort": "zmq", "protocol": "TCP"}]}},
+    ]
+    for role in ("prefill", "decode"):
+        labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": role}
+        threads = cfg.engine.threads or 1
+        memory = cfg.engine.kv_cache_bytes + 2 * GiB  # KV pool + weights and runtime
+        files[f"20-{role}.yaml"] = [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-{role}", **labels),
+             "spec": {"replicas": getattr(topology, role), "selector": {"matchLabels": labels},
+                      "template": {"metadata": {"labels": labels},
+                                   "spec": worker_pod(role, gpu=gpu, cpu=threads, memory=quantity(memory), **pod_args)}}}]
+    if topology.store:
+        labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "store"}
+        pvc_bytes = max(GiB, int(cfg.store.lmdb_bytes * 1.25))
+        spec = worker_pod("store", gpu=False, cpu=1, memory=quantity(cfg.store.dram_bytes + GiB), **pod_args)
+        spec["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                                "topologyKey": "kubernetes.io/hostname"}}]}}
+        files["30-store.yaml"] = [
+            {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-store", **labels),
+             "spec": {"clusterIP": "None", "selector": labels,
+                      "ports": [{"name": "store", "port": ports.store_port, "targetPort": "store"}]}},
+            {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(f"{APP}-store", **labels),
+             "spec": {"serviceName": f"{APP}-store", "replicas": topology.store,
+                      "selector": {"matchLabels": labels}, "podManagementPolicy": "Parallel",
+                      "template": {"metadata": {"labels": labels}, "spec": spec},
+                      "volumeClaimTemplates": [store_volume_claim(quantity(pvc_bytes))]}}]
+    return files
+
+
+def write_manifests(cfg: Config, topology: Topology, out: str | Path) -> list[Path]:
+    """Render and write the YAML files into ``out``; returns their paths."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DeployError(f"cannot create {out}: {e}") from None
+    written = []
+    for name, objects in render(cfg, topology).items():
+        path = out / name
+        path.write_text(yaml.dump_all(objects, Dumper=_NoAliases, sort_keys=False))
+        written.append(path)
+    return written

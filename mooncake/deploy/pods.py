@@ -1,0 +1,102 @@
+"""Pod specs of the mooncake roles for Kubernetes (used by ``deploy/kubernetes.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncake.config import env_name
+
+CONFIG_FILE = "/etc/mooncake/cluster.toml"
+CURVE_MOUNT = "/etc/mooncake/curve"
+DATA_MOUNT = "/var/lib/mooncake"
+USER_ID = 10001  # the non-root user of deploy/Dockerfile
+STARTUP_BUDGET_S = 600  # model load (and conversion) before the first probe must pass
+
+
+@dataclass(frozen=True)
+class PodPorts:
+    http: int  # conductor HTTP (OpenAI API, /health/*)
+    zmq: int  # conductor's role endpoint
+    kv_port: int  # decode KV ingress
+    store_port: int  # store object API
+    health_port: int  # worker/store /health/{live,ready}
+
+
+def _field(path: str) -> dict:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(role: str, common_env: dict[str, str], api_key_secret: str = "") -> list[dict]:
+    env = [{"name": env_name("node", "host"), **_field("status.podIP")},
+           {"name": env_name("node", "name"), **_field("spec.nodeName")},  # same machine = local
+           {"name": env_name("node", "node_id"), **_field("metadata.name")}]
+    env += [{"name": k, "value": v} for k, v in common_env.items()]
+    if api_key_secret:
+        env.append({"name": env_name("conductor", "api_key"),
+                    "valueFrom": {"secretKeyRef": {"name": api_key_secret, "key": "api-key"}}})
+    return env
+
+
+def _probes(port: str, path_ready: str = "/health/ready") -> dict:
+    def get(path: str, period: int, failures: int) -> dict:
+        return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+                "timeoutSeconds": 3, "failureThreshold": failures}
+
+    return {"startupProbe": get("/health/live", 5, STARTUP_BUDGET_S // 5),
+            "livenessProbe": get("/health/live", 10, 3),
+            "readinessProbe": get(path_ready, 5, 2)}
+
+
+def _pod(container: dict, grace_s: int, curve_secret: str, volumes: list[dict]) -> dict:
+    mounts = [{"name": "config", "mountPath": CONFIG_FILE, "subPath": "cluster.toml", "readOnly": True}]
+    volumes = [{"name": "config", "configMap": {"name": "mooncake-config"}}, *volumes]
+    if curve_secret:  # group-readable: the pod's fsGroup is the container user's group
+        mounts.append({"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True})
+        volumes.append({"name": "curve", "secret": {"secretName": curve_secret, "defaultMode": 0o440}})
+    container["volumeMounts"] = mounts + container.get("volumeMounts", [])
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {"terminationGracePeriodSeconds": grace_s,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
+                                "fsGroup": USER_ID},
+            "containers": [container], "volumes": volumes}
+
+
+def _command(role: str) -> list[str]:
+    return ["mooncake", "serve", "--role", role, "--config", CONFIG_FILE]
+
+
+def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+                  common_env: dict[str, str], api_key_secret: str) -> dict:
+    """The conductor binds its role endpoint on every interface; roles reach it by its Service."""
+    env = {**common_env, env_name("conductor", "endpoint"): f"tcp://0.0.0.0:{ports.zmq}"}
+    container = {"name": "conductor", "image": image, "command": _command("conductor"),
+                 "env": _env("conductor", env, api_key_secret),
+                 "ports": [{"name": "http", "containerPort": ports.http, "protocol": "TCP"},
+                           {"name": "zmq", "containerPort": ports.zmq, "protocol": "TCP"}],
+                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                 **_probes("http")}
+    return _pod(container, grace_s, curve_secret, [])
+
+
+def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+               common_env: dict[str, str], gpu: bool, cpu: int, memory: str) -> dict:
+    """A prefill, decode or store pod; each serves /health/{live,ready} on the health port."""
+    container_ports = [{"name": "health", "containerPort": ports.health_port, "protocol": "TCP"}]
+    if role == "decode":
+        container_ports.append({"name": "kv", "containerPort": ports.kv_port, "protocol": "TCP"})
+    if role == "store":
+        container_ports.append({"name": "store", "containerPort": ports.store_port, "protocol": "TCP"})
+    resources: dict = {"requests": {"cpu": str(cpu), "memory": memory}}
+    if gpu:
+        resources["limits"] = {"nvidia.com/gpu": 1}
+    container = {"name": role, "image": image, "command": _command(role), "env": _env(role, common_env),
+                 "ports": container_ports, "resources": resources, **_probes("health")}
+    if role == "store":  # the LMDB tier, on the pod's PersistentVolumeClaim
+        container["volumeMounts"] = [{"name": "data", "mountPath": DATA_MOUNT}]
+    return _pod(container, grace_s, curve_secret, [])
+
+
+def store_volume_claim(size: str) -> dict:
+    """The PersistentVolumeClaim template of a store pod's LMDB tier."""
+    return {"metadata": {"name": "data"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}}

@@ -1,0 +1,81 @@
+"""Configuration from the environment (MOONCAKE_<SECTION>_<KEY>) and `mooncake config check`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake.config import Config, ConfigError, env_name, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_environment_sets_every_key_over_the_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[node]\nhost = "10.0.0.5"\nname = "a"\n[conductor]\nport = 9000\n')
+    cfg = load_config(f, env={"MOONCAKE_NODE_HOST": "10.0.0.7", "MOONCAKE_CONDUCTOR_DEAD_AFTER_S": "4.5",
+                              "MOONCAKE_ENGINE_PREFIX_CACHING": "false", "PATH": "/bin"})
+    assert cfg.node.host == "10.0.0.7" and cfg.node.name == "a"  # env over file; file over default
+    assert cfg.conductor.port == 9000 and cfg.conductor.dead_after_s == 4.5
+    assert cfg.engine.prefix_caching is False
+
+
+def test_every_key_has_a_variable_parsed_as_its_type():
+    defaults = Config()
+    env = {env_name(section, key): (str(value).lower() if isinstance(value, bool) else str(value))
+           for section, model in defaults for key, value in model}
+    assert len(env) == sum(len(type(m).model_fields) for _, m in defaults)
+    assert load_config(env=env) == defaults  # strings in, typed values out
+
+
+def test_cli_overrides_beat_the_environment():
+    cfg = load_config(overrides={"conductor": {"port": 1234}}, env={"MOONCAKE_CONDUCTOR_PORT": "99"})
+    assert cfg.conductor.port == 1234
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MOONCAKE_CONDUCTOR_PORT": "eighty"}, ["conductor.port", "MOONCAKE_CONDUCTOR_PORT", "'eighty'"]),
+    ({"MOONCAKE_CONDUCTOR_PORT": "70000"}, ["MOONCAKE_CONDUCTOR_PORT", "65535"]),
+    ({"MOONCAKE_MODEL_DEVICE": "tpu"}, ["MOONCAKE_MODEL_DEVICE", "cpu"]),
+    ({"MOONCAKE_NODE_HOSTNAME": "x"}, ["unknown environment variable MOONCAKE_NODE_HOSTNAME"]),
+    ({"MOONCAKE_NOSUCH_KEY": "x"}, ["unknown environment variable MOONCAKE_NOSUCH_KEY"]),
+])
+def test_bad_environment_values_name_the_variable(env, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(env=env)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_bad_file_value_names_the_key_not_a_variable(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[engine]\nblock_tokens = 0\n")
+    with pytest.raises(ConfigError, match=r"engine.block_tokens: .*greater than or equal") as e:
+        load_config(f, env={})
+    assert "MOONCAKE_" not in str(e.value)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MOONCAKE_")}
+    return subprocess.run([sys.executable, "-m", "mooncake.cli", *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, timeout=120)
+
+
+def test_config_check_prints_the_effective_config():
+    r = _cli("config", "check", str(ROOT / "config.example.toml"), env={"MOONCAKE_NODE_HOST": "10.1.2.3"})
+    assert r.returncode == 0, r.stderr
+    effective = load_config(env={"MOONCAKE_NODE_HOST": "10.1.2.3"})
+    assert 'host = "10.1.2.3"' in r.stdout
+    assert r.stdout.count("[") >= 6 and "[security]" in r.stdout
+    assert effective.node.host == "10.1.2.3"
+
+
+def test_config_check_reports_errors_and_fails(tmp_path):
+    r = _cli("config", "check", str(ROOT / "config.example.toml"), env={"MOONCAKE_ENGINE_MAX_BATCH": "0"})
+    assert r.returncode == 2
+    assert "MOONCAKE_ENGINE_MAX_BATCH" in r.stderr and "engine.max_batch" in r.stderr
+    r = _cli("config", "check", str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "config file not found" in r.stderr

@@ -1,0 +1,176 @@
+"""`mooncake deploy kubernetes`: manifests valid under the Kubernetes schemas
+(kubernetes-validate --strict, offline) and consistent with what each role binds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from mooncake.config import Config, load_config
+from mooncake.deploy.kubernetes import DeployError, Topology, render, write_manifests
+from mooncake.security import generate_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
+POD = {"status.podIP": "10.9.8.7", "spec.nodeName": "k8s-node-a", "metadata.name": "mooncake-x-0"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    return subprocess.run([sys.executable, "-m", "mooncake.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.fixture
+def gpu_config(tmp_path) -> Path:
+    """Two nodes' worth of GPU cluster: CUDA, CURVE keys, an API key, non-default ports."""
+    generate_keys(tmp_path / "keys")
+    path = tmp_path / "gpu.toml"
+    path.write_text(f'[model]\ndevice = "cuda"\n[conductor]\nport = 8080\napi_key = "sk-secret"\n'
+                    f'endpoint = "tcp://10.0.0.1:6000"\ndrain_timeout_s = 120\n'
+                    f'[node]\nkv_port = 7001\nstore_port = 7002\nhealth_port = 7003\n'
+                    f'[security]\ncurve_keys_dir = "{tmp_path / "keys"}"\n')
+    return path
+
+
+def _objects(out: Path) -> list[dict]:
+    return [o for f in sorted(out.glob("*.yaml")) for o in yaml.safe_load_all(f.read_text())]
+
+
+def _validate(out: Path) -> None:
+    files = sorted(str(f) for f in out.glob("*.yaml"))
+    r = subprocess.run([str(VALIDATE), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("which", ["example", "gpu"])
+def test_manifests_validate_against_the_kubernetes_schemas(tmp_path, gpu_config, which):
+    config = ROOT / "config.example.toml" if which == "example" else gpu_config
+    counts = ["--prefill", "2", "--decode", "2", "--store", "2"] if which == "gpu" else []
+    r = _cli("deploy", "kubernetes", "--config", str(config), "--out", str(tmp_path / "out"), *counts)
+    assert r.returncode == 0, r.stderr
+    written = r.stdout.split()
+    assert written and all(p.endswith(".yaml") and Path(p).is_file() for p in written)
+    _validate(tmp_path / "out")
+    kinds = sorted(o["kind"] for o in _objects(tmp_path / "out"))
+    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Namespace", "Service", "Service",
+                "StatefulSet"]
+    assert kinds == sorted(expected + (["Secret", "Secret"] if which == "gpu" else []))
+
+
+def _effective(objects: list[dict], container: dict) -> Config:
+    """The config a container would load: the ConfigMap's TOML, then its environment."""
+    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
+    secrets = {o["metadata"]["name"]: o["stringData"] for o in objects if o["kind"] == "Secret"}
+    env = {}
+    for e in container["env"]:
+        src = e.get("valueFrom", {})
+        if "fieldRef" in src:
+            env[e["name"]] = POD[src["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in src:
+            env[e["name"]] = secrets[src["secretKeyRef"]["name"]][src["secretKeyRef"]["key"]]
+        else:
+            env[e["name"]] = e["value"]
+    assert container["command"][-2:] == ["--config", "/etc/mooncake/cluster.toml"]
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(configmap["data"]["cluster.toml"])
+        f.flush()
+        return load_config(f.name, env=env)
+
+
+def _bound_ports(role: str, cfg: Config) -> set[int]:
+    if role == "conductor":
+        return {cfg.conductor.port, urlparse(cfg.conductor.endpoint).port}
+    return {cfg.node.health_port} | {"decode": {cfg.node.kv_port}, "store": {cfg.node.store_port}}.get(role, set())
+
+
+def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_config):
+    cfg = load_config(gpu_config, env={})
+    objects = [o for objs in render(cfg, Topology(prefill=2, decode=2, store=2)).values() for o in objs]
+    workloads = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
+                 for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+    assert set(workloads) == {"conductor", "prefill", "decode", "store"}
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    conductor_svc = services["mooncake-conductor"]
+    for role, workload in workloads.items():
+        pod = workload["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        effective = _effective(objects, container)
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert set(named.values()) == _bound_ports(role, effective), role
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            port = container[probe]["httpGet"]["port"]
+            want = effective.conductor.port if role == "conductor" else effective.node.health_port
+            assert named[port] == want, (role, probe)
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+        assert pod["terminationGracePeriodSeconds"] > effective.conductor.drain_timeout_s
+        assert effective.node.host == POD["status.podIP"] and effective.node.node_id == POD["metadata.name"]
+        assert effective.node.name == POD["spec.nodeName"]
+        assert effective.security.curve_keys_dir == "/etc/mooncake/curve"
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/etc/mooncake/curve" in mounts
+        if role == "conductor":
+            assert effective.conductor.api_key == "sk-secret" and effective.conductor.host == "0.0.0.0"
+            assert urlparse(effective.conductor.endpoint).hostname == "0.0.0.0"
+        else:  # roles reach the conductor through its Service, on the port the conductor binds
+            url = urlparse(effective.conductor.endpoint)
+            assert url.hostname == "mooncake-conductor.mooncake.svc.cluster.local"
+            assert url.port in {p["port"] for p in conductor_svc["spec"]["ports"]}
+        gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (1 if role in ("prefill", "decode") else None), role
+    conductor_ports = {p["name"]: p["containerPort"] for p in workloads["conductor"]["spec"]["template"]["spec"]
+                       ["containers"][0]["ports"]}
+    for p in conductor_svc["spec"]["ports"]:
+        assert conductor_ports[p["targetPort"]] == p["port"]
+    store = workloads["store"]
+    assert store["kind"] == "StatefulSet" and store["spec"]["serviceName"] in services
+    store_container = store["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "data", "mountPath": _effective(objects, store_container).store.data_dir} in \
+        store_container["volumeMounts"]
+    assert store["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    anti = store["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == store["spec"]["selector"]["matchLabels"]
+    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert "sk-secret" not in configmap["data"]["cluster.toml"]
+    curve = next(o for o in objects if o["metadata"]["name"] == "mooncake-curve")
+    assert set(curve["stringData"]) == {"cluster.key", "cluster.key_secret"}
+
+
+def test_cpu_config_requests_no_gpu_and_has_no_secrets():
+    files = render(load_config(ROOT / "config.example.toml", env={}), Topology())
+    assert "02-secrets.yaml" not in files
+    text = yaml.safe_dump_all([o for objs in files.values() for o in objs])
+    assert "nvidia.com/gpu" not in text
+
+
+@pytest.mark.parametrize("toml, topology, message", [
+    ('[conductor]\nendpoint = "ipc:///tmp/x"\n', Topology(), "tcp://HOST:PORT"),
+    ('[conductor]\nendpoint = "tcp://10.0.0.1:*"\n', Topology(), "fixed port"),
+    ("[conductor]\nport = 0\n", Topology(), "port is 0"),
+    ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "cluster.key_secret"),
+    ("", Topology(namespace="Bad_NS"), "DNS label"),
+    ("", Topology(decode=0), "at least one prefill and one decode"),
+    ("", Topology(image=" "), "--image"),
+])
+def test_undeployable_configs_say_why(tmp_path, toml, topology, message):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(DeployError, match=message):
+        write_manifests(load_config(path, env={}), topology, tmp_path / "out")
+
+
+def test_cli_reports_deploy_errors(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[conductor]\nendpoint = "ipc:///tmp/x"\n')
+    r = _cli("deploy", "kubernetes", "--config", str(path), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr
