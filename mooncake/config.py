@@ -111,16 +111,20 @@ def env_name(section: str, key: str) -> str:
     return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
 
 
+FAULT_PREFIX = ENV_PREFIX + "FAULT_"
+
+
 def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], str]]:
     """``MOONCAKE_<SECTION>_<KEY>`` variables as {"section": {"key": "value"}}, and which
-    variable set each (section, key). An unknown MOONCAKE_ variable is an error."""
+    variable set each (section, key). An unknown MOONCAKE_ variable is an error, except
+    ``MOONCAKE_FAULT_*``: fault injection for tests, never configuration."""
     known = {env_name(section, key): (section, key)
              for section, field in Config.model_fields.items()
              for key in field.annotation.model_fields}  # type: ignore[union-attr]
     values: dict = {}
     origin: dict[tuple[str, str], str] = {}
     for var in sorted(env):
-        if not var.startswith(ENV_PREFIX):
+        if not var.startswith(ENV_PREFIX) or var.startswith(FAULT_PREFIX):
             continue
         if var not in known:
             raise ConfigError(f"unknown environment variable {var} (config keys are MOONCAKE_<SECTION>_<KEY>, "
