@@ -29,6 +29,7 @@ from mooncake.protocol import Sampling
 from mooncake.sched.engine_profile import EngineProfile
 
 PREFILL_SIZES = (32, 128, 384)
+CONTEXT_SAMPLE = (128, 1024)  # new tokens after cached ones: attention over cached context
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 128
 
@@ -110,9 +111,10 @@ def _time_decode(engine: Engine, batch: int, context: int, steps: int, salt: str
 
 def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
                    decode_batches: tuple[int, ...] = DECODE_BATCHES, decode_context: int = DECODE_CONTEXT,
-                   decode_steps: int = 3, repeats: int = 1) -> EngineProfile:
-    """Measure prefill times (each size from scratch, then the last quarter of the largest
-    with its first three quarters cached) and decode step times (median of ``decode_steps``).
+                   context_sample: tuple[int, int] = CONTEXT_SAMPLE, decode_steps: int = 3,
+                   repeats: int = 1) -> EngineProfile:
+    """Measure prefill times (each size from scratch, then ``context_sample``: new tokens after
+    cached ones) and decode step times (median of ``decode_steps``).
     Sizes are capped by the context limit, ``max_batch`` and the free blocks (sizes that fit
     nothing are skipped); each prefill time is the least of ``repeats`` runs. Pass ``()`` to
     skip a part: a prefill instance need not grow a decode workspace, nor a decode instance
@@ -135,11 +137,11 @@ def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZE
         for n in sizes:
             runs = [_time_prefill(engine, _tokens(engine, n, run), 0, salt, sampling) for run in range(max(repeats, 1))]
             prefill.append(min(runs, key=lambda r: r[2]))
-        if sizes and sizes[-1] >= 4 * T:
-            n = sizes[-1]
-            prefill.append(_time_prefill(engine, _tokens(engine, n, 0), n * 3 // 4 // T * T, salt, sampling))
+        n, ctx = min(context_sample[0], limit), min(context_sample[1], limit - context_sample[0]) // T * T
+        if sizes and n > 0 and ctx > 0:
+            prefill.append(_time_prefill(engine, _tokens(engine, ctx + n, 0), ctx, salt, sampling))
         decode = [(b, _time_decode(engine, b, context, decode_steps, salt, sampling)) for b in batches]
     finally:
         engine.on_block_event = on_event
     return EngineProfile(prefill, decode, decode_context=context if decode else 0,
-                         threads=torch.get_num_threads(), seconds=time.perf_counter() - t_start)
+                         chunk_tokens=engine.chunk_tokens, threads=torch.get_num_threads(), seconds=time.perf_counter() - t_start)

@@ -7,7 +7,13 @@ The model. Both are linear in non-negative weights over features that never decr
 with the work, so predictions are monotone in tokens, context and batch size:
 
 - prefill of ``n`` new tokens after ``ctx`` cached ones:
-  ``a + b*n/1e3 + c*n*(ctx + n/2)/1e6`` (fixed cost, per token, attention's quadratic part);
+  ``a + b*n/1e3 + c*pairs/1e6 + e*masked/1e6``: fixed cost, per token, and attention, whose
+  work is the ``pairs = n*(ctx + n/2)`` (query, key) pairs. The engine computes the first
+  chunk of a prompt with no cached context with the causal kernel and every other chunk
+  (after cached context, or past ``chunk_tokens``) with an explicit mask, which costs about
+  ten times more per pair on CPU: ``masked`` counts those pairs, ``e`` is their extra cost.
+  ``masked`` never decreases with ``n`` or ``ctx`` (going from no context to some context
+  moves the first chunk's pairs into it), so neither does the prediction;
 - one decode step: ``d0 + d1*batch``.
 
 The fit. Each weight is ``w_j = s_j * t_j``: ``s_j`` is the prior's weight, floored so that
@@ -16,13 +22,13 @@ puts at zero can still be learned), and ``t_j`` is a dimensionless factor. A sam
 ``(x, y)`` enters as the row ``z_j = s_j*x_j / S`` with target ``u = y / S``, where
 ``S = sum_j s_j*x_j``: ``z_j`` is the share of term j in the sample, so a sample informs each
 term by how much that term contributes to it (a 2-token prompt says nearly nothing about the
-quadratic term and cannot move it), and residuals are relative (a short and a long prompt
+attention terms and cannot move them), and residuals are relative (a short and a long prompt
 count alike). The factors minimise, over the last ``window`` samples,
 
     sum_i (z_i . t - u_i)^2 + strength * sum_j (t_j - t*_j)^2,     0 <= t_j <= max_factor
 
 (``t*`` is the prior; ``strength`` is in units of samples, absolute whatever the size of the
-features). The problem is strongly convex and 2- or 3-dimensional: coordinate descent solves
+features). The problem is strongly convex and 2- to 4-dimensional: coordinate descent solves
 it exactly. Robustness:
 
 - before each refit, every sample's target is clipped to ``[1/clip, clip]`` times the
@@ -101,6 +107,7 @@ class BoundedLinearModel:
         self._z: deque[list[float]] = deque(maxlen=window)
         self._u: deque[float] = deque(maxlen=window)
         self.rejected_fits = 0  # fits discarded as implausible
+        self._streak = 0  # of those, in a row (warned about once)
 
     @property
     def samples(self) -> int:
@@ -134,9 +141,11 @@ class BoundedLinearModel:
         weights = [s * t for s, t in zip(self.scale, theta)]
         if not self._plausible(weights):
             self.rejected_fits += 1
-            log.warning("cost model: discarded an implausible fit %s (prior %s); keeping %s",
-                        weights, self.prior, self.weights)
+            self._streak += 1
+            (log.warning if self._streak == 1 else log.debug)(
+                "cost model: discarded an implausible fit %s (prior %s); keeping %s", weights, self.prior, self.weights)
             return
+        self._streak = 0
         self.theta, self.weights = theta, weights
 
     def _plausible(self, weights: Sequence[float]) -> bool:
@@ -154,48 +163,54 @@ def fit_prior(features: Sequence[Sequence[float]], seconds: Sequence[float],
         return None
     Z = np.array([[s * v / y for s, v in zip(scale, x)] for x, y in rows])
     d = Z.shape[1]
-    A = Z.T @ Z + 1e-4 * np.eye(d)
-    b = Z.sum(axis=0) + 1e-4 * np.ones(d)  # targets: relative error 0; the scale is t = 1
+    A = Z.T @ Z + 1e-6 * np.eye(d)  # well-posed even where the samples determine nothing
+    b = Z.sum(axis=0) + 1e-6 * np.ones(d)  # targets: relative error 0; the scale is t = 1
     t = solve_box_qp(A.tolist(), b.tolist(), [0.0] * d, [1e9] * d, [1.0] * d)
     return [s * v for s, v in zip(scale, t)]
 
 
 class PrefillCostModel:
-    """Seconds to prefill ``n`` new tokens after ``ctx`` cached ones:
-    ``fixed_s + n/tokens_per_s + quadratic_s * n*(ctx + n/2)/1e6``."""
+    """Seconds to prefill ``n`` new tokens after ``ctx`` cached ones (module docstring):
+    ``fixed_s + n/tokens_per_s + attention_s*pairs/1e6 + masked_s*masked/1e6``."""
 
-    ANCHOR = (1024, 0)
+    ANCHOR = (1024, 1024)
     REFERENCES = ((32, 0), (1024, 0), (1024, 3072))
 
     def __init__(self, tokens_per_s: float = 3000.0, fixed_s: float = 0.02, fetch_block_s: float = 0.0005,
-                 quadratic_s: float = 0.0, max_factor: float = 30.0, **fit: float) -> None:
+                 attention_s: float = 0.0, masked_s: float = 0.0, chunk_tokens: int = 512,
+                 max_factor: float = 30.0, **fit: float) -> None:
         if not tokens_per_s > 0:
             raise ValueError("tokens_per_s must be > 0")
-        self.model = BoundedLinearModel([fixed_s, 1000.0 / tokens_per_s, quadratic_s], self._features(*self.ANCHOR),
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        self.chunk_tokens = chunk_tokens
+        self.model = BoundedLinearModel([fixed_s, 1000.0 / tokens_per_s, attention_s, masked_s],
+                                        self._features(*self.ANCHOR),
                                         [self._features(*r) for r in self.REFERENCES], max_factor=max_factor, **fit)
         self.fetch_block_s = fetch_block_s
 
     @classmethod
-    def from_profile(cls, samples: Iterable[tuple[int, int, float]], fetch_block_s: float = 0.0005,
-                     max_factor: float = 10.0, **fit: float) -> PrefillCostModel:
+    def from_profile(cls, samples: Iterable[tuple[int, int, float]], chunk_tokens: int = 512,
+                     fetch_block_s: float = 0.0005, max_factor: float = 10.0, **fit: float) -> PrefillCostModel:
         """A model whose prior is fitted to measured ``(n, ctx, seconds)`` samples (the default
         prior where they determine nothing)."""
         rows = [(int(n), int(c), float(s)) for n, c, s in samples if n > 0 and c >= 0]
-        default = cls().model
-        fitted = fit_prior([cls._features(n, c) for n, c, _ in rows], [s for *_, s in rows], default.scale)
+        default = cls(chunk_tokens=chunk_tokens)
+        fitted = fit_prior([default._features(n, c) for n, c, _ in rows], [s for *_, s in rows], default.model.scale)
         if fitted is None or not fitted[1] > 0:  # no per-token cost measured: not a profile of prefill
-            fitted = default.prior
-        fixed, per_1k, quadratic = fitted
-        return cls(1000.0 / per_1k, fixed, fetch_block_s, quadratic, max_factor=max_factor, **fit)
+            fitted = default.model.prior
+        fixed, per_1k, attention, masked = fitted
+        return cls(1000.0 / per_1k, fixed, fetch_block_s, attention, masked, chunk_tokens, max_factor, **fit)
 
-    @staticmethod
-    def _features(n: int, ctx: int) -> list[float]:
+    def _features(self, n: int, ctx: int) -> list[float]:
         n, ctx = max(n, 0), max(ctx, 0)
-        return [1.0, n / 1000.0, n * (ctx + n / 2) / 1e6]
+        pairs = n * (ctx + n / 2)
+        causal = 0.0 if ctx else min(n, self.chunk_tokens) ** 2 / 2
+        return [1.0, n / 1000.0, pairs / 1e6, (pairs - causal) / 1e6]
 
     @property
     def weights(self) -> list[float]:
-        """``[fixed_s, seconds per 1000 tokens, seconds per 1e6 token pairs]``."""
+        """``[fixed_s, s per 1000 tokens, s per 1e6 attention pairs, extra s per 1e6 masked pairs]``."""
         return list(self.model.weights)
 
     def predict(self, n: int, ctx: int) -> float:
