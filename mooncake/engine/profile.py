@@ -10,9 +10,9 @@ runs, and sizes are capped so that only free blocks are used (no cached block is
 The model's scratch workspaces grow to the profiled sizes, as the first real batch of that
 size would grow them.
 
-With one torch thread on a 2-core CPU and the bundled SmolLM2-135M, the default profile
-takes about 2 s for the prefill part and 2.5 s for the decode part (half of it allocating
-the decode workspace for a batch of 32).
+On the 2-core CPU of BENCHMARKS.md with the bundled SmolLM2-135M, the default profile takes
+2.3 s for the prefill part and 1.7 s for the decode part with one torch thread (1.4 s and
+1.3 s with two); ``benchmarks/bench_cost_model.py`` measures it.
 """
 
 from __future__ import annotations
@@ -143,5 +143,5 @@ def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZE
         decode = [(b, _time_decode(engine, b, context, decode_steps, salt, sampling)) for b in batches]
     finally:
         engine.on_block_event = on_event
-    return EngineProfile(prefill, decode, decode_context=context if decode else 0,
-                         chunk_tokens=engine.chunk_tokens, threads=torch.get_num_threads(), seconds=time.perf_counter() - t_start)
+    return EngineProfile(prefill, decode, decode_context=context if decode else 0, chunk_tokens=engine.chunk_tokens,
+                         threads=torch.get_num_threads(), seconds=time.perf_counter() - t_start)

@@ -11,7 +11,7 @@ with the work, so predictions are monotone in tokens, context and batch size:
   work is the ``pairs = n*(ctx + n/2)`` (query, key) pairs. The engine computes the first
   chunk of a prompt with no cached context with the causal kernel and every other chunk
   (after cached context, or past ``chunk_tokens``) with an explicit mask, which costs about
-  ten times more per pair on CPU: ``masked`` counts those pairs, ``e`` is their extra cost.
+  twice as much per pair on CPU: ``masked`` counts those pairs, ``e`` is their extra cost.
   ``masked`` never decreases with ``n`` or ``ctx`` (going from no context to some context
   moves the first chunk's pairs into it), so neither does the prediction;
 - one decode step: ``d0 + d1*batch``.
