@@ -60,6 +60,20 @@ def test_duplicate_hash_stays_unkeyed_and_returns_to_free():
     bm.check()
 
 
+def test_forget_frees_unreferenced_cached_blocks_only():
+    events = []
+    bm = BlockManager(3, lambda: lambda kind, hs: events.append((kind, hs)))
+    a = bm.allocate(3)
+    bm.register(a, [h(1), h(2), h(3)])
+    bm.release(a[:2])  # h(3) stays referenced
+    assert bm.forget([h(1), h(3), h(9)]) == 1
+    assert events[-1] == ("removed", [h(1)])
+    assert bm.cached_prefix([h(1)]) == 0 and bm.lookup(h(2)) == a[1] and bm.lookup(h(3)) == a[2]
+    assert len(bm.free) == 1 and list(bm.lru) == [a[1]]
+    assert bm.forget([h(1)]) == 0 and len(events) == 2  # nothing removed: no event
+    bm.check()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "release", "acquire"]),
                           st.integers(0, 5), st.integers(0, 9)), max_size=60))

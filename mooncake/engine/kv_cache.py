@@ -129,6 +129,22 @@ class BlockManager:
                 else:
                     self.free.append(b)
 
+    def forget(self, hashes: list[BlockHash]) -> int:
+        """Drop the unreferenced cached blocks of ``hashes`` from the prefix cache (they become
+        free); one "removed" event. Referenced or absent ones are left alone. Returns how many."""
+        removed: list[BlockHash] = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None or self.ref[b]:
+                continue
+            del self.lru[b], self.cached[h]
+            self.hash_of[b] = None
+            self.free.append(b)
+            removed.append(h)
+        if removed:
+            self._emit("removed", removed)
+        return len(removed)
+
     def check(self) -> None:
         """Assert the accounting invariant (tests)."""
         referenced = sum(1 for r in self.ref if r > 0)
