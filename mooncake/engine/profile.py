@@ -94,10 +94,13 @@ def _time_decode(engine: Engine, batch: int, context: int, steps: int, salt: str
     seqs: list[Sequence] = []
     try:
         for i in range(batch):
-            seq = engine.add_decoding("profile-d%d" % i, _tokens(engine, context, 1000 + i), kv, 1, sampling, 0, salt)
+            tokens = _tokens(engine, context, 1000 + i)
+            seq = engine.reserve("profile-d%d" % i, tokens, engine.hashes(tokens, salt), engine.root(salt), sampling)
             if seq is None:
                 raise RuntimeError("profile: the KV pool could not hold a decode batch of %d" % batch)
             seqs.append(seq)
+            engine.write_kv(seq, 0, kv)
+            engine.begin_decoding(seq, 1)
         engine.decode_step(seqs)
         times = []
         for _ in range(steps):
