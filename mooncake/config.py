@@ -39,6 +39,7 @@ class EngineConfig(_Section):
     max_model_len: int = Field(0, ge=0, description="Context limit; 0: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
+    profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")
 
 
 class StoreConfig(_Section):
@@ -63,6 +64,8 @@ class ConductorConfig(_Section):
     use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
     ttft_slo_ms: float = Field(0.0, ge=0, description="Time-to-first-token SLO; 0: no early rejection on TTFT.")
     tbt_slo_ms: float = Field(0.0, ge=0, description="Time-between-tokens SLO; 0: no early rejection on TBT.")
+    max_retry_after_s: float = Field(60.0, ge=1, description="Upper bound of the Retry-After a rejection carries.")
+    probe_after_s: float = Field(5.0, gt=0, description="After rejecting every request on SLO predictions for this long, admit one to re-measure.")
     max_waiting: int = Field(256, ge=1, description="Requests queued for prefill cluster-wide before new ones get 503.")
     max_requests: int = Field(1024, ge=1, description="Requests in flight cluster-wide before new ones get 503.")
     heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval the roles are told to use.")

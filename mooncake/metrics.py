@@ -41,6 +41,16 @@ class Metrics:
         self.replications = Counter("mooncake:replications", "Hot blocks replicated.", registry=r)
         self.migrations = Counter("mooncake:migrations", "Requests moved after a worker failed, died or stalled.",
                                   registry=r)
+        self.prediction_ratio = Histogram(
+            "mooncake:prediction_ratio", "Realized over predicted time (kind: ttft per prefill instance, tbt per "
+            "decode instance).", ["kind", "instance"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4),
+            registry=r)
+        self.admission_probes = Counter("mooncake:admission_probes", "Requests admitted against an SLO prediction "
+                                        "to re-measure, after rejecting all for a while.", registry=r)
+        self.admission_flips = Counter("mooncake:admission_flips", "Admission decisions that differ from the one "
+                                       "before (accept <-> reject).", registry=r)
+        self.cost_model_rejected_fits = Gauge("mooncake:cost_model_rejected_fits", "Implausible cost-model fits "
+                                              "discarded (the last sane fit kept).", ["model"], registry=r)
         self.preemptions = Counter("mooncake:preemptions", "Requests a decode instance gave back for lack of KV blocks.",
                                    registry=r)
 

@@ -20,7 +20,9 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.engine.errors import InvalidRequestError
+from mooncake.engine.profile import profile_engine
 from mooncake.link import ConductorLink
+from mooncake.sched.engine_profile import EngineProfile
 from mooncake.node_health import start_node_health
 from mooncake.security import Curve
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
@@ -59,6 +61,7 @@ class EngineWorker(ABC):
         self._tasks: list[asyncio.Task] = []
         self._writes: set[asyncio.Task] = set()
         self.link: ConductorLink | None = None
+        self._profile = self.profile()
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
         stall = os.environ.get(STALL_ENV, "")
         self._stall_after = int(stall) if stall.isdigit() else -1
@@ -70,9 +73,18 @@ class EngineWorker(ABC):
         self._stall_after -= 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def profile(self) -> EngineProfile | None:
+        """Time this engine before serving (prefill sizes or decode batches, by role)."""
+        if not self.cfg.engine.profile_at_start:
+            return None
+        sizes = {"decode_batches": ()} if self.role == "prefill" else {"prefill_sizes": ()}
+        p = profile_engine(self.engine, **sizes)
+        log.info("%s profiled in %.1fs: prefill %s, decode %s", self.node_id, p.seconds, p.prefill, p.decode)
+        return p
+
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
-                          self.engine.block_bytes)
+                          self.engine.block_bytes, self._profile)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     # ---- stores

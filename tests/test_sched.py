@@ -6,6 +6,7 @@ import pytest
 
 from mooncake.config import ConductorConfig
 from mooncake.conductor.admission import Admission, Rejection
+from mooncake.metrics import Metrics
 from mooncake.protocol import NodeInfo
 from mooncake.sched.booking import PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
@@ -111,27 +112,28 @@ def test_round_robin_alternates_whatever_the_cache():
 
 def test_ttft_slo_rejects_when_the_queues_are_too_long():
     sched, cluster, _ = make()
-    admission = Admission(ConductorConfig(ttft_slo_ms=1000))
-    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0)) is None
+    admission = Admission(ConductorConfig(ttft_slo_ms=1000), Metrics())
+    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0) is None
     for p in cluster.of_role("prefill"):
         sched.book(f"queued-{p.node_id}", sched.plan(H[:2], 40, 4, 16, now=0))
         sched.queues[p.node_id].add(f"queued-{p.node_id}", 2.0)
-    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0))
+    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0)
     assert isinstance(r, Rejection) and r.status == 429 and r.reason == "ttft_slo" and r.retry_after_s >= 1
 
 
 def test_tbt_slo_uses_the_batch_expected_when_prefill_finishes():
     sched, cluster, _ = make()  # prior: 30 ms + 2 ms per sequence -> 5 sequences fit in 40 ms
-    admission = Admission(ConductorConfig(tbt_slo_ms=40))
+    admission = Admission(ConductorConfig(tbt_slo_ms=40), Metrics())
+    admission.last_admitted = 0.0  # something was admitted just now: no probe is due
     plan = sched.plan(H[:2], 40, 4, 16, now=0)
     for i in range(6):  # all still running at first-token time
         sched.book(f"r{i}", plan)
         sched.slots["d0"].add(f"r{i}", 100.0)
-    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0))
+    r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0)
     assert isinstance(r, Rejection) and r.reason == "tbt_slo"
     for i in range(6):  # they end before this request's prefill does
         sched.slots["d0"].add(f"r{i}", 0.001)
-    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0)) is None
+    assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0) is None
 
 
 def test_booking_is_released_by_the_scheduler():
@@ -149,5 +151,26 @@ def test_booking_is_released_by_the_scheduler():
 def test_no_workers_and_overload_are_503():
     sched, cluster, _ = make()
     cluster.remove("d0")
-    r = Admission(ConductorConfig()).check_plan(sched.plan(H[:1], 20, 4, 16, now=0))
+    r = Admission(ConductorConfig(), Metrics()).check_plan(sched.plan(H[:1], 20, 4, 16, now=0), now=0.0)
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
+
+
+def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
+    sched, cluster, _ = make()
+    metrics = Metrics()
+    admission = Admission(ConductorConfig(ttft_slo_ms=1000, probe_after_s=5, max_retry_after_s=30), metrics)
+    plan = sched.plan(H[:2], 40, 4, 16, now=0)
+    assert admission.check_plan(plan, now=0.0) is None
+    sched.book("long", plan)
+    sched.queues[plan.prefill.node_id].add("long", 500.0)
+    for p in cluster.of_role("prefill"):
+        sched.queues.setdefault(p.node_id, PrefillQueue()).add("long-" + p.node_id, 500.0)
+    late = sched.plan(H[:2], 40, 4, 16, now=0)
+    assert admission.check_plan(late, now=1.0, evidence=(False, True)) is None  # no evidence: never refuses
+    r = admission.check_plan(late, now=2.0)
+    assert isinstance(r, Rejection) and r.retry_after_s == 30  # the backlog is ~500 s: bounded
+    assert isinstance(admission.check_plan(late, now=5.5), Rejection)
+    assert admission.check_plan(late, now=6.5) is None  # 5 s of refusals since the last admission: a probe
+    assert metrics.admission_probes._value.get() == 1
+    assert isinstance(admission.check_plan(late, now=7.0), Rejection)
+    assert metrics.admission_flips._value.get() == 3  # admit, admit, reject, reject, admit (probe), reject

@@ -3,7 +3,11 @@
 A refusal is a typed ``Rejection`` (HTTP status, reason, message, the request
 field at fault, when to retry); the HTTP layer maps it to OpenAI's error body.
 ``check_request`` judges the request against the model and the cluster's caps,
-``check_plan`` the scheduler's predictions against the SLOs.
+``check_plan`` the scheduler's predictions against the SLOs — only predictions with
+evidence behind them (a start-up profile or measurements), and never so long that the
+cluster stops learning: after refusing everything for ``probe_after_s`` it admits one
+request to re-measure. ``Retry-After`` is the time until the predicted backlog drains,
+at most ``max_retry_after_s``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake.config import ConductorConfig
+from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
 from mooncake.sched.scheduler import Plan
 
@@ -24,9 +29,15 @@ class Rejection:
     retry_after_s: float | None = None
 
 
+Evidence = tuple[bool, bool]
+
+
 class Admission:
-    def __init__(self, cfg: ConductorConfig) -> None:
+    def __init__(self, cfg: ConductorConfig, metrics: Metrics) -> None:
         self.cfg = cfg
+        self.metrics = metrics
+        self.last_admitted = float("-inf")  # when a plan was last admitted
+        self._last: bool | None = None  # the last decision (admitted?), to count flips
 
     def check_request(self, tokens: list[int], sampling: Sampling, facts: ModelFacts | None,
                       pool_blocks: int, in_flight: int, waiting: int) -> Rejection | None:
@@ -56,14 +67,37 @@ class Admission:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", retry_after_s=1)
         return None
 
-    def check_plan(self, plan: Plan | None) -> Rejection | None:
+    def check_plan(self, plan: Plan | None, now: float, evidence: Evidence = (True, True)) -> Rejection | None:
+        """Judge the plan's predictions against the SLOs. A prediction with no evidence behind
+        it (no profile, no measurement) never refuses; after refusing everything for
+        ``probe_after_s`` one request is admitted to re-measure. ``evidence``: (prefill, decode)."""
         if plan is None:
             return Rejection(503, "no_workers", "no prefill or decode instance is available", retry_after_s=1)
+        rejection = self._slo(plan, *evidence)
+        if rejection is not None and now - self.last_admitted >= self.cfg.probe_after_s:
+            self.metrics.admission_probes.inc()
+            rejection = None
+        admitted = rejection is None
+        if self._last is not None and admitted != self._last:
+            self.metrics.admission_flips.inc()
+        self._last = admitted
+        if admitted:
+            self.last_admitted = now
+        return rejection
+
+    def _slo(self, plan: Plan, prefill_evidence: bool, decode_evidence: bool) -> Rejection | None:
         cfg = self.cfg
-        if cfg.ttft_slo_ms and plan.best_ttft_s * 1000 > cfg.ttft_slo_ms:
+        slo_s = cfg.ttft_slo_ms / 1000
+        if prefill_evidence and cfg.ttft_slo_ms and plan.best_ttft_s > slo_s:
             return Rejection(429, "ttft_slo", f"predicted time to first token {plan.best_ttft_s * 1000:.0f} ms "
-                             f"exceeds the {cfg.ttft_slo_ms:.0f} ms SLO", retry_after_s=max(1.0, plan.best_ttft_s))
-        if cfg.tbt_slo_ms and plan.est_tbt_s * 1000 > cfg.tbt_slo_ms:
+                             f"exceeds the {cfg.ttft_slo_ms:.0f} ms SLO",
+                             retry_after_s=self._retry_after(plan.best_ttft_s - slo_s))
+        if decode_evidence and cfg.tbt_slo_ms and plan.est_tbt_s * 1000 > cfg.tbt_slo_ms:
             return Rejection(429, "tbt_slo", f"predicted time between tokens {plan.est_tbt_s * 1000:.0f} ms at batch "
-                             f"{plan.decode_batch} exceeds the {cfg.tbt_slo_ms:.0f} ms SLO", retry_after_s=1.0)
+                             f"{plan.decode_batch} exceeds the {cfg.tbt_slo_ms:.0f} ms SLO",
+                             retry_after_s=self._retry_after(plan.decode_drain_s))
         return None
+
+    def _retry_after(self, seconds: float) -> float:
+        """When the predicted backlog will have drained, within [1 s, max_retry_after_s]."""
+        return min(self.cfg.max_retry_after_s, max(1.0, seconds))

@@ -26,6 +26,7 @@ from mooncake import protocol as P
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.conductor.admission import Admission, Rejection
 from mooncake.conductor.membership import Membership
+from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.request import Request, RequestError, RequestStatus
 from mooncake.conductor.router import Router
@@ -34,6 +35,7 @@ from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.engine_profile import EngineProfile
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 
@@ -52,7 +54,9 @@ class Conductor:
         self.prefill_cost = PrefillCostModel()
         self.decode_cost = DecodeCostModel()
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.prefill_cost, self.decode_cost)
-        self.admission = Admission(cfg.conductor)
+        self.admission = Admission(cfg.conductor, self.metrics)
+        self.predictions = Predictions(self.metrics)
+        self._profiled: set[str] = set()  # roles whose start-up profile seeded a cost model
         self.membership = Membership(cfg.conductor, self.cluster, self.index, self.decode_cost, self.metrics,
                                      self.on_node_lost)
         self.requests: dict[str, Request] = {}
@@ -143,7 +147,7 @@ class Conductor:
         plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
                                    time.monotonic())
         self.metrics.decision.observe(time.perf_counter() - t0)
-        rejection = self.admission.check_plan(plan)
+        rejection = self.admission.check_plan(plan, time.monotonic(), self.evidence())
         if rejection is not None:
             return rejection
         assert plan is not None
@@ -186,11 +190,13 @@ class Conductor:
     def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
         self.prefill_cost.observe(msg.computed_tokens, msg.cached_tokens, msg.prefill_s)
         self.prefill_cost.observe_fetch(msg.fetched_blocks, msg.fetch_s)
+        self.metrics.cost_model_rejected_fits.labels("prefill").set(self.prefill_cost.model.rejected_fits)
         req = self._attempt_of(node, msg.req_id, "prefill")
         if req is None or req.status is not RequestStatus.PREFILLING:
             return
         assert req.attempt is not None
         now = time.monotonic()
+        self.predictions.ttft(node.node_id, req.attempt.plan.est_ttft_s, now - req.attempt.started)
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
@@ -237,7 +243,31 @@ class Conductor:
         self.metrics.index_blocks.set(len(self.index))
 
     def _on_register(self, ident: bytes, msg: P.Register) -> P.Msg:
-        return self.membership.register(ident, msg, time.monotonic())
+        reply = self.membership.register(ident, msg, time.monotonic())
+        profile = msg.info.profile
+        if isinstance(reply, P.Registered) and profile is not None and msg.role not in self._profiled:
+            self._seed_cost_model(msg.role, profile)
+        return reply
+
+    # ------------------------------------------------------------ cost models
+
+    def _seed_cost_model(self, role: str, profile: EngineProfile) -> None:
+        """Start the role's cost model from what its first instance measured of this machine."""
+        if role == "prefill" and profile.prefill:
+            self.prefill_cost = self.scheduler.prefill_cost = PrefillCostModel.from_profile(
+                profile.prefill, chunk_tokens=profile.chunk_tokens)
+        elif role == "decode" and profile.decode:
+            self.decode_cost = self.scheduler.decode_cost = self.membership.decode_cost = \
+                DecodeCostModel.from_profile(profile.decode)
+        else:
+            return
+        self._profiled.add(role)
+        log.info("%s cost model seeded from a start-up profile (%.1fs of measurements)", role, profile.seconds)
+
+    def evidence(self) -> tuple[bool, bool]:
+        """Whether the (prefill, decode) cost models rest on measurements of this machine."""
+        return ("prefill" in self._profiled or self.prefill_cost.model.samples > 0,
+                "decode" in self._profiled or self.decode_cost.model.samples > 0)
 
     # ------------------------------------------------------------ ending and moving attempts
 
@@ -258,6 +288,10 @@ class Conductor:
         """End a request: its workers drop it (unless they ended it themselves), its load is released."""
         if req.done:
             return
+        a = req.attempt
+        decoded = len(req.generated) - a.tokens_before - 1 if a is not None and a.first_token_at else 0
+        if reason in (Reason.STOP, Reason.LENGTH) and decoded > 0:
+            self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, (time.monotonic() - a.first_token_at) / decoded)
         self._end_attempt(req, notify)
         req.finish(reason, error)
         self.requests.pop(req.req_id, None)

@@ -90,6 +90,7 @@ class Membership:
         if node.role == "decode":
             for batch, seconds in load.steps:
                 self.decode_cost.observe(int(batch), float(seconds))
+            self.metrics.cost_model_rejected_fits.labels("decode").set(self.decode_cost.model.rejected_fits)
         if node.role in ("prefill", "decode"):
             self.metrics.running.labels(node.node_id).set(load.running)
             self.metrics.waiting.labels(node.node_id).set(load.waiting)

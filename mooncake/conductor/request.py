@@ -75,6 +75,9 @@ class Finished:
 class Attempt:
     number: int
     plan: Plan
+    started: float  # when it was dispatched
+    first_token_at: float = 0.0  # when its prefill's token came
+    tokens_before: int = 0  # tokens generated before that one (earlier attempts)
 
     def wire_id(self, req_id: str) -> str:
         return f"{req_id}#{self.number}"
@@ -121,7 +124,7 @@ class Request:
         """A new attempt on ``plan``; returns its wire id."""
         self._to(RequestStatus.RESERVING)
         self.attempts += 1
-        self.attempt = Attempt(self.attempts, plan)
+        self.attempt = Attempt(self.attempts, plan, now)
         self.held.clear()
         self.last_progress = now
         return self.wire_id
@@ -134,6 +137,8 @@ class Request:
         """The attempt's prefill is done; its first token is emitted. Returns whether it is
         the request's first token (the time to first token)."""
         self._to(RequestStatus.DECODING)
+        assert self.attempt is not None
+        self.attempt.first_token_at, self.attempt.tokens_before = now, len(self.generated)
         first = not self.generated
         if first:
             self.cached_tokens = cached_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from mooncake.protocol.base import Msg
+from mooncake.sched.engine_profile import EngineProfile
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -25,6 +26,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     model: ModelFacts | None = None
     num_blocks: int = 0
     block_bytes: int = 0
+    profile: EngineProfile | None = None  # what the engine measured of itself at start-up
 
 
 class TierLoad(msgspec.Struct, frozen=True):

@@ -45,6 +45,11 @@ class DecodeSlots:
             if i < len(self.ends) and self.ends[i] == end:
                 del self.ends[i]
 
+    def next_end_after(self, t: float) -> float:
+        """When the first request still decoding at ``t`` is predicted to finish (``t`` if none)."""
+        i = bisect.bisect_right(self.ends, t)
+        return self.ends[i] if i < len(self.ends) else t
+
     def running_at(self, t: float) -> int:
         """Assigned requests predicted to still be decoding at time ``t``."""
         return len(self.ends) - bisect.bisect_right(self.ends, t)

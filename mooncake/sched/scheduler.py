@@ -37,6 +37,7 @@ class Plan:
     decode_batch: int  # predicted batch on the decode instance when this request joins it
     est_tbt_s: float
     expected_end: float  # predicted time the request finishes decoding
+    decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
     fetch_hashes: list[bytes] = field(default_factory=list)
 
 
@@ -107,8 +108,9 @@ class Scheduler:
             local = [s.node_id for s in stores.values() if s.name == p.name]
             segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
+        drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, est, best, batch, tbt,
-                    first_token_at + max_tokens * tbt, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])
+                    first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])
 
     @staticmethod
     def _store_for(prefill: Node, stores: dict[str, Node]) -> str:
