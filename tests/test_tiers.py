@@ -1,4 +1,4 @@
-"""Tiers and the tiered store, in-process: LRU, demotion chain, promotion, gate, leases, accounting."""
+"""Tiers and the tiered store, in-process: LRU, demotion chain, promotion, gate, accounting."""
 
 from __future__ import annotations
 
@@ -23,14 +23,6 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make(tmp_path, dev=2, dram=2, disk=2, events=None, **kw) -> TieredStore:
     tiers = [DeviceTier(dev * BLOCK, "cpu"), DramTier(dram * BLOCK)]
     if disk:
@@ -39,14 +31,15 @@ def make(tmp_path, dev=2, dram=2, disk=2, events=None, **kw) -> TieredStore:
     return TieredStore(tiers, on_event=sink, **kw)
 
 
-def test_lru_order_and_victim_skips_pinned():
+def test_lru_order():
     lru = LRU()
     for k in (b"a", b"b", b"c"):
         lru.add(k, 1)
     lru.touch(b"a")
     assert list(lru) == [b"b", b"c", b"a"]
-    assert lru.victim(lambda k: k == b"b") == b"c"
+    assert lru.oldest() == b"b"
     assert lru.remove(b"c") == 1 and lru.total_bytes == 2
+    assert LRU().oldest() is None
 
 
 def test_demotion_chain_to_drop(tmp_path):
@@ -115,36 +108,6 @@ def test_gate_keeps_one_shot_blocks_off_ssd(tmp_path):
     assert on_disk == {key(4)}
     assert s.tier_of(key(0)) is None  # seen once, dropped from DRAM, never written
     s.close()
-
-
-def test_lease_blocks_eviction_until_release_or_timeout(tmp_path):
-    clock = Clock()
-    tiers = [DeviceTier(2 * BLOCK, "cpu")]
-    s = TieredStore(tiers, clock=clock, lease_timeout_s=5.0)
-    s.put(key(1), blk(1))
-    s.put(key(2), blk(2))
-    s.get_many([key(1)], lease_s=100.0)  # capped at lease_timeout_s = 5
-    s.get_many([key(2)])
-    s.put(key(3), blk(3))  # key 1 is LRU but leased: key 2 goes
-    assert s.tier_of(key(1)) == "device" and s.tier_of(key(2)) is None
-    s.release([key(1)])
-    s.put(key(4), blk(4))
-    assert s.tier_of(key(1)) is None
-    s.get_many([key(3)], lease_s=1.0)
-    s.get_many([key(4)])
-    assert s.put(key(5), blk(5)) and s.tier_of(key(3)) == "device" and s.tier_of(key(4)) is None
-    clock.t = 2.0  # lease expired
-    s.get_many([key(5)])
-    assert s.put(key(6), blk(6)) and s.tier_of(key(3)) is None
-    s.check_invariants()
-
-
-def test_all_leased_top_tier_falls_through(tmp_path):
-    s = make(tmp_path, dev=1, dram=2, disk=0)
-    s.put(key(1), blk(1))
-    s.get_many([key(1)], lease_s=10)
-    assert s.put(key(2), blk(2)) and s.tier_of(key(2)) == "dram" and s.tier_of(key(1)) == "device"
-    s.check_invariants()
 
 
 def test_recycled_memory_never_overwrites_a_held_tensor():

@@ -24,7 +24,6 @@ class Get(Msg, tag="get"):
 
     hashes: list[bytes]
     prefix: bool = False
-    lease_s: float = 0.0  # >0: keep the returned blocks from eviction this long
 
 
 class Exists(Msg, tag="exists"):
@@ -50,12 +49,6 @@ class Replicate(Msg, tag="replicate"):
 
 class StatsQuery(Msg, tag="stats"):
     pass
-
-
-class Release(Msg, tag="release"):
-    """Drop the leases taken by a Get."""
-
-    hashes: list[bytes]
 
 
 class Ok(Msg, tag="ok"):
@@ -110,7 +103,6 @@ class ShmGet(Msg, tag="shm_get"):
     segment: str
     size: int
     prefix: bool = False
-    lease_s: float = 0.0
 
 
 class ShmBlocks(Msg, tag="shm_blocks"):
