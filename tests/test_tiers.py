@@ -23,6 +23,10 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
 
 
+def put(s: TieredStore, k: bytes, t: torch.Tensor) -> bool:
+    return s.put_many([k], [t]) == 1
+
+
 def make(tmp_path, dev=2, dram=2, disk=2, events=None, **kw) -> TieredStore:
     tiers = [DeviceTier(dev * BLOCK, "cpu"), DramTier(dram * BLOCK)]
     if disk:
@@ -46,7 +50,7 @@ def test_demotion_chain_to_drop(tmp_path):
     events: list = []
     s = make(tmp_path, events=events)
     for i in range(7):
-        assert s.put(key(i), blk(i))
+        assert put(s, key(i), blk(i))
     # newest two on device, then dram, then lmdb; the oldest was dropped
     assert [s.tier_of(key(i)) for i in range(7)] == [None, "lmdb", "lmdb", "dram", "dram", "device", "device"]
     assert ("removed", "lmdb", [key(0)]) in events
@@ -59,10 +63,10 @@ def test_demotion_chain_to_drop(tmp_path):
 
 def test_lru_within_tier_respects_recent_use(tmp_path):
     s = make(tmp_path, dev=2, dram=1, disk=0)
-    s.put(key(1), blk(1))
-    s.put(key(2), blk(2))
+    put(s, key(1), blk(1))
+    put(s, key(2), blk(2))
     s.get_many([key(1)])  # key 2 is now least recently used on the device
-    s.put(key(3), blk(3))
+    put(s, key(3), blk(3))
     assert s.tier_of(key(2)) == "dram" and s.tier_of(key(1)) == "device"
     s.close()
 
@@ -70,7 +74,7 @@ def test_lru_within_tier_respects_recent_use(tmp_path):
 def test_promotion_on_hit_and_off(tmp_path):
     s = make(tmp_path)
     for i in range(6):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     assert s.tier_of(key(0)) == "lmdb"
     (k, b), = s.get_many([key(0)])
     assert torch.equal(b.tensor, blk(0)) and s.tier_of(key(0)) == "device"
@@ -79,7 +83,7 @@ def test_promotion_on_hit_and_off(tmp_path):
     s.close()
     s2 = make(tmp_path / "b", promote_on_hit=False)
     for i in range(6):
-        s2.put(key(i), blk(i))
+        put(s2, key(i), blk(i))
     s2.get_many([key(0)])
     assert s2.tier_of(key(0)) == "lmdb"
     s2.close()
@@ -87,9 +91,9 @@ def test_promotion_on_hit_and_off(tmp_path):
 
 def test_capacity_never_exceeded_and_oversize_rejected(tmp_path):
     s = make(tmp_path, dev=2, dram=2, disk=0)
-    assert not s.put(key(99), torch.zeros(4 * 256))  # bigger than every tier
+    assert not put(s, key(99), torch.zeros(4 * 256))  # bigger than every tier
     for i in range(20):
-        s.put(key(i), blk(i, 128 + 64 * (i % 3)))
+        put(s, key(i), blk(i, 128 + 64 * (i % 3)))
         for t in s.tiers:
             assert t.used_bytes <= t.capacity_bytes
         s.check_invariants()
@@ -100,10 +104,10 @@ def test_capacity_never_exceeded_and_oversize_rejected(tmp_path):
 def test_gate_keeps_one_shot_blocks_off_ssd(tmp_path):
     s = make(tmp_path, ssd_admission="after_hits", ssd_admission_hits=1)
     for i in range(6):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     s.get_many([key(4)])  # key 4 was read once: worth a disk write later
     for i in range(6, 14):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     on_disk = set(s.tiers[2].keys())
     assert on_disk == {key(4)}
     assert s.tier_of(key(0)) is None  # seen once, dropped from DRAM, never written
@@ -149,9 +153,9 @@ def test_lmdb_capacity_enforced(tmp_path):
 def test_corrupt_value_is_a_counted_miss(tmp_path):
     s = make(tmp_path, dev=1, dram=1, disk=4)
     pattern = torch.arange(256, dtype=torch.float32) + 12345.0
-    s.put(key(1), pattern)
-    s.put(key(2), blk(2))
-    s.put(key(3), blk(3))  # key 1 now on disk
+    put(s, key(1), pattern)
+    put(s, key(2), blk(2))
+    put(s, key(3), blk(3))  # key 1 now on disk
     assert s.tier_of(key(1)) == "lmdb"
     s.close()
     data = tmp_path / "lmdb" / "data.mdb"

@@ -35,7 +35,7 @@ def test_random_operations_keep_invariants(ops, gate, promote):
                 _, k, nbytes = op
                 version += 1
                 t = torch.full((nbytes // 4,), float(version))
-                if store.put(bytes([k]) * 32, t):
+                if store.put_many([bytes([k]) * 32], [t]) == 1:
                     truth[bytes([k]) * 32] = t
             elif op[0] == "get":
                 _, ks, prefix = op

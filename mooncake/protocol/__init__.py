@@ -27,7 +27,7 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVTransfer, PrefillDone, PrefillRequest, Reserved, Sampling, TokenEvent)
-from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, PrefixQuery, Put, Remove,
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
                                        dtype_name, frame_tensor, tensor_frame)
@@ -58,7 +58,6 @@ __all__ = [
     "Ok",
     "PrefillDone",
     "PrefillRequest",
-    "PrefixQuery",
     "ProtocolError",
     "Put",
     "Register",
@@ -86,7 +85,7 @@ __all__ = [
 
 Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
-    Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery,
+    Put, Get, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,

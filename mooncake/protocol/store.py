@@ -30,12 +30,6 @@ class Exists(Msg, tag="exists"):
     hashes: list[bytes]
 
 
-class PrefixQuery(Msg, tag="prefix"):
-    """How many leading blocks of a hash chain are present."""
-
-    hashes: list[bytes]
-
-
 class Remove(Msg, tag="remove"):
     hashes: list[bytes]
 
@@ -52,7 +46,7 @@ class StatsQuery(Msg, tag="stats"):
 
 
 class Ok(Msg, tag="ok"):
-    """Generic reply. ``count``: blocks stored / removed / present-prefix length."""
+    """Generic reply. ``count``: blocks stored / removed / replicated."""
 
     count: int = 0
     flags: list[bool] = []

@@ -37,15 +37,9 @@ class LRU:
         """The least recently used key; None when empty."""
         return next(iter(self._order), None)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._order
-
     def __len__(self) -> int:
         return len(self._order)
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys, least recently used first."""
         return iter(self._order)
-
-    def items(self) -> list[tuple[bytes, int]]:
-        return list(self._order.items())

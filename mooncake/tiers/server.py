@@ -8,8 +8,8 @@ sent and received without copies. Anything malformed or unknown is answered
 with ``Error`` and the server carries on.
 
 Every store operation that may copy or touch LMDB runs in a worker thread; the
-event loop only moves frames, so it keeps answering (``exists``/``prefix`` are
-answered on the loop from the key index). Run standalone::
+event loop only moves frames, so it keeps answering (``exists`` is answered on
+the loop from the key index). Run standalone::
 
     python -m mooncake.tiers.server --endpoint tcp://127.0.0.1:0 --data-dir DIR
 
@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from ..config import StoreConfig
 from ..security import Curve
-from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put,
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put,
                         Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode,
                         encode)
 from .client import StoreClient, StoreError
@@ -165,8 +165,6 @@ class StoreServer:
             return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
-        if isinstance(msg, PrefixQuery):
-            return encode(Ok(count=s.prefix_len(msg.hashes)))
         if isinstance(msg, Remove):
             return encode(Ok(count=await self._run(s.remove, msg.hashes)))
         if isinstance(msg, StatsQuery):

@@ -14,9 +14,9 @@ Events: ``on_event(kind, tier, keys)`` with kind ``stored`` (the block is now in
 ``tier`` is the tier it left from). Called from the thread running the
 operation, after the operation, batched by consecutive (kind, tier).
 
-Thread safety: every method takes the store lock, except ``exists`` and
-``prefix_len``, which only read the key index (atomic dict lookups under the
-GIL), so an event loop can answer them while a worker thread does I/O.
+Thread safety: every method takes the store lock, except ``exists``, which only
+reads the key index (atomic dict lookups under the GIL), so an event loop can
+answer it while a worker thread does I/O.
 """
 
 from __future__ import annotations
@@ -195,9 +195,6 @@ class TieredStore:
                 self._finish()
         return held
 
-    def put(self, key: bytes, tensor: torch.Tensor, model_id: str = "") -> bool:
-        return self.put_many([key], [tensor], model_id) == 1
-
     def get_many(self, keys: Iterable[bytes], prefix: bool = False,
                  count: bool = True) -> list[tuple[bytes, StoredBlock]]:
         """Found blocks in request order (``prefix``: stop at the first miss). Returned tensors
@@ -256,14 +253,6 @@ class TieredStore:
     def exists(self, keys: Iterable[bytes]) -> list[bool]:
         where = self._where
         return [bytes(k) in where for k in keys]
-
-    def prefix_len(self, keys: Iterable[bytes]) -> int:
-        where, n = self._where, 0
-        for k in keys:
-            if bytes(k) not in where:
-                break
-            n += 1
-        return n
 
     def remove(self, keys: Iterable[bytes]) -> int:
         n = 0
