@@ -33,9 +33,8 @@ import zmq.asyncio
 
 from ..config import StoreConfig
 from ..security import Curve
-from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put,
-                        Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode,
-                        encode)
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate,
+                        ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
@@ -165,8 +164,6 @@ class StoreServer:
             return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
-        if isinstance(msg, Remove):
-            return encode(Ok(count=await self._run(s.remove, msg.hashes)))
         if isinstance(msg, StatsQuery):
             data = await self._run(s.snapshot)
             data["node_id"] = self.node_id
