@@ -114,6 +114,16 @@ def test_gate_keeps_one_shot_blocks_off_ssd(tmp_path):
     s.close()
 
 
+def test_reusing_the_last_recycled_tensor_of_a_shape_then_making_room_for_another():
+    t = DramTier(1024)
+    assert t.put(b"x", StoredBlock(torch.zeros(64))) and t.put(b"y", StoredBlock(torch.zeros(128)))
+    t.delete(b"x")
+    t.delete(b"y")  # both tensors recycled: 768 bytes on the free lists
+    assert t.put(b"z", StoredBlock(torch.ones(64)))  # takes the only [64] tensor
+    assert t.put(b"w", StoredBlock(torch.ones(2, 64)))  # a new shape: recycled tensors are dropped for room
+    assert torch.equal(t.get(b"w").tensor, torch.ones(2, 64)) and t.used_bytes == 768
+
+
 def test_recycled_memory_never_overwrites_a_held_tensor():
     t = DramTier(2 * BLOCK)
     t.put(b"a", StoredBlock(blk(1)))

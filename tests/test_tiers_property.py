@@ -41,7 +41,8 @@ def test_random_operations_keep_invariants(ops, gate, promote):
                 want = [bytes([k]) * 32 for k in ks]
                 got = store.get_many(want, prefix=prefix)
                 got_keys = [k for k, _ in got]
-                assert got_keys == [k for k in want if k in got_keys]  # request order
+                rest = iter(want)
+                assert all(k in rest for k in got_keys)  # a subsequence of the request, in its order
                 if prefix:
                     assert got_keys == want[:len(got_keys)]
                 for k, b in got:
