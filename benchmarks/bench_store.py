@@ -88,9 +88,9 @@ def bench_tier(tier, blocks, reps):
 
     dst = [torch.empty_like(b) for b in blocks]
 
-    def get():  # into the consumer's buffer (e.g. a KV pool), as a transfer would
-        for d, blk in zip(dst, tier.get_many(keys)):
-            d.copy_(blk.tensor)
+    def get():  # into the consumer's buffer (e.g. a KV pool), as a transfer would; per key, as the store reads
+        for d, k in zip(dst, keys):
+            d.copy_(tier.get(k).tensor)
         return total
     p = median_gbps(put, reps)
     g = median_gbps(get, reps)

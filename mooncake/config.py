@@ -51,7 +51,6 @@ class StoreConfig(_Section):
         "on_demotion", description="on_demotion: every block demoted from DRAM is written; after_hits: only blocks hit >= ssd_admission_hits times.")
     ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
     promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
-    lease_timeout_s: float = Field(30.0, gt=0, description="Blocks leased by a transfer are released after this.")
 
 
 class ConductorConfig(_Section):

@@ -46,7 +46,7 @@ def test_acquire_pins_against_eviction():
     pinned = bm.acquire([h(1)])
     assert bm.allocate(2) is None
     assert bm.allocate(1) == [a[1]]
-    assert bm.lookup(h(1)) == pinned[0]
+    assert bm.cached[h(1)] == pinned[0]
     bm.check()
 
 

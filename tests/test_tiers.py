@@ -1,4 +1,4 @@
-"""Tiers and the tiered store, in-process: LRU, demotion chain, promotion, gate, leases, accounting."""
+"""Tiers and the tiered store, in-process: LRU, demotion chain, promotion, gate, accounting."""
 
 from __future__ import annotations
 
@@ -23,12 +23,8 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+def put(s: TieredStore, k: bytes, t: torch.Tensor) -> bool:
+    return s.put_many([k], [t]) == 1
 
 
 def make(tmp_path, dev=2, dram=2, disk=2, events=None, **kw) -> TieredStore:
@@ -39,21 +35,22 @@ def make(tmp_path, dev=2, dram=2, disk=2, events=None, **kw) -> TieredStore:
     return TieredStore(tiers, on_event=sink, **kw)
 
 
-def test_lru_order_and_victim_skips_pinned():
+def test_lru_order():
     lru = LRU()
     for k in (b"a", b"b", b"c"):
         lru.add(k, 1)
     lru.touch(b"a")
     assert list(lru) == [b"b", b"c", b"a"]
-    assert lru.victim(lambda k: k == b"b") == b"c"
+    assert lru.oldest() == b"b"
     assert lru.remove(b"c") == 1 and lru.total_bytes == 2
+    assert LRU().oldest() is None
 
 
 def test_demotion_chain_to_drop(tmp_path):
     events: list = []
     s = make(tmp_path, events=events)
     for i in range(7):
-        assert s.put(key(i), blk(i))
+        assert put(s, key(i), blk(i))
     # newest two on device, then dram, then lmdb; the oldest was dropped
     assert [s.tier_of(key(i)) for i in range(7)] == [None, "lmdb", "lmdb", "dram", "dram", "device", "device"]
     assert ("removed", "lmdb", [key(0)]) in events
@@ -66,10 +63,10 @@ def test_demotion_chain_to_drop(tmp_path):
 
 def test_lru_within_tier_respects_recent_use(tmp_path):
     s = make(tmp_path, dev=2, dram=1, disk=0)
-    s.put(key(1), blk(1))
-    s.put(key(2), blk(2))
+    put(s, key(1), blk(1))
+    put(s, key(2), blk(2))
     s.get_many([key(1)])  # key 2 is now least recently used on the device
-    s.put(key(3), blk(3))
+    put(s, key(3), blk(3))
     assert s.tier_of(key(2)) == "dram" and s.tier_of(key(1)) == "device"
     s.close()
 
@@ -77,7 +74,7 @@ def test_lru_within_tier_respects_recent_use(tmp_path):
 def test_promotion_on_hit_and_off(tmp_path):
     s = make(tmp_path)
     for i in range(6):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     assert s.tier_of(key(0)) == "lmdb"
     (k, b), = s.get_many([key(0)])
     assert torch.equal(b.tensor, blk(0)) and s.tier_of(key(0)) == "device"
@@ -86,7 +83,7 @@ def test_promotion_on_hit_and_off(tmp_path):
     s.close()
     s2 = make(tmp_path / "b", promote_on_hit=False)
     for i in range(6):
-        s2.put(key(i), blk(i))
+        put(s2, key(i), blk(i))
     s2.get_many([key(0)])
     assert s2.tier_of(key(0)) == "lmdb"
     s2.close()
@@ -94,9 +91,9 @@ def test_promotion_on_hit_and_off(tmp_path):
 
 def test_capacity_never_exceeded_and_oversize_rejected(tmp_path):
     s = make(tmp_path, dev=2, dram=2, disk=0)
-    assert not s.put(key(99), torch.zeros(4 * 256))  # bigger than every tier
+    assert not put(s, key(99), torch.zeros(4 * 256))  # bigger than every tier
     for i in range(20):
-        s.put(key(i), blk(i, 128 + 64 * (i % 3)))
+        put(s, key(i), blk(i, 128 + 64 * (i % 3)))
         for t in s.tiers:
             assert t.used_bytes <= t.capacity_bytes
         s.check_invariants()
@@ -107,44 +104,24 @@ def test_capacity_never_exceeded_and_oversize_rejected(tmp_path):
 def test_gate_keeps_one_shot_blocks_off_ssd(tmp_path):
     s = make(tmp_path, ssd_admission="after_hits", ssd_admission_hits=1)
     for i in range(6):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     s.get_many([key(4)])  # key 4 was read once: worth a disk write later
     for i in range(6, 14):
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     on_disk = set(s.tiers[2].keys())
     assert on_disk == {key(4)}
     assert s.tier_of(key(0)) is None  # seen once, dropped from DRAM, never written
     s.close()
 
 
-def test_lease_blocks_eviction_until_release_or_timeout(tmp_path):
-    clock = Clock()
-    tiers = [DeviceTier(2 * BLOCK, "cpu")]
-    s = TieredStore(tiers, clock=clock, lease_timeout_s=5.0)
-    s.put(key(1), blk(1))
-    s.put(key(2), blk(2))
-    s.get_many([key(1)], lease_s=100.0)  # capped at lease_timeout_s = 5
-    s.get_many([key(2)])
-    s.put(key(3), blk(3))  # key 1 is LRU but leased: key 2 goes
-    assert s.tier_of(key(1)) == "device" and s.tier_of(key(2)) is None
-    s.release([key(1)])
-    s.put(key(4), blk(4))
-    assert s.tier_of(key(1)) is None
-    s.get_many([key(3)], lease_s=1.0)
-    s.get_many([key(4)])
-    assert s.put(key(5), blk(5)) and s.tier_of(key(3)) == "device" and s.tier_of(key(4)) is None
-    clock.t = 2.0  # lease expired
-    s.get_many([key(5)])
-    assert s.put(key(6), blk(6)) and s.tier_of(key(3)) is None
-    s.check_invariants()
-
-
-def test_all_leased_top_tier_falls_through(tmp_path):
-    s = make(tmp_path, dev=1, dram=2, disk=0)
-    s.put(key(1), blk(1))
-    s.get_many([key(1)], lease_s=10)
-    assert s.put(key(2), blk(2)) and s.tier_of(key(2)) == "dram" and s.tier_of(key(1)) == "device"
-    s.check_invariants()
+def test_reusing_the_last_recycled_tensor_of_a_shape_then_making_room_for_another():
+    t = DramTier(1024)
+    assert t.put(b"x", StoredBlock(torch.zeros(64))) and t.put(b"y", StoredBlock(torch.zeros(128)))
+    t.delete(b"x")
+    t.delete(b"y")  # both tensors recycled: 768 bytes on the free lists
+    assert t.put(b"z", StoredBlock(torch.ones(64)))  # takes the only [64] tensor
+    assert t.put(b"w", StoredBlock(torch.ones(2, 64)))  # a new shape: recycled tensors are dropped for room
+    assert torch.equal(t.get(b"w").tensor, torch.ones(2, 64)) and t.used_bytes == 768
 
 
 def test_recycled_memory_never_overwrites_a_held_tensor():
@@ -186,9 +163,9 @@ def test_lmdb_capacity_enforced(tmp_path):
 def test_corrupt_value_is_a_counted_miss(tmp_path):
     s = make(tmp_path, dev=1, dram=1, disk=4)
     pattern = torch.arange(256, dtype=torch.float32) + 12345.0
-    s.put(key(1), pattern)
-    s.put(key(2), blk(2))
-    s.put(key(3), blk(3))  # key 1 now on disk
+    put(s, key(1), pattern)
+    put(s, key(2), blk(2))
+    put(s, key(3), blk(3))  # key 1 now on disk
     assert s.tier_of(key(1)) == "lmdb"
     s.close()
     data = tmp_path / "lmdb" / "data.mdb"

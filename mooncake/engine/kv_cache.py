@@ -59,9 +59,6 @@ class BlockManager:
             n += 1
         return n
 
-    def lookup(self, h: BlockHash) -> int | None:
-        return self.cached.get(h)
-
     # ------------------------------------------------------------ changes
 
     def allocate(self, n: int) -> list[int] | None:

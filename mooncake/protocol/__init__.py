@@ -27,8 +27,8 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVTransfer, PrefillDone, PrefillRequest, Reserved, Sampling, TokenEvent)
-from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, PrefixQuery, Put, Release, Remove,
-                                     Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Replicate, ShmBlocks, ShmGet,
+                                     ShmPut, ShmRef, StatsQuery)
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
                                        dtype_name, frame_tensor, tensor_frame)
 
@@ -58,13 +58,10 @@ __all__ = [
     "Ok",
     "PrefillDone",
     "PrefillRequest",
-    "PrefixQuery",
     "ProtocolError",
     "Put",
     "Register",
     "Registered",
-    "Release",
-    "Remove",
     "Replicate",
     "Reregister",
     "Reserved",
@@ -87,7 +84,7 @@ __all__ = [
 
 Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
-    Put, Get, Exists, PrefixQuery, Remove, Replicate, StatsQuery, Release,
+    Put, Get, Exists, Replicate, StatsQuery,
     Ok, Blocks, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,

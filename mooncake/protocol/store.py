@@ -24,20 +24,9 @@ class Get(Msg, tag="get"):
 
     hashes: list[bytes]
     prefix: bool = False
-    lease_s: float = 0.0  # >0: keep the returned blocks from eviction this long
 
 
 class Exists(Msg, tag="exists"):
-    hashes: list[bytes]
-
-
-class PrefixQuery(Msg, tag="prefix"):
-    """How many leading blocks of a hash chain are present."""
-
-    hashes: list[bytes]
-
-
-class Remove(Msg, tag="remove"):
     hashes: list[bytes]
 
 
@@ -52,14 +41,8 @@ class StatsQuery(Msg, tag="stats"):
     pass
 
 
-class Release(Msg, tag="release"):
-    """Drop the leases taken by a Get."""
-
-    hashes: list[bytes]
-
-
 class Ok(Msg, tag="ok"):
-    """Generic reply. ``count``: blocks stored / removed / present-prefix length."""
+    """Generic reply. ``count``: blocks stored / replicated; ``flags``: per-hash presence."""
 
     count: int = 0
     flags: list[bool] = []
@@ -110,7 +93,6 @@ class ShmGet(Msg, tag="shm_get"):
     segment: str
     size: int
     prefix: bool = False
-    lease_s: float = 0.0
 
 
 class ShmBlocks(Msg, tag="shm_blocks"):

@@ -12,7 +12,7 @@ A tensor returned by ``get`` must be treated as read-only by the caller.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -42,8 +42,6 @@ class Tier(ABC):
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
 
-    # ---- single-block operations
-
     @abstractmethod
     def put(self, key: bytes, block: StoredBlock) -> bool:
         """Store ``block`` under ``key`` (replacing any old value). False if it does not fit."""
@@ -66,17 +64,6 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> Iterator[bytes]:
         """Every stored key (recovery after a restart; order unspecified)."""
-
-    # ---- batch forms (media with transactions override these)
-
-    def put_many(self, items: Iterable[tuple[bytes, StoredBlock]]) -> list[bool]:
-        return [self.put(k, b) for k, b in items]
-
-    def get_many(self, keys: Iterable[bytes]) -> list[StoredBlock | None]:
-        return [self.get(k) for k in keys]
-
-    def delete_many(self, keys: Iterable[bytes]) -> int:
-        return sum(self.delete(k) for k in keys)
 
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes

@@ -27,8 +27,8 @@ import zmq.asyncio
 from mooncake.security import Curve
 
 from ..blocks import BlockHash
-from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put, Release, Remove,
-                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
+from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate, ShmBlocks, ShmGet,
+                        ShmPut, ShmRef, StatsQuery, decode, encode)
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
 MiB = 1 << 20
@@ -171,13 +171,13 @@ class StoreClient:
         finally:
             self._free_segs.append(seg)
 
-    async def _shm_get(self, hashes: list[bytes], prefix: bool, lease_s: float):
+    async def _shm_get(self, hashes: list[bytes], prefix: bool):
         seg = self._take_segment(self._get_hint)
         if seg is None:
             return None
         try:
             try:
-                reply, frames = await self._call(ShmGet(hashes, seg.name, seg.size, prefix, lease_s))
+                reply, frames = await self._call(ShmGet(hashes, seg.name, seg.size, prefix))
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -209,32 +209,22 @@ class StoreClient:
                 return n
         return (await self._ok(Put(hs, [], model_id), [t.detach() for t in ts])).count
 
-    async def get(self, hashes: Sequence[BlockHash], prefix: bool = True,
-                  lease_s: float = 0.0) -> tuple[list[BlockHash], list[torch.Tensor]]:
+    async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
         hs = [bytes(h) for h in hashes]
         if not hs:
             return [], []
         if self.shm:
-            got = await self._shm_get(hs, prefix, lease_s)
+            got = await self._shm_get(hs, prefix)
             if got is not None:
                 return got
-        reply, tensors = await self._call(Get(hs, prefix, lease_s))
+        reply, tensors = await self._call(Get(hs, prefix))
         if not isinstance(reply, Blocks):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
         return [BlockHash(h) for h in reply.hashes], tensors
 
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
-
-    async def prefix(self, hashes: Sequence[BlockHash]) -> int:
-        return (await self._ok(PrefixQuery([bytes(h) for h in hashes]))).count
-
-    async def remove(self, hashes: Sequence[BlockHash]) -> int:
-        return (await self._ok(Remove([bytes(h) for h in hashes]))).count
-
-    async def release(self, hashes: Sequence[BlockHash]) -> None:
-        await self._ok(Release([bytes(h) for h in hashes]))
 
     async def replicate(self, hashes: Sequence[BlockHash], target_endpoint: str) -> int:
         """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import lmdb
 import msgspec
@@ -171,48 +171,21 @@ class LmdbTier(Tier):
                 txn.delete(key)
         return n
 
-    def delete_many(self, keys: Iterable[bytes]) -> int:
-        freed, on_disk = 0, []
-        for k in keys:
-            n = self._sizes.pop(k, None)
-            if n is None:
-                continue
-            freed += n
-            if self._pending.pop(k, None) is None:
-                on_disk.append(k)
-        self.used_bytes -= freed
-        if on_disk:
-            with self.env.begin(write=True) as txn:
-                for k in on_disk:
-                    txn.delete(k)
-        return freed
-
     # ---- reads
 
     def get(self, key: bytes) -> StoredBlock | None:
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Iterable[bytes]) -> list[StoredBlock | None]:
-        out: list[StoredBlock | None] = []
-        bad: list[bytes] = []
+        staged = self._pending.get(key)
+        if staged is not None:
+            return staged
+        if key not in self._sizes:
+            return None
         with self.env.begin(buffers=True) as txn:
-            for key in keys:
-                staged = self._pending.get(key)
-                if staged is not None:
-                    out.append(staged)
-                    continue
-                if key not in self._sizes:
-                    out.append(None)
-                    continue
-                v = txn.get(key)
-                block = None if v is None else self._decode(v)
-                if block is None:
-                    bad.append(key)
-                out.append(block)
-        if bad:
-            self.corrupt += len(bad)
-            self.delete_many(bad)
-        return out
+            v = txn.get(key)
+            block = None if v is None else self._decode(v)
+        if block is None:
+            self.corrupt += 1
+            self.delete(key)
+        return block
 
     @staticmethod
     def _decode(v: memoryview) -> StoredBlock | None:

@@ -1,14 +1,13 @@
 """O(1) LRU order of one tier: key -> accounted bytes, oldest first.
 
 ``OrderedDict`` is a hash map threaded with a doubly linked list (in C): touch,
-insert, remove and pop-oldest are O(1). Victim search skips leased keys only,
-so it costs O(number of leased keys at the cold end), never a full scan.
+insert, remove and pop-oldest are O(1).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Iterator
 
 
 class LRU:
@@ -34,15 +33,9 @@ class LRU:
         self.total_bytes -= n
         return n
 
-    def victim(self, pinned: Callable[[bytes], bool]) -> bytes | None:
-        """The least recently used key that is not ``pinned``; None if every key is."""
-        for key in self._order:
-            if not pinned(key):
-                return key
-        return None
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._order
+    def oldest(self) -> bytes | None:
+        """The least recently used key; None when empty."""
+        return next(iter(self._order), None)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -50,6 +43,3 @@ class LRU:
     def __iter__(self) -> Iterator[bytes]:
         """Keys, least recently used first."""
         return iter(self._order)
-
-    def items(self) -> list[tuple[bytes, int]]:
-        return list(self._order.items())

@@ -48,7 +48,10 @@ class MemoryTier(Tier):
         pool = self._free.get((like.dtype, shape))
         if pool:
             self._free_bytes -= n
-            return pool.pop()
+            t = pool.pop()
+            if not pool:  # no empty lists: the loop below pops from whichever list comes first
+                del self._free[(like.dtype, shape)]
+            return t
         # keep blocks + free list within capacity: drop recycled tensors of other shapes
         while self._free and self.used_bytes + self._free_bytes + n > self.capacity_bytes:
             key = next(iter(self._free))

@@ -8,8 +8,8 @@ sent and received without copies. Anything malformed or unknown is answered
 with ``Error`` and the server carries on.
 
 Every store operation that may copy or touch LMDB runs in a worker thread; the
-event loop only moves frames, so it keeps answering (``exists``/``prefix`` are
-answered on the loop from the key index). Run standalone::
+event loop only moves frames, so it keeps answering (``exists`` is answered on
+the loop from the key index). Run standalone::
 
     python -m mooncake.tiers.server --endpoint tcp://127.0.0.1:0 --data-dir DIR
 
@@ -33,9 +33,8 @@ import zmq.asyncio
 
 from ..config import StoreConfig
 from ..security import Curve
-from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put,
-                        Release, Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode,
-                        encode)
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate,
+                        ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
@@ -161,17 +160,10 @@ class StoreServer:
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id)))
         if isinstance(msg, Get):
-            found = await self._run(s.get_many, msg.hashes, msg.prefix, msg.lease_s)
+            found = await self._run(s.get_many, msg.hashes, msg.prefix)
             return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
-        if isinstance(msg, PrefixQuery):
-            return encode(Ok(count=s.prefix_len(msg.hashes)))
-        if isinstance(msg, Remove):
-            return encode(Ok(count=await self._run(s.remove, msg.hashes)))
-        if isinstance(msg, Release):
-            await self._run(s.release, msg.hashes)
-            return encode(Ok())
         if isinstance(msg, StatsQuery):
             data = await self._run(s.snapshot)
             data["node_id"] = self.node_id
@@ -205,7 +197,7 @@ class StoreServer:
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)
-        found = self.store.get_many(msg.hashes, msg.prefix, msg.lease_s)
+        found = self.store.get_many(msg.hashes, msg.prefix)
         refs: list[ShmRef] = []
         off, limit, n = 0, min(msg.size, seg.size), 0
         for _, block in found:

@@ -1,4 +1,4 @@
-"""TieredStore: an ordered list of tiers with LRU, demotion, promotion and leases.
+"""TieredStore: an ordered list of tiers with LRU, demotion and promotion.
 
 Each block lives in exactly one tier (tiers are exclusive). ``put`` writes to
 the top tier; making room there evicts that tier's LRU block, which is demoted
@@ -7,22 +7,21 @@ emits a ``removed`` event. A hit in a lower tier moves the block back to the
 top (``promote_on_hit``). Entry into a persistent (SSD) tier passes the
 admission gate: ``on_demotion`` admits every block, ``after_hits`` only blocks
 read at least ``ssd_admission_hits`` times, so one-shot traffic never touches
-the disk. Leased blocks are never evicted until released or timed out.
+the disk.
 
 Events: ``on_event(kind, tier, keys)`` with kind ``stored`` (the block is now in
 ``tier``: put, demotion, promotion) or ``removed`` (the block left this store;
 ``tier`` is the tier it left from). Called from the thread running the
 operation, after the operation, batched by consecutive (kind, tier).
 
-Thread safety: every method takes the store lock, except ``exists`` and
-``prefix_len``, which only read the key index (atomic dict lookups under the
-GIL), so an event loop can answer them while a worker thread does I/O.
+Thread safety: every method takes the store lock, except ``exists``, which only
+reads the key index (atomic dict lookups under the GIL), so an event loop can
+answer it while a worker thread does I/O.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -32,7 +31,6 @@ from ..config import StoreConfig
 from .base import StoredBlock, Tier
 from .device import DeviceTier
 from .dram import DramTier
-from .leases import Leases
 from .lmdb_tier import LmdbTier
 from .lru import LRU
 from .stats import StoreStats
@@ -43,8 +41,7 @@ EventSink = Callable[[str, str, list[bytes]], None]
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, promote_on_hit: bool = True,
                  ssd_admission: Literal["on_demotion", "after_hits"] = "on_demotion",
-                 ssd_admission_hits: int = 1, lease_timeout_s: float = 30.0,
-                 on_event: EventSink | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 ssd_admission_hits: int = 1, on_event: EventSink | None = None) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -55,7 +52,6 @@ class TieredStore:
         self.ssd_admission = ssd_admission
         self.ssd_admission_hits = ssd_admission_hits
         self.on_event = on_event
-        self.leases = Leases(lease_timeout_s, clock)
         self.stats = StoreStats.for_tiers(names)
         self._lru = [LRU() for _ in self.tiers]
         self._where: dict[bytes, int] = {}
@@ -76,8 +72,7 @@ class TieredStore:
         if cfg.lmdb_bytes:
             tiers.append(LmdbTier(Path(cfg.data_dir).expanduser() / node_id, cfg.lmdb_bytes))
         return cls(tiers, promote_on_hit=cfg.promote_on_hit, ssd_admission=cfg.ssd_admission,
-                   ssd_admission_hits=cfg.ssd_admission_hits, lease_timeout_s=cfg.lease_timeout_s,
-                   on_event=on_event)
+                   ssd_admission_hits=cfg.ssd_admission_hits, on_event=on_event)
 
     # ---------------------------------------------------------------- internals
 
@@ -93,7 +88,7 @@ class TieredStore:
         with self._lock:
             for i, tier in enumerate(self.tiers):
                 while tier.used_bytes > tier.capacity_bytes:  # capacity shrank since last run
-                    victim = self._lru[i].victim(self.leases.is_leased)
+                    victim = self._lru[i].oldest()
                     if victim is None:
                         break
                     self._evict(i, victim)
@@ -112,7 +107,7 @@ class TieredStore:
         if nbytes > tier.capacity_bytes:
             return False
         while not tier.fits(nbytes):
-            victim = self._lru[i].victim(self.leases.is_leased)
+            victim = self._lru[i].oldest()
             if victim is None:
                 return False
             self._evict(i, victim)
@@ -138,7 +133,6 @@ class TieredStore:
 
     def _forget(self, i: int, key: bytes) -> None:
         self.stats.block_hits.pop(key, None)
-        self.leases.drop(key)
         self._event("removed", i, key)
 
     def _evict(self, i: int, key: bytes) -> None:
@@ -201,10 +195,7 @@ class TieredStore:
                 self._finish()
         return held
 
-    def put(self, key: bytes, tensor: torch.Tensor, model_id: str = "") -> bool:
-        return self.put_many([key], [tensor], model_id) == 1
-
-    def get_many(self, keys: Iterable[bytes], prefix: bool = False, lease_s: float = 0.0,
+    def get_many(self, keys: Iterable[bytes], prefix: bool = False,
                  count: bool = True) -> list[tuple[bytes, StoredBlock]]:
         """Found blocks in request order (``prefix``: stop at the first miss). Returned tensors
         are the store's own (read-only for the caller). ``count=False``: a replication read
@@ -220,8 +211,6 @@ class TieredStore:
                             break
                         continue
                     out.append((key, block))
-                if lease_s > 0 and out:
-                    self.leases.acquire([k for k, _ in out], lease_s)
             finally:
                 self._finish()
         return out
@@ -265,35 +254,6 @@ class TieredStore:
         where = self._where
         return [bytes(k) in where for k in keys]
 
-    def prefix_len(self, keys: Iterable[bytes]) -> int:
-        where, n = self._where, 0
-        for k in keys:
-            if bytes(k) not in where:
-                break
-            n += 1
-        return n
-
-    def remove(self, keys: Iterable[bytes]) -> int:
-        n = 0
-        with self._lock:
-            try:
-                for key in keys:
-                    key = bytes(key)
-                    i = self._where.get(key)
-                    if i is None:
-                        continue
-                    self._unlink(i, key)
-                    self._forget(i, key)
-                    self.stats.removed += 1
-                    n += 1
-            finally:
-                self._finish()
-        return n
-
-    def release(self, keys: Iterable[bytes]) -> None:
-        with self._lock:
-            self.leases.release(bytes(k) for k in keys)
-
     def tier_of(self, key: bytes) -> str | None:
         i = self._where.get(bytes(key))
         return None if i is None else self.tiers[i].name
@@ -308,7 +268,6 @@ class TieredStore:
             sizes = {t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                               "blocks": len(self._lru[i])} for i, t in enumerate(self.tiers)}
             snap = self.stats.snapshot(sizes, top_n)
-            snap["leased"] = len(self.leases)
             snap["corrupt"] = sum(getattr(t, "corrupt", 0) for t in self.tiers)
             return snap
 
