@@ -1,4 +1,4 @@
-"""``mooncake`` command line: serve (one role, or --dev for all) and bench."""
+"""``mooncake`` command line: serve (one role, or --dev for all), bench and sim."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from mooncake.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from mooncake.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"wrote {generate_keys(args.dir)}; set [security] curve_keys_dir = \"{args.dir}\" on every role")
         return 0
+    if args.command == "sim":
+        from mooncake.sim.cli import run_sim
+
+        return run_sim(args)
     from mooncake.bench.cli import run_bench
 
     return run_bench(args)

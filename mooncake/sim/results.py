@@ -11,7 +11,7 @@ from mooncake.sim.workload import SimRequest
 
 if TYPE_CHECKING:
     from mooncake.sim.instances import PrefillInstance
-    from mooncake.sim.simulator import SimSetup
+    from mooncake.sim.setup import SimSetup
 
 
 class Outcome:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 
 from mooncake.conductor.admission import Admission
 from mooncake.config import ConductorConfig
@@ -24,27 +23,8 @@ from mooncake.sim.hardware import Hardware
 from mooncake.sim.instances import DecodeInstance, DecodeSeq, PrefillInstance, StoreInstance, virtual_node
 from mooncake.sim.lru import LRUBlocks
 from mooncake.sim.results import Outcome, SimResult, summarize
+from mooncake.sim.setup import SimSetup
 from mooncake.sim.workload import SimRequest
-
-POLICIES = ("random", "least_loaded", "round_robin", "cache_aware")
-
-
-@dataclass(frozen=True)
-class SimSetup:
-    prefill: int
-    decode: int
-    policy: str = "cache_aware"
-    use_store: bool = True  # False: instances reuse only their own device cache
-    ttft_slo_ms: float = 0.0
-    tbt_slo_ms: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode instance")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
-
 
 class Simulation:
     def __init__(self, setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> None:
