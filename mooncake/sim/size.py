@@ -50,8 +50,8 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
                  max_prefill: int, max_decode: int,
                  progress: Callable[[SimResult], None] | None = None, full_frontier: bool = False) -> SizeAnswer:
     """``template``: policy, store use, SLOs and seed (its instance counts are ignored).
-    ``full_frontier``: walk the frontier to its end (for a plot), not only as far as a
-    smaller cluster is still possible."""
+    ``full_frontier`` (for a plot): walk the frontier to its end, not only as far as a
+    smaller cluster is still possible, and simulate the sizes around the answer too."""
     if not 0 < target <= 1:
         raise ValueError("the attainment target must be within (0, 1]")
     if max_prefill < 1 or max_decode < 1:
@@ -84,4 +84,9 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
         if p + d < sum(best):
             best = (p, d)
     answer.best = best
+    if full_frontier:
+        bp, bd = best
+        for p in range(max(1, bp - 2), min(max_prefill, bp + 2) + 1):
+            for d in range(max(1, bd - 1), min(max_decode, bd + 2) + 1):
+                ok(p, d)
     return answer
