@@ -138,3 +138,25 @@ def test_analytic_profile_costs_grow_with_work() -> None:
     assert 1000 < tps < 100000 and fixed > 0
     with pytest.raises(ValueError, match="unknown profile"):
         hardware_for("nope", 512)
+
+
+def test_scheduler_random_policy_draws_from_its_seeded_rng() -> None:
+    import random
+
+    from mooncake.config import ConductorConfig
+    from mooncake.sched.cluster import Cluster
+    from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+    from mooncake.sched.scheduler import Scheduler
+
+    def picks(seed: int) -> list[str]:
+        cluster = Cluster()
+        for i in range(8):
+            cluster.upsert(virtual_node(f"prefill-{i}", "prefill", f"p{i}"))
+        cluster.upsert(virtual_node("decode-0", "decode", "d0"))
+        sched = Scheduler(ConductorConfig(policy="random"), cluster, KVIndex(), PrefillCostModel(), DecodeCostModel(),
+                          rng=random.Random(seed))
+        return [sched.plan([h(1)], 600, 4, 512, 0.0).prefill.node_id for _ in range(40)]
+
+    a = picks(1)
+    assert a == picks(1) and a != picks(2)
+    assert len(set(a)) >= 6  # spread over the instances, not stuck on the least loaded one
