@@ -1,4 +1,4 @@
-"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, config check,
+"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, sim, config check,
 probe (an exec health probe) and deploy kubernetes."""
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
     _ops_parsers(sub)
+    from mooncake.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("config", "probe", "deploy"):
         return run_ops(args)
@@ -154,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"wrote {generate_keys(args.dir)}; set [security] curve_keys_dir = \"{args.dir}\" on every role")
         return 0
+    if args.command == "sim":
+        from mooncake.sim.cli import run_sim
+
+        return run_sim(args)
     from mooncake.bench.cli import run_bench
 
     return run_bench(args)

@@ -58,8 +58,8 @@ class ConductorConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0: any free port.")
     api_key: str = Field("", description="If set, HTTP requests need 'Authorization: Bearer <key>'.")
     endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
-    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
-        "cache_aware", description="Prefill selection policy.")
+    policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = Field(
+        "cache_aware", description="Prefill selection policy (random: a uniform draw; a baseline).")
     use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
     ttft_slo_ms: float = Field(0.0, ge=0, description="Time-to-first-token SLO; 0: no early rejection on TTFT.")
     tbt_slo_ms: float = Field(0.0, ge=0, description="Time-between-tokens SLO; 0: no early rejection on TBT.")

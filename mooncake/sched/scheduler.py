@@ -12,6 +12,7 @@ the predicted load when the conductor dispatches, and releases it itself.
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,8 +50,10 @@ class _Booked:
 
 class Scheduler:
     def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex,
-                 prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel) -> None:
+                 prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel,
+                 rng: random.Random | None = None) -> None:
         self.cfg = cfg
+        self._rng = rng if rng is not None else random.Random(0)  # the ``random`` policy's draws
         self.cluster = cluster
         self.index = index
         self.prefill_cost = prefill_cost
@@ -89,7 +92,9 @@ class Scheduler:
             est = self.queue_s(p.node_id) + (reusable - dev) * fetch_s + prefill_s
             candidates.append((est, prefill_s, dev, reusable, p))
 
-        if self.cfg.policy == "round_robin":
+        if self.cfg.policy == "random":
+            chosen = candidates[self._rng.randrange(len(candidates))]
+        elif self.cfg.policy == "round_robin":
             chosen = candidates[next(self._rr) % len(candidates)]
         elif self.cfg.policy == "least_loaded":
             chosen = min(candidates, key=lambda c: (self.queue_s(c[4].node_id), self.queued(c[4].node_id)))

@@ -1,0 +1,1 @@
+"""``mooncake sim``: a discrete-event cluster simulator over the real scheduler."""

@@ -1,0 +1,105 @@
+"""What the simulator's virtual instances cost: prefill and decode time, KV movement
+time by tier and link, and capacities. Two sources: an analytic profile (model
+dimensions x accelerator roofline, ``profiles.py``) or the fitted cost models of a
+running cluster (``calibrate.py``). Both give a ``Hardware``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capacities:
+    prefill_cache_blocks: int  # device prefix cache of a prefill instance
+    decode_kv_tokens: int  # KV a decode instance holds for its running batch
+    decode_max_batch: int
+    store_dram_blocks: int  # per store (one store per prefill machine)
+    store_ssd_blocks: int
+
+
+class Hardware:
+    """Costs in seconds of one instance of a cluster, at a given ``block_tokens``."""
+
+    name: str
+    block_tokens: int
+    kv_bytes_per_token: float
+    caps: Capacities
+
+    def prefill_s(self, n_new: int, ctx: int) -> float:
+        """Compute time of ``n_new`` prompt tokens after ``ctx`` cached ones (chunked)."""
+        raise NotImplementedError
+
+    def decode_step_s(self, batch: int, ctx_tokens: float) -> float:
+        """One decode step over ``batch`` sequences holding ``ctx_tokens`` KV in total."""
+        raise NotImplementedError
+
+    def fetch_block_s(self, tier: str, local: bool) -> float:
+        """Reading one block into a prefill instance from a store tier ("dram"/"ssd"),
+        on the same machine (``local``) or across the network."""
+        raise NotImplementedError
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """Shipping a prompt's KV from prefill to decode over the network."""
+        raise NotImplementedError
+
+    def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
+        """From the end of prefill until decode holds the whole KV (no overlap by default)."""
+        return self.kv_transfer_s(tokens)
+
+    # Priors for the scheduler's cost models (they then learn from what the simulation observes).
+    def prefill_prior(self) -> tuple[float, float]:
+        """(tokens_per_s, fixed_s) of the prefill cost model."""
+        fixed = self.prefill_s(1, 0)
+        n = 4096
+        return n / max(1e-12, self.prefill_s(n, 0) - fixed), fixed
+
+    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float]:
+        """(step_s, per_seq_s) of the decode cost model at a typical context length."""
+        step = self.decode_step_s(1, typical_ctx)
+        per = (self.decode_step_s(9, 9 * typical_ctx) - step) / 8
+        return max(0.0, step - per), max(0.0, per)
+
+
+@dataclass(frozen=True)
+class LinearCosts:
+    """Plain linear costs (what a fitted cluster reports)."""
+
+    prefill_fixed_s: float
+    prefill_per_token_s: float
+    prefill_per_pair_s: float  # attention: per (new token, context token) pair
+    decode_step_s: float
+    decode_per_seq_s: float
+    fetch_block_s: float
+    transfer_token_s: float
+
+
+class FittedHardware(Hardware):
+    def __init__(self, name: str, block_tokens: int, costs: LinearCosts, caps: Capacities,
+                 kv_bytes_per_token: float = 0.0, chunk_tokens: int = 512) -> None:
+        self.name = name
+        self.block_tokens = block_tokens
+        self.costs = costs
+        self.caps = caps
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.chunk_tokens = chunk_tokens
+
+    def prefill_s(self, n_new: int, ctx: int) -> float:
+        c = self.costs
+        chunks = max(1, -(-n_new // self.chunk_tokens))
+        return chunks * c.prefill_fixed_s + n_new * c.prefill_per_token_s + n_new * (ctx + n_new / 2) * c.prefill_per_pair_s
+
+    def decode_step_s(self, batch: int, ctx_tokens: float) -> float:
+        return self.costs.decode_step_s + batch * self.costs.decode_per_seq_s
+
+    def fetch_block_s(self, tier: str, local: bool) -> float:
+        return self.costs.fetch_block_s
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        return tokens * self.costs.transfer_token_s
+
+    def prefill_prior(self) -> tuple[float, float]:
+        return 1.0 / max(1e-12, self.costs.prefill_per_token_s), self.costs.prefill_fixed_s
+
+    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float]:
+        return self.costs.decode_step_s, self.costs.decode_per_seq_s

@@ -1,0 +1,127 @@
+"""Virtual instances: what each simulated prefill, decode and store instance holds.
+
+They keep the KV index current as their caches change (as the real roles do with
+their stored/removed events). Timing is the simulator's business.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mooncake.protocol import NodeInfo
+from mooncake.sched.cluster import Node
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sim.lru import LRUBlocks
+
+
+def virtual_node(node_id: str, role: str, machine: str) -> Node:
+    endpoints = {"store": f"sim://{node_id}"} if role == "store" else {}
+    return Node(node_id, role, b"", endpoints, NodeInfo(node_name=machine, pid=0), last_seen=0.0)
+
+
+class StoreInstance:
+    """A store node: a DRAM tier over an SSD tier, LRU each; eviction from DRAM demotes,
+    a read from SSD promotes; tiers are exclusive."""
+
+    def __init__(self, node: Node, index: KVIndex, dram_blocks: int, ssd_blocks: int) -> None:
+        self.node = node
+        self.index = index
+        self.dram = LRUBlocks(dram_blocks)
+        self.ssd = LRUBlocks(ssd_blocks)
+
+    def tier_of(self, h: bytes) -> str | None:
+        if h in self.dram:
+            return "dram"
+        if h in self.ssd:
+            return "ssd"
+        return None
+
+    def put(self, hashes: Sequence[bytes]) -> None:
+        """Write blocks to DRAM (touching those held there), demoting what falls out."""
+        if len(self.ssd):
+            for h in hashes:  # a block written again moves up: tiers are exclusive
+                self.ssd.discard(h)
+        added, evicted = self.dram.insert(hashes)
+        if added:
+            self.index.add(self.node.node_id, "dram", added)
+        self._demote(evicted)
+
+    def read(self, h: bytes) -> None:
+        """A prefill instance read ``h``: touch it, promoting it from SSD to DRAM."""
+        if self.dram.touch(h):
+            return
+        if self.ssd.discard(h):
+            self.put([h])
+
+    def _demote(self, evicted: list[bytes]) -> None:
+        if not evicted:
+            return
+        node_id = self.node.node_id
+        if self.ssd.capacity == 0:
+            self.index.remove(node_id, evicted)
+            return
+        added, dropped = self.ssd.insert(evicted)
+        if added:
+            self.index.add(node_id, "ssd", added)
+        if dropped:
+            self.index.remove(node_id, dropped)
+
+
+@dataclass
+class PrefillInstance:
+    node: Node
+    cache: LRUBlocks  # device prefix cache
+    store: StoreInstance | None  # the store on the same machine
+    queue: deque = field(default_factory=deque)  # (request, plan) in arrival order
+    busy: bool = False
+    busy_s: float = 0.0
+
+    def cache_blocks(self, index: KVIndex, hashes: Sequence[bytes]) -> None:
+        added, evicted = self.cache.insert(hashes)
+        if added:
+            index.add(self.node.node_id, "device", added)
+        if evicted:
+            index.remove(self.node.node_id, evicted)
+
+
+@dataclass
+class DecodeSeq:
+    req_id: str
+    remaining: float  # tokens still to generate
+    kv_tokens: float  # KV it holds now (grows by one per token)
+    reserved: int  # KV tokens reserved for it (prompt + output)
+
+
+@dataclass
+class DecodeInstance:
+    """A decode instance's continuous batch. Between membership changes every step takes
+    the same time, so the batch advances analytically from one change to the next."""
+
+    node: Node
+    kv_capacity: int
+    max_batch: int
+    active: dict[str, DecodeSeq] = field(default_factory=dict)
+    waiting: deque = field(default_factory=deque)  # DecodeSeq waiting for KV room or a batch slot
+    kv_reserved: int = 0
+    step_s: float = 0.0
+    updated_at: float = 0.0
+    version: int = 0  # invalidates the completion event scheduled before a change
+
+    def fits(self, seq: DecodeSeq) -> bool:
+        if not self.active:  # an empty instance takes anything (a prompt larger than its pool runs alone)
+            return True
+        return len(self.active) < self.max_batch and self.kv_reserved + seq.reserved <= self.kv_capacity
+
+    def advance(self, now: float, gaps: list[tuple[float, float]]) -> None:
+        """Generate the tokens of the steps since the last update; records (step, count) gaps."""
+        dt = now - self.updated_at
+        self.updated_at = now
+        if dt <= 0 or not self.active or self.step_s <= 0:
+            return
+        steps = dt / self.step_s
+        gaps.append((self.step_s, steps * len(self.active)))
+        for s in self.active.values():
+            s.remaining -= steps
+            s.kv_tokens += steps

@@ -1,0 +1,206 @@
+"""The discrete-event simulation: trace arrivals -> the real scheduler's plan -> admission
+-> virtual prefill queues -> KV handoff -> virtual decode batches.
+
+The policy is the conductor's own ``Scheduler`` (with its booking, the ``KVIndex`` fed by
+the virtual caches and stores, and the online cost models fed with what the simulation
+measures); ``Admission.check_plan`` rejects early; ``HotBlocks`` finds blocks to replicate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from mooncake.conductor.admission import Admission
+from mooncake.metrics import Metrics
+from mooncake.config import ConductorConfig
+from mooncake.sched.cluster import Cluster
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+from mooncake.sched.hot_blocks import HotBlocks
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.scheduler import Plan, Scheduler
+from mooncake.sim.events import EventLoop
+from mooncake.sim.hardware import Hardware
+from mooncake.sim.instances import DecodeInstance, DecodeSeq, PrefillInstance, StoreInstance, virtual_node
+from mooncake.sim.lru import LRUBlocks
+from mooncake.sim.results import Outcome, SimResult, summarize
+from mooncake.sim.setup import SimSetup
+from mooncake.sim.workload import SimRequest
+
+class Simulation:
+    def __init__(self, setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> None:
+        self.setup = setup
+        self.hw = hw
+        self.requests = requests
+        self.B = hw.block_tokens
+        self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store,
+                                   ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms)
+        self.loop = EventLoop()
+        self.index = KVIndex()
+        self.cluster = Cluster()
+        tps, fixed = hw.prefill_prior()
+        step, per_seq = hw.decode_prior()
+        self.prefill_cost = PrefillCostModel(tokens_per_s=tps, fixed_s=fixed,
+                                             fetch_block_s=hw.fetch_block_s("dram", True))
+        self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq)
+        self.sched = Scheduler(self.cfg, self.cluster, self.index, self.prefill_cost, self.decode_cost,
+                               rng=random.Random(setup.seed))
+        self.admission = Admission(self.cfg, Metrics())  # the metrics of a simulation go unread
+        self.hot = HotBlocks(self.cfg.hot_block_hits, self.cfg.hot_window_s)
+        caps = hw.caps
+        self.stores: dict[str, StoreInstance] = {}
+        self.prefills: dict[str, PrefillInstance] = {}
+        self.decodes: dict[str, DecodeInstance] = {}
+        for i in range(setup.prefill):
+            machine = f"p{i}"
+            store = None
+            if setup.use_store:
+                node = virtual_node(f"store-{i}", "store", machine)
+                store = self.stores[node.node_id] = StoreInstance(node, self.index, caps.store_dram_blocks,
+                                                                  caps.store_ssd_blocks)
+                self.cluster.upsert(node)
+            node = virtual_node(f"prefill-{i}", "prefill", machine)
+            self.prefills[node.node_id] = PrefillInstance(node, LRUBlocks(caps.prefill_cache_blocks), store)
+            self.cluster.upsert(node)
+        for j in range(setup.decode):
+            node = virtual_node(f"decode-{j}", "decode", f"d{j}")
+            self.decodes[node.node_id] = DecodeInstance(node, caps.decode_kv_tokens, caps.decode_max_batch)
+            self.cluster.upsert(node)
+        self.outcomes: dict[str, Outcome] = {}
+        self.gaps: list[tuple[float, float]] = []  # (inter-token time, how many tokens had it)
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        for r in self.requests:
+            self.loop.at(r.arrival_s, self._arrive, r)
+        self.loop.run()
+        return summarize(self.setup, self.hw.name, self.requests, self.outcomes, self.gaps,
+                         self.loop.now, time.perf_counter() - t0, self.prefills.values(), self.B)
+
+    # ------------------------------------------------------------ conductor
+
+    def _arrive(self, r: SimRequest) -> None:
+        now = self.loop.now
+        out = self.outcomes[r.req_id] = Outcome(r)
+        plan = self.sched.plan(r.hashes, r.prompt_tokens, r.output_tokens, self.B, now)
+        refusal = self.admission.check_plan(plan, now)
+        if refusal is not None or plan is None:
+            out.rejected = refusal.reason if refusal is not None else "no_workers"
+            return
+        self.sched.book(r.req_id, plan)
+        if self.setup.use_store and plan.reusable_blocks:
+            self._note_hits(list(r.hashes[:plan.reusable_blocks]), now)
+        inst = self.prefills[plan.prefill.node_id]
+        inst.queue.append((r, plan))
+        if not inst.busy:
+            self._start_prefill(inst)
+
+    def _note_hits(self, hashes: list[bytes], now: float) -> None:
+        """Hot blocks get copies in more stores, up to ``replicas`` (as the conductor's replicator)."""
+        hot = self.hot.hit(hashes, now)
+        want = min(self.cfg.replicas, len(self.stores))
+        if not hot or want < 2:
+            return
+        for h in hot:
+            holders = [n for n in self.index.holders(h) if n in self.stores]
+            if holders and len(holders) < want:
+                target = min((s for s in self.stores if s not in holders), key=self.index.blocks_of)
+                self.stores[target].put([h])
+
+    # ------------------------------------------------------------ prefill
+
+    def _start_prefill(self, inst: PrefillInstance) -> None:
+        if not inst.queue:
+            inst.busy = False
+            return
+        inst.busy = True
+        r, plan = inst.queue.popleft()
+        now = self.loop.now
+        usable = min(len(r.hashes), (r.prompt_tokens - 1) // self.B)
+        reused = inst.cache.leading_run(r.hashes[:usable])
+        device = reused
+        fetch_s = 0.0
+        if self.setup.use_store:  # the plan's store segments, as far as the stores still hold them
+            local = inst.store.node.node_id if inst.store is not None else None
+            for h in r.hashes[reused:min(plan.reusable_blocks, usable)]:
+                holders = self.index.holders(h)
+                src = local if local in holders else next((n for n in holders if n in self.stores), None)
+                if src is None:
+                    break
+                store = self.stores[src]
+                fetch_s += self.hw.fetch_block_s(store.tier_of(h) or "dram", src == local)
+                store.read(h)
+                reused += 1
+        cached = reused * self.B
+        n_new = r.prompt_tokens - cached
+        compute_s = self.hw.prefill_s(n_new, cached)
+        out = self.outcomes[r.req_id]
+        out.started_s, out.device_blocks, out.reused_blocks = now, device, reused
+        inst.busy_s += fetch_s + compute_s
+        self.loop.after(fetch_s + compute_s, self._end_prefill, inst, r, plan, n_new, cached, compute_s)
+
+    def _end_prefill(self, inst: PrefillInstance, r: SimRequest, plan: Plan, n_new: int, cached: int,
+                     compute_s: float) -> None:
+        now = self.loop.now
+        out = self.outcomes[r.req_id]
+        out.first_token_s = now
+        inst.cache_blocks(self.index, r.hashes)
+        if inst.store is not None and plan.store_endpoint:
+            inst.store.put(r.hashes[out.reused_blocks:])
+        self.sched.prefill_finished(r.req_id)
+        self.prefill_cost.observe(n_new, cached, compute_s)
+        if r.output_tokens <= 1:
+            self._finish(r.req_id)
+        else:
+            seq = DecodeSeq(r.req_id, float(r.output_tokens - 1), float(r.prompt_tokens),
+                            r.prompt_tokens + r.output_tokens)
+            self.loop.after(self.hw.kv_handoff_s(r.prompt_tokens, compute_s), self._join_decode,
+                            self.decodes[plan.decode.node_id], seq)
+        self._start_prefill(inst)
+
+    # ------------------------------------------------------------ decode
+
+    def _join_decode(self, d: DecodeInstance, seq: DecodeSeq) -> None:
+        d.advance(self.loop.now, self.gaps)
+        d.waiting.append(seq)
+        self._admit(d)
+        self._reschedule(d)
+
+    def _admit(self, d: DecodeInstance) -> None:
+        while d.waiting and d.fits(d.waiting[0]):
+            seq = d.waiting.popleft()
+            d.active[seq.req_id] = seq
+            d.kv_reserved += seq.reserved
+            self.outcomes[seq.req_id].decode_joined_s = self.loop.now
+
+    def _reschedule(self, d: DecodeInstance) -> None:
+        """New step time for the new batch; the next completion event."""
+        d.version += 1
+        if not d.active:
+            d.step_s = 0.0
+            return
+        d.step_s = self.hw.decode_step_s(len(d.active), sum(s.kv_tokens for s in d.active.values()))
+        self.decode_cost.observe(len(d.active), d.step_s)
+        left = min(s.remaining for s in d.active.values())
+        self.loop.after(max(0.0, left) * d.step_s, self._decode_tick, d, d.version)
+
+    def _decode_tick(self, d: DecodeInstance, version: int) -> None:
+        if version != d.version:
+            return
+        d.advance(self.loop.now, self.gaps)
+        for seq in [s for s in d.active.values() if s.remaining <= 1e-6]:
+            del d.active[seq.req_id]
+            d.kv_reserved -= seq.reserved
+            self._finish(seq.req_id)
+        self._admit(d)
+        self._reschedule(d)
+
+    def _finish(self, req_id: str) -> None:
+        self.outcomes[req_id].finished_s = self.loop.now
+        self.sched.release(req_id)
+
+
+def simulate(setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> SimResult:
+    return Simulation(setup, hw, requests).run()
