@@ -18,7 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash block (default: 512)")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="prefill selection (default: %(default)s)")
     store = p.add_mutually_exclusive_group()
-    store.add_argument("--no-store", dest="store", action="store_const", const="off",
+    store.add_argument("--no-store", dest="store", action="store_const", const="off", default="auto",
                        help="no store pool: instances reuse only their own device cache (the paper's local "
                             "cache-aware)")
     store.add_argument("--store", dest="store", choices=["auto", "on", "off"], default="auto",
