@@ -10,31 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_cache import hf_cache_with
 from mooncake.cli import _overrides, main as cli_main
 from mooncake.config import ModelConfig, load_config
 from mooncake.engine import ModelLoadError, load_model
 from mooncake.engine.hub_cache import hub_cache_dir, is_repo_id
 from mooncake.engine.loader import default_model_path, resolve_model_dir
 from mooncake.engine.quantization import _safetensors_header
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def hf_cache_with(model_dir: Path, cache: Path, repo_id: str, commit: str = COMMIT, ref: bool = True) -> Path:
-    """Lay ``model_dir`` out as the Hugging Face cache does: blobs, and a snapshot of symlinks."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / commit
-    snap.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for i, f in enumerate(sorted(model_dir.iterdir())):
-        blob = repo / "blobs" / f"{commit[:8]}{i:04d}"
-        shutil.copyfile(f, blob)
-        (snap / f.name).symlink_to(blob)
-    if ref:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / "main").write_text(commit)
-    return snap
-
 
 def test_repo_id_resolves_from_the_local_cache(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
