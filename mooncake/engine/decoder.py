@@ -121,7 +121,7 @@ class DecoderForward:
                 past.permute(2, 3, 0, 4, 1, 5, 6))
         rope = {key: (cos[b.positions].unsqueeze(1), sin[b.positions].unsqueeze(1))  # [N, 1, rd]
                 for key, (cos, sin) in self.rope.items()}
-        masks = layer_masks(b, self.windows)
+        masks = layer_masks(b, self.windows, spec.attn_softcap is not None, self.dtype)
         row, col, K = b.row, b.col, b.key_len
         single = B == 1
         c0 = b.col0
@@ -144,7 +144,9 @@ class DecoderForward:
             else:
                 kc[row, :, col] = k
                 vc[row, :, col] = v
-            o = attend(q, kc[:, :, :K], vc[:, :, :K], masks[layer.window], B, S, scale, softcap)
+            mask = masks[layer.window]
+            lo = mask[2]
+            o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
             a = F.linear(o.reshape(N, H * D), *layer.o)
             x = x + (layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
             h = layer.mlp_norm(x)

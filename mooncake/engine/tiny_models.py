@@ -59,11 +59,12 @@ def randomize(model: Any, gemma_norms: bool, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def build_tiny_model(family: str, out: Path, tokenizer: Any, seed: int = 0) -> Path:
-    """Save a tiny ``family`` model with ``tokenizer`` to ``out`` (created); returns ``out``."""
+def build_tiny_model(family: str, out: Path, tokenizer: Any, seed: int = 0, vocab_size: int = 0) -> Path:
+    """Save a tiny ``family`` model with ``tokenizer`` to ``out`` (created); returns ``out``.
+    ``vocab_size`` (benchmarks): a smaller vocabulary than the tokenizer's, for token-id input only."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, len(tokenizer))
+    config = tiny_config(family, vocab_size or len(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, gemma_norms=family.startswith("gemma"), seed=seed)
