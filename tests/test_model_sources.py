@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cache import hf_cache_with
+from hf_cache import COMMIT, hf_cache_with
 from mooncake.cli import _overrides, main as cli_main
 from mooncake.config import ModelConfig, load_config
 from mooncake.engine import ModelLoadError, load_model
@@ -120,3 +120,14 @@ def test_gguf_converts_to_the_serving_dtype(tmp_path):
                                     device="cpu"))
     assert loaded.model_dir == model_dir and loaded.dtype == torch.bfloat16
     assert loaded.model_id.endswith("/bfloat16")
+
+
+def test_gguf_only_repo_in_the_cache_is_converted_and_served_by_repo_id(loaded_model, tmp_path, monkeypatch):
+    """A cached repo holding one GGUF file (the bundled one, linked as the hub links blobs)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = tmp_path / "hub" / "models--tiny-org--smol-gguf" / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    (snap / default_model_path().name).symlink_to(default_model_path())
+    model_dir, name = resolve_model_dir(ModelConfig(path="tiny-org/smol-gguf"))
+    assert name == "tiny-org/smol-gguf"
+    assert model_dir == loaded_model.model_dir  # the same file, already converted for float32
