@@ -109,15 +109,15 @@ def test_quantized_weights_are_refused_from_the_safetensors_header(tiny_models, 
         resolve_model_dir(ModelConfig(path=str(d)))
 
 
-def test_gguf_converts_to_the_serving_dtype(tmp_path):
-    """The bundled GGUF, served in bfloat16, is stored in bfloat16 (half the float32 bytes)."""
-    model_dir, name = resolve_model_dir(ModelConfig(path=str(default_model_path()), dtype="bfloat16",
-                                                    cache_dir=str(tmp_path)))
+def test_gguf_converts_to_the_serving_dtype():
+    """The bundled GGUF, served in bfloat16, is stored in bfloat16 (converted once into the
+    default cache, like the float32 conversion every engine test loads)."""
+    cfg = ModelConfig(path=str(default_model_path()), dtype="bfloat16", device="cpu")
+    model_dir, name = resolve_model_dir(cfg)
     assert name == "SmolLM2-135M-Instruct" and model_dir.name.endswith("-bfloat16")
     dtypes = {dt for f in model_dir.glob("*.safetensors") for _, dt in _safetensors_header(f)}
     assert dtypes == {"BF16"}
-    loaded = load_model(ModelConfig(path=str(default_model_path()), dtype="bfloat16", cache_dir=str(tmp_path),
-                                    device="cpu"))
+    loaded = load_model(cfg)
     assert loaded.model_dir == model_dir and loaded.dtype == torch.bfloat16
     assert loaded.model_id.endswith("/bfloat16")
 
