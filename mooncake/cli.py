@@ -17,7 +17,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file (see config.example.toml); MOONCAKE_<SECTION>_<KEY> "
                                     "environment variables apply over it, or alone without it")
     p.add_argument("--dev", action="store_true", help="all roles on this machine, one process each")
-    p.add_argument("--model", help="model directory or GGUF file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="model directory, GGUF file, or Hugging Face repo id (org/name) in the local "
+                                   "Hugging Face cache (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: org/name, or the path's name)")
+    p.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's own)")
     p.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--api-key", help="require this bearer token on /v1/*")
@@ -33,7 +36,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     if args.model:
         o.setdefault("model", {})["path"] = args.model
     for key, section, field in (("host", "conductor", "host"), ("port", "conductor", "port"),
-                                ("api_key", "conductor", "api_key"), ("data_dir", "store", "data_dir")):
+                                ("api_key", "conductor", "api_key"), ("data_dir", "store", "data_dir"),
+                                ("served_model_name", "model", "name"), ("max_model_len", "engine", "max_model_len")):
         value = getattr(args, key)
         if value is not None:
             o.setdefault(section, {})[field] = value

@@ -23,12 +23,12 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field("", description="Local HF model directory or GGUF file; empty: the bundled SmolLM2-135M-Instruct.")
-    name: str = Field("", description="Model name served in the API; empty: derived from the path.")
+    path: str = Field("", description="Local HF model directory, GGUF file, or Hugging Face repo id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded); empty: the bundled SmolLM2-135M-Instruct.")
+    name: str = Field("", description="Model name served in the API (--served-model-name); empty: the repo id (org/name) for a model from the Hugging Face cache, else the file or directory name.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
-    cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF) are kept.")
+    cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
 
 
 class EngineConfig(_Section):
@@ -36,7 +36,7 @@ class EngineConfig(_Section):
     kv_cache_bytes: int = Field(1 * GiB, ge=1 * MiB, description="Bytes of the preallocated paged KV pool.")
     max_batch: int = Field(32, ge=1, le=1024, description="Most sequences in one decode step.")
     prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk.")
-    max_model_len: int = Field(0, ge=0, description="Context limit; 0: the model's own.")
+    max_model_len: int = Field(0, ge=0, description="Context limit in tokens, prompt and output (--max-model-len); 0: the model's own (max_position_embeddings); larger than the model's own: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
     profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")

@@ -21,3 +21,12 @@ def oracle_model(loaded_model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(loaded_model.model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, loaded_model):
+    """family -> directory of a tiny random-weight model of that family (bundled tokenizer)."""
+    from mooncake.engine.tiny_models import FAMILIES, build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {f: build_tiny_model(f, root / f, loaded_model.tokenizer) for f in FAMILIES}

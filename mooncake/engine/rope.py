@@ -2,13 +2,14 @@
 
 Supported rope types: ``default``, ``linear``, ``llama3``. Anything else is a
 ModelLoadError (dynamic/yarn/longrope change frequencies with the context and
-are not implemented).
+are not implemented). A family whose layers use different rope settings (Gemma 3:
+local and global layers) gets one ``RopeParams`` per layer type.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,26 +18,45 @@ from mooncake.engine.errors import ModelLoadError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class RopeParams(NamedTuple):
+    rope_type: str
+    theta: float
+    params: dict
+
+
+def params_from_dict(params: dict | None, default_theta: float = 10000.0) -> RopeParams:
+    """RopeParams from a v5 ``rope_parameters`` / v4 ``rope_scaling`` dict."""
+    p = dict(params or {})
+    theta = float(p.get("rope_theta", default_theta))
+    return RopeParams(p.get("rope_type", p.get("type", "default")) or "default", theta, p)
+
+
 def rope_params(config: Any) -> tuple[str, float, dict]:
     """(rope_type, theta, params) from a transformers config (v5 ``rope_parameters`` or v4 ``rope_scaling``)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    return rope_type, theta, params
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return tuple(params_from_dict(params, float(getattr(config, "rope_theta", 10000.0))))  # type: ignore[return-value]
+
+
+def check_params(rp: RopeParams) -> None:
+    if rp.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope scaling type {rp.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
 def check_rope(config: Any) -> None:
-    rope_type, _, _ = rope_params(config)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    check_params(RopeParams(*rope_params(config)))
 
 
 def inv_freq(config: Any, head_dim: int) -> torch.Tensor:
     """The per-pair rotation frequencies (float32, ``[head_dim // 2]``)."""
-    check_rope(config)
-    rope_type, theta, p = rope_params(config)
-    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return inv_freq_of(RopeParams(*rope_params(config)), head_dim)
+
+
+def inv_freq_of(rp: RopeParams, dim: int) -> torch.Tensor:
+    """The per-pair rotation frequencies of ``rp`` over ``dim`` rotated dimensions."""
+    check_params(rp)
+    rope_type, theta, p = rp
+    freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type == "linear":
         freq = freq / float(p["factor"])
     elif rope_type == "llama3":
@@ -55,16 +75,22 @@ def inv_freq(config: Any, head_dim: int) -> torch.Tensor:
 
 def rope_tables(config: Any, head_dim: int, max_len: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed_sin), each ``[max_len, head_dim]``.
+    """(cos, signed_sin) of the config's single rope setting; see ``tables_of``."""
+    return tables_of(RopeParams(*rope_params(config)), head_dim, max_len, dtype, device)
 
-    ``rope(x) = x * cos + roll(x, head_dim // 2) * signed_sin``, which equals the
+
+def tables_of(rp: RopeParams, dim: int, max_len: int, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each ``[max_len, dim]`` (``dim``: the rotated dimensions).
+
+    ``rope(x) = x * cos + roll(x, dim // 2) * signed_sin``, which equals the
     half-rotation form ``x * cos + rotate_half(x) * sin`` used by transformers.
     """
-    freq = inv_freq(config, head_dim)
+    freq = inv_freq_of(rp, dim)
     pos = torch.arange(max_len, dtype=torch.int64).float()
     freqs = pos[:, None] * freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    half = head_dim // 2
+    half = dim // 2
     signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
     return cos.to(device=device, dtype=dtype), signed.to(device=device, dtype=dtype)

@@ -1,77 +1,48 @@
-"""The engine's own forward pass for the Llama family over the paged KV pool.
+"""The engine's own forward pass over the paged KV pool, shared by every model family.
 
-Llama, Mistral, Qwen2 (q/k/v bias), SmolLM: RMSNorm, RoPE, GQA, SwiGLU MLP,
-tied embeddings. Weights are the loaded transformers model's own tensors (no
-copy). One call computes ``S`` new tokens for each of ``B`` sequences, with
-either ``B == 1`` (a prefill chunk) or ``S == 1`` (a batched decode step).
+A family (``mooncake.engine.families``) hands over a ``ModelSpec``: the loaded
+transformers model's own tensors (no copy) and the few ways it differs from Llama
+(norm style, fused projections, q/k norms, GeGLU, embedding scale, attention scale and
+soft-capping, sliding windows per layer, rope per layer type). One call computes ``S``
+new tokens for each of ``B`` sequences, with either ``B == 1`` (a prefill chunk) or
+``S == 1`` (a batched decode step).
 
 Per call, the past KV of the batch is gathered once from the pool (by block
 table) into a workspace ``[L, 2, B, Hkv, K, D]``; each layer writes its new K/V
 next to the past of its own sequence and attends over that row, masked to its
-length. After the last layer the new K/V go to the pool in one scatter.
+length (and to its window on sliding-window layers: every block is kept, so blocks
+stay shareable). After the last layer the new K/V go to the pool in one scatter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mooncake.engine.rope import rope_tables
+from mooncake.engine.attention import attend, layer_masks
+from mooncake.engine.batch import Batch
+from mooncake.engine.families import model_spec
+from mooncake.engine.rope import tables_of
 
 
-@dataclass
-class Batch:
-    """Tensors describing one forward call (built by the engine)."""
-
-    ids: torch.Tensor  # [B*S] input token ids
-    positions: torch.Tensor  # [B*S]
-    B: int
-    S: int
-    past_table: torch.Tensor | None  # [B, Mb] pool blocks holding the past (padded), None: no past
-    key_len: int  # keys attended: max over rows of past + S
-    row: torch.Tensor  # [B*S] batch row of each new token (workspace write index)
-    col: torch.Tensor  # [B*S] key position of each new token (workspace write index)
-    slot_block: torch.Tensor  # [B*S] pool block of each new token
-    slot_offset: torch.Tensor  # [B*S] offset in that block
-    mask: torch.Tensor | None  # [B, 1, S, key_len] bool (True = attend) or None
-    causal: bool  # B == 1, no past, S > 1: plain causal attention
-    logit_rows: torch.Tensor | None  # rows of [B*S] whose logits are wanted; None: none
-    col0: int = 0  # B == 1: key position of the first new token
-    rows: list[tuple[int, int, list[int]]] | None = None  # decode: (seq uid, past length, past blocks)
-
-
-class LlamaForward:
+class DecoderForward:
     def __init__(self, hf_model: Any, max_len: int, block_tokens: int) -> None:
-        cfg = hf_model.config
-        m = hf_model.model
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.group = self.num_heads // self.num_kv_heads
-        self.eps = float(cfg.rms_norm_eps)
-        self.hidden = cfg.hidden_size
+        self.spec = spec = model_spec(hf_model)
+        self.num_layers = len(spec.layers)
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.rotary_dim = spec.rotary_dim or spec.head_dim
         self.block_tokens = block_tokens
-        p = m.embed_tokens.weight
-        self.dtype, self.device = p.dtype, p.device
-        self.embed = m.embed_tokens.weight
-        self.norm = m.norm.weight
-        self.lm_head = hf_model.lm_head.weight  # tied: the same tensor as embed
-        self.layers = []
-        for layer in m.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                layer.input_layernorm.weight,
-                a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-                mlp.down_proj.weight, mlp.down_proj.bias,
-            ))
-        self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, self.dtype, self.device)
+        self.embed = spec.embed
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.embed_scale = (torch.tensor(spec.embed_scale, dtype=self.dtype, device=self.device)
+                            if spec.embed_scale is not None else None)
+        self.windows = {layer.window for layer in spec.layers}
+        self.rope = {key: tables_of(rp, self.rotary_dim, max_len, self.dtype, self.device)
+                     for key, rp in spec.rope.items()}
         self._ws = torch.zeros(0, dtype=self.dtype, device=self.device)
         self._gather = torch.empty(0, dtype=self.dtype, device=self.device)
         # decode workspace: persists across steps; row r mirrors ``_rows[r] = (uid, valid_len)``
@@ -125,11 +96,19 @@ class LlamaForward:
                         past.permute(1, 2, 3, 0, 4, 5))
         return ws[:, :, :B]
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        if rd == self.head_dim:
+            return torch.addcmul(x * cos, x.roll(rd // 2, -1), sin)
+        r = x[..., :rd]  # partial rotary: the leading dimensions rotate, the rest pass
+        return torch.cat([torch.addcmul(r * cos, r.roll(rd // 2, -1), sin), x[..., rd:]], -1)
+
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None."""
+        spec = self.spec
         B, S, T = b.B, b.S, self.block_tokens
-        H, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         N = B * S
         mb = b.past_table.shape[1] if b.past_table is not None else 0
         if b.rows is not None:
@@ -140,20 +119,24 @@ class LlamaForward:
             past = self._gather_past(pool, b.past_table)  # [B, Mb, L, 2, Hkv, T, D]
             ws[:, :, :, :, : mb * T].view(self.num_layers, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
-        cos = self.cos[b.positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[b.positions].unsqueeze(1)
-        half = D // 2
+        rope = {key: (cos[b.positions].unsqueeze(1), sin[b.positions].unsqueeze(1))  # [N, 1, rd]
+                for key, (cos, sin) in self.rope.items()}
+        masks = layer_masks(b, self.windows, spec.attn_softcap is not None, self.dtype)
         row, col, K = b.row, b.col, b.key_len
         single = B == 1
         c0 = b.col0
         x = F.embedding(b.ids, self.embed)
-        for li, (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, bg, wu, bu, wd, bd) in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), ln1, self.eps)
-            q = F.linear(h, wq, bq).view(N, H, D)
-            k = F.linear(h, wk, bk).view(N, Hkv, D)
-            v = F.linear(h, wv, bv).view(N, Hkv, D)
-            q = torch.addcmul(q * cos, q.roll(half, -1), sin)
-            k = torch.addcmul(k * cos, k.roll(half, -1), sin)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        act, scale, softcap = spec.act, spec.attn_scale, spec.attn_softcap
+        for li, layer in enumerate(spec.layers):
+            h = layer.attn_norm(x)
+            q, k, v = layer.qkv(h)
+            q, k, v = q.view(N, H, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            cos, sin = rope[layer.rope]
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             kc, vc = ws[li, 0], ws[li, 1]  # [B, Hkv, K, D]
             if single:
                 kc[0, :, c0:c0 + S] = k.transpose(0, 1)
@@ -161,17 +144,15 @@ class LlamaForward:
             else:
                 kc[row, :, col] = k
                 vc[row, :, col] = v
-            kk, vv = kc[:, :, :K], vc[:, :, :K]
-            if S == 1:  # decode: the G query heads of a kv head act as G queries
-                o = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), kk, vv, attn_mask=b.mask)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q.transpose(0, 1).unsqueeze(0), kk, vv, attn_mask=b.mask, is_causal=b.causal,
-                    enable_gqa=G > 1)[0].transpose(0, 1)
-            x = x + F.linear(o.reshape(N, H * D), wo, bo)
-            h = F.rms_norm(x, (self.hidden,), ln2, self.eps)
-            g = F.silu(F.linear(h, wg, bg))
-            x = x + F.linear(g.mul_(F.linear(h, wu, bu)), wd, bd)
+            mask = masks[layer.window]
+            lo = mask[2]
+            o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
+            a = F.linear(o.reshape(N, H * D), *layer.o)
+            x = x + (layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
+            h = layer.mlp_norm(x)
+            g, u = layer.gate_up(h)
+            m = F.linear(act(g).mul_(u), *layer.down)
+            x = x + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
         # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
         pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
         if b.rows is not None:
@@ -179,5 +160,7 @@ class LlamaForward:
                 self._rows[r] = (uid, ctx + 1)
         if b.logit_rows is None:
             return None
-        x = F.rms_norm(x[b.logit_rows], (self.hidden,), self.norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        logits = F.linear(spec.final_norm(x[b.logit_rows]), spec.lm_head).float()
+        if spec.logit_softcap is not None:
+            logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
+        return logits
