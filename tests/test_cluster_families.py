@@ -10,9 +10,9 @@ import httpx
 import pytest
 import torch
 
-from clusters import small_config
+from clusters import running_cluster, small_config
 from hf_cache import hf_cache_with
-from mooncake.roles.dev import DevCluster
+from mooncake.dev import DevCluster
 
 SERVED = ["qwen3", "gemma2", "gemma3", "phi3"]
 TEXT = ("A block of keys and values is shared by every request whose prompt starts with the same "
@@ -33,12 +33,8 @@ def served(request, tiny_models, tmp_path_factory):
         else:
             cfg.model.path = str(tiny_models[family])
             cfg.model.name = f"tiny-{family}"
-        cluster = DevCluster(cfg)
-        try:
-            cluster.start(timeout_s=240)
+        with running_cluster(cfg=cfg) as cluster:
             yield family, cluster
-        finally:
-            cluster.stop()
 
 
 def complete(cluster: DevCluster, model: str, ids: list[int], n: int) -> dict:
