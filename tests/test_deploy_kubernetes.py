@@ -143,7 +143,7 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     assert "sk-secret" not in configmap["data"]["cluster.toml"]
     curve = next(o for o in objects if o["metadata"]["name"] == "mooncake-curve")
-    assert set(curve["stringData"]) == {"cluster.key", "cluster.key_secret"}
+    assert set(curve["stringData"]) == {f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret")}
 
 
 def test_cpu_config_requests_no_gpu_and_has_no_secrets():
@@ -157,7 +157,7 @@ def test_cpu_config_requests_no_gpu_and_has_no_secrets():
     ('[conductor]\nendpoint = "ipc:///tmp/x"\n', Topology(), "tcp://HOST:PORT"),
     ('[conductor]\nendpoint = "tcp://10.0.0.1:*"\n', Topology(), "fixed port"),
     ("[conductor]\nport = 0\n", Topology(), "port is 0"),
-    ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "cluster.key_secret"),
+    ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "conductor.key_secret"),
     ("", Topology(namespace="Bad_NS"), "DNS label"),
     ("", Topology(decode=0), "at least one prefill and one decode"),
     ("", Topology(image=" "), "--image"),

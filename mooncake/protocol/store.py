@@ -17,6 +17,7 @@ class Put(Msg, tag="put"):
     hashes: list[bytes]
     tensors: list[TensorSpec]
     model_id: str = ""
+    checksums: list[int] = []  # xxh3_64 per block from the process that computed it; the store verifies
 
 
 class Get(Msg, tag="get"):
@@ -101,6 +102,7 @@ class ShmPut(Msg, tag="shm_put"):
     segment: str
     blocks: list[ShmRef]
     model_id: str = ""
+    checksums: list[int] = []  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):
