@@ -156,3 +156,28 @@ async def test_decode_admits_only_kv_with_the_attempts_token_and_checksums(decod
     assert [f.req_id for f in failed] == ["r2"] and failed[0].kind is P.FailureKind.RETRY  # recomputed elsewhere
     assert "r2" not in w.incoming and w.rejections.snapshot()["checksum"] == 2
     await w._drop("r1")
+
+
+@pytest.mark.parametrize("shm", [False, True])
+async def test_a_store_block_that_changed_since_its_put_is_a_miss(tmp_path, shm):
+    from mooncake.config import StoreConfig
+    from mooncake.tiers.client import StoreClient
+    from mooncake.tiers.server import StoreServer
+    from mooncake.tiers.tiered import TieredStore
+
+    store = TieredStore.from_config(StoreConfig(dram_bytes=16 * MiB, lmdb_bytes=0, data_dir=str(tmp_path)), "s")
+    server = StoreServer(store, "tcp://127.0.0.1:0")
+    client = StoreClient(await server.start(), shm=shm, shm_min_bytes=0)
+    try:
+        hs = [bytes([i]) * 32 for i in range(3)]
+        kv = torch.randn(3, *SHAPE)
+        assert await client.put(hs, kv, "m", checksums=checksums(kv)) == 3
+        found, blocks = await client.get(hs)
+        assert found == hs and torch.equal(torch.stack(blocks), kv)
+        store.get_many([hs[1]], count=False)[0][1].tensor.view(-1)[0] += 1  # bit rot in the store's memory
+        found, blocks = await client.get(hs)
+        assert found == hs[:1] and torch.equal(blocks[0], kv[0])  # the changed block and what follows: a miss
+    finally:
+        client.close()
+        await server.close()
+        store.close()

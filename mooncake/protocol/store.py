@@ -72,6 +72,7 @@ class Blocks(Msg, tag="blocks"):
 
     hashes: list[bytes]
     tensors: list[TensorSpec]
+    checksums: list[int] = []  # per block, as put (0: not known to this store process); the reader verifies
 
 
 class Error(Msg, tag="error"):
@@ -122,3 +123,4 @@ class ShmBlocks(Msg, tag="shm_blocks"):
     hashes: list[bytes]
     blocks: list[ShmRef]
     tensors: list[TensorSpec] = []
+    checksums: list[int] = []  # as Blocks'

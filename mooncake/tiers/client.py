@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -25,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake.security import Curve
+from mooncake.kv_integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
@@ -33,6 +35,7 @@ from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, PrefixQuery, Protoc
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
@@ -51,6 +54,15 @@ def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Te
     if isinstance(blocks, torch.Tensor):
         return list(blocks.unbind(0))
     return list(blocks)
+
+
+def _verified(hashes: list[bytes], blocks: list[torch.Tensor],
+              sums: list[int]) -> tuple[list[BlockHash], list[torch.Tensor]]:
+    """The leading blocks that match the checksums they were stored with; the rest is a miss."""
+    n = verified_prefix(blocks, sums)
+    if n < len(blocks):
+        log.warning("store returned %d blocks failing their checksums: treated as missing", len(blocks) - n)
+    return [BlockHash(h) for h in hashes[:n]], blocks[:n]
 
 
 class StoreClient:
@@ -193,7 +205,7 @@ class StoreClient:
             if frames:  # did not all fit: ask for a bigger segment next time
                 need = sum(aligned(t.numel() * t.element_size()) for t in out)
                 self._get_hint = min(max(self._get_hint, need), self.shm_max_bytes // 2)
-            return [BlockHash(h) for h in reply.hashes], out
+            return _verified(reply.hashes, out, reply.checksums)
         finally:
             self._free_segs.append(seg)
 
@@ -228,7 +240,7 @@ class StoreClient:
         reply, tensors = await self._call(Get(hs, prefix, lease_s))
         if not isinstance(reply, Blocks):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
-        return [BlockHash(h) for h in reply.hashes], tensors
+        return _verified(reply.hashes, tensors, reply.checksums)
 
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import StoreConfig
-from ..kv_integrity import Rejections, checksums, first_corrupt
+from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
 from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, PrefixQuery, ProtocolError, Put,
@@ -53,6 +53,7 @@ class StoreServer:
                  max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
         self.max_message_bytes = max_message_bytes
         self.rejections = Rejections()  # requests refused: unauthorized key, corrupt block
+        self.sums = BlockSums()  # checksums of the blocks put, returned with them to readers
         self.store = store
         self.curve = curve
         self.bind_endpoint = bind_endpoint
@@ -110,9 +111,15 @@ class StoreServer:
         return self.store.stored()
 
     def _store_event(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if kind == "removed" and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._forget_sums, list(keys))
         if self.on_event is None or self._loop is None or self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._emit, BlockEvent(self.node_id, kind, tier, list(keys)))
+
+    def _forget_sums(self, keys: list[bytes]) -> None:
+        """Blocks gone from every tier take their checksums with them (on the loop)."""
+        self.sums.forget([k for k, held in zip(keys, self.store.exists(keys)) if not held])
 
     def _emit(self, ev: BlockEvent) -> None:
         try:
@@ -172,10 +179,12 @@ class StoreServer:
             if len(msg.hashes) != len(tensors):
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
+            self.sums.remember(msg.hashes, msg.checksums)
             return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix, msg.lease_s)
-            return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
+            keys = [k for k, _ in found]
+            return encode(Blocks(keys, [], self.sums.of(keys)), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
         if isinstance(msg, PrefixQuery):
@@ -215,6 +224,7 @@ class StoreServer:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
+        self.sums.remember(msg.hashes, msg.checksums)
         return self.store.put_many(msg.hashes, views, msg.model_id)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
@@ -229,7 +239,8 @@ class StoreServer:
             refs.append(ShmRef(off, seg.write(off, block.tensor)))
             off = aligned(off + nbytes)
             n += 1
-        return ShmBlocks([k for k, _ in found], refs), [b.tensor for _, b in found[n:]]
+        keys = [k for k, _ in found]
+        return ShmBlocks(keys, refs, checksums=self.sums.of(keys)), [b.tensor for _, b in found[n:]]
 
     def _verify(self, blocks: list[torch.Tensor], sums: list[int]) -> None:
         """Refuse a put whose blocks do not match the checksums they came with (when they came with any)."""
