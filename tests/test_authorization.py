@@ -1,8 +1,11 @@
 """Authorization and KV trust without a cluster: the conductor's membership by key kind and
 model, a decode's KV ingress by request token and checksum, the store's access table, and
-the refusal to run off loopback without keys."""
+the refusal to run off loopback without keys, a store's checksums on get, and the bound on
+write-backs in flight."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from mooncake.sched.cluster import Cluster
 from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import InsecureNetworkError, check_network, store_access_problem
+from mooncake.tiers.client import StoreUnavailable
 
 SHAPE = (2, 2, 1, 16, 8)
 FACTS = P.ModelFacts("m@0123456789abcdef/float32", 16, 128, 1000, SHAPE)
@@ -181,3 +185,20 @@ async def test_a_store_block_that_changed_since_its_put_is_a_miss(tmp_path, shm)
         client.close()
         await server.close()
         store.close()
+
+
+async def test_write_backs_in_flight_are_bounded(decode_worker):
+    w = decode_worker
+    w.cfg.security.max_pending_writes = 2
+    kv = torch.zeros(1, *w.engine.block_shape, dtype=w.engine.dtype)
+    endpoint = "tcp://127.0.0.1:9"  # nothing answers: each put stays in flight until its timeout
+    try:
+        for i in range(5):
+            w.write_back(endpoint, [bytes([i]) * 32], kv)
+        assert len(w._writes) == 2 and w.writes_dropped == 3
+        assert w.load().writes_dropped == 3  # reported to the conductor (mooncake:kv_writes_dropped)
+    finally:
+        for task in list(w._writes):
+            task.cancel()
+        await asyncio.gather(*w._writes, return_exceptions=True)
+        w.forget_store(endpoint, StoreUnavailable("test over"))
