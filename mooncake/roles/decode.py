@@ -34,8 +34,8 @@ from mooncake.config import Config
 from mooncake.engine import Sequence
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.kv_integrity import first_corrupt, shape_problem
-from mooncake.security import allowed
 from mooncake.kv_link import bind_kv_ingress
+from mooncake.security import allowed
 from mooncake.sockets import recv_multipart
 from mooncake.worker import EngineWorker
 
