@@ -89,7 +89,8 @@ class EngineWorker(ABC):
         endpoint, and the old client (its sockets and shared-memory segments) must not stay."""
         client = self._stores.pop(endpoint, None)
         if client is None:
-            client = StoreClient(endpoint, curve=self.curve, max_message_bytes=self.max_message_bytes)
+            client = StoreClient(endpoint, curve=self.curve, max_message_bytes=self.max_message_bytes,
+                                 on_corrupt=lambda n: self.rejections.add("checksum", n))
         self._stores[endpoint] = client  # most recently used last
         while len(self._stores) > MAX_STORE_CLIENTS:
             self._stores.pop(next(iter(self._stores))).close()

@@ -171,7 +171,8 @@ async def test_a_store_block_that_changed_since_its_put_is_a_miss(tmp_path, shm)
 
     store = TieredStore.from_config(StoreConfig(dram_bytes=16 * MiB, lmdb_bytes=0, data_dir=str(tmp_path)), "s")
     server = StoreServer(store, "tcp://127.0.0.1:0")
-    client = StoreClient(await server.start(), shm=shm, shm_min_bytes=0)
+    corrupt: list[int] = []
+    client = StoreClient(await server.start(), shm=shm, shm_min_bytes=0, on_corrupt=corrupt.append)
     try:
         hs = [bytes([i]) * 32 for i in range(3)]
         kv = torch.randn(3, *SHAPE)
@@ -181,6 +182,7 @@ async def test_a_store_block_that_changed_since_its_put_is_a_miss(tmp_path, shm)
         store.get_many([hs[1]], count=False)[0][1].tensor.view(-1)[0] += 1  # bit rot in the store's memory
         found, blocks = await client.get(hs)
         assert found == hs[:1] and torch.equal(blocks[0], kv[0])  # the changed block and what follows: a miss
+        assert corrupt == [2]  # counted (a worker adds it to its kv_rejected{reason="checksum"})
     finally:
         client.close()
         await server.close()
@@ -202,3 +204,16 @@ async def test_write_backs_in_flight_are_bounded(decode_worker):
             task.cancel()
         await asyncio.gather(*w._writes, return_exceptions=True)
         w.forget_store(endpoint, StoreUnavailable("test over"))
+
+
+def test_mooncake_keys_writes_a_keypair_per_role_kind(tmp_path, capsys):
+    from mooncake.cli import main
+    from mooncake.security import Curve
+
+    assert main(["keys", str(tmp_path / "k")]) == 0
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == sorted(f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret"))
+    assert all((tmp_path / "k" / n).stat().st_mode & 0o077 == 0 for n in names if n.endswith("_secret"))
+    assert "key_secret" in capsys.readouterr().out
+    kinds = {role: Curve(tmp_path / "k", role) for role in ("conductor", "prefill", "decode", "store")}
+    assert kinds["prefill"].public == kinds["decode"].public != kinds["store"].public != kinds["conductor"].public

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import zmq
@@ -56,20 +56,14 @@ def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Te
     return list(blocks)
 
 
-def _verified(hashes: list[bytes], blocks: list[torch.Tensor],
-              sums: list[int]) -> tuple[list[BlockHash], list[torch.Tensor]]:
-    """The leading blocks that match the checksums they were stored with; the rest is a miss."""
-    n = verified_prefix(blocks, sums)
-    if n < len(blocks):
-        log.warning("store returned %d blocks failing their checksums: treated as missing", len(blocks) - n)
-    return [BlockHash(h) for h in hashes[:n]], blocks[:n]
-
-
 class StoreClient:
     def __init__(self, endpoint: str, timeout_s: float = 10.0, shm: bool | None = None,
                  shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, curve: Curve | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
+                 on_corrupt: Callable[[int], Any] | None = None) -> None:
+        """``on_corrupt(n)``: ``get`` returned n blocks that fail their checksums (they are left out)."""
         self.max_message_bytes = max_message_bytes
+        self.on_corrupt = on_corrupt
         self.endpoint = endpoint
         self.curve = curve
         self.timeout_s = timeout_s
@@ -205,9 +199,20 @@ class StoreClient:
             if frames:  # did not all fit: ask for a bigger segment next time
                 need = sum(aligned(t.numel() * t.element_size()) for t in out)
                 self._get_hint = min(max(self._get_hint, need), self.shm_max_bytes // 2)
-            return _verified(reply.hashes, out, reply.checksums)
+            return self._verified(reply.hashes, out, reply.checksums)
         finally:
             self._free_segs.append(seg)
+
+    def _verified(self, hashes: list[bytes], blocks: list[torch.Tensor],
+                  sums: list[int]) -> tuple[list[BlockHash], list[torch.Tensor]]:
+        """The leading blocks that match the checksums they were stored with; the rest is a miss."""
+        n = verified_prefix(blocks, sums)
+        if n < len(blocks):
+            log.warning("store %s returned %d blocks failing their checksums: treated as missing",
+                        self.endpoint, len(blocks) - n)
+            if self.on_corrupt is not None:
+                self.on_corrupt(len(blocks) - n)
+        return [BlockHash(h) for h in hashes[:n]], blocks[:n]
 
     # ---------------------------------------------------------------- object API
 
@@ -240,7 +245,7 @@ class StoreClient:
         reply, tensors = await self._call(Get(hs, prefix, lease_s))
         if not isinstance(reply, Blocks):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
-        return _verified(reply.hashes, tensors, reply.checksums)
+        return self._verified(reply.hashes, tensors, reply.checksums)
 
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
