@@ -117,6 +117,9 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert effective.security.curve_keys_dir == "/etc/mooncake/curve"
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/etc/mooncake/curve" in mounts
+        curve_files = {i["path"] for v in pod["volumes"] if v["name"] == "curve" for i in v["secret"]["items"]}
+        kind = "worker" if role in ("prefill", "decode") else role
+        assert curve_files == {"conductor.key", "worker.key", "store.key", f"{kind}.key_secret"}, role
         if role == "conductor":
             assert effective.conductor.api_key == "sk-secret" and effective.conductor.host == "0.0.0.0"
             assert urlparse(effective.conductor.endpoint).hostname == "0.0.0.0"
