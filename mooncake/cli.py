@@ -71,10 +71,12 @@ def serve(args: argparse.Namespace) -> int:
         async def main(cfg):  # type: ignore[no-redef]
             await worker_cls(cfg).start()
     from mooncake.engine import ModelLoadError
+    from mooncake.link import HandshakeError
+    from mooncake.security import CurveError, InsecureNetworkError
 
     try:
         asyncio.run(main(cfg))
-    except ModelLoadError as e:
+    except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError) as e:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -142,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    keys = sub.add_parser("keys", help="create the cluster keypair for [security] curve_keys_dir")
-    keys.add_argument("dir", help="directory to write cluster.key and cluster.key_secret into")
+    keys = sub.add_parser("keys", help="create the role keys for [security] curve_keys_dir")
+    keys.add_argument("dir", help="directory to write KIND.key and KIND.key_secret into (KIND: conductor, "
+                                  "worker, store)")
     from mooncake.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -159,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from mooncake.security import generate_keys
 
-        print(f"wrote {generate_keys(args.dir)}; set [security] curve_keys_dir = \"{args.dir}\" on every role")
+        for secret in generate_keys(args.dir):
+            print(f"wrote {secret} and {secret.with_suffix('.key')}")
+        print(f"every machine needs the three *.key files and the *.key_secret of the roles it runs "
+              f"(conductor, worker: prefill and decode, store); set [security] curve_keys_dir = \"{args.dir}\"")
         return 0
     if args.command == "sim":
         from mooncake.sim.cli import run_sim

@@ -89,7 +89,10 @@ class NodeConfig(_Section):
 
 
 class SecurityConfig(_Section):
-    curve_keys_dir: str = Field("", description="Directory with the cluster keypair (mooncake keys DIR); set: role links use ZeroMQ CURVE, authenticated and encrypted.")
+    curve_keys_dir: str = Field("", description="Directory with the role keys (mooncake keys DIR); set: role links use ZeroMQ CURVE, authenticated, encrypted and authorized per role kind.")
+    allow_insecure_network: bool = Field(False, description="Let roles bind or connect to non-loopback addresses without CURVE keys (only on a network you trust).")
+    max_message_bytes: int = Field(0, ge=0, description="Largest frame any role socket accepts (larger: the peer is disconnected); 0: 4 x the model's KV block bytes, at least 16 MiB (64 MiB for the conductor and stores).")
+    max_pending_writes: int = Field(16, ge=1, description="Write-backs of KV to a store a worker keeps in flight; more are dropped (counted, logged).")
 
 
 class Config(_Section):

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.security import Curve
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class ConductorLink:
         load: Callable[[], dict[str, Any]] = dict,
         on_registered: Callable[[], Awaitable[None]] | None = None,
         curve: Curve | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self.register_msg = register
@@ -45,8 +47,9 @@ class ConductorLink:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, register.node_id.encode())
+        limit_message_size(self.sock, max_message_bytes)
         if curve is not None:
-            curve.client(self.sock)
+            curve.client(self.sock, "conductor")
         self.sock.connect(endpoint)
         self._send_lock = asyncio.Lock()
         self._reregistering = False
@@ -59,7 +62,7 @@ class ConductorLink:
     async def send(self, msg: P.Msg, tensors: list[torch.Tensor] | tuple = ()) -> None:
         frames = P.encode(msg, tensors)
         async with self._send_lock:
-            await self.sock.send_multipart(frames, copy=False)
+            await send_multipart(self.sock, frames)
 
     async def connect(self, timeout_s: float = 30.0) -> None:
         """Register, retrying until the conductor answers or ``timeout_s`` passes."""
@@ -68,7 +71,7 @@ class ConductorLink:
             await self.send(self.register_msg)
             remaining = deadline - asyncio.get_running_loop().time()
             try:
-                frames = await asyncio.wait_for(self.sock.recv_multipart(), min(2.0, max(remaining, 0.01)))
+                frames = await asyncio.wait_for(recv_multipart(self.sock), min(2.0, max(remaining, 0.01)))
             except asyncio.TimeoutError:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise HandshakeError(f"conductor at {self.endpoint} did not answer within {timeout_s:.0f}s") from None
@@ -78,6 +81,8 @@ class ConductorLink:
                 self.heartbeat_s = msg.heartbeat_s
                 log.info("%s registered with conductor %s", self.node_id, self.endpoint)
                 return
+            if isinstance(msg, P.Error):  # refused (wrong key kind, model, node id taken): final
+                raise HandshakeError(f"conductor at {self.endpoint} refused {self.node_id}: {msg.message}")
             log.warning("ignoring %s before registration", type(msg).__name__)
 
     def start_heartbeat(self) -> None:
@@ -95,7 +100,7 @@ class ConductorLink:
         """Next message from the conductor; handles Registered/Reregister itself and
         drops malformed frames with a log line."""
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await recv_multipart(self.sock)
             try:
                 msg, tensors = P.decode(frames)
             except P.ProtocolError as e:

@@ -53,6 +53,13 @@ class Metrics:
                                               "discarded (the last sane fit kept).", ["model"], registry=r)
         self.preemptions = Counter("mooncake:preemptions", "Requests a decode instance gave back for lack of KV blocks.",
                                    registry=r)
+        self.refused_registrations = Counter("mooncake:registrations_refused",
+                                             "Registrations refused for their key.", ["reason"], registry=r)
+        self.kv_rejected = Gauge("mooncake:kv_blocks_rejected", "KV a node refused: forged or corrupt (wrong request "
+                                 "token, checksum, shape, dtype or hash), per node and reason.", ["node", "reason"],
+                                 registry=r)
+        self.writes_dropped = Gauge("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too many "
+                                    "in flight).", ["node"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

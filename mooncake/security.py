@@ -1,74 +1,121 @@
-"""Optional authentication and encryption of the links between roles (ZeroMQ CURVE).
+"""Authentication, encryption and authorization of the links between roles (ZeroMQ CURVE).
 
-One cluster keypair, made by ``mooncake keys DIR`` (``cluster.key`` and
-``cluster.key_secret``), is given to every role by ``[security] curve_keys_dir``.
+``mooncake keys DIR`` writes one keypair per role kind: ``conductor``, ``worker``
+(prefill and decode) and ``store`` (``KIND.key`` public, ``KIND.key_secret``
+secret). A role loads the secret of its own kind and the public keys of all
+kinds; a machine only needs the secrets of the kinds it runs (see README).
+
 Every socket that binds (conductor, store, decode KV ingress) is a CURVE server
-whose ZAP authenticator admits only clients presenting a public key found in
-that directory; every socket that connects presents the cluster key. A peer
-without the secret can neither connect nor read the traffic.
+whose ZAP authenticator admits only the public keys in the directory and tags each
+connection with its kind: every received frame carries ``User-Id`` =
+``"KIND:<z85 public key>"`` (``peer_of``). Servers authorize by kind: the conductor
+registers prefill/decode only from worker keys and stores only from store keys, a
+store takes Put from workers (and stores replicating) and Replicate only from the
+conductor, a decode takes KV only from workers. Every socket that connects presents
+its kind's key and checks the server's (``client(sock, server_kind)``).
 
-Not covered yet: the prefill -> decode KV link (PUSH/PULL). Under CURVE its first
-transfer intermittently never arrived (2 runs in 3 of tests/test_security.py),
-cause not found; until it is, that link stays plain TCP: keep it on a private network.
+Off loopback, roles refuse to start without keys unless ``[security]
+allow_insecure_network`` is set (``check_network``).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
 
-KEY_NAME = "cluster"
+log = logging.getLogger(__name__)
+
+KINDS = ("conductor", "worker", "store")
+ROLE_KIND = {"conductor": "conductor", "prefill": "worker", "decode": "worker", "store": "store"}
 
 
 class CurveError(RuntimeError):
     """Keys missing, unreadable, or CURVE unsupported by this libzmq."""
 
 
-def generate_keys(directory: str | Path) -> Path:
-    """Write a new cluster keypair into ``directory``; returns the secret key file."""
+class InsecureNetworkError(RuntimeError):
+    """A role would talk to a non-loopback address without CURVE."""
+
+
+def generate_keys(directory: str | Path) -> list[Path]:
+    """Write a new keypair per role kind into ``directory``; returns the secret key files."""
     d = Path(directory).expanduser()
     d.mkdir(parents=True, exist_ok=True)
-    _, secret = zmq.auth.create_certificates(str(d), KEY_NAME)
-    Path(secret).chmod(0o600)
-    return Path(secret)
+    secrets = []
+    for kind in KINDS:
+        _, secret = zmq.auth.create_certificates(str(d), kind)
+        Path(secret).chmod(0o600)
+        secrets.append(Path(secret))
+    return secrets
+
+
+class _KindAuthenticator(AsyncioAuthenticator):
+    """ZAP handler: admits the known public keys; the User-Id it gives a connection names the
+    key's kind (``KIND:z85key``)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kinds: dict[bytes, str]) -> None:
+        super().__init__(ctx)
+        self.kinds = kinds  # z85 public key -> kind
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        z = z85.encode(client_public_key)
+        return f"{self.kinds.get(z, 'unknown')}:{z.decode('ascii')}"
 
 
 class Curve:
-    def __init__(self, keys_dir: str | Path) -> None:
+    """The CURVE keys of one role process (``role``: conductor, prefill, decode or store)."""
+
+    def __init__(self, keys_dir: str | Path, role: str) -> None:
         if not zmq.has("curve"):
             raise CurveError("this libzmq was built without CURVE support")
+        if role not in ROLE_KIND:
+            raise CurveError(f"no key kind for role {role!r}")
+        self.kind = ROLE_KIND[role]
         self.keys_dir = Path(keys_dir).expanduser()
-        secret_file = self.keys_dir / f"{KEY_NAME}.key_secret"
+        hint = f"(create them with: mooncake keys {self.keys_dir})"
+        secret_file = self.keys_dir / f"{self.kind}.key_secret"
         try:
             self.public, self.secret = zmq.auth.load_certificate(str(secret_file))
         except (OSError, ValueError) as e:
-            raise CurveError(f"cannot read the cluster key {secret_file}: {e} "
-                             f"(create one with: mooncake keys {self.keys_dir})") from None
+            raise CurveError(f"cannot read the {self.kind} key {secret_file}: {e} {hint}") from None
         if self.secret is None:
-            raise CurveError(f"{secret_file} holds no secret key")
+            raise CurveError(f"{secret_file} holds no secret key {hint}")
+        self.publics: dict[str, bytes] = {}  # kind -> public key
+        self.kinds: dict[bytes, str] = {}  # z85 public key -> kind
+        for kind in KINDS:
+            try:
+                public, _ = zmq.auth.load_certificate(str(self.keys_dir / f"{kind}.key"))
+            except (OSError, ValueError) as e:
+                raise CurveError(f"cannot read the {kind} public key in {self.keys_dir}: {e} {hint}") from None
+            self.publics[kind] = public
+            self.kinds[public] = kind
         self._auths: dict[int, AsyncioAuthenticator] = {}
 
     @classmethod
-    def from_dir(cls, keys_dir: str) -> "Curve | None":
-        return cls(keys_dir) if keys_dir else None
+    def from_dir(cls, keys_dir: str, role: str) -> "Curve | None":
+        return cls(keys_dir, role) if keys_dir else None
 
     def server(self, sock: zmq.Socket, ctx: zmq.Context) -> None:
         """Make ``sock`` (before bind) a CURVE server; starts ``ctx``'s authenticator once."""
         if id(ctx) not in self._auths:
-            auth = AsyncioAuthenticator(ctx)
+            auth = _KindAuthenticator(ctx, self.kinds)
             auth.start()
-            auth.configure_curve(domain="*", location=str(self.keys_dir))
+            auth.configure_curve(domain="*", location=str(self.keys_dir))  # every *.key: the three kinds
             self._auths[id(ctx)] = auth
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
 
-    def client(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` (before connect) present the cluster key to a CURVE server."""
-        sock.curve_serverkey = self.public
+    def client(self, sock: zmq.Socket, server_kind: str) -> None:
+        """Make ``sock`` (before connect) present this role's key to a CURVE server of ``server_kind``."""
+        sock.curve_serverkey = self.publics[server_kind]
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
 
@@ -76,3 +123,84 @@ class Curve:
         for auth in self._auths.values():
             auth.stop()
         self._auths.clear()
+
+
+def peer_of(frame: Any) -> str:
+    """The User-Id (``KIND:key``) of the CURVE peer a received frame came from; "" without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""
+
+
+def kind_of(peer: str) -> str:
+    return peer.split(":", 1)[0]
+
+
+def allowed(curve: Curve | None, frame: Any, kinds: tuple[str, ...]) -> bool:
+    """Whether the sender of ``frame`` is of one of ``kinds`` (always, on a link without CURVE)."""
+    return curve is None or kind_of(peer_of(frame)) in kinds
+
+
+# Which key kinds may send which store request (stores put to each other when they replicate).
+STORE_ACCESS: dict[str, tuple[str, ...]] = {
+    "Put": ("worker", "store"), "ShmPut": ("worker", "store"),
+    "Get": ("worker", "store"), "ShmGet": ("worker", "store"), "Release": ("worker", "store"),
+    "Exists": ("worker", "store", "conductor"), "PrefixQuery": ("worker", "store", "conductor"),
+    "StatsQuery": ("worker", "store", "conductor"),
+    "Remove": ("conductor",), "Replicate": ("conductor",),
+}
+
+
+def store_access_problem(curve: Curve | None, frame: Any, msg: Any) -> str | None:
+    """Why the sender of ``frame`` may not make this store request, or None."""
+    if curve is None:
+        return None
+    kinds = STORE_ACCESS.get(type(msg).__name__, ())
+    kind = kind_of(peer_of(frame)) or "keyless"
+    return None if kind in kinds else f"a {kind} key may not send {type(msg).__name__} to a store"
+
+
+# ---------------------------------------------------------------- secure by default
+
+
+def _host_of(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint, or of a bare host; None for ipc:// and inproc://."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return None
+    rest = endpoint.removeprefix("tcp://")
+    if "://" in rest:
+        return rest.split("://", 1)[1].rsplit(":", 1)[0]
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return host.strip("[]").split(";")[-1]
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "") or host.startswith("localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface: may leave the machine
+
+
+def check_network(role: str, endpoints: list[str], keys_dir: str, allow_insecure: bool) -> None:
+    """Refuse a role whose endpoints leave the machine without CURVE keys (InsecureNetworkError)."""
+    if keys_dir or allow_insecure:
+        return
+    exposed = [e for e in endpoints if (h := _host_of(e)) is not None and not is_loopback(h)]
+    if exposed:
+        raise InsecureNetworkError(
+            f"the {role} would bind or connect to {', '.join(exposed)} (not loopback) without CURVE keys: "
+            f"anyone on that network could join the cluster or read its KV. Create keys with "
+            f"`mooncake keys DIR`, copy them to the machines (see README) and set [security] curve_keys_dir "
+            f"(MOONCAKE_SECURITY_CURVE_KEYS_DIR), or, on a network you trust, set [security] "
+            f"allow_insecure_network = true")
+
+
+def role_endpoints(cfg: Any, role: str) -> list[str]:
+    """What a role binds or connects to, as far as its config says (peers' endpoints come later)."""
+    out = [cfg.conductor.endpoint]
+    if role != "conductor":
+        out.append(cfg.node.host)
+    return out

@@ -21,10 +21,11 @@ from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.profile import profile_engine
+from mooncake.kv_integrity import Rejections, checksums
 from mooncake.link import ConductorLink
 from mooncake.sched.engine_profile import EngineProfile
 from mooncake.node_health import start_node_health
-from mooncake.security import Curve
+from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class EngineWorker(ABC):
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.node_id = node_id_for(cfg, self.role)
+        check_network(self.role, role_endpoints(cfg, self.role), cfg.security.curve_keys_dir,
+                      cfg.security.allow_insecure_network)
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir, self.role)
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
         self.loaded = load_model(cfg.model)
@@ -55,7 +59,10 @@ class EngineWorker(ABC):
                                   self.engine.vocab_size, tuple(self.engine.block_shape))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
-        self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
+        # A frame is at most one KV block (plus headers): a peer sending more is disconnected.
+        self.max_message_bytes = cfg.security.max_message_bytes or max(16 << 20, 4 * self.engine.block_bytes)
+        self.rejections = Rejections()  # KV refused (forged or corrupt), by reason
+        self.writes_dropped = 0  # write-backs dropped: max_pending_writes were in flight
         self._stores: dict[str, StoreClient] = {}
         self._pending_events: list[tuple[str, list[bytes]]] = []
         self._tasks: list[asyncio.Task] = []
@@ -94,7 +101,8 @@ class EngineWorker(ABC):
         endpoint, and the old client (its sockets and shared-memory segments) must not stay."""
         client = self._stores.pop(endpoint, None)
         if client is None:
-            client = StoreClient(endpoint, curve=self.curve)
+            client = StoreClient(endpoint, curve=self.curve, max_message_bytes=self.max_message_bytes,
+                                 on_corrupt=lambda n: self.rejections.add("checksum", n))
         self._stores[endpoint] = client  # most recently used last
         while len(self._stores) > MAX_STORE_CLIENTS:
             self._stores.pop(next(iter(self._stores))).close()
@@ -108,10 +116,19 @@ class EngineWorker(ABC):
                 client.close()
 
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
-        """Put blocks into a store in the background; a failed write only costs reuse."""
+        """Put blocks into a store in the background; a failed write only costs reuse, and so does
+        one dropped because ``max_pending_writes`` are already in flight (a slow store must not
+        make the worker hold KV copies without bound)."""
+        if len(self._writes) >= self.cfg.security.max_pending_writes:
+            self.writes_dropped += 1
+            log.warning("%s: %d write-backs in flight, dropping %d blocks for %s (%d dropped so far)",
+                        self.node_id, len(self._writes), len(hashes), endpoint, self.writes_dropped)
+            return
+
         async def put() -> None:
             try:
-                await self.store(endpoint).put(hashes, kv, self.engine.model_id)
+                sums = await asyncio.to_thread(checksums, kv)
+                await self.store(endpoint).put(hashes, kv, self.engine.model_id, checksums=sums)
             except StoreError as e:
                 log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
                 self.forget_store(endpoint, e)
@@ -125,7 +142,8 @@ class EngineWorker(ABC):
     def load(self) -> P.Load:
         st = self.engine.stats()
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
-                      sequences=st["sequences"], progress=self.progress, pending=self.busy())
+                      sequences=st["sequences"], progress=self.progress, pending=self.busy(),
+                      kv_rejected=self.rejections.snapshot(), writes_dropped=self.writes_dropped)
 
     async def send(self, msg: P.Msg) -> None:
         assert self.link is not None
@@ -167,7 +185,7 @@ class EngineWorker(ABC):
     async def serve(self, endpoints: dict[str, str]) -> None:
         """Register with the conductor, then handle its messages until stopped."""
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
-                                  curve=self.curve)
+                                  curve=self.curve, max_message_bytes=self.max_message_bytes)
         health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
         health.ready = True

@@ -117,6 +117,9 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert effective.security.curve_keys_dir == "/etc/mooncake/curve"
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/etc/mooncake/curve" in mounts
+        curve_files = {i["path"] for v in pod["volumes"] if v["name"] == "curve" for i in v["secret"]["items"]}
+        kind = "worker" if role in ("prefill", "decode") else role
+        assert curve_files == {"conductor.key", "worker.key", "store.key", f"{kind}.key_secret"}, role
         if role == "conductor":
             assert effective.conductor.api_key == "sk-secret" and effective.conductor.host == "0.0.0.0"
             assert urlparse(effective.conductor.endpoint).hostname == "0.0.0.0"
@@ -143,7 +146,7 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     assert "sk-secret" not in configmap["data"]["cluster.toml"]
     curve = next(o for o in objects if o["metadata"]["name"] == "mooncake-curve")
-    assert set(curve["stringData"]) == {"cluster.key", "cluster.key_secret"}
+    assert set(curve["stringData"]) == {f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret")}
 
 
 def test_cpu_config_requests_no_gpu_and_has_no_secrets():
@@ -157,7 +160,7 @@ def test_cpu_config_requests_no_gpu_and_has_no_secrets():
     ('[conductor]\nendpoint = "ipc:///tmp/x"\n', Topology(), "tcp://HOST:PORT"),
     ('[conductor]\nendpoint = "tcp://10.0.0.1:*"\n', Topology(), "fixed port"),
     ("[conductor]\nport = 0\n", Topology(), "port is 0"),
-    ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "cluster.key_secret"),
+    ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "conductor.key_secret"),
     ("", Topology(namespace="Bad_NS"), "DNS label"),
     ("", Topology(decode=0), "at least one prefill and one decode"),
     ("", Topology(image=" "), "--image"),

@@ -1,8 +1,9 @@
 """The cluster across hosts: network namespaces on a bridge (tests/hosts.py), one
 address each, 1 Gbit/s egress caps. host1: conductor + store; host2: prefill + store;
 host3 and host4: decode. Per-host configs come from config.example.toml's values with
-only [node] name/host and the conductor's address changed. Every output is checked
-against transformers (float32 greedy); links are taken down and back up."""
+only [node] name/host and the conductor's address changed, and CURVE role keys (roles
+off loopback refuse to start without them). Every output is checked against
+transformers (float32 greedy); links are taken down and back up."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from hosts import Hosts, leftovers, unavailable_reason
 from mooncake.blocks import hash_blocks
 from mooncake.config import MiB, load_config
 from mooncake.engine.loader import resolve_model_dir
+from mooncake.security import Curve, generate_keys
 from mooncake.tiers.client import StoreClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +34,9 @@ HEALTH_PORTS = {"store": 8081, "prefill": 8082, "decode": 8083}  # two roles sha
 
 
 class Cluster:
-    def __init__(self, hosts: Hosts) -> None:
+    def __init__(self, hosts: Hosts, operator: Curve) -> None:
         self.hosts = hosts
+        self.operator = operator  # the conductor's key: the test acts on stores as the conductor would
         self.url = f"http://{hosts[1].address}:8000"
 
     def nodes(self, role: str) -> list[dict]:
@@ -52,6 +55,8 @@ def cluster(tmp_path_factory):
     base.conductor.request_timeout_s = 60.0
     resolve_model_dir(base.model)  # convert once, before the roles race for it
     work = tmp_path_factory.mktemp("hosts")
+    generate_keys(work / "keys")
+    base.security.curve_keys_dir = str(work / "keys")
     hosts = Hosts(4, work, rate="1gbit")
     try:
         layout = {1: ["conductor", "store"], 2: ["store", "prefill"], 3: ["decode"], 4: ["decode"]}
@@ -63,7 +68,7 @@ def cluster(tmp_path_factory):
             for role in roles:
                 cfg.node.health_port = HEALTH_PORTS.get(role, 0)
                 hosts.spawn(i, role, cfg)
-        c = Cluster(hosts)
+        c = Cluster(hosts, Curve(work / "keys", "conductor"))
 
         def ready() -> bool:
             assert all(p.poll() is None for h in hosts.hosts for p in h.procs.values()), hosts.logs()
@@ -126,9 +131,9 @@ def test_roles_run_on_their_own_hosts_and_match_transformers(cluster, oracle_mod
     assert text_of(complete(cluster.url, prompt, max_tokens=24, ignore_eos=True)) == expected
 
 
-async def _move_to_remote_store(hashes: list[bytes], local: str, remote: str) -> None:
+async def _move_to_remote_store(operator: Curve, hashes: list[bytes], local: str, remote: str) -> None:
     """Copy blocks store-to-store (host2 -> host1, the real replication path), then drop the local copy."""
-    near, far = StoreClient(local), StoreClient(remote)
+    near, far = StoreClient(local, curve=operator), StoreClient(remote, curve=operator)
     try:
         for _ in range(100):  # the prefill writes its blocks in the background
             if all(await near.exists(hashes)):
@@ -142,8 +147,8 @@ async def _move_to_remote_store(hashes: list[bytes], local: str, remote: str) ->
         far.close()
 
 
-async def _store_hits(endpoint: str) -> int:
-    client = StoreClient(endpoint)
+async def _store_hits(operator: Curve, endpoint: str) -> int:
+    client = StoreClient(endpoint, curve=operator)
     try:
         return sum(t.get("hits", 0) for t in (await client.stats())["tiers"])
     finally:
@@ -157,19 +162,19 @@ def test_shared_prefix_is_served_from_a_remote_store(cluster, oracle_model, toke
     hashes = [bytes(h) for h in hash_blocks(shared, 16, model_id)]
     stores = {n["name"]: n for n in cluster.nodes("store")}
     near, far = stores["host2"]["endpoints"]["store"], stores["host1"]["endpoints"]["store"]
-    asyncio.run(_move_to_remote_store(hashes, near, far))
+    asyncio.run(_move_to_remote_store(cluster.operator, hashes, near, far))
     for start in (20000, 21000):  # two 600-token prompts push the prefix out of the prefill's device cache
         assert complete(cluster.url, list(range(start, start + 600)), max_tokens=1).status_code == 200
     wait_for(lambda: next(n for n in cluster.nodes("store") if n["name"] == "host1")["blocks_indexed"] >= 4,
              15, "the conductor to index the remote store's copy")
-    hits_before = asyncio.run(_store_hits(far))
+    hits_before = asyncio.run(_store_hits(cluster.operator, far))
     moved_before = metric(metrics(cluster.url), "mooncake:kv_bytes_moved_total", path="store_to_prefill")
     prompt = shared + [21, 22, 23]
     r = complete(cluster.url, prompt, max_tokens=12, ignore_eos=True)
     assert text_of(r) == oracle(oracle_model, tokenizer, prompt, 12)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared)
     assert metric(metrics(cluster.url), "mooncake:kv_bytes_moved_total", path="store_to_prefill") > moved_before
-    assert asyncio.run(_store_hits(far)) >= hits_before + len(hashes)  # read from host1's store
+    assert asyncio.run(_store_hits(cluster.operator, far)) >= hits_before + len(hashes)  # read from host1's store
 
 
 LONG = {"model": MODEL, "prompt": "The history of the printing press", "temperature": 0, "ignore_eos": True}

@@ -1,4 +1,5 @@
-"""CURVE on the role links: a cluster with a keypair serves; peers without it cannot join."""
+"""CURVE on the role links: a cluster with role keys serves; peers without them cannot join;
+keys of the wrong kind cannot take a role (the conductor authorizes by key kind)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def try_register(endpoint: str, node_id: str, keys_dir=None) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys_dir is not None:
-        Curve(keys_dir).client(sock)
+        Curve(keys_dir, "store").client(sock, "conductor")
     sock.connect(endpoint)
     reg = P.Register(role="store", node_id=node_id, info=P.NodeInfo("rogue", 1), endpoints={"store": "tcp://127.0.0.1:9"})
     sock.send_multipart(P.encode(reg))
@@ -61,4 +62,4 @@ def test_peers_without_the_cluster_key_cannot_register(cluster, tmp_path):
 
 def test_missing_keys_are_a_clear_error(tmp_path):
     with pytest.raises(CurveError, match="mooncake keys"):
-        Curve(tmp_path / "nowhere")
+        Curve(tmp_path / "nowhere", "store")

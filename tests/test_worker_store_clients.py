@@ -9,7 +9,7 @@ from mooncake.worker import MAX_STORE_CLIENTS, EngineWorker
 
 
 def test_store_clients_are_a_bounded_lru():
-    worker = SimpleNamespace(_stores={}, curve=None)
+    worker = SimpleNamespace(_stores={}, curve=None, max_message_bytes=16 << 20, rejections=None)
     first = EngineWorker.store(worker, "tcp://127.0.0.1:1")
     assert EngineWorker.store(worker, "tcp://127.0.0.1:1") is first
     for port in range(2, 2 + MAX_STORE_CLIENTS):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from mooncake import protocol as P
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.conductor.admission import Admission, Rejection
+from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
@@ -38,13 +40,16 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.engine_profile import EngineProfile
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 
 log = logging.getLogger(__name__)
 Reason = P.FinishReason
 
 
 class Conductor:
-    def __init__(self, cfg: Config, tokenizer: Any, model_name: str) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, model_name: str, expected: ExpectedModel | None = None) -> None:
+        """``expected``: the model the engines must serve (from the conductor's own copy);
+        None: the first engine to register decides."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -57,12 +62,12 @@ class Conductor:
         self.admission = Admission(cfg.conductor, self.metrics)
         self.predictions = Predictions(self.metrics)
         self._profiled: set[str] = set()  # roles whose start-up profile seeded a cost model
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
         self.membership = Membership(cfg.conductor, self.cluster, self.index, self.decode_cost, self.metrics,
-                                     self.on_node_lost)
+                                     self.on_node_lost, expected, keys_required=self.curve is not None)
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
         self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
-        self.curve = Curve.from_dir(cfg.security.curve_keys_dir)
         self.router: Router | None = None
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self._tasks: list[asyncio.Task] = []
@@ -70,7 +75,8 @@ class Conductor:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register)
+        r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
+                                 self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES)
         r.on(P.Heartbeat, lambda n, m: self.membership.heartbeat(n, m.load, time.monotonic()))
         r.on(P.Leave, lambda n, m: self.membership.leave(n))
         r.on(P.BlockEvent, self._on_block_event)
@@ -155,12 +161,14 @@ class Conductor:
         self.attempts[wire_id] = req
         self.scheduler.book(wire_id, plan)
         self.metrics.prefill_dispatched.labels(plan.prefill.node_id).inc()
+        kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(
             wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),
-            store_endpoint=plan.store_endpoint))
+            store_endpoint=plan.store_endpoint, kv_token=kv_token))
         self._pending_prefill[wire_id] = P.PrefillRequest(
             wire_id, tokens, hashes, req.root, req.sampling, plan.decode.endpoints["kv"],
-            num_generated=len(req.generated), fetch=plan.fetch, store_endpoint=plan.store_endpoint)
+            num_generated=len(req.generated), fetch=plan.fetch, store_endpoint=plan.store_endpoint,
+            kv_token=kv_token)
         self.replicator.note_hits(hashes[: plan.reusable_blocks])
         return None
 
@@ -242,8 +250,8 @@ class Conductor:
             self.index.remove(node.node_id, msg.hashes)
         self.metrics.index_blocks.set(len(self.index))
 
-    def _on_register(self, ident: bytes, msg: P.Register) -> P.Msg:
-        reply = self.membership.register(ident, msg, time.monotonic())
+    def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
+        reply = self.membership.register(ident, msg, time.monotonic(), peer)
         profile = msg.info.profile
         if isinstance(reply, P.Registered) and profile is not None and msg.role not in self._profiled:
             self._seed_cost_model(msg.role, profile)

@@ -6,6 +6,12 @@ progress for ``stall_after_s`` is stalled (its event loop runs, its engine does
 not): both lose their requests, which move elsewhere. A stalled node that
 progresses again takes work again. ``Leave`` marks a node draining: it finishes
 what it has and gets nothing new.
+
+Authorization: under CURVE each registration comes with its peer key
+(``KIND:key``): prefill and decode must hold the worker key, stores the store key;
+a node id registered under one key cannot be taken over by another. The model is
+what the conductor's own copy says (``ExpectedModel``), not what the first
+registrant claims.
 """
 
 from __future__ import annotations
@@ -14,18 +20,21 @@ import logging
 from typing import Callable
 
 from mooncake import protocol as P
+from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.kv_index import KVIndex
+from mooncake.security import ROLE_KIND, kind_of
 
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"prefill": (), "decode": ("kv",), "store": ("store",)}  # what each role must advertise
 
 
-def registration_problem(msg: P.Register, facts: P.ModelFacts | None) -> P.Error | None:
+def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
+                         expected: ExpectedModel | None = None) -> P.Error | None:
     """Why a registration is refused (the Error to answer with), or None to accept it."""
     needs = _ENDPOINTS.get(msg.role)
     if needs is None or not msg.node_id:
@@ -36,6 +45,9 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None) -> P.Error
     if missing:
         return P.Error(f"cannot register role {msg.role!r} (missing: {missing})", "bad_register")
     model = msg.info.model
+    problem = expected.problem(model) if model is not None and expected is not None else None
+    if problem is not None:
+        return P.Error(f"model mismatch: {problem}", "model_mismatch")
     if model is not None and facts is not None and \
             (model.model_id, model.block_tokens) != (facts.model_id, facts.block_tokens):
         return P.Error(f"model mismatch: it serves {model.model_id} in blocks of {model.block_tokens}, "
@@ -45,19 +57,25 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None) -> P.Error
 
 class Membership:
     def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, decode_cost: DecodeCostModel,
-                 metrics: Metrics, on_lost: Callable[[Node, str], None]) -> None:
-        """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted)."""
+                 metrics: Metrics, on_lost: Callable[[Node, str], None], expected: ExpectedModel | None = None,
+                 keys_required: bool = False) -> None:
+        """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted).
+        ``expected``: the conductor's own model (None: the first engine's facts rule);
+        ``keys_required``: registrations must come with a peer key of the role's kind (CURVE)."""
         self.cfg = cfg
         self.cluster = cluster
         self.index = index
         self.decode_cost = decode_cost
         self.metrics = metrics
         self.on_lost = on_lost
-        self.facts: P.ModelFacts | None = None  # what the cluster serves: from the first engine
+        self.expected = expected
+        self.keys_required = keys_required
+        self.facts: P.ModelFacts | None = None  # what the cluster serves: the first engine matching ``expected``
+        self.peers: dict[str, str] = {}  # node id -> the peer key it registered with
 
-    def register(self, ident: bytes, msg: P.Register, now: float) -> P.Msg:
-        """Admit or refuse a node; returns the answer to send it."""
-        refusal = registration_problem(msg, self.facts)
+    def register(self, ident: bytes, msg: P.Register, now: float, peer: str = "") -> P.Msg:
+        """Admit or refuse a node (``peer``: its CURVE key, ``KIND:key``); returns the answer to send it."""
+        refusal = self._unauthorized(msg, peer) or registration_problem(msg, self.facts, self.expected)
         if refusal is not None:
             log.error("refusing registration of %r as %r: %s", msg.node_id, msg.role, refusal.message)
             return refusal
@@ -65,6 +83,7 @@ class Membership:
             self.facts = msg.info.model
         node = Node(msg.node_id, msg.role, ident, dict(msg.endpoints), msg.info, now, progress_at=now)
         old = self.cluster.upsert(node)
+        self.peers[msg.node_id] = peer
         restarted = old is not None and old.info.pid != msg.info.pid
         if restarted:  # a new process under the same id: what the old one held is gone
             self.index.drop_node(node.node_id)
@@ -77,6 +96,16 @@ class Membership:
         if old is None or restarted:
             log.info("%s %s registered%s", msg.role, msg.node_id, " (restarted)" if restarted else "")
         return P.Registered(msg.node_id, self.cfg.heartbeat_s)
+
+    def _unauthorized(self, msg: P.Register, peer: str) -> P.Error | None:
+        if self.keys_required and kind_of(peer) != ROLE_KIND.get(msg.role):
+            self.metrics.refused_registrations.labels("key_kind").inc()
+            return P.Error(f"a {kind_of(peer) or 'keyless'} key may not register as {msg.role!r}", "unauthorized")
+        taken = self.peers.get(msg.node_id)
+        if taken is not None and taken != peer and self.cluster.get(msg.node_id) is not None:
+            self.metrics.refused_registrations.labels("node_id_taken").inc()
+            return P.Error(f"node id {msg.node_id!r} is registered under another key", "unauthorized")
+        return None
 
     def heartbeat(self, node: Node, load: P.Load, now: float) -> None:
         progressed = load.progress != node.load.progress
@@ -94,6 +123,10 @@ class Membership:
         if node.role in ("prefill", "decode"):
             self.metrics.running.labels(node.node_id).set(load.running)
             self.metrics.waiting.labels(node.node_id).set(load.waiting)
+        for reason, count in load.kv_rejected.items():
+            self.metrics.kv_rejected.labels(node.node_id, reason).set(count)
+        if node.role in ("prefill", "decode"):
+            self.metrics.writes_dropped.labels(node.node_id).set(load.writes_dropped)
         for tier, st in load.tiers.items():
             self.metrics.tier_used.labels(node.node_id, tier).set(st.used_bytes)
             self.metrics.tier_hits.labels(node.node_id, tier).set(st.hits)
@@ -109,6 +142,7 @@ class Membership:
         for node in self.cluster.silent_since(now - self.cfg.dead_after_s):
             log.warning("%s %s is silent: declared dead", node.role, node.node_id)
             self.cluster.remove(node.node_id)
+            self.peers.pop(node.node_id, None)
             self.index.drop_node(node.node_id)
             self._count(node.role)
             self.on_lost(node, f"{node.role} instance {node.node_id} died")

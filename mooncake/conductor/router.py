@@ -4,8 +4,10 @@ message type to handler.
 Every received message is decoded (a malformed one is dropped and logged) and
 handed to the handler registered for its type; a handler that raises is logged
 and the loop goes on: no single message can stop the conductor. ``Register`` is
-handled with the sender's routing id; every other message only when it comes
-from the node it names (others get ``Reregister`` on a heartbeat, else nothing).
+handled with the sender's routing id and, under CURVE, its peer key (``KIND:key``,
+from the ZAP handler: membership authorizes the role by it); every other message
+only when it comes from the node it names (others get ``Reregister`` on a
+heartbeat, else nothing). Frames above ``max_message_bytes`` disconnect their sender.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.sched.cluster import Cluster, Node
-from mooncake.security import Curve
+from mooncake.security import Curve, peer_of
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,9 @@ Handler = Callable[[Node, P.Msg], None]
 
 class Router:
     def __init__(self, endpoint: str, cluster: Cluster, curve: Curve | None,
-                 on_register: Callable[[bytes, P.Register], P.Msg]) -> None:
+                 on_register: Callable[[bytes, P.Register, str], P.Msg],
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
+        """``on_register(routing id, message, peer key)`` answers a registration."""
         self.cluster = cluster
         self.curve = curve
         self.on_register = on_register
@@ -38,6 +43,7 @@ class Router:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        limit_message_size(self.sock, max_message_bytes)
         if curve is not None:
             curve.server(self.sock, self.ctx)
         self.sock.bind(endpoint)
@@ -49,7 +55,7 @@ class Router:
 
     async def serve(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await recv_multipart(self.sock)
             try:
                 await self._one(frames)
             except Exception:  # one bad message must never stop the conductor
@@ -63,7 +69,7 @@ class Router:
             log.warning("dropping malformed message from %r: %s", ident[:64], e)
             return
         if isinstance(msg, P.Register):
-            await self._send_raw(ident, self.on_register(ident, msg))
+            await self._send_raw(ident, self.on_register(ident, msg, peer_of(frames[1])))
             return
         node_id = getattr(msg, "node_id", None) or ident.decode(errors="replace")
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None
@@ -88,7 +94,7 @@ class Router:
         task.add_done_callback(self._pending.discard)
 
     async def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
-        await self.sock.send_multipart([ident, *P.encode(msg)])
+        await send_multipart(self.sock, [ident, *P.encode(msg)])
 
     async def flush(self, timeout_s: float = 1.0) -> None:
         """Wait for queued sends (at shutdown: LINGER is 0)."""

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import yaml
 
 from mooncake.config import GiB, Config, dump_toml, env_name
-from mooncake.security import KEY_NAME
+from mooncake.security import KINDS
 from mooncake.deploy.pods import CURVE_MOUNT, DATA_MOUNT, PodPorts, conductor_pod, store_volume_claim, worker_pod
 
 APP = "mooncake"
@@ -104,8 +104,9 @@ def curve_files(cfg: Config) -> dict[str, str]:
         return {}
     d = Path(cfg.security.curve_keys_dir).expanduser()
     files = {p.name: p.read_text() for p in sorted(d.glob("*")) if p.is_file()} if d.is_dir() else {}
-    if f"{KEY_NAME}.key_secret" not in files:
-        raise DeployError(f"[security] curve_keys_dir {d} holds no {KEY_NAME}.key_secret (create one with: mooncake keys {d})")
+    missing = [f"{kind}.{ext}" for kind in KINDS for ext in ("key", "key_secret") if f"{kind}.{ext}" not in files]
+    if missing:
+        raise DeployError(f"[security] curve_keys_dir {d} lacks {', '.join(missing)} (create them with: mooncake keys {d})")
     bad = [n for n in files if not re.match(r"^[-._a-zA-Z0-9]+$", n)]
     if bad:
         raise DeployError(f"curve key file names not usable as Secret keys: {bad}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake.config import env_name
+from mooncake.security import KINDS, ROLE_KIND
 
 CONFIG_FILE = "/etc/mooncake/cluster.toml"
 CURVE_MOUNT = "/etc/mooncake/curve"
@@ -51,8 +52,11 @@ def _pod(container: dict, grace_s: int, curve_secret: str, volumes: list[dict]) 
     mounts = [{"name": "config", "mountPath": CONFIG_FILE, "subPath": "cluster.toml", "readOnly": True}]
     volumes = [{"name": "config", "configMap": {"name": "mooncake-config"}}, *volumes]
     if curve_secret:  # group-readable: the pod's fsGroup is the container user's group
+        # the public keys of every kind, and the secret of this role's kind only
+        files = [f"{kind}.key" for kind in KINDS] + [f"{ROLE_KIND[container['name']]}.key_secret"]
         mounts.append({"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True})
-        volumes.append({"name": "curve", "secret": {"secretName": curve_secret, "defaultMode": 0o440}})
+        volumes.append({"name": "curve", "secret": {"secretName": curve_secret, "defaultMode": 0o440,
+                                                    "items": [{"key": f, "path": f} for f in files]}})
     container["volumeMounts"] = mounts + container.get("volumeMounts", [])
     container["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     return {"terminationGracePeriodSeconds": grace_s,

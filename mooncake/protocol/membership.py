@@ -50,6 +50,8 @@ class Load(msgspec.Struct):
     pending: bool = False
     steps: list[tuple[int, float]] = []  # decode: (batch, seconds) of steps since the last heartbeat
     tiers: dict[str, TierLoad] = {}  # store: per tier
+    kv_rejected: dict[str, int] = {}  # KV refused since start, by reason (forged or corrupt: a miss, recomputed)
+    writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
 
 
 class Register(Msg, tag="register"):

@@ -57,6 +57,7 @@ class DecodeRequest(Msg, tag="decode_req"):
     sampling: Sampling
     num_generated: int = 0  # tokens produced by earlier attempts (they are part of ``tokens``)
     store_endpoint: str = ""  # where the blocks decode completes are written
+    kv_token: bytes = b""  # random, per attempt: only KV carrying it is admitted (the prefill chosen has it)
 
 
 class Reserved(Msg, tag="reserved"):
@@ -76,6 +77,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     num_generated: int = 0
     fetch: list[FetchPlan] = []
     store_endpoint: str = ""  # where new full blocks are written
+    kv_token: bytes = b""  # the attempt's token: every KVTransfer to decode carries it
 
 
 class PrefillDone(Msg, tag="prefill_done"):
@@ -99,11 +101,15 @@ class FirstToken(Msg, tag="first_token"):
 
 class KVTransfer(Msg, tag="kv"):
     """Prefill -> decode: the request's KV blocks ``first_block`` onwards, one frame per block.
-    Decode knows from its ``DecodeRequest`` how many blocks make the whole."""
+    Decode knows from its ``DecodeRequest`` how many blocks make the whole; it admits the KV only
+    with the attempt's ``token`` and blocks whose bytes match ``checksums`` (xxh3_64, one per block,
+    computed by the prefill that computed or imported them)."""
 
     req_id: str
     first_block: int
     tensors: list[TensorSpec] = []
+    token: bytes = b""
+    checksums: list[int] = []
 
 
 class TokenEvent(Msg, tag="tokens"):

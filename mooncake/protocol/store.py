@@ -17,6 +17,7 @@ class Put(Msg, tag="put"):
     hashes: list[bytes]
     tensors: list[TensorSpec]
     model_id: str = ""
+    checksums: list[int] = []  # xxh3_64 per block from the process that computed it; the store verifies
 
 
 class Get(Msg, tag="get"):
@@ -54,6 +55,7 @@ class Blocks(Msg, tag="blocks"):
 
     hashes: list[bytes]
     tensors: list[TensorSpec]
+    checksums: list[int] = []  # per block, as put (0: not known to this store process); the reader verifies
 
 
 class Error(Msg, tag="error"):
@@ -84,6 +86,7 @@ class ShmPut(Msg, tag="shm_put"):
     segment: str
     blocks: list[ShmRef]
     model_id: str = ""
+    checksums: list[int] = []  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):
@@ -102,3 +105,4 @@ class ShmBlocks(Msg, tag="shm_blocks"):
     hashes: list[bytes]
     blocks: list[ShmRef]
     tensors: list[TensorSpec] = []
+    checksums: list[int] = []  # as Blocks'

@@ -11,8 +11,10 @@ import uvicorn
 
 from mooncake.api.routes import build_app
 from mooncake.conductor import Conductor
+from mooncake.conductor.expected_model import expected_model
 from mooncake.config import Config
 from mooncake.engine.loader import resolve_model_dir
+from mooncake.security import check_network, role_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +22,11 @@ log = logging.getLogger(__name__)
 async def run_conductor(cfg: Config) -> None:
     from transformers import AutoTokenizer
 
+    check_network("conductor", role_endpoints(cfg, "conductor"), cfg.security.curve_keys_dir,
+                  cfg.security.allow_insecure_network)
     model_dir, name = resolve_model_dir(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    conductor = Conductor(cfg, tokenizer, name)
+    conductor = Conductor(cfg, tokenizer, name, expected_model(cfg))
     await conductor.start()
     c = cfg.conductor
     server = uvicorn.Server(uvicorn.Config(build_app(conductor), host=c.host, port=c.port, log_level="warning",

@@ -9,24 +9,34 @@ passed on the first token (``FirstToken``), the sequence joins the batch; each
 step streams one token per sequence. When a step needs blocks the pool no longer
 has, the newest sequences are preempted: their full blocks go to the store and
 the conductor gives them a new attempt, which resumes where they were.
+
+Trust: the KV ingress admits only KV from worker keys (under CURVE) that carries the
+attempt's token (the conductor gave it to this decode and to the prefill it chose)
+and whose blocks match their checksums and the model's block shape and dtype.
+Forged KV (wrong token, unknown sender) is dropped; corrupt KV fails the attempt,
+which is recomputed. Each refusal is counted by reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
 from mooncake.engine.errors import InvalidRequestError
+from mooncake.kv_integrity import first_corrupt, shape_problem
+from mooncake.kv_link import bind_kv_ingress
+from mooncake.security import allowed
+from mooncake.sockets import recv_multipart
 from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -60,11 +70,8 @@ class DecodeWorker(EngineWorker):
         self._wake = asyncio.Event()
 
     async def start(self) -> None:
-        self.kv_sock = self.ctx.socket(zmq.PULL)
-        self.kv_sock.setsockopt(zmq.LINGER, 0)
-        port = self.cfg.node.kv_port
-        self.kv_sock.bind(f"tcp://{self.cfg.node.host}:{port}" if port else f"tcp://{self.cfg.node.host}:*")
-        endpoint = self.kv_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
+                                                 self.max_message_bytes)
         self._tasks += [asyncio.create_task(self._kv_loop()), asyncio.create_task(self._step_loop())]
         await self.serve({"kv": endpoint})
 
@@ -144,13 +151,17 @@ class DecodeWorker(EngineWorker):
 
     async def _kv_loop(self) -> None:
         while True:
-            frames = await self.kv_sock.recv_multipart(copy=False)
+            frames = await recv_multipart(self.kv_sock)
             try:
                 await self._on_kv(frames)
             except Exception:  # one bad message never stops the ingress
                 log.exception("error handling a KV message")
 
     async def _on_kv(self, frames: list) -> None:
+        if not allowed(self.curve, frames[0], ("worker",)):
+            self.rejections.add("unauthorized")
+            log.warning("dropping KV from a non-worker key")
+            return
         try:
             msg, tensors = P.decode(frames, block_shape=self.engine.block_shape)
             if not isinstance(msg, P.KVTransfer):
@@ -161,6 +172,17 @@ class DecodeWorker(EngineWorker):
         slot = self.incoming.get(msg.req_id)
         if slot is None:
             log.debug("KV of %s, which is not reserved here: dropped", msg.req_id)
+            return
+        if not hmac.compare_digest(msg.token, slot.msg.kv_token):
+            self.rejections.add("token", len(tensors))
+            log.warning("KV of %s without the attempt's token (not from its prefill): dropped", msg.req_id)
+            return
+        problem = shape_problem(tensors, self.engine.block_shape, self.engine.dtype)
+        bad = None if problem else await asyncio.to_thread(first_corrupt, tensors, msg.checksums)
+        if problem or bad is not None:
+            self.rejections.add("shape" if problem else "checksum", len(tensors))
+            await self._give_up(slot, f"its KV is corrupt ({problem or f'block {bad} fails its checksum'}): "
+                                      "recomputed elsewhere")
             return
         if msg.first_block != slot.next_block or slot.next_block + len(tensors) > len(slot.seq.block_table):
             log.warning("KV of %s: blocks %d..%d do not continue the %d received of %d: request failed",

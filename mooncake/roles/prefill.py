@@ -6,6 +6,10 @@ and they are imported; the rest is computed chunk by chunk, and each chunk's
 full blocks are sent to the decode instance while later chunks compute. The
 first token goes to the conductor; newly computed full blocks are written to
 the node's store in the background.
+
+Trust: blocks read from a store must be the ones asked for, in the model's block
+shape and dtype (else a miss, recomputed); every KV transfer to decode carries the
+attempt's token from the conductor and a checksum per block.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import logging
 import time
 
 import torch
-import zmq
+import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
+from mooncake.kv_integrity import checksums, leading_match, shape_problem
+from mooncake.kv_link import connect_kv_egress
+from mooncake.sockets import send_multipart
 from mooncake.worker import EngineWorker
 from mooncake.tiers.client import StoreError
 
@@ -100,6 +107,7 @@ class PrefillWorker(EngineWorker):
                 log.warning("fetch from %s failed, recomputing instead: %s", plan.endpoint, e)
                 self.forget_store(plan.endpoint, e)
                 break
+            found, blocks = self._admit_fetched(plan.endpoint, hashes[start:plan.end], found, blocks)
             if found:
                 n = await self.run_engine(self.engine.import_blocks, found, torch.stack(blocks))
                 got += n
@@ -109,21 +117,34 @@ class PrefillWorker(EngineWorker):
                 break
         return got, time.perf_counter() - t0
 
+    def _admit_fetched(self, endpoint: str, asked: list[BlockHash], found: list[BlockHash],
+                       blocks: list[torch.Tensor]) -> tuple[list[BlockHash], list[torch.Tensor]]:
+        """The leading fetched blocks that are the ones asked for, as KV of this model; the rest is a miss."""
+        n = leading_match(asked, found)
+        if n < len(found):
+            self.rejections.add("hash", len(found) - n)
+            log.warning("store %s returned blocks that were not asked for: %d of %d used", endpoint, n, len(found))
+        problem = shape_problem(blocks[:n], self.engine.block_shape, self.engine.dtype)
+        if problem is not None:
+            self.rejections.add("shape", n)
+            log.warning("store %s returned unusable KV (%s): recomputing", endpoint, problem)
+            n = 0
+        return found[:n], blocks[:n]
+
     def _kv_socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._kv_socks.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.connect(endpoint)
+            sock = connect_kv_egress(self.ctx, self.curve, endpoint)
             self._kv_socks[endpoint] = sock
         return sock
 
     async def _ship(self, endpoint: str, msg: P.KVTransfer, kv: torch.Tensor) -> None:
         """Send KV to a decode instance; gives up when the request is aborted (e.g. the
-        conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S."""
+        conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S. The
+        message carries the attempt's token and a checksum per block."""
+        msg.checksums = await asyncio.to_thread(checksums, kv)
         frames = P.encode(msg, list(kv.unbind(0)))
-        send = asyncio.ensure_future(self._kv_socket(endpoint).send_multipart(frames, copy=False))
+        send = asyncio.ensure_future(send_multipart(self._kv_socket(endpoint), frames))
         deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
         while not send.done():
             await asyncio.wait({send}, timeout=0.1)
@@ -159,7 +180,7 @@ class PrefillWorker(EngineWorker):
         reused = cached // eng.block_tokens
         if reused:  # the reused prefix is known before any compute: it travels while the rest computes
             kv = await self.run_engine(eng.export_sequence, seq, 0, reused)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0), kv)
+            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0, token=req.kv_token), kv)
             sent = reused
         t_compute = time.perf_counter()
         while True:
@@ -172,7 +193,7 @@ class PrefillWorker(EngineWorker):
                 break
             if full > sent:  # stream finished blocks while the next chunk computes
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
-                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent), kv)
+                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
                 sent = full
         compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
@@ -183,7 +204,7 @@ class PrefillWorker(EngineWorker):
             prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished))
         if finished is None:
             kv = await self.run_engine(eng.export_sequence, seq, sent, None)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent), kv)
+            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
         new_from = cached // eng.block_tokens
         if req.store_endpoint and len(hashes) > new_from:
             kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))

@@ -19,7 +19,8 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.link import ConductorLink
 from mooncake.node_health import start_node_health
-from mooncake.security import Curve
+from mooncake.security import Curve, check_network, role_endpoints
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
 
@@ -29,6 +30,10 @@ ANNOUNCE_CHUNK = 4096
 
 async def run_store(cfg: Config) -> None:
     node_id = cfg.node.node_id or f"{cfg.node.name}-store"
+    check_network("store", role_endpoints(cfg, "store"), cfg.security.curve_keys_dir,
+                  cfg.security.allow_insecure_network)
+    curve = Curve.from_dir(cfg.security.curve_keys_dir, "store")
+    max_message_bytes = cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES
     loop = asyncio.get_running_loop()
     ctx = zmq.asyncio.Context()
     store = TieredStore.from_config(cfg.store, node_id)
@@ -39,9 +44,8 @@ async def run_store(cfg: Config) -> None:
             await link.send(event)
 
     port = cfg.node.store_port
-    curve = Curve.from_dir(cfg.security.curve_keys_dir)
     server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
-                         node_id=node_id, curve=curve)
+                         node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
     endpoint = await server.start()
 
     async def announce() -> None:
@@ -56,11 +60,13 @@ async def run_store(cfg: Config) -> None:
     def load() -> P.Load:
         snap = store.snapshot(top_n=0)
         return P.Load(tiers={t["name"]: P.TierLoad(t["used_bytes"], t["capacity_bytes"], t["blocks"], t["hits"],
-                                                    t["evictions"]) for t in snap["tiers"]})
+                                                    t["evictions"]) for t in snap["tiers"]},
+                      kv_rejected=server.rejections.snapshot())
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid()))
-    link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve)
+    link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve,
+                         max_message_bytes=max_message_bytes)
     health = await start_node_health(cfg, "store", node_id)
     await link.connect(timeout_s=60)
     health.ready = True

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import torch
 import zmq
 import zmq.asyncio
 
 from mooncake.security import Curve
+from mooncake.kv_integrity import verified_prefix
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
 from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate, ShmBlocks, ShmGet,
@@ -32,6 +35,7 @@ from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put,
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
@@ -54,7 +58,12 @@ def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Te
 
 class StoreClient:
     def __init__(self, endpoint: str, timeout_s: float = 10.0, shm: bool | None = None,
-                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, curve: Curve | None = None) -> None:
+                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, curve: Curve | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
+                 on_corrupt: Callable[[int], Any] | None = None) -> None:
+        """``on_corrupt(n)``: ``get`` returned n blocks that fail their checksums (they are left out)."""
+        self.max_message_bytes = max_message_bytes
+        self.on_corrupt = on_corrupt
         self.endpoint = endpoint
         self.curve = curve
         self.timeout_s = timeout_s
@@ -81,8 +90,9 @@ class StoreClient:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            limit_message_size(sock, self.max_message_bytes)
             if self.curve is not None:
-                self.curve.client(sock)
+                self.curve.client(sock, "store")
             try:
                 sock.connect(self.endpoint)
             except zmq.ZMQError as e:
@@ -95,7 +105,7 @@ class StoreClient:
 
     async def _read(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames = await recv_multipart(self._sock)
             fut = self._pending.pop(frames[0].bytes, None)
             if fut is None or fut.done():
                 continue  # a reply that came after its timeout
@@ -152,7 +162,8 @@ class StoreClient:
         self.shm = False  # the server cannot see our segments: socket from now on
         return True
 
-    async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str) -> int | None:
+    async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str,
+                       sums: list[int]) -> int | None:
         sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
         seg = self._take_segment(sum(sizes))
         if seg is None:
@@ -163,7 +174,7 @@ class StoreClient:
                 refs.append(ShmRef(off, seg.write(off, b.detach())))
                 off += n
             try:
-                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id))).count
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -188,15 +199,27 @@ class StoreClient:
             if frames:  # did not all fit: ask for a bigger segment next time
                 need = sum(aligned(t.numel() * t.element_size()) for t in out)
                 self._get_hint = min(max(self._get_hint, need), self.shm_max_bytes // 2)
-            return [BlockHash(h) for h in reply.hashes], out
+            return self._verified(reply.hashes, out, reply.checksums)
         finally:
             self._free_segs.append(seg)
+
+    def _verified(self, hashes: list[bytes], blocks: list[torch.Tensor],
+                  sums: list[int]) -> tuple[list[BlockHash], list[torch.Tensor]]:
+        """The leading blocks that match the checksums they were stored with; the rest is a miss."""
+        n = verified_prefix(blocks, sums)
+        if n < len(blocks):
+            log.warning("store %s returned %d blocks failing their checksums: treated as missing",
+                        self.endpoint, len(blocks) - n)
+            if self.on_corrupt is not None:
+                self.on_corrupt(len(blocks) - n)
+        return [BlockHash(h) for h in hashes[:n]], blocks[:n]
 
     # ---------------------------------------------------------------- object API
 
     async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
-                  model_id: str = "") -> int:
-        """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds."""
+                  model_id: str = "", checksums: Sequence[int] = ()) -> int:
+        """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds.
+        ``checksums`` (xxh3_64 per block, see ``kv_integrity``): the store refuses blocks that differ."""
         hs = [bytes(h) for h in hashes]
         ts = _blocks_list(blocks)
         if len(hs) != len(ts):
@@ -204,10 +227,10 @@ class StoreClient:
         if not hs:
             return 0
         if self.shm and sum(t.numel() * t.element_size() for t in ts) >= self.shm_min_bytes:
-            n = await self._shm_put(hs, ts, model_id)
+            n = await self._shm_put(hs, ts, model_id, list(checksums))
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id), [t.detach() for t in ts])).count
+        return (await self._ok(Put(hs, [], model_id, list(checksums)), [t.detach() for t in ts])).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
@@ -221,7 +244,7 @@ class StoreClient:
         reply, tensors = await self._call(Get(hs, prefix))
         if not isinstance(reply, Blocks):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
-        return [BlockHash(h) for h in reply.hashes], tensors
+        return self._verified(reply.hashes, tensors, reply.checksums)
 
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)

@@ -32,7 +32,9 @@ import zmq
 import zmq.asyncio
 
 from ..config import StoreConfig
-from ..security import Curve
+from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
+from ..security import Curve, store_access_problem
+from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
 from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate,
                         ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .client import StoreClient, StoreError
@@ -46,7 +48,11 @@ MAX_RID = 64
 class StoreServer:
     def __init__(self, store: TieredStore, bind_endpoint: str,
                  on_event: Callable[[BlockEvent], Any] | None = None, node_id: str = "",
-                 workers: int = 4, curve: Curve | None = None) -> None:
+                 workers: int = 4, curve: Curve | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.rejections = Rejections()  # requests refused: unauthorized key, corrupt block
+        self.sums = BlockSums()  # checksums of the blocks put, returned with them to readers
         self.store = store
         self.curve = curve
         self.bind_endpoint = bind_endpoint
@@ -72,6 +78,7 @@ class StoreServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        limit_message_size(self._sock, self.max_message_bytes)
         if self.curve is not None:
             self.curve.server(self._sock, self._ctx)
         self._sock.bind(self.bind_endpoint)
@@ -103,9 +110,15 @@ class StoreServer:
         return self.store.stored()
 
     def _store_event(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if kind == "removed" and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._forget_sums, list(keys))
         if self.on_event is None or self._loop is None or self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._emit, BlockEvent(self.node_id, kind, tier, list(keys)))
+
+    def _forget_sums(self, keys: list[bytes]) -> None:
+        """Blocks gone from every tier take their checksums with them (on the loop)."""
+        self.sums.forget([k for k, held in zip(keys, self.store.exists(keys)) if not held])
 
     def _emit(self, ev: BlockEvent) -> None:
         try:
@@ -124,7 +137,7 @@ class StoreServer:
 
     async def _serve(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames = await recv_multipart(self._sock)
             self._spawn(self._handle(frames))
 
     async def _handle(self, frames: list) -> None:
@@ -135,7 +148,13 @@ class StoreServer:
             if len(frames) < 3 or len(rid) > MAX_RID:
                 raise ProtocolError("expected [request_id, message, payload...]")
             msg, tensors = decode(frames[2:])
-            reply = await self._dispatch(msg, tensors)
+            refused = store_access_problem(self.curve, frames[1], msg)
+            if refused is not None:
+                self.rejections.add("unauthorized")
+                log.warning("refused: %s", refused)
+                reply = encode(Error(refused, "unauthorized"))
+            else:
+                reply = await self._dispatch(msg, tensors)
         except ProtocolError as e:
             reply = encode(Error(str(e), "bad_request"))
         except StoreError as e:
@@ -146,7 +165,7 @@ class StoreServer:
             log.exception("store request failed")
             reply = encode(Error(f"{type(e).__name__}: {e}", "internal"))
         try:
-            await self._sock.send_multipart([ident, rid[:MAX_RID], *reply], copy=False)
+            await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
         except zmq.ZMQError as e:
             log.warning("reply not sent: %s", e)
 
@@ -158,10 +177,13 @@ class StoreServer:
         if isinstance(msg, Put):
             if len(msg.hashes) != len(tensors):
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
+            await self._run(self._verify, tensors, msg.checksums)
+            self.sums.remember(msg.hashes, msg.checksums)
             return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
-            return encode(Blocks([k for k, _ in found], []), [b.tensor for _, b in found])
+            keys = [k for k, _ in found]
+            return encode(Blocks(keys, [], self.sums.of(keys)), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
         if isinstance(msg, StatsQuery):
@@ -193,6 +215,8 @@ class StoreServer:
             views = [seg.view(r.offset, r.spec) for r in msg.blocks]
         except ValueError as e:
             raise ProtocolError(str(e)) from None
+        self._verify(views, msg.checksums)
+        self.sums.remember(msg.hashes, msg.checksums)
         return self.store.put_many(msg.hashes, views, msg.model_id)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
@@ -207,7 +231,15 @@ class StoreServer:
             refs.append(ShmRef(off, seg.write(off, block.tensor)))
             off = aligned(off + nbytes)
             n += 1
-        return ShmBlocks([k for k, _ in found], refs), [b.tensor for _, b in found[n:]]
+        keys = [k for k, _ in found]
+        return ShmBlocks(keys, refs, checksums=self.sums.of(keys)), [b.tensor for _, b in found[n:]]
+
+    def _verify(self, blocks: list[torch.Tensor], sums: list[int]) -> None:
+        """Refuse a put whose blocks do not match the checksums they came with (when they came with any)."""
+        bad = first_corrupt(blocks, sums) if sums else None
+        if bad is not None:
+            self.rejections.add("checksum", len(blocks))
+            raise ProtocolError(f"block {bad} does not match its checksum: put refused")
 
     async def _replicate(self, msg: Replicate) -> int:
         found = await self._run(lambda: self.store.get_many(msg.hashes, count=False))
@@ -222,7 +254,8 @@ class StoreServer:
         n = 0
         try:
             for model_id, items in by_model.items():
-                n += await peer.put([k for k, _ in items], [t for _, t in items], model_id)
+                blocks = [t for _, t in items]
+                n += await peer.put([k for k, _ in items], blocks, model_id, await self._run(checksums, blocks))
         except StoreError:
             self._peers.pop(msg.target, None)
             peer.close()
