@@ -81,7 +81,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:  # transformers raises many types; the caller gets one
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
-    model_id = f"{name}@{weights_fingerprint(model_dir)[:16]}/{str(dtype).removeprefix('torch.')}"
+    from mooncake.engine.fingerprint import weights_fingerprint  # every weight byte, cached
+    model_id = f"{name}@{weights_fingerprint(model_dir, cfg.cache_dir)[:16]}/{str(dtype).removeprefix('torch.')}"
     return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype)
 
 
@@ -124,19 +125,6 @@ def _check_config(config: Any, where: str) -> None:
     if act != "silu":
         raise ModelLoadError(f"unsupported activation {act!r} in {where}; only silu")
     check_rope(config)
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json and, per safetensors file, its name, size and first/last MiB."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
 
 
 def _gguf_arch(path: Path) -> str:

@@ -78,6 +78,10 @@ class Tier(ABC):
     def delete_many(self, keys: Iterable[bytes]) -> int:
         return sum(self.delete(k) for k in keys)
 
+    def has_copy(self, key: bytes) -> bool:
+        """A write-through copy of ``key`` is here (persistent tiers: lmdb_tier.py)."""
+        return False
+
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 
