@@ -81,8 +81,17 @@ class ConductorConfig(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: object) -> object:
-        """MOONCAKE_CONDUCTOR_API_KEYS (a string): comma-separated keys."""
-        return [k.strip() for k in v.split(",") if k.strip()] if isinstance(v, str) else v
+        """MOONCAKE_CONDUCTOR_API_KEYS (a string): comma-separated keys, or a JSON list."""
+        if not isinstance(v, str):
+            return v
+        if v.strip().startswith("["):
+            import json
+
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError("api_keys: not a JSON list of strings") from None
+        return [k.strip() for k in v.split(",") if k.strip()]
 
     def accepted_keys(self) -> list[str]:
         """Every API key the HTTP server accepts (none: the API is open)."""
