@@ -83,6 +83,42 @@ def test_write_through_copies_adopted_on_demotion_dropped_on_removal(tmp_path):
     survivor.close()
 
 
+def test_write_through_under_concurrent_puts_removes_and_reads(tmp_path):
+    """The writer writes without the store's lock while other threads put, demote, promote and
+    remove: afterwards the accounting holds and every block on disk is the one put under its key."""
+    s = store(tmp_path, dram=6, disk=40, mode="write_through")
+
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(60):
+                k = t * 1000 + i + 1
+                s.put(key(k), blk(k))
+                if i % 3 == 0:
+                    s.remove([key(k - 1)])
+                if i % 4 == 0:
+                    s.get_many([key(t * 1000 + i // 2 + 1)])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert s.writer.wait_idle(30)
+    s.check_invariants()
+    assert s.persist(float("inf"))[1] == 0
+    s.close()
+    disk = LmdbTier(tmp_path, 40 * BLOCK)
+    assert len(disk) > 20
+    for k in disk.keys():
+        assert torch.equal(disk.get(k).tensor, blk(int.from_bytes(k[:4], "big")))
+    disk.close()
+
+
 def test_one_store_per_directory(tmp_path):
     first = LmdbTier(tmp_path / "node0-store", MiB)
     with pytest.raises(DirLocked, match=r"locked by another store \(pid \d+\).*node_id"):

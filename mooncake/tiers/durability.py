@@ -26,23 +26,30 @@ PERSIST_BATCH = 64  # blocks per transaction when persisting on shutdown
 
 class Durability:
     def write_copies(self: TieredStore, keys: Iterable[bytes]) -> int:
-        """Write-through: copy those of ``keys`` still held above the persistent tier to it, in one
-        transaction (the writer thread); the LRU of the disk tier is evicted to make room."""
+        """Write-through (the writer thread): copy those of ``keys`` still held above the persistent
+        tier to it, in one transaction. Space is reserved under the store's lock (evicting the disk
+        tier's LRU), the records are encoded and written without it, and settled under it again."""
         d = self._disk
         assert d is not None
-        disk, written = self.tiers[d], 0
+        disk = self.tiers[d]
+        items = []
         with self._lock:
             try:
                 for key in keys:
                     i = self._where.get(key)
                     if i is None or i >= d or disk.has_copy(key):
                         continue
-                    block = self.tiers[i].get(key)
-                    if block is not None and self._make_room(d, block.nbytes) and disk.put_copy(key, block):
-                        written += 1
+                    block = self.tiers[i].get(key)  # held here: its memory is not recycled meanwhile
+                    if block is not None and self._make_room(d, block.nbytes) and disk.reserve_copy(key, block.nbytes):
+                        items.append((key, block))
             finally:
                 self._finish()
-        return written
+        if not items:
+            return 0
+        error = disk.write_records(items)
+        with self._lock:
+            disk.end_copies([k for k, _ in items], error)
+        return 0 if error else len(items)
 
     def persist(self: TieredStore, deadline: float) -> tuple[int, int]:
         """Move every block held above the persistent tier down into it (graceful shutdown), least

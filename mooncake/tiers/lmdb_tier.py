@@ -61,6 +61,7 @@ class LmdbTier(Tier):
         self._sizes: dict[bytes, int] = {}  # resident blocks
         self._copies: dict[bytes, int] = {}  # write-through copies of blocks held above
         self._pending: dict[bytes, StoredBlock] = {}  # staged records (resident or copy)
+        self._writing: set[bytes] = set()  # copies reserved, their records being written unlocked
         self.lock = DirLock(self.path)
         try:
             self.env = self._open_and_recover()
@@ -120,6 +121,8 @@ class LmdbTier(Tier):
     def put(self, key: bytes, block: StoredBlock) -> bool:
         if key in self._copies:  # the write-through copy becomes the block: nothing to write
             self._sizes[key] = self._copies.pop(key)
+            if key in self._writing:  # ...unless its record may not be there yet: write it again
+                self._pending[key] = block
             return True
         n = block.nbytes
         self.delete(key)
@@ -204,6 +207,45 @@ class LmdbTier(Tier):
         self._copies[key] = n
         self.used_bytes += n
         return True
+
+    def reserve_copy(self, key: bytes, nbytes: int) -> bool:
+        """Account a copy whose record ``write_records`` writes outside the store's lock;
+        ``end_copies`` settles it. False if it does not fit."""
+        if key in self._sizes or key in self._copies or not self.fits(nbytes):
+            return False
+        self._copies[key] = nbytes
+        self._writing.add(key)
+        self.used_bytes += nbytes
+        return True
+
+    def write_records(self, items: list[tuple[bytes, StoredBlock]]) -> Exception | None:
+        """Encode and write records in one transaction; touches no accounting, so it may run
+        without the store's lock (LMDB serialises write transactions). The error, if any."""
+        try:
+            with self.env.begin(write=True) as txn:
+                for key, block in items:
+                    txn.put(key, encode_record(block))
+            return None
+        except lmdb.Error as e:
+            return e
+
+    def end_copies(self, keys: list[bytes], error: Exception | None) -> None:
+        """Settle reserved copies after ``write_records``: a failed write un-accounts them; a
+        record whose block left the store meanwhile is deleted."""
+        if error is not None:
+            self.map_full += isinstance(error, lmdb.MapFullError)
+            self.write_errors += not isinstance(error, lmdb.MapFullError)
+            log.error("LMDB write-through to %s failed (%s: %s): %d copies not written", self.path,
+                      type(error).__name__, error, len(keys))
+        orphans = []
+        for key in keys:
+            self._writing.discard(key)
+            if error is not None and key in self._copies:
+                self.used_bytes -= self._copies.pop(key)
+            elif error is None and key not in self._copies and key not in self._sizes:
+                orphans.append(key)
+        if orphans:
+            self._delete_records(orphans)
 
     def has_copy(self, key: bytes) -> bool:
         return key in self._copies
