@@ -23,7 +23,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's own)")
     p.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    p.add_argument("--api-key", help="require this bearer token on /v1/*")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require this bearer token on /v1/*, /cluster and /metrics (repeat the option, or "
+                        "separate keys with commas, to accept several: the first becomes [conductor] api_key, "
+                        "the rest api_keys)")
     p.add_argument("--data-dir", help="directory of the stores' LMDB tier")
     p.add_argument("--prefill", type=int, default=1, help="--dev: prefill instances")
     p.add_argument("--decode", type=int, default=1, help="--dev: decode instances")
@@ -35,8 +38,11 @@ def _overrides(args: argparse.Namespace) -> dict:
     o: dict = {}
     if args.model:
         o.setdefault("model", {})["path"] = args.model
+    if args.api_key:
+        keys = [k.strip() for arg in args.api_key for k in arg.split(",") if k.strip()]
+        o.setdefault("conductor", {}).update(api_key=keys[0] if keys else "", api_keys=keys[1:])
     for key, section, field in (("host", "conductor", "host"), ("port", "conductor", "port"),
-                                ("api_key", "conductor", "api_key"), ("data_dir", "store", "data_dir"),
+                                ("data_dir", "store", "data_dir"),
                                 ("served_model_name", "model", "name"), ("max_model_len", "engine", "max_model_len")):
         value = getattr(args, key)
         if value is not None:

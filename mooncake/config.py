@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -46,9 +46,9 @@ class StoreConfig(_Section):
     device_bytes: int = Field(0, ge=0, description="Device (GPU, else CPU tensor) tier capacity; 0: no device tier.")
     dram_bytes: int = Field(2 * GiB, ge=0, description="Host DRAM tier capacity (pinned when CUDA is present).")
     lmdb_bytes: int = Field(8 * GiB, ge=0, description="LMDB (SSD) tier capacity; 0: no disk tier.")
-    data_dir: str = Field("./mooncake-data", description="Directory of the LMDB tier (one sub-dir per store node).")
-    ssd_admission: Literal["on_demotion", "after_hits"] = Field(
-        "on_demotion", description="on_demotion: every block demoted from DRAM is written; after_hits: only blocks hit >= ssd_admission_hits times.")
+    data_dir: str = Field("./mooncake-data", description="Directory of the LMDB tier: one sub-dir per store (data_dir/<node id>, locked by its store), so stores may share it.")
+    ssd_admission: Literal["on_demotion", "after_hits", "write_through"] = Field(
+        "on_demotion", description="on_demotion: every block demoted from DRAM is written; after_hits: only blocks hit >= ssd_admission_hits times; write_through: every stored block is also written to LMDB as it arrives (batched, off the request path), so a crash loses at most the last batch. On SIGTERM a store writes its DRAM blocks to LMDB whatever this says.")
     ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
     promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
 
@@ -56,7 +56,9 @@ class StoreConfig(_Section):
 class ConductorConfig(_Section):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0: any free port.")
-    api_key: str = Field("", description="If set, HTTP requests need 'Authorization: Bearer <key>'.")
+    api_key: str = Field("", description="If set, /v1/*, /cluster and /metrics need 'Authorization: Bearer <key>' (this key or one of api_keys); /health* stay open.")
+    api_keys: list[str] = Field(default_factory=list, description="More accepted API keys (e.g. one per tenant, or the Prometheus scraper's), beside api_key.")
+    salt_per_api_key: bool = Field(False, description="Derive the KV cache salt from the caller's API key (combined with any request cache_salt), so tenants with different keys never share or probe each other's blocks.")
     endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = Field(
         "cache_aware", description="Prefill selection policy (random: a uniform draw; a baseline).")
@@ -77,6 +79,25 @@ class ConductorConfig(_Section):
     hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
     replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
     max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: object) -> object:
+        """MOONCAKE_CONDUCTOR_API_KEYS (a string): comma-separated keys, or a JSON list."""
+        if not isinstance(v, str):
+            return v
+        if v.strip().startswith("["):
+            import json
+
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError("api_keys: not a JSON list of strings") from None
+        return [k.strip() for k in v.split(",") if k.strip()]
+
+    def accepted_keys(self) -> list[str]:
+        """Every API key the HTTP server accepts (none: the API is open)."""
+        return [k for k in (self.api_key, *self.api_keys) if k]
 
 
 class NodeConfig(_Section):

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mooncake import protocol as P
 from mooncake.api.errors import APIError, install_error_handlers
-from mooncake.api.guard import Guard
+from mooncake.api.guard import Guard, request_salt
 from mooncake.api.prompts import Prompts
 from mooncake.api.health import add_health_routes
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -36,7 +36,7 @@ def build_app(conductor: Conductor) -> FastAPI:
     app = FastAPI(title="mooncake", version="0.1.0")
     install_error_handlers(app)
     cfg = conductor.cfg.conductor
-    app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
+    app.add_middleware(Guard, api_keys=cfg.accepted_keys(), limit=cfg.max_body_bytes)
     prompts = Prompts(conductor.tokenizer)
 
     add_health_routes(app, conductor)
@@ -109,7 +109,8 @@ async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, token
                  max_tokens: int) -> Response:
     sampling = P.Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=max(0, body.top_k), seed=body.seed, ignore_eos=body.ignore_eos)
-    submitted = conductor.submit(tokens, sampling, body.cache_salt or "")
+    salt = request_salt(conductor.cfg.conductor.salt_per_api_key, http.scope, body.cache_salt or "")
+    submitted = conductor.submit(tokens, sampling, salt)
     if isinstance(submitted, Rejection):
         raise _error(submitted, chat)
     req = submitted

@@ -40,7 +40,7 @@ def expected_model(cfg: Config) -> ExpectedModel:
     """The model the conductor's config names (no weights loaded; ModelLoadError if unusable)."""
     from transformers import AutoConfig
 
-    from mooncake.engine.loader import resolve_model_dir, weights_fingerprint
+    from mooncake.engine.loader import resolve_model_dir, weights_id
 
     model_dir, name = resolve_model_dir(cfg.model)
     hf = AutoConfig.from_pretrained(model_dir)
@@ -49,5 +49,5 @@ def expected_model(cfg: Config) -> ExpectedModel:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     T = cfg.engine.block_tokens
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
-    return ExpectedModel(f"{name}@{weights_fingerprint(model_dir)[:16]}", dtype, T,
+    return ExpectedModel(weights_id(model_dir, name, cfg.model.cache_dir), dtype, T,
                          (int(hf.num_hidden_layers), 2, int(kv_heads), T, int(head_dim)))

@@ -89,7 +89,7 @@ def pod_ports(cfg: Config) -> PodPorts:
 def pod_config(cfg: Config, ports: PodPorts) -> Config:
     """The TOML every pod reads: fixed ports, in-container paths, no secrets."""
     c = cfg.model_copy(deep=True)
-    c.conductor.api_key = ""  # from the Secret
+    c.conductor.api_key, c.conductor.api_keys = "", []  # from the Secret
     c.conductor.host = "0.0.0.0"
     c.node.kv_port, c.node.store_port, c.node.health_port = ports.kv_port, ports.store_port, ports.health_port
     c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
@@ -124,7 +124,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     common_env = {env_name("conductor", "endpoint"): f"tcp://{conductor_host}:{ports.zmq}"}
     curve = curve_files(cfg)
     curve_secret = f"{APP}-curve" if curve else ""
-    api_key_secret = f"{APP}-api-key" if cfg.conductor.api_key else ""
+    api_key_secret = f"{APP}-api-key" if cfg.conductor.accepted_keys() else ""
 
     def meta(name: str, **labels: str) -> dict:
         return {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": APP, **labels}}
@@ -140,7 +140,8 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                         "type": "Opaque", "stringData": curve})
     if api_key_secret:
         secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(api_key_secret),
-                        "type": "Opaque", "stringData": {"api-key": cfg.conductor.api_key}})
+                        "type": "Opaque", "stringData": {"api-key": cfg.conductor.api_key,
+                                                         "api-keys": ",".join(cfg.conductor.api_keys)}})
     if secrets:
         files["02-secrets.yaml"] = secrets
     pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,

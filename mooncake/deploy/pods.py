@@ -33,8 +33,9 @@ def _env(role: str, common_env: dict[str, str], api_key_secret: str = "") -> lis
            {"name": env_name("node", "node_id"), **_field("metadata.name")}]
     env += [{"name": k, "value": v} for k, v in common_env.items()]
     if api_key_secret:
-        env.append({"name": env_name("conductor", "api_key"),
-                    "valueFrom": {"secretKeyRef": {"name": api_key_secret, "key": "api-key"}}})
+        env += [{"name": env_name("conductor", field), "valueFrom": {"secretKeyRef": {"name": api_key_secret,
+                                                                                  "key": key}}}
+                for field, key in (("api_key", "api-key"), ("api_keys", "api-keys"))]
     return env
 
 

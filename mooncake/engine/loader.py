@@ -90,8 +90,16 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:  # transformers raises many types; the caller gets one
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
-    model_id = f"{name}@{weights_fingerprint(model_dir)[:16]}/{str(dtype).removeprefix('torch.')}"
+    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
     return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype)
+
+
+def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:
+    """``<name>@<fingerprint16>``: the weights' identity, the first part of a ``model_id``
+    (the fingerprint covers every weight byte and is cached)."""
+    from mooncake.engine.fingerprint import weights_fingerprint
+
+    return f"{name}@{weights_fingerprint(model_dir, cache_dir)[:16]}"
 
 
 def resolve_model_dir(cfg: ModelConfig) -> tuple[Path, str]:
@@ -135,19 +143,6 @@ def _check_hf_dir(model_dir: Path) -> None:
     except Exception as e:
         raise ModelLoadError(f"unreadable model config {cfg_file}: {type(e).__name__}: {e}") from e
     check_config(config, str(model_dir))
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json and, per safetensors file, its name, size and first/last MiB."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
 
 
 def _gguf_arch(path: Path) -> str:

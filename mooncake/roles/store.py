@@ -3,7 +3,13 @@
 Its node id is stable (``<node name>-store`` unless configured), because the
 LMDB tier lives under it: a restarted store finds its blocks again and
 re-announces them to the conductor's index, as it does whenever the conductor
-asks it to register again.
+asks it to register again. Its directory (``data_dir/<node id>``) is locked: a
+second store with the same node id exits at start with a message that says so.
+
+On SIGTERM (or SIGINT) the store stops serving, then moves its DRAM (and device)
+blocks into LMDB for up to ``[conductor] drain_timeout_s``, so that a restart on
+the same data dir hits; with ``[store] ssd_admission = "write_through"`` they are
+mostly there already, and a crash loses at most the last write-through batch.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 
 import zmq.asyncio
 
@@ -21,6 +28,7 @@ from mooncake.link import ConductorLink
 from mooncake.node_health import start_node_health
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+from mooncake.tiers.dir_lock import DirLocked
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
 
@@ -36,7 +44,10 @@ async def run_store(cfg: Config) -> None:
     max_message_bytes = cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES
     loop = asyncio.get_running_loop()
     ctx = zmq.asyncio.Context()
-    store = TieredStore.from_config(cfg.store, node_id)
+    try:
+        store = TieredStore.from_config(cfg.store, node_id)
+    except DirLocked as e:
+        raise SystemExit(f"mooncake store {node_id}: {e}") from None
     link: ConductorLink | None = None
 
     async def on_event(event: P.BlockEvent) -> None:  # called on the event loop
@@ -79,8 +90,13 @@ async def run_store(cfg: Config) -> None:
     drain = asyncio.create_task(_drain(link))
     await stop.wait()
     drain.cancel()
+    await server.close()  # no new operations; those in flight have finished
+    store.on_event = None
+    t0 = time.monotonic()
+    moved, left = await loop.run_in_executor(None, store.persist, t0 + cfg.conductor.drain_timeout_s)
+    log.info("store %s persisted %d blocks to LMDB in %.2fs (%d left in memory)", node_id, moved,
+             time.monotonic() - t0, left)
     link.close()
-    await server.close()
     store.close()  # LMDB synced and closed cleanly
     ctx.term()
 

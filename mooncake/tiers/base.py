@@ -65,6 +65,10 @@ class Tier(ABC):
     def keys(self) -> Iterator[bytes]:
         """Every stored key (recovery after a restart; order unspecified)."""
 
+    def has_copy(self, key: bytes) -> bool:
+        """A write-through copy of ``key`` is here (persistent tiers: lmdb_tier.py)."""
+        return False
+
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 

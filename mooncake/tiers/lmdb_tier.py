@@ -1,132 +1,117 @@
-"""LMDB tier: blocks on SSD, one LMDB record per block, verified on every read.
+"""LMDB tier: blocks on SSD, one LMDB record per block (``lmdb_record.py``), verified on every read.
 
-Record layout: ``b"MCK1" | u32 header length | msgpack BlockHeader | raw tensor
-bytes``. The header carries dtype, shape, model identity, byte count and an
-xxh3-64 checksum of the raw bytes. A record whose header or checksum does not
-check out is deleted, counted in ``corrupt`` and reported as a miss.
+A record whose header or checksum does not check out is deleted, counted in
+``corrupt`` and reported as a miss. The environment's ``map_size`` is the byte
+capacity plus headroom (LMDB page overhead, free pages not yet reusable); the
+capacity itself is enforced here by counting tensor bytes. ``put`` stages a
+block (accounted at once) and ``flush`` writes everything staged in one write
+transaction; the store flushes at the end of each operation, and runs its
+operations off the event loop. Reads use ``buffers=True`` and make exactly one
+copy, from the map into a fresh tensor. Commits are not fsync'ed
+(``sync=False``): data survives a process crash, not a power loss; ``close`` syncs.
 
-The environment's ``map_size`` is the byte capacity plus headroom (LMDB page
-overhead, free pages not yet reusable); the capacity itself is enforced here by
-counting tensor bytes. ``put`` stages a block (accounted at once) and ``flush``
-writes everything staged in one write transaction; the store flushes at the end
-of each operation, and runs its operations off the event loop. Reads use
-``buffers=True`` and make exactly one copy, from the map into a fresh tensor.
-Commits are not fsync'ed (``sync=False``): data survives a process crash, not
-a power loss; ``close`` syncs.
+Write-through copies (``[store] ssd_admission = "write_through"``): besides its
+own (resident) blocks the tier holds durable copies of blocks that live in a
+tier above. A copy takes disk space (counted in ``used_bytes``) but is not a
+resident block: when its block is demoted here ``put`` adopts the copy without
+writing, when its block leaves the store the store drops the copy. After a
+crash every record on disk is recovered as a resident block.
+
+Faults, none of which stops the store: the directory is locked for one store
+(``dir_lock.py``; a second store fails at start); an environment LMDB cannot
+open or read is moved aside (``data.mdb`` -> ``data.mdb.corrupt-<UTC time>``)
+and the tier starts empty; a write that hits the map size (``map_full``) or the
+disk (no space, I/O error: ``write_errors``) fails soft: ``flush`` returns the
+resident blocks it could not write, and the store evicts and retries, or drops.
 """
 
 from __future__ import annotations
 
-import struct
-import warnings
+import logging
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
 import lmdb
-import msgspec
-import torch
-import xxhash
 
-from ..protocol import dtype_from_name, dtype_name
 from .base import StoredBlock, Tier
+from .dir_lock import DirLock
+from .lmdb_record import CorruptRecord, decode_record, encode_record, parse_header
 
-MAGIC = b"MCK1"
-_PREFIX = struct.Struct("<4sI")
+log = logging.getLogger(__name__)
 MiB = 1 << 20
-
-
-class BlockHeader(msgspec.Struct, array_like=True):
-    dtype: str
-    shape: tuple[int, ...]
-    model_id: str
-    nbytes: int
-    checksum: int
-
-
-class CorruptRecord(ValueError):
-    pass
-
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(BlockHeader)
-
-
-def encode_header(block: StoredBlock, raw: memoryview) -> bytes:
-    t = block.tensor
-    hdr = BlockHeader(dtype_name(t.dtype), tuple(t.shape), block.model_id, raw.nbytes, xxhash.xxh3_64_intdigest(raw))
-    h = _enc.encode(hdr)
-    return _PREFIX.pack(MAGIC, len(h)) + h
-
-
-def parse_header(buf: memoryview) -> tuple[BlockHeader, int]:
-    """(header, offset of the raw bytes); CorruptRecord when it does not check out."""
-    if buf.nbytes < _PREFIX.size:
-        raise CorruptRecord("short record")
-    magic, hlen = _PREFIX.unpack_from(buf, 0)
-    if magic != MAGIC or _PREFIX.size + hlen > buf.nbytes:
-        raise CorruptRecord("bad magic or header length")
-    try:
-        hdr = _dec.decode(buf[_PREFIX.size:_PREFIX.size + hlen])
-        dtype = dtype_from_name(hdr.dtype)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise CorruptRecord(f"bad header: {e}") from None
-    off = _PREFIX.size + hlen
-    n = 1
-    for d in hdr.shape:
-        n *= d
-    if hdr.nbytes != n * torch.empty(0, dtype=dtype).element_size() or buf.nbytes - off != hdr.nbytes:
-        raise CorruptRecord("size mismatch")
-    return hdr, off
-
-
-def _raw_view(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _record(header: bytes, raw: memoryview) -> memoryview:
-    """header + raw in one buffer, built with one (torch) copy of the raw bytes."""
-    buf = torch.empty(len(header) + raw.nbytes, dtype=torch.uint8)
-    mv = memoryview(buf.numpy())
-    mv[:len(header)] = header
-    if raw.nbytes:
-        buf[len(header):].copy_(torch.frombuffer(raw, dtype=torch.uint8))
-    return mv
+CORRUPT_ENV_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                      lmdb.VersionMismatchError, lmdb.PanicError, lmdb.IncompatibleError)
 
 
 class LmdbTier(Tier):
     name = "lmdb"
     persistent = True
 
-    def __init__(self, path: str | Path, capacity_bytes: int, headroom: float = 0.25) -> None:
+    def __init__(self, path: str | Path, capacity_bytes: int, headroom: float = 0.25,
+                 map_bytes: int | None = None) -> None:
+        """``map_bytes`` overrides the LMDB map size (tests of a full map)."""
         super().__init__(capacity_bytes)
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        map_size = int(capacity_bytes * (1 + headroom)) + 64 * MiB
-        self.env = lmdb.open(str(self.path), map_size=map_size, subdir=True, sync=False,
-                             metasync=False, readahead=False, max_dbs=0)
-        self.corrupt = 0
-        self._sizes: dict[bytes, int] = {}
-        self._pending: dict[bytes, StoredBlock] = {}
-        self._recover()
+        self.path = Path(path).expanduser()
+        self.map_size = map_bytes or int(capacity_bytes * (1 + headroom)) + 64 * MiB
+        self.corrupt = 0  # records that failed their check (deleted)
+        self.map_full = 0  # writes that hit the map size
+        self.write_errors = 0  # writes that failed otherwise (disk full, I/O error)
+        self.moved_aside: Path | None = None  # where a corrupt environment went
+        self._sizes: dict[bytes, int] = {}  # resident blocks
+        self._copies: dict[bytes, int] = {}  # write-through copies of blocks held above
+        self._pending: dict[bytes, StoredBlock] = {}  # staged records (resident or copy)
+        self._writing: set[bytes] = set()  # copies reserved, their records being written unlocked
+        self.lock = DirLock(self.path)
+        try:
+            self.env = self._open_and_recover()
+        except BaseException:
+            self.lock.release()
+            raise
 
-    def _recover(self) -> None:
+    # ---- opening, recovery, corruption
+
+    def _open(self) -> lmdb.Environment:
+        return lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=False,
+                         metasync=False, readahead=False, max_dbs=0)
+
+    def _open_and_recover(self) -> lmdb.Environment:
+        env = None
+        try:
+            env = self._open()
+            self._recover(env)
+            return env
+        except CORRUPT_ENV_ERRORS as e:
+            if env is not None:
+                env.close()
+            self._sizes.clear()
+            self.used_bytes = 0
+            self.moved_aside = self._move_aside()
+            log.error("LMDB environment in %s is corrupt (%s: %s): moved aside to %s; this store starts empty",
+                      self.path, type(e).__name__, e, self.moved_aside)
+            return self._open()
+
+    def _move_aside(self) -> Path:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        for name in ("lock.mdb", "data.mdb"):
+            f = self.path / name
+            if f.exists():
+                f.rename(self.path / f"{name}.corrupt-{stamp}")
+        return self.path / f"data.mdb.corrupt-{stamp}"
+
+    def _recover(self, env: lmdb.Environment) -> None:
         bad = []
-        with self.env.begin(buffers=True) as txn:
+        with env.begin(buffers=True) as txn:
             for k, v in txn.cursor():
-                key = bytes(k)
-                try:
+                try:  # headers only: the data is verified when read
                     hdr, _ = parse_header(v)
                 except CorruptRecord:
-                    bad.append(key)
+                    bad.append(bytes(k))
                     continue
-                self._sizes[key] = hdr.nbytes
+                self._sizes[bytes(k)] = hdr.nbytes
                 self.used_bytes += hdr.nbytes
         if bad:
-            with self.env.begin(write=True) as txn:
+            with env.begin(write=True) as txn:
                 for k in bad:
                     txn.delete(k)
             self.corrupt += len(bad)
@@ -134,6 +119,11 @@ class LmdbTier(Tier):
     # ---- writes
 
     def put(self, key: bytes, block: StoredBlock) -> bool:
+        if key in self._copies:  # the write-through copy becomes the block: nothing to write
+            self._sizes[key] = self._copies.pop(key)
+            if key in self._writing:  # ...unless its record may not be there yet: write it again
+                self._pending[key] = block
+            return True
         n = block.nbytes
         self.delete(key)
         if not self.fits(n):
@@ -143,23 +133,43 @@ class LmdbTier(Tier):
         self.used_bytes += n
         return True
 
-    def flush(self) -> list[bytes]:
-        """Write the staged blocks in one transaction; returns keys that could not be written."""
+    def flush(self) -> list[tuple[bytes, StoredBlock]]:
+        """Write the staged records in one transaction. Returns the resident blocks that could
+        not be written (map full, disk full: no longer held here); failed copies are dropped."""
         if not self._pending:
             return []
         items, self._pending = list(self._pending.items()), {}
         try:
             with self.env.begin(write=True) as txn:
                 for key, block in items:
-                    raw = _raw_view(block.tensor)
-                    rec = encode_header(block, raw)
-                    txn.put(key, _record(rec, raw))
+                    txn.put(key, encode_record(block))
             return []
         except lmdb.MapFullError:
-            failed = [k for k, _ in items]
-            for k in failed:
-                self.used_bytes -= self._sizes.pop(k, 0)
-            return failed
+            self.map_full += 1
+            log.warning("LMDB map of %s is full (%d bytes): %d blocks not written", self.path, self.map_size,
+                        len(items))
+        except lmdb.Error as e:  # no space left, I/O error: fail soft, serving goes on
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 100 == 0:
+                log.error("LMDB write to %s failed (%s: %s), %d times so far: %d blocks not written",
+                          self.path, type(e).__name__, e, self.write_errors, len(items))
+        failed = []
+        for key, block in items:
+            if key in self._sizes:
+                self.used_bytes -= self._sizes.pop(key)
+                failed.append((key, block))
+            elif key in self._copies:
+                self.used_bytes -= self._copies.pop(key)
+        return failed
+
+    def _delete_records(self, keys: list[bytes]) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                for k in keys:
+                    txn.delete(k)
+        except lmdb.Error as e:  # the records stay on disk: a restart finds them again (still valid)
+            self.write_errors += 1
+            log.error("LMDB delete in %s failed (%s: %s)", self.path, type(e).__name__, e)
 
     def delete(self, key: bytes) -> int:
         n = self._sizes.pop(key, None)
@@ -167,9 +177,83 @@ class LmdbTier(Tier):
             return 0
         self.used_bytes -= n
         if self._pending.pop(key, None) is None:
-            with self.env.begin(write=True) as txn:
-                txn.delete(key)
+            self._delete_records([key])
         return n
+
+    # ---- write-through copies
+
+    def put_copy(self, key: bytes, block: StoredBlock) -> bool:
+        """Stage a durable copy of a block held in a tier above; False if it does not fit."""
+        if key in self._sizes or key in self._copies:
+            return True
+        n = block.nbytes
+        if not self.fits(n):
+            return False
+        self._pending[key] = block
+        self._copies[key] = n
+        self.used_bytes += n
+        return True
+
+    def reserve_copy(self, key: bytes, nbytes: int) -> bool:
+        """Account a copy whose record ``write_records`` writes outside the store's lock;
+        ``end_copies`` settles it. False if it does not fit."""
+        if key in self._sizes or key in self._copies or not self.fits(nbytes):
+            return False
+        self._copies[key] = nbytes
+        self._writing.add(key)
+        self.used_bytes += nbytes
+        return True
+
+    def write_records(self, items: list[tuple[bytes, StoredBlock]]) -> Exception | None:
+        """Encode and write records in one transaction; touches no accounting, so it may run
+        without the store's lock (LMDB serialises write transactions). The error, if any."""
+        try:
+            with self.env.begin(write=True) as txn:
+                for key, block in items:
+                    txn.put(key, encode_record(block))
+            return None
+        except lmdb.Error as e:
+            return e
+
+    def end_copies(self, keys: list[bytes], error: Exception | None) -> None:
+        """Settle reserved copies after ``write_records``: a failed write un-accounts them; a
+        record whose block left the store meanwhile is deleted."""
+        if error is not None:
+            self.map_full += isinstance(error, lmdb.MapFullError)
+            self.write_errors += not isinstance(error, lmdb.MapFullError)
+            log.error("LMDB write-through to %s failed (%s: %s): %d copies not written", self.path,
+                      type(error).__name__, error, len(keys))
+        orphans = []
+        for key in keys:
+            self._writing.discard(key)
+            if error is not None and key in self._copies:
+                self.used_bytes -= self._copies.pop(key)
+            elif error is None and key not in self._copies and key not in self._sizes:
+                orphans.append(key)
+        if orphans:
+            self._delete_records(orphans)
+
+    def has_copy(self, key: bytes) -> bool:
+        return key in self._copies
+
+    def to_copy(self, key: bytes) -> None:
+        """A resident block moving up (promotion) leaves its record here as its copy."""
+        n = self._sizes.pop(key, None)
+        if n is not None:
+            self._copies[key] = n
+
+    def drop_copy(self, key: bytes) -> int:
+        n = self._copies.pop(key, None)
+        if n is None:
+            return 0
+        self.used_bytes -= n
+        if self._pending.pop(key, None) is None:
+            self._delete_records([key])
+        return n
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(self._copies.values())
 
     # ---- reads
 
@@ -181,29 +265,11 @@ class LmdbTier(Tier):
             return None
         with self.env.begin(buffers=True) as txn:
             v = txn.get(key)
-            block = None if v is None else self._decode(v)
+            block = None if v is None else decode_record(v)
         if block is None:
             self.corrupt += 1
             self.delete(key)
         return block
-
-    @staticmethod
-    def _decode(v: memoryview) -> StoredBlock | None:
-        try:
-            hdr, off = parse_header(v)
-        except CorruptRecord:
-            return None
-        raw = v[off:]
-        if xxhash.xxh3_64_intdigest(raw) != hdr.checksum:
-            return None
-        dtype = dtype_from_name(hdr.dtype)
-        if hdr.nbytes == 0:
-            return StoredBlock(torch.empty(hdr.shape, dtype=dtype), hdr.model_id)
-        out = torch.empty(hdr.nbytes, dtype=torch.uint8)
-        with warnings.catch_warnings():  # read-only map buffer: we only read from it
-            warnings.simplefilter("ignore", UserWarning)
-            out.copy_(torch.frombuffer(raw, dtype=torch.uint8))
-        return StoredBlock(out.view(dtype).view(hdr.shape), hdr.model_id)
 
     def contains(self, key: bytes) -> bool:
         return key in self._sizes
@@ -221,3 +287,4 @@ class LmdbTier(Tier):
         self.flush()
         self.env.sync(True)
         self.env.close()
+        self.lock.release()

@@ -13,7 +13,8 @@ the loop from the key index). Run standalone::
 
     python -m mooncake.tiers.server --endpoint tcp://127.0.0.1:0 --data-dir DIR
 
-prints ``READY <endpoint>`` once bound, and serves until SIGTERM/SIGINT.
+prints ``READY <endpoint>`` once bound, and serves until SIGTERM/SIGINT (then moves its
+memory blocks to LMDB, as the store role does).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import inspect
 import logging
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -274,7 +276,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-bytes", type=int, default=0)
     p.add_argument("--dram-bytes", type=int, default=StoreConfig().dram_bytes)
     p.add_argument("--lmdb-bytes", type=int, default=StoreConfig().lmdb_bytes)
-    p.add_argument("--ssd-admission", choices=["on_demotion", "after_hits"], default="on_demotion")
+    p.add_argument("--ssd-admission", choices=["on_demotion", "after_hits", "write_through"], default="on_demotion")
     p.add_argument("--ssd-admission-hits", type=int, default=1)
     p.add_argument("--no-promote", action="store_true")
     return p.parse_args(argv)
@@ -296,6 +298,7 @@ async def _amain(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await server.close()
+        await loop.run_in_executor(None, store.persist, time.monotonic() + 30)
         store.close()
 
 

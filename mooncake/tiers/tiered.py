@@ -7,7 +7,11 @@ emits a ``removed`` event. A hit in a lower tier moves the block back to the
 top (``promote_on_hit``). Entry into a persistent (SSD) tier passes the
 admission gate: ``on_demotion`` admits every block, ``after_hits`` only blocks
 read at least ``ssd_admission_hits`` times, so one-shot traffic never touches
-the disk.
+the disk; ``write_through`` also writes a copy of every put block to the
+persistent tier as it arrives (``write_through.py``: a writer thread, batched),
+so a crash loses at most the last batch; the copy is adopted when the block is
+demoted, dropped when it leaves the store. ``persist`` moves every block held
+above the persistent tier down into it (graceful shutdown: a restart hits).
 
 Events: ``on_event(kind, tier, keys)`` with kind ``stored`` (the block is now in
 ``tier``: put, demotion, promotion) or ``removed`` (the block left this store;
@@ -21,6 +25,7 @@ answer it while a worker thread does I/O.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
@@ -34,13 +39,17 @@ from .dram import DramTier
 from .lmdb_tier import LmdbTier
 from .lru import LRU
 from .stats import StoreStats
+from .durability import Durability
+from .write_through import WriteThrough
+
+log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, str, list[bytes]], None]
 
 
-class TieredStore:
+class TieredStore(Durability):
     def __init__(self, tiers: Sequence[Tier], *, promote_on_hit: bool = True,
-                 ssd_admission: Literal["on_demotion", "after_hits"] = "on_demotion",
+                 ssd_admission: Literal["on_demotion", "after_hits", "write_through"] = "on_demotion",
                  ssd_admission_hits: int = 1, on_event: EventSink | None = None) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -57,7 +66,10 @@ class TieredStore:
         self._where: dict[bytes, int] = {}
         self._lock = threading.RLock()
         self._events: list[tuple[str, str, bytes]] = []
+        self._disk = next((i for i, t in enumerate(self.tiers) if t.persistent), None)
         self._recover()
+        self.writer = WriteThrough(self.write_copies) \
+            if ssd_admission == "write_through" and self._disk is not None else None
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, node_id: str, device: torch.device | str | None = None,
@@ -98,7 +110,7 @@ class TieredStore:
         self._events.append((kind, self.tiers[tier].name, key))
 
     def _admitted(self, tier: int, key: bytes) -> bool:
-        if not self.tiers[tier].persistent or self.ssd_admission == "on_demotion":
+        if not self.tiers[tier].persistent or self.ssd_admission != "after_hits":
             return True
         return self.stats.block_hits.get(key, 0) >= self.ssd_admission_hits
 
@@ -113,13 +125,14 @@ class TieredStore:
             self._evict(i, victim)
         return True
 
-    def _insert(self, start: int, key: bytes, block: StoredBlock) -> int | None:
+    def _insert(self, start: int, key: bytes, block: StoredBlock, gated: bool = True) -> int | None:
         """Place ``block`` in the first tier from ``start`` that takes it; its index or None."""
         n = block.nbytes
         for j in range(start, len(self.tiers)):
-            if not self._admitted(j, key):
+            if gated and not self._admitted(j, key):
                 return None
-            if self._make_room(j, n) and self.tiers[j].put(key, block):
+            tier = self.tiers[j]
+            if (tier.has_copy(key) or self._make_room(j, n)) and tier.put(key, block):
                 self._where[key] = j
                 self._lru[j].add(key, n)
                 self._event("stored", j, key)
@@ -132,6 +145,8 @@ class TieredStore:
         del self._where[key]
 
     def _forget(self, i: int, key: bytes) -> None:
+        if self._disk is not None:
+            self.tiers[self._disk].drop_copy(key)
         self.stats.block_hits.pop(key, None)
         self._event("removed", i, key)
 
@@ -151,14 +166,8 @@ class TieredStore:
 
     def _finish(self) -> None:
         """Flush staged writes, then hand the operation's events to the sink."""
-        for i, tier in enumerate(self.tiers):
-            flush = getattr(tier, "flush", None)
-            for key in flush() if flush else ():
-                if self._where.get(key) == i:
-                    self._lru[i].remove(key)
-                    del self._where[key]
-                    self.stats.dropped += 1
-                    self._forget(i, key)
+        if self._disk is not None:
+            self._flush(self._disk)
         events, self._events = self._events, []
         if self.on_event is None or not events:
             return
@@ -175,7 +184,7 @@ class TieredStore:
         """Store blocks (in the top tier that takes them); returns how many are now held."""
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        held = 0
+        held, copy = 0, []
         with self._lock:
             try:
                 for key, t in zip(keys, tensors):
@@ -191,8 +200,11 @@ class TieredStore:
                     self.stats.block_hits.setdefault(key, 0)
                     self.stats.stored += 1
                     held += 1
+                    copy.append(key)
             finally:
                 self._finish()
+        if self.writer is not None and copy:
+            self.writer.submit(copy)
         return held
 
     def get_many(self, keys: Iterable[bytes], prefix: bool = False,
@@ -239,6 +251,8 @@ class TieredStore:
             self.stats.tiers[name].misses += 1
         self.stats.tiers[names[i]].hits += 1
         if i > 0 and self.promote_on_hit:
+            if i == self._disk and self.writer is not None:
+                self.tiers[i].to_copy(key)  # write-through: its record stays as the copy
             self._unlink(i, key)
             j = self._insert(0, key, block)
             if j is None:
@@ -269,6 +283,11 @@ class TieredStore:
                               "blocks": len(self._lru[i])} for i, t in enumerate(self.tiers)}
             snap = self.stats.snapshot(sizes, top_n)
             snap["corrupt"] = sum(getattr(t, "corrupt", 0) for t in self.tiers)
+            snap["disk_map_full"] = sum(getattr(t, "map_full", 0) for t in self.tiers)
+            snap["disk_write_errors"] = sum(getattr(t, "write_errors", 0) for t in self.tiers)
+            if self.writer is not None:
+                snap["write_through"] = {"written": self.writer.written, "batches": self.writer.batches,
+                                         "queued": self.writer.queued}
             return snap
 
     def check_invariants(self) -> None:
@@ -276,7 +295,8 @@ class TieredStore:
         with self._lock:
             for i, tier in enumerate(self.tiers):
                 lru = self._lru[i]
-                assert tier.used_bytes == lru.total_bytes, (tier.name, tier.used_bytes, lru.total_bytes)
+                copies = tier.copy_bytes if i == self._disk else 0
+                assert tier.used_bytes == lru.total_bytes + copies, (tier.name, tier.used_bytes, lru.total_bytes)
                 assert tier.used_bytes <= tier.capacity_bytes, (tier.name, tier.used_bytes)
                 assert len(tier) == len(lru), (tier.name, len(tier), len(lru))
                 for k in lru:
@@ -284,6 +304,8 @@ class TieredStore:
             assert len(self._where) == sum(len(lru) for lru in self._lru)
 
     def close(self) -> None:
+        if self.writer is not None:  # before the lock: the writer takes it for its last batch
+            self.writer.close()
         with self._lock:
             for t in self.tiers:
                 t.close()
