@@ -173,4 +173,4 @@ def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
     assert admission.check_plan(late, now=6.5) is None  # 5 s of refusals since the last admission: a probe
     assert metrics.admission_probes._value.get() == 1
     assert isinstance(admission.check_plan(late, now=7.0), Rejection)
-    assert metrics.admission_flips._value.get() == 3  # admit, admit, reject, reject, admit (probe), reject
+    assert metrics.admission_flips._value.get() == 1  # admit, admit, reject, reject, (probe), reject

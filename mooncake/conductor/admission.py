@@ -75,8 +75,9 @@ class Admission:
             return Rejection(503, "no_workers", "no prefill or decode instance is available", retry_after_s=1)
         rejection = self._slo(plan, *evidence)
         if rejection is not None and now - self.last_admitted >= self.cfg.probe_after_s:
-            self.metrics.admission_probes.inc()
-            rejection = None
+            self.metrics.admission_probes.inc()  # a probe: neither the prediction's verdict nor a flip
+            self.last_admitted = now
+            return None
         admitted = rejection is None
         if self._last is not None and admitted != self._last:
             self.metrics.admission_flips.inc()
