@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, running_cluster, stream
+from clusters import MODEL, complete, metric, metrics, running_cluster
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -22,14 +22,16 @@ MAX_RETRY_S = 30.0
 def ttft(url: str, prompt: list[int]) -> tuple[int, float, float | None]:
     """(status, seconds to the first streamed event or to the refusal, Retry-After)."""
     t0 = time.monotonic()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    try:
-        first: list[float] = []
-        stream(url, body, lambda n, _: first.append(time.monotonic() - t0) if n == 1 else None)
-        return 200, first[0], None
-    except AssertionError:  # refused before streaming: the status is in the response
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        return r.status_code, time.monotonic() - t0, float(r.headers.get("retry-after", "nan"))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        if r.status_code != 200:
+            return r.status_code, time.monotonic() - t0, float(r.headers.get("retry-after", "nan"))
+        first = None
+        for line in r.iter_lines():
+            if line.startswith("data: ") and first is None:
+                first = time.monotonic() - t0
+        return 200, first, None
 
 
 def test_a_tiny_first_request_does_not_lock_the_cluster_out(tmp_path):

@@ -68,7 +68,7 @@ def test_forget_frees_unreferenced_cached_blocks_only():
     bm.release(a[:2])  # h(3) stays referenced
     assert bm.forget([h(1), h(3), h(9)]) == 1
     assert events[-1] == ("removed", [h(1)])
-    assert bm.cached_prefix([h(1)]) == 0 and bm.lookup(h(2)) == a[1] and bm.lookup(h(3)) == a[2]
+    assert bm.cached_prefix([h(1)]) == 0 and bm.cached[h(2)] == a[1] and bm.cached[h(3)] == a[2]
     assert len(bm.free) == 1 and list(bm.lru) == [a[1]]
     assert bm.forget([h(1)]) == 0 and len(events) == 2  # nothing removed: no event
     bm.check()

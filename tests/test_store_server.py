@@ -83,7 +83,7 @@ async def test_concurrent_clients_round_trip_large_blocks(server, shm):
     assert stats["hits"] >= 16 and stats["tiers"][0]["used_bytes"] >= 12 * MiB
 
 
-async def test_object_api_exists_and_stats(server):
+async def test_object_api_exists_remove_stats(server):
     c = StoreClient(server)
     try:
         hs = hashes("api", 4)
@@ -91,6 +91,8 @@ async def test_object_api_exists_and_stats(server):
         assert await c.exists(hs) == [True, True, True, False]
         got_h, got = await c.get(hs)
         assert got_h == hs[:3] and got[2].dtype == torch.int32 and got[2][0] == 2
+        assert await c.remove(hs[1:2] + hs[3:]) == 1
+        assert await c.exists(hs) == [True, False, True, False]
         stats = await c.stats()
         assert stats["hot"] and {t["name"] for t in stats["tiers"]} == {"dram", "lmdb"}
     finally:

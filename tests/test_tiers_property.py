@@ -17,6 +17,7 @@ KEYS = st.integers(0, 11)
 OPS = st.lists(st.one_of(
     st.tuples(st.just("put"), KEYS, st.sampled_from([64, 128, 256, 640])),
     st.tuples(st.just("get"), st.lists(KEYS, min_size=1, max_size=4), st.booleans()),
+    st.tuples(st.just("remove"), st.lists(KEYS, max_size=3)),
 ), max_size=40)
 
 
@@ -36,7 +37,7 @@ def test_random_operations_keep_invariants(ops, gate, promote):
                 t = torch.full((nbytes // 4,), float(version))
                 if store.put_many([bytes([k]) * 32], [t]) == 1:
                     truth[bytes([k]) * 32] = t
-            else:
+            elif op[0] == "get":
                 _, ks, prefix = op
                 want = [bytes([k]) * 32 for k in ks]
                 got = store.get_many(want, prefix=prefix)
@@ -47,6 +48,8 @@ def test_random_operations_keep_invariants(ops, gate, promote):
                     assert got_keys == want[:len(got_keys)]
                 for k, b in got:
                     assert torch.equal(b.tensor, truth[k])  # never stale or wrong bytes
+            else:
+                store.remove([bytes([k]) * 32 for k in op[1]])
             store.check_invariants()
             for k in truth:
                 if store.tier_of(k) == "lmdb" and gate:

@@ -27,8 +27,8 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVTransfer, PrefillDone, PrefillRequest, Reserved, Sampling, TokenEvent)
-from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Replicate, ShmBlocks, ShmGet,
-                                     ShmPut, ShmRef, StatsQuery)
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
+                                     Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
                                        dtype_name, frame_tensor, tensor_frame)
 
@@ -62,6 +62,7 @@ __all__ = [
     "Put",
     "Register",
     "Registered",
+    "Remove",
     "Replicate",
     "Reregister",
     "Reserved",
@@ -84,7 +85,7 @@ __all__ = [
 
 Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
-    Put, Get, Exists, Replicate, StatsQuery,
+    Put, Get, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,

@@ -31,6 +31,10 @@ class Exists(Msg, tag="exists"):
     hashes: list[bytes]
 
 
+class Remove(Msg, tag="remove"):
+    hashes: list[bytes]
+
+
 class Replicate(Msg, tag="replicate"):
     """Copy the given blocks (those present) to another store node."""
 
@@ -43,7 +47,7 @@ class StatsQuery(Msg, tag="stats"):
 
 
 class Ok(Msg, tag="ok"):
-    """Generic reply. ``count``: blocks stored / replicated; ``flags``: per-hash presence."""
+    """Generic reply. ``count``: blocks stored / removed / replicated."""
 
     count: int = 0
     flags: list[bool] = []

@@ -30,8 +30,8 @@ from mooncake.kv_integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
-from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate, ShmBlocks, ShmGet,
-                        ShmPut, ShmRef, StatsQuery, decode, encode)
+from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Remove,
+                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
 MiB = 1 << 20
@@ -248,6 +248,9 @@ class StoreClient:
 
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
+
+    async def remove(self, hashes: Sequence[BlockHash]) -> int:
+        return (await self._ok(Remove([bytes(h) for h in hashes]))).count
 
     async def replicate(self, hashes: Sequence[BlockHash], target_endpoint: str) -> int:
         """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""

@@ -37,8 +37,8 @@ from ..config import StoreConfig
 from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
-from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Replicate,
-                        ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Remove,
+                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
@@ -188,6 +188,8 @@ class StoreServer:
             return encode(Blocks(keys, [], self.sums.of(keys)), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
+        if isinstance(msg, Remove):
+            return encode(Ok(count=await self._run(s.remove, msg.hashes)))
         if isinstance(msg, StatsQuery):
             data = await self._run(s.snapshot)
             data["node_id"] = self.node_id

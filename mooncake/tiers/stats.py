@@ -23,6 +23,7 @@ class StoreStats:
     misses: int = 0  # blocks looked up and found nowhere
     stored: int = 0  # blocks accepted by put
     dropped: int = 0  # blocks that left the store by eviction
+    removed: int = 0  # blocks removed on request
     rejected: int = 0  # blocks a put could not place anywhere (or gated off SSD)
     block_hits: dict[bytes, int] = field(default_factory=dict)  # per resident block
 
@@ -36,7 +37,7 @@ class StoreStats:
     def snapshot(self, tier_sizes: dict[str, dict[str, int]], top_n: int = 10) -> dict[str, Any]:
         return {
             "hits": self.hits, "misses": self.misses, "stored": self.stored,
-            "dropped": self.dropped, "rejected": self.rejected,
+            "dropped": self.dropped, "removed": self.removed, "rejected": self.rejected,
             "tiers": [{"name": name, **tier_sizes[name], **asdict(c)} for name, c in self.tiers.items()],
             "hot": [[k.hex(), h] for k, h in self.hot(top_n)],
         }

@@ -268,6 +268,23 @@ class TieredStore(Durability):
         where = self._where
         return [bytes(k) in where for k in keys]
 
+    def remove(self, keys: Iterable[bytes]) -> int:
+        n = 0
+        with self._lock:
+            try:
+                for key in keys:
+                    key = bytes(key)
+                    i = self._where.get(key)
+                    if i is None:
+                        continue
+                    self._unlink(i, key)
+                    self._forget(i, key)
+                    self.stats.removed += 1
+                    n += 1
+            finally:
+                self._finish()
+        return n
+
     def tier_of(self, key: bytes) -> str | None:
         i = self._where.get(bytes(key))
         return None if i is None else self.tiers[i].name
