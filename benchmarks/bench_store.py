@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from clusters import start_store_process  # noqa: E402
 
 from mooncake.tiers.base import StoredBlock  # noqa: E402
 from mooncake.tiers.client import StoreClient  # noqa: E402
@@ -125,17 +126,7 @@ def bench_raw_lmdb(blocks, reps, path):
 
 
 def start_server(data_dir: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
-                             "--data-dir", data_dir, "--dram-bytes", str(3 * GiB), "--lmdb-bytes", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line: list[str] = []
-    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(60)
-    if not line or not line[0].startswith("READY"):
-        proc.kill()
-        raise RuntimeError("store server did not start")
-    return proc, line[0].split()[1]
+    return start_store_process(data_dir, "--dram-bytes", str(3 * GiB), "--lmdb-bytes", "0")
 
 
 async def bench_remote(endpoint, blocks, reps, shm, per_request):

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,6 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from clusters import start_store_process  # noqa: E402
 
 from mooncake.tiers.client import StoreClient  # noqa: E402
 from mooncake.tiers.dram import DramTier  # noqa: E402
@@ -63,18 +64,8 @@ def in_process(blocks: list[torch.Tensor], dram_bytes: int, mode: str, run: int)
 
 
 def start_server(data_dir: str, mode: str, dram_bytes: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
-                             "--data-dir", data_dir, "--node-id", mode, "--dram-bytes", str(dram_bytes),
-                             "--lmdb-bytes", str(4 * GiB), "--ssd-admission", mode],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line: list[str] = []
-    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(60)
-    if not line or not line[0].startswith("READY"):
-        proc.kill()
-        raise RuntimeError("store server did not start")
-    return proc, line[0].split()[1]
+    return start_store_process(data_dir, "--node-id", mode, "--dram-bytes", str(dram_bytes),
+                               "--lmdb-bytes", str(4 * GiB), "--ssd-admission", mode)
 
 
 async def remote(endpoint: str, blocks: list[torch.Tensor], run: int) -> tuple[float, float]:

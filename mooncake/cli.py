@@ -44,7 +44,7 @@ def _overrides(args: argparse.Namespace) -> dict:
     for key, section, field in (("host", "conductor", "host"), ("port", "conductor", "port"),
                                 ("data_dir", "store", "data_dir"),
                                 ("served_model_name", "model", "name"), ("max_model_len", "engine", "max_model_len")):
-        value = getattr(args, key)
+        value = getattr(args, key, None)
         if value is not None:
             o.setdefault(section, {})[field] = value
     return o

@@ -4,8 +4,12 @@ one SSE parser, metric parsing, waiting on conditions."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +37,7 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
         setattr(cfg.conductor, k, v)
     cfg.engine.kv_cache_bytes = 160 * MiB
     cfg.engine.threads = 1
+    cfg.engine.profile_at_start = False  # a few seconds per role; the admission tests turn it on
     cfg.store.dram_bytes = 128 * MiB
     cfg.store.lmdb_bytes = 256 * MiB
     cfg.store.data_dir = str(data_dir)
@@ -62,6 +67,23 @@ def running_cluster(*args: object, **kw: object) -> Iterator[DevCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def start_store_process(data_dir: Path | str, *args: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A standalone store server (``python -m mooncake.tiers.server``) on a free port:
+    (process, endpoint). The caller stops it."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
+                             "--data-dir", str(data_dir), *args], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not line or not line[0].startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"store did not start: {line} {proc.communicate()[1][-2000:]}")
+    return proc, line[0].split()[1]
 
 
 def sse_events(lines: Iterable[str]) -> list:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, running_cluster
+from clusters import MODEL, complete, metric, metrics, running_cluster, small_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -35,7 +35,9 @@ def ttft(url: str, prompt: list[int]) -> tuple[int, float, float | None]:
 
 
 def test_a_tiny_first_request_does_not_lock_the_cluster_out(tmp_path):
-    with running_cluster(tmp_path, ttft_slo_ms=SLO_MS, max_retry_after_s=MAX_RETRY_S, probe_after_s=60.0) as c:
+    cfg = small_config(tmp_path, ttft_slo_ms=SLO_MS, max_retry_after_s=MAX_RETRY_S, probe_after_s=60.0)
+    cfg.engine.profile_at_start = True
+    with running_cluster(cfg=cfg) as c:
         before = httpx.get(c.url + "/cluster").json()["estimates"]
         assert before["profiled"] == ["decode", "prefill"]  # the models start from this machine's numbers
         assert complete(c.url, "warm", max_tokens=1).status_code == 200

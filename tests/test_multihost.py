@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from clusters import MODEL, complete, metric, metrics, wait_for
 from hosts import Hosts, leftovers, unavailable_reason
+from oracle import greedy
 from mooncake.blocks import hash_blocks
 from mooncake.config import MiB, load_config
 from mooncake.engine.loader import resolve_model_dir
@@ -85,20 +85,8 @@ def cluster(tmp_path_factory):
         assert not leftovers(), leftovers()
 
 
-def greedy_ids(oracle_model, ids: list[int], n: int) -> list[int]:
-    """transformers float32 greedy, ``n`` tokens, not stopping at eos (as ``ignore_eos``)."""
-    out_ids: list[int] = []
-    with torch.no_grad():
-        out = oracle_model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            nxt = int(out.logits[0, -1].argmax())
-            out_ids.append(nxt)
-            out = oracle_model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-    return out_ids
-
-
 def oracle(oracle_model, tokenizer, ids: list[int], n: int) -> str:
-    gen = greedy_ids(oracle_model, ids, n)
+    gen = greedy(oracle_model, ids, n)
     assert tokenizer.eos_token_id not in gen, "pick a prompt whose continuation has no eos"
     return tokenizer.decode(gen, skip_special_tokens=True)
 

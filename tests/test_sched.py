@@ -177,7 +177,7 @@ def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
 
 
 def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
-    """A request a second, each predicted to decode for 4.5 s, TBT SLO 40 ms (5 sequences at the
+    """A request a second, each predicted to decode for 6.5 s, TBT SLO 40 ms (5 sequences at the
     prior's 30 ms + 2 ms each): admission follows the batch predicted at first-token time exactly,
     and the decision flips only when that prediction crosses the SLO."""
     sched, _, _ = make()
@@ -188,7 +188,7 @@ def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
     for i in range(60):
         now = float(i)
         plan = sched.plan(H[:2], 40, 1, 16, now=now)
-        plan.expected_end = now + plan.est_ttft_s + 4.5
+        plan.expected_end = now + plan.est_ttft_s + 6.5
         admitted = admission.check_plan(plan, now) is None
         verdicts.append((plan.decode_batch <= 5, admitted))
         if admitted:
@@ -196,4 +196,4 @@ def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
     assert all(fits == admitted for fits, admitted in verdicts)
     changes = sum(a != b for (_, a), (_, b) in zip(verdicts, verdicts[1:]))
     assert metrics.admission_flips._value.get() == changes
-    assert any(not a for _, a in verdicts) and sum(a for _, a in verdicts) >= 40  # near the SLO, mostly admitted
+    assert 10 <= sum(a for _, a in verdicts) <= 50  # held near the SLO: some admitted, some refused

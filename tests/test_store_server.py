@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from clusters import start_store_process
 from mooncake.protocol import Error, Get, Put, decode, encode
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
@@ -25,20 +23,9 @@ MiB = 1 << 20
 @contextmanager
 def store_process(data_dir: Path, *args: str, timeout: float = 60.0):
     """A standalone store server on a free port; yields its endpoint; always torn down."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0",
-         "--data-dir", str(data_dir), *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc, endpoint = start_store_process(data_dir, *args, timeout=timeout)
     try:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not line or not line[0].startswith("READY "):
-            proc.kill()
-            raise RuntimeError(f"store did not start: {line} {proc.stderr.read()}")
-        yield line[0].split()[1]
+        yield endpoint
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from clusters import start_store_process, wait_for
 from mooncake.config import load_config
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.dir_lock import DirLocked
@@ -24,6 +25,10 @@ from mooncake.tiers.tiered import TieredStore
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 64 * 1024  # bytes of one test block
 MiB = 1 << 20
+
+
+def put(store: TieredStore, k: bytes, block: torch.Tensor) -> bool:
+    return store.put_many([k], [block]) == 1
 
 
 def blk(v: float) -> torch.Tensor:
@@ -41,7 +46,7 @@ def store(path: Path, dram: int = 4, disk: int = 64, mode: str = "on_demotion", 
 def test_persist_moves_memory_blocks_to_disk_most_recent_kept(tmp_path):
     s = store(tmp_path, dram=4, disk=5)
     for i in range(6):  # 2 on disk, 4 in DRAM
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     s.get_many([key(2)])  # most recently used
     assert s.persist(deadline=float("inf")) == (4, 0)
     s.check_invariants()
@@ -66,7 +71,7 @@ def test_write_through_copies_adopted_on_demotion_dropped_on_removal(tmp_path):
     disk = s.tiers[1]
     assert disk.has_copy(key(0)) and disk.has_copy(key(1)) and disk.used_bytes == 2 * BLOCK
     s.check_invariants()
-    s.put(key(2), blk(2))  # key 0 demoted: its copy becomes the block, nothing written again
+    put(s, key(2), blk(2))  # key 0 demoted: its copy becomes the block, nothing written again
     assert s.tier_of(key(0)) == "lmdb" and not disk.has_copy(key(0))
     assert s.remove([key(1)]) == 1 and not disk.has_copy(key(1))
     s.get_many([key(0)])  # promoted: the record stays as the copy
@@ -94,7 +99,7 @@ def test_write_through_under_concurrent_puts_removes_and_reads(tmp_path):
         try:
             for i in range(60):
                 k = t * 1000 + i + 1
-                s.put(key(k), blk(k))
+                put(s, key(k), blk(k))
                 if i % 3 == 0:
                     s.remove([key(k - 1)])
                 if i % 4 == 0:
@@ -141,7 +146,7 @@ def test_corrupt_environment_moved_aside_store_starts_empty(tmp_path, caplog):
     aside = s.tiers[1].moved_aside
     assert aside is not None and aside.exists() and aside.name.startswith("data.mdb.corrupt-")
     assert "corrupt" in caplog.text and str(aside) in caplog.text
-    assert s.put(key(1), blk(1)) and s.persist(float("inf")) == (1, 0)  # a working store again
+    assert put(s, key(1), blk(1)) and s.persist(float("inf")) == (1, 0)  # a working store again
     s.close()
     assert set(LmdbTier(tmp_path, MiB).keys()) == {key(1)}
 
@@ -149,7 +154,7 @@ def test_corrupt_environment_moved_aside_store_starts_empty(tmp_path, caplog):
 def test_full_map_evicts_and_keeps_the_newest(tmp_path):
     s = TieredStore([DramTier(BLOCK), LmdbTier(tmp_path, 1000 * BLOCK, map_bytes=2 * MiB)])
     for i in range(60):  # far more than 2 MiB of records
-        s.put(key(i), blk(i))
+        put(s, key(i), blk(i))
     disk = s.tiers[1]
     assert disk.map_full >= 1 and disk.capacity_bytes < 1000 * BLOCK
     assert s.tier_of(key(59)) == "dram" and s.tier_of(key(58)) == "lmdb" and s.tier_of(key(0)) is None
@@ -160,14 +165,14 @@ def test_full_map_evicts_and_keeps_the_newest(tmp_path):
 
 def test_full_disk_fails_soft_and_serving_goes_on(tmp_path, caplog):
     s = store(tmp_path, dram=2, disk=64)
-    s.put(key(0), blk(0))
+    put(s, key(0), blk(0))
     size = (tmp_path / "data.mdb").stat().st_size
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, old_limit[1]))  # no file may grow: a full disk
     try:
         for i in range(1, 8):
-            assert s.put(key(i), blk(i))  # DRAM takes it; the demoted blocks fail to reach the disk
+            assert put(s, key(i), blk(i))  # DRAM takes it; the demoted blocks fail to reach the disk
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
@@ -175,7 +180,7 @@ def test_full_disk_fails_soft_and_serving_goes_on(tmp_path, caplog):
     assert snap["disk_write_errors"] >= 1 and "LMDB write" in caplog.text
     assert [k for k, _ in s.get_many([key(6), key(7)])] == [key(6), key(7)]  # still serving
     s.check_invariants()
-    assert s.put(key(9), blk(9)) and s.persist(float("inf"))[1] == 0  # the disk has room again
+    assert put(s, key(9), blk(9)) and s.persist(float("inf"))[1] == 0  # the disk has room again
     s.close()
 
 
@@ -183,18 +188,7 @@ def test_full_disk_fails_soft_and_serving_goes_on(tmp_path, caplog):
 
 
 def _server(data_dir: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake.tiers.server", "--endpoint", "tcp://127.0.0.1:0", "--data-dir",
-         str(data_dir), *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(60)
-    if not line or not line[0].startswith("READY "):
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"store did not start: {line}")
-    return proc, line[0].split()[1]
+    return start_store_process(data_dir, *args)
 
 
 async def test_write_through_survives_sigkill(tmp_path):
@@ -245,8 +239,6 @@ def test_second_store_role_with_the_same_id_fails_clearly(tmp_path):
 
     first, other = role("a-store"), role("b-store")
     try:
-        from clusters import wait_for
-
         wait_for(lambda: holds_lock("a-store") and holds_lock("b-store"), 60, "both stores to lock their dirs")
         second = role("a-store")
         _, err = second.communicate(timeout=60)
