@@ -50,6 +50,7 @@ class Slot:
     seq: Sequence
     next_block: int = 0  # KV blocks received so far (in order)
     first_token: int | None = None
+    started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
 
     @property
@@ -68,6 +69,7 @@ class DecodeWorker(EngineWorker):
         self.aborted: set[str] = set()  # running requests to retire at the next step
         self.steps: list[tuple[int, float]] = []  # (batch, seconds) since the last heartbeat
         self._wake = asyncio.Event()
+        self._reserving = asyncio.Lock()
 
     async def start(self) -> None:
         self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
@@ -114,33 +116,45 @@ class DecodeWorker(EngineWorker):
 
     async def _reserve_pending(self) -> None:
         """Reserve blocks for waiting requests, in order, while the pool has room for them and
-        one more block per running sequence (so that reserving never starves the batch)."""
-        eng = self.engine
-        while self.pending:
-            msg = self.pending[0]
-            need = -(-len(msg.tokens) // eng.block_tokens)
-            seq = None
-            if eng.blocks.num_available() >= need + len(self.running):
-                try:
-                    seq = await self.run_engine(eng.reserve, msg.req_id, msg.tokens, [BlockHash(h) for h in msg.hashes],
-                                                BlockHash(msg.root), msg.sampling, msg.num_generated)
-                except InvalidRequestError as e:
-                    self.pending.popleft()
-                    await self.fail(msg.req_id, e)
+        one more block per running sequence (so that reserving never starves the batch). One
+        caller at a time; a request dropped while its reservation was being made gives it back."""
+        async with self._reserving:
+            eng = self.engine
+            while self.pending:
+                msg = self.pending[0]
+                need = -(-len(msg.tokens) // eng.block_tokens)
+                seq = None
+                if eng.blocks.num_available() >= need + len(self.running):
+                    try:
+                        seq = await self.run_engine(eng.reserve, msg.req_id, msg.tokens,
+                                                    [BlockHash(h) for h in msg.hashes], BlockHash(msg.root),
+                                                    msg.sampling, msg.num_generated)
+                    except InvalidRequestError as e:
+                        self._unqueue(msg)
+                        await self.fail(msg.req_id, e)
+                        continue
+                if not (self.pending and self.pending[0] is msg):  # aborted meanwhile
+                    if seq is not None:
+                        await self.run_engine(eng.free, seq)
                     continue
-            if seq is None:
-                if not (self.running or self.incoming):  # nothing will free memory: it never fits here
-                    self.pending.popleft()
-                    await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
-                    continue
-                return
+                if seq is None:
+                    if not (self.running or self.incoming):  # nothing will free memory: it never fits here
+                        self.pending.popleft()
+                        await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
+                        continue
+                    return
+                self.pending.popleft()
+                self.incoming[msg.req_id] = Slot(msg, seq, next_index=msg.num_generated + 1)
+                await self.send(P.Reserved(msg.req_id, self.node_id))
+
+    def _unqueue(self, msg: P.DecodeRequest) -> None:
+        if self.pending and self.pending[0] is msg:
             self.pending.popleft()
-            self.incoming[msg.req_id] = Slot(msg, seq, next_index=msg.num_generated + 1)
-            await self.send(P.Reserved(msg.req_id, self.node_id))
 
     async def _maybe_start(self, slot: Slot) -> None:
-        if slot.first_token is None or not slot.kv_complete:
+        if slot.first_token is None or not slot.kv_complete or slot.started:
             return
+        slot.started = True
         rid = slot.msg.req_id
         await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
         if self.incoming.pop(rid, None) is slot:
