@@ -45,16 +45,16 @@ def build_app(conductor: Conductor) -> FastAPI:
     async def cluster() -> dict:
         """Nodes with their socket endpoints, last reported load and the scheduler's bookings."""
         s = conductor.scheduler
-        pw, dw = conductor.prefill_cost.weights, conductor.decode_cost.weights
+        costs = conductor.costs
+        pw, dw = costs.prefill.weights, costs.decode.weights
         facts = conductor.facts
         return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
                 "block_tokens": facts.block_tokens if facts else 0,
-                "estimates": {"prefill_1k_tokens_s": conductor.prefill_cost.predict(1000, 0),
-                              "decode_step_batch_8_s": conductor.decode_cost.predict(8),
+                "estimates": {"prefill_1k_tokens_s": costs.prefill.predict(1000, 0),
+                              "decode_step_batch_8_s": costs.decode.predict(8),
                               "prefill_fixed_s": pw[0], "prefill_per_token_s": pw[1] / 1000,
                               "prefill_per_pair_s": pw[2] / 1e6, "decode_step_s": dw[0], "decode_per_seq_s": dw[1],
-                              "fetch_block_s": conductor.prefill_cost.fetch_block_s,
-                              "profiled": sorted(conductor._profiled)},
+                              "fetch_block_s": costs.prefill.fetch_block_s, "profiled": sorted(costs.profiled)},
                 "predictions": conductor.predictions.summary(),
                 "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
                            "endpoints": n.endpoints,

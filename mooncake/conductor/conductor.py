@@ -26,6 +26,7 @@ from typing import Any
 from mooncake import protocol as P
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.conductor.admission import Admission, Rejection
+from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.predictions import Predictions
@@ -35,9 +36,7 @@ from mooncake.conductor.router import Router
 from mooncake.config import Config
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
-from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.engine_profile import EngineProfile
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -56,14 +55,12 @@ class Conductor:
         self.metrics = Metrics()
         self.cluster = Cluster()
         self.index = KVIndex()
-        self.prefill_cost = PrefillCostModel()
-        self.decode_cost = DecodeCostModel()
-        self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.prefill_cost, self.decode_cost)
+        self.costs = CostModels(self.metrics)
+        self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
         self.admission = Admission(cfg.conductor, self.metrics)
         self.predictions = Predictions(self.metrics)
-        self._profiled: set[str] = set()  # roles whose start-up profile seeded a cost model
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
-        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.decode_cost, self.metrics,
+        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.metrics,
                                      self.on_node_lost, expected, keys_required=self.curve is not None)
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
@@ -77,7 +74,7 @@ class Conductor:
     async def start(self) -> str:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES)
-        r.on(P.Heartbeat, lambda n, m: self.membership.heartbeat(n, m.load, time.monotonic()))
+        r.on(P.Heartbeat, self._on_heartbeat)
         r.on(P.Leave, lambda n, m: self.membership.leave(n))
         r.on(P.BlockEvent, self._on_block_event)
         r.on(P.Reserved, self._on_reserved)
@@ -153,7 +150,7 @@ class Conductor:
         plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
                                    time.monotonic())
         self.metrics.decision.observe(time.perf_counter() - t0)
-        rejection = self.admission.check_plan(plan, time.monotonic(), self.evidence())
+        rejection = self.admission.check_plan(plan, time.monotonic(), self.costs.evidence())
         if rejection is not None:
             return rejection
         assert plan is not None
@@ -196,9 +193,8 @@ class Conductor:
         self._send(req.attempt.plan.prefill.node_id, prefill)
 
     def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
-        self.prefill_cost.observe(msg.computed_tokens, msg.cached_tokens, msg.prefill_s)
-        self.prefill_cost.observe_fetch(msg.fetched_blocks, msg.fetch_s)
-        self.metrics.cost_model_rejected_fits.labels("prefill").set(self.prefill_cost.model.rejected_fits)
+        self.costs.observe_prefill(msg.computed_tokens, msg.cached_tokens, msg.prefill_s, msg.fetched_blocks,
+                                   msg.fetch_s)
         req = self._attempt_of(node, msg.req_id, "prefill")
         if req is None or req.status is not RequestStatus.PREFILLING:
             return
@@ -253,29 +249,14 @@ class Conductor:
     def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
         reply = self.membership.register(ident, msg, time.monotonic(), peer)
         profile = msg.info.profile
-        if isinstance(reply, P.Registered) and profile is not None and msg.role not in self._profiled:
-            self._seed_cost_model(msg.role, profile)
+        if isinstance(reply, P.Registered) and profile is not None and self.costs.seed(msg.role, profile):
+            self.scheduler.prefill_cost, self.scheduler.decode_cost = self.costs.prefill, self.costs.decode
         return reply
 
-    # ------------------------------------------------------------ cost models
-
-    def _seed_cost_model(self, role: str, profile: EngineProfile) -> None:
-        """Start the role's cost model from what its first instance measured of this machine."""
-        if role == "prefill" and profile.prefill:
-            self.prefill_cost = self.scheduler.prefill_cost = PrefillCostModel.from_profile(
-                profile.prefill, chunk_tokens=profile.chunk_tokens)
-        elif role == "decode" and profile.decode:
-            self.decode_cost = self.scheduler.decode_cost = self.membership.decode_cost = \
-                DecodeCostModel.from_profile(profile.decode)
-        else:
-            return
-        self._profiled.add(role)
-        log.info("%s cost model seeded from a start-up profile (%.1fs of measurements)", role, profile.seconds)
-
-    def evidence(self) -> tuple[bool, bool]:
-        """Whether the (prefill, decode) cost models rest on measurements of this machine."""
-        return ("prefill" in self._profiled or self.prefill_cost.model.samples > 0,
-                "decode" in self._profiled or self.decode_cost.model.samples > 0)
+    def _on_heartbeat(self, node: Node, msg: P.Heartbeat) -> None:
+        self.membership.heartbeat(node, msg.load, time.monotonic())
+        if node.role == "decode":
+            self.costs.observe_decode(msg.load.steps)
 
     # ------------------------------------------------------------ ending and moving attempts
 

@@ -24,7 +24,6 @@ from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
-from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import ROLE_KIND, kind_of
 
@@ -56,7 +55,7 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
 
 
 class Membership:
-    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, decode_cost: DecodeCostModel,
+    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex,
                  metrics: Metrics, on_lost: Callable[[Node, str], None], expected: ExpectedModel | None = None,
                  keys_required: bool = False) -> None:
         """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted).
@@ -65,7 +64,6 @@ class Membership:
         self.cfg = cfg
         self.cluster = cluster
         self.index = index
-        self.decode_cost = decode_cost
         self.metrics = metrics
         self.on_lost = on_lost
         self.expected = expected
@@ -116,10 +114,6 @@ class Membership:
             log.warning("%s %s progresses again: takes work again", node.role, node.node_id)
             node.stalled = False
             self.cluster.reindex()
-        if node.role == "decode":
-            for batch, seconds in load.steps:
-                self.decode_cost.observe(int(batch), float(seconds))
-            self.metrics.cost_model_rejected_fits.labels("decode").set(self.decode_cost.model.rejected_fits)
         if node.role in ("prefill", "decode"):
             self.metrics.running.labels(node.node_id).set(load.running)
             self.metrics.waiting.labels(node.node_id).set(load.waiting)
