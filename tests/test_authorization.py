@@ -17,7 +17,6 @@ from mooncake.config import Config, MiB
 from mooncake.kv_integrity import checksums
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster
-from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import InsecureNetworkError, check_network, store_access_problem
 from mooncake.tiers.client import StoreUnavailable
@@ -28,7 +27,7 @@ EXPECTED = ExpectedModel("m@0123456789abcdef", None, 16, SHAPE)
 
 
 def membership(keys_required: bool = True) -> Membership:
-    return Membership(Config().conductor, Cluster(), KVIndex(), DecodeCostModel(), Metrics(), lambda n, why: None,
+    return Membership(Config().conductor, Cluster(), KVIndex(), Metrics(), lambda n, why: None,
                       EXPECTED, keys_required)
 
 
