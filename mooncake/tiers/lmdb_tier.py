@@ -172,7 +172,11 @@ class LmdbTier(Tier):
             log.error("LMDB delete in %s failed (%s: %s)", self.path, type(e).__name__, e)
 
     def delete(self, key: bytes) -> int:
-        n = self._sizes.pop(key, None)
+        return self._drop(self._sizes, key)
+
+    def _drop(self, held: dict[bytes, int], key: bytes) -> int:
+        """Forget ``key`` from ``held`` (resident blocks or copies) and delete its record."""
+        n = held.pop(key, None)
         if n is None:
             return 0
         self.used_bytes -= n
@@ -243,13 +247,7 @@ class LmdbTier(Tier):
             self._copies[key] = n
 
     def drop_copy(self, key: bytes) -> int:
-        n = self._copies.pop(key, None)
-        if n is None:
-            return 0
-        self.used_bytes -= n
-        if self._pending.pop(key, None) is None:
-            self._delete_records([key])
-        return n
+        return self._drop(self._copies, key)
 
     @property
     def copy_bytes(self) -> int:
