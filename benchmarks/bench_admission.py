@@ -33,7 +33,7 @@ from mooncake.config import ModelConfig  # noqa: E402
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 300.0
 
 
-def run(slo: bool, rates: list[float], requests: int, model_dir: str) -> list[dict]:
+def run(slo: bool, rates: list[float], duration_s: float, model_dir: str) -> list[dict]:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-admission-")),
                        ttft_slo_ms=SLO_TTFT_MS if slo else 0.0)
     cfg.engine.profile_at_start = True  # as served by default: the cost models start from this machine
@@ -43,6 +43,7 @@ def run(slo: bool, rates: list[float], requests: int, model_dir: str) -> list[di
                 "max_tokens": 2}
         httpx.post(c.url + "/v1/completions", json=body, timeout=120).raise_for_status()  # warm
         for rate in rates:
+            requests = max(16, int(rate * duration_s))  # long enough above capacity for the backlog to build
             sp = SharedPrefixSpec(groups=2, sessions_per_group=max(1, requests // 4), prefix_tokens=512,
                                   suffix_tokens=64, turns=2, output_tokens=16)
             bc = BenchConfig(base_url=c.url, workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,
@@ -62,15 +63,16 @@ def run(slo: bool, rates: list[float], requests: int, model_dir: str) -> list[di
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer requests")
+    ap.add_argument("--quick", action="store_true", help="shorter runs")
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run (at least 16 requests)")
     ap.add_argument("--rates", type=float, nargs=2, default=[0.3, 3.0], help="below and above capacity (req/s)")
     ap.add_argument("--out", help="write the markdown table here too")
     args = ap.parse_args()
     model_dir, _ = resolve_model_dir(ModelConfig())
-    n = 16 if args.quick else 32
-    rows = run(False, args.rates, n, model_dir) + run(True, args.rates, n, model_dir)
+    duration = 10.0 if args.quick else args.duration
+    rows = run(False, args.rates, duration, model_dir) + run(True, args.rates, duration, model_dir)
     lines = [f"SLOs: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; shared-prefix workload, "
-             f"{rows[0]['requests']} requests per run.", "",
+             f"{duration:.0f} s of arrivals per run (at least 16 requests).", "",
              "| TTFT SLO set | rate (req/s) | ok / total | rejected (429) | goodput (req/s) | TTFT p50 / p90 (ms) "
              "| TTFT prediction error median / p90 (n) |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -8,7 +8,7 @@ from mooncake.config import ConductorConfig
 from mooncake.conductor.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import NodeInfo
-from mooncake.sched.booking import PrefillQueue
+from mooncake.sched.booking import DecodeSlots, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
@@ -197,3 +197,47 @@ def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
     changes = sum(a != b for (_, a), (_, b) in zip(verdicts, verdicts[1:]))
     assert metrics.admission_flips._value.get() == changes
     assert 10 <= sum(a for _, a in verdicts) <= 50  # held near the SLO: some admitted, some refused
+
+
+def test_blocks_a_booked_request_will_compute_count_as_cached_behind_it():
+    sched, cluster, _ = make()
+    cluster.get("p1").draining = True  # one prefill instance: the second request queues behind the first
+    cluster.reindex()
+    first = sched.plan(H[:8], n_tokens=8 * 16 + 5, max_tokens=4, block_tokens=16, now=0)
+    assert first.device_blocks == 0
+    sched.book("r1", first)
+    # The same prefix right behind it: its prefill instance will hold the blocks by then.
+    second = sched.plan(H[:8], n_tokens=8 * 16 + 5, max_tokens=4, block_tokens=16, now=0)
+    assert second.prefill is first.prefill and second.device_blocks == 8
+    assert second.est_prefill_s < first.est_prefill_s / 2  # 5 tokens to compute instead of 133
+    assert second.decode_blocks == first.decode_blocks - 8  # shared on the decode instance too
+    sched.release("r1")  # it failed before computing anything: nothing is pending any more
+    third = sched.plan(H[:8], n_tokens=8 * 16 + 5, max_tokens=4, block_tokens=16, now=0)
+    assert third.device_blocks == 0 and third.decode_blocks == first.decode_blocks
+
+
+def test_a_full_decode_pool_delays_the_predicted_first_token_until_room_frees():
+    sched, cluster, _ = make()
+    cluster.get("d0").info = NodeInfo(node_name="n0", pid=1, num_blocks=20)
+    plan = sched.plan(H[:2], 40, 24, 16, now=0)  # 40 + 24 tokens: 4 blocks + 1 of headroom
+    assert plan.reserve_wait_s == 0 and plan.decode_blocks == 5
+    free_ttft = plan.est_ttft_s
+    for i, end in enumerate((10.0, 20.0, 30.0, 40.0)):  # four others fill the pool until they end
+        sched.slots["d0"].add(f"r{i}", end, 5)
+    plan = sched.plan(H[2:4], 40, 24, 16, now=0)
+    assert plan.reserve_wait_s == pytest.approx(10.0)  # room once the first of them ends
+    assert plan.est_ttft_s == pytest.approx(10.0 + free_ttft, rel=0.01)
+    assert plan.best_ttft_s == pytest.approx(plan.est_ttft_s)
+    cluster.upsert(node("d1", "decode", "n1", kv="tcp://d1"))  # an instance with room wins
+    cluster.get("d1").info = NodeInfo(node_name="n1", pid=1, num_blocks=20)
+    plan = sched.plan(H[2:4], 40, 24, 16, now=0)
+    assert plan.decode.node_id == "d1" and plan.reserve_wait_s == 0
+
+
+def test_a_request_larger_than_the_pool_waits_for_it_to_empty():
+    sched, cluster, _ = make()
+    cluster.get("d0").info = NodeInfo(node_name="n0", pid=1, num_blocks=4)
+    sched.slots["d0"] = DecodeSlots()
+    sched.slots["d0"].add("small", 7.0, 2)
+    plan = sched.plan(H[:4], 100, 20, 16, now=0)  # 9 blocks: more than the whole pool
+    assert plan.reserve_wait_s == pytest.approx(7.0)

@@ -117,7 +117,7 @@ def test_size_finds_the_smallest_qualifying_cluster(small_trace: Path) -> None:
     reqs = load_requests(small_trace, rate_scale=30.0)
     hw = hardware_for("a800x8-llama2-70b", 512)
     template = SimSetup(1, 1, "cache_aware", True, ttft_slo_ms=2000, tbt_slo_ms=30)
-    answer = size_cluster(reqs, hw, template, 0.7, max_prefill=4, max_decode=4, full_frontier=True)
+    answer = size_cluster(reqs, hw, template, 0.7, max_prefill=4, max_decode=4)
     brute = {(p, d): simulate(SimSetup(p, d, "cache_aware", True, 2000, 30), hw, reqs).slo_attainment
              for p in range(1, 5) for d in range(1, 5)}
     qualifying = sorted((p + d, p, d) for (p, d), a in brute.items() if a >= 0.7)

@@ -200,6 +200,7 @@ class Conductor:
             return
         assert req.attempt is not None
         now = time.monotonic()
+        self.costs.observe_dispatch(req.attempt, now, msg.prefill_s + msg.fetch_s)
         self.predictions.ttft(node.node_id, req.attempt.plan.est_ttft_s, now - req.attempt.started)
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes

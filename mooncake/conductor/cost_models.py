@@ -9,10 +9,14 @@ only refuses on a prediction with ``evidence`` behind it: a profile or measureme
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from mooncake.metrics import Metrics
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.engine_profile import EngineProfile
+
+if TYPE_CHECKING:
+    from mooncake.conductor.request import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,9 @@ class CostModels:
         if role in self.profiled:
             return False
         if role == "prefill" and profile.prefill:
-            self.prefill = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens)
+            seeded = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens)
+            seeded.dispatch, seeded.transit = self.prefill.dispatch, self.prefill.transit
+            self.prefill = seeded
         elif role == "decode" and profile.decode:
             self.decode = DecodeCostModel.from_profile(profile.decode)
         else:
@@ -42,6 +48,15 @@ class CostModels:
         self.prefill.observe(computed, cached, prefill_s)
         self.prefill.observe_fetch(fetched, fetch_s)
         self.metrics.cost_model_rejected_fits.labels("prefill").set(self.prefill.model.rejected_fits)
+
+    def observe_dispatch(self, attempt: Attempt, prefilled_at: float, worked_s: float) -> None:
+        """What an attempt spent beyond its prefill's work (``worked_s``: fetch + compute), when
+        its plan predicted no queue and no wait for decode memory (else queueing would count)."""
+        plan = attempt.plan
+        if plan.queue_s > 0 or plan.reserve_wait_s > 0 or not attempt.reserved_at:
+            return
+        self.prefill.dispatch.observe(prefilled_at - attempt.started - worked_s)
+        self.prefill.transit.observe(prefilled_at - attempt.reserved_at - worked_s)
 
     def observe_decode(self, steps: list[tuple[int, float]]) -> None:
         for batch, seconds in steps:

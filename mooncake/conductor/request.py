@@ -76,6 +76,7 @@ class Attempt:
     number: int
     plan: Plan
     started: float  # when it was dispatched
+    reserved_at: float = 0.0  # when the decode instance had reserved its blocks
     first_token_at: float = 0.0  # when its prefill's token came
     tokens_before: int = 0  # tokens generated before that one (earlier attempts)
 
@@ -131,7 +132,8 @@ class Request:
 
     def reserved(self, now: float) -> None:
         self._to(RequestStatus.PREFILLING)
-        self.last_progress = now
+        assert self.attempt is not None
+        self.attempt.reserved_at = self.last_progress = now
 
     def prefilled(self, first_token: int, cached_tokens: int, now: float) -> bool:
         """The attempt's prefill is done; its first token is emitted. Returns whether it is

@@ -3,13 +3,20 @@ it releases it itself when the request moves on.
 
 Prefill instances: queued work in predicted seconds (a running sum per instance).
 Decode instances: the predicted end time of every request assigned to it, kept
-sorted so that "how many will still be decoding at time t" is a bisection.
+sorted so that "how many will still be decoding at time t" is a bisection, and the
+KV blocks each one is predicted to hold, so that "when will this many blocks be
+free" is a walk over the ends.
+Pending blocks: the blocks a booked request will make resident on an instance
+(those it computes or receives), so that a request planned behind it on the same
+instance counts them as cached.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass
@@ -31,25 +38,78 @@ class PrefillQueue:
 @dataclass
 class DecodeSlots:
     assigned: dict[str, float] = field(default_factory=dict)  # request -> predicted end time
-    ends: list[float] = field(default_factory=list)  # the same values, sorted
+    by_end: list[tuple[float, str]] = field(default_factory=list)  # (end, request), sorted
+    blocks: dict[str, int] = field(default_factory=dict)  # request -> KV blocks it will hold
+    blocks_total: int = 0
 
-    def add(self, req_id: str, expected_end: float) -> None:
+    def add(self, req_id: str, expected_end: float, blocks: int = 0) -> None:
         self.remove(req_id)
         self.assigned[req_id] = expected_end
-        bisect.insort(self.ends, expected_end)
+        bisect.insort(self.by_end, (expected_end, req_id))
+        self.blocks[req_id] = blocks
+        self.blocks_total += blocks
 
     def remove(self, req_id: str) -> None:
         end = self.assigned.pop(req_id, None)
         if end is not None:
-            i = bisect.bisect_left(self.ends, end)
-            if i < len(self.ends) and self.ends[i] == end:
-                del self.ends[i]
+            j = bisect.bisect_left(self.by_end, (end, req_id))
+            if j < len(self.by_end) and self.by_end[j] == (end, req_id):
+                del self.by_end[j]
+            self.blocks_total -= self.blocks.pop(req_id, 0)
 
     def next_end_after(self, t: float) -> float:
         """When the first request still decoding at ``t`` is predicted to finish (``t`` if none)."""
-        i = bisect.bisect_right(self.ends, t)
-        return self.ends[i] if i < len(self.ends) else t
+        i = bisect.bisect_right(self.by_end, t, key=_end)
+        return self.by_end[i][0] if i < len(self.by_end) else t
 
     def running_at(self, t: float) -> int:
         """Assigned requests predicted to still be decoding at time ``t``."""
-        return len(self.ends) - bisect.bisect_right(self.ends, t)
+        return len(self.by_end) - bisect.bisect_right(self.by_end, t, key=_end)
+
+    def room_at(self, need: int, capacity: int, t: float) -> float:
+        """The earliest time from ``t`` at which ``need`` blocks are free in a pool of
+        ``capacity`` (0: unknown, never waits), as booked requests are predicted to end.
+        A request larger than the pool waits for it to empty (the decode runs it alone)."""
+        if capacity <= 0:
+            return t
+        held = self.blocks_total
+        if held + need <= capacity:
+            return t
+        for end, req_id in self.by_end:
+            held -= self.blocks[req_id]
+            if held + need <= capacity or held <= 0:
+                return max(t, end)
+        return t
+
+
+def _end(entry: tuple[float, str]) -> float:
+    return entry[0]
+
+
+class PendingBlocks:
+    """Blocks booked requests will make resident on each instance (counted: requests share them)."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, Counter[bytes]] = {}
+
+    def add(self, node_id: str, hashes: Iterable[bytes]) -> None:
+        self._by_node.setdefault(node_id, Counter()).update(hashes)
+
+    def remove(self, node_id: str, hashes: Iterable[bytes]) -> None:
+        c = self._by_node.get(node_id)
+        if c is None:
+            return
+        for h in hashes:
+            n = c.get(h, 0) - 1
+            if n > 0:
+                c[h] = n
+            else:
+                c.pop(h, None)
+        if not c:
+            del self._by_node[node_id]
+
+    def of(self, node_id: str) -> Counter[bytes] | None:
+        return self._by_node.get(node_id)
+
+    def forget_node(self, node_id: str) -> None:
+        self._by_node.pop(node_id, None)

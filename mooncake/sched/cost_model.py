@@ -14,7 +14,10 @@ with the work, so predictions are monotone in tokens, context and batch size:
   twice as much per pair on CPU: ``masked`` counts those pairs, ``e`` is their extra cost.
   ``masked`` never decreases with ``n`` or ``ctx`` (going from no context to some context
   moves the first chunk's pairs into it), so neither does the prediction;
-- one decode step: ``d0 + d1*batch``.
+- one decode step: ``d0 + d1*batch``;
+- and, outside the fit, what a request spends between dispatch and its prefill beyond the
+  queues: messages between the roles and the decode instance's reservation (made between
+  its engine steps), as the median of recent requests that met no queue.
 
 The fit. Each weight is ``w_j = s_j * t_j``: ``s_j`` is the prior's weight, floored so that
 every term carries at least 5% of the prior's prediction at an anchor size (a term the prior
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from typing import Iterable, Sequence
 
@@ -169,6 +173,19 @@ def fit_prior(features: Sequence[Sequence[float]], seconds: Sequence[float],
     return [s * v for s, v in zip(scale, t)]
 
 
+class RecentMedian:
+    """The median of the last ``window`` samples (0 before any): robust to the odd stall."""
+
+    def __init__(self, window: int = 33) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self.value = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self._samples.append(seconds)
+            self.value = statistics.median(self._samples)
+
+
 class PrefillCostModel:
     """Seconds to prefill ``n`` new tokens after ``ctx`` cached ones (module docstring):
     ``fixed_s + n/tokens_per_s + attention_s*pairs/1e6 + masked_s*masked/1e6``."""
@@ -188,6 +205,8 @@ class PrefillCostModel:
                                         self._features(*self.ANCHOR),
                                         [self._features(*r) for r in self.REFERENCES], max_factor=max_factor, **fit)
         self.fetch_block_s = fetch_block_s
+        self.dispatch = RecentMedian()  # s from dispatch to prefill start beyond queues: messages, reservation
+        self.transit = RecentMedian()  # the same without the decode instance's reservation
 
     @classmethod
     def from_profile(cls, samples: Iterable[tuple[int, int, float]], chunk_tokens: int = 512,

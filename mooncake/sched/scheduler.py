@@ -2,8 +2,12 @@
 
 For each prefill instance the estimated TTFT is its queue wait + the time to
 fetch the prefix blocks it lacks from the stores + the prefill time of the
-tokens still uncached. The decode instance is chosen by the batch it is
-expected to run when this request's prefill finishes. The plan says everything
+tokens still uncached; blocks that requests booked ahead of it on the same
+instance will compute count as cached. The decode instance is chosen by the
+batch it is expected to run when this request's prefill finishes, preferring
+one whose KV pool has room now: the prefill starts only once the decode
+instance has reserved the request's blocks, so a full pool's predicted wait
+(until enough booked requests end) is part of the TTFT. The plan says everything
 the conductor needs to dispatch (instances, fetch segments, the store to write
 to) and the predictions admission judges against the SLOs; the scheduler books
 the predicted load when the conductor dispatches, and releases it itself.
@@ -18,7 +22,7 @@ from typing import Sequence
 
 from mooncake.config import ConductorConfig
 from mooncake.protocol import FetchPlan
-from mooncake.sched.booking import DecodeSlots, PrefillQueue
+from mooncake.sched.booking import DecodeSlots, PendingBlocks, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
@@ -40,12 +44,18 @@ class Plan:
     expected_end: float  # predicted time the request finishes decoding
     decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
     fetch_hashes: list[bytes] = field(default_factory=list)
+    reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
+    queue_s: float = 0.0  # predicted wait in the prefill instance's queue
+    decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
+    hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
 
 
 @dataclass
 class _Booked:
     prefill: str
     decode: str
+    hashes: list[bytes]  # pending on both instances until each is done with the request
+    prefilled: bool = False
 
 
 class Scheduler:
@@ -62,6 +72,7 @@ class Scheduler:
         self.queues: dict[str, PrefillQueue] = {}
         self.slots: dict[str, DecodeSlots] = {}
         self._booked: dict[str, _Booked] = {}
+        self.pending = PendingBlocks()
 
     # ------------------------------------------------------------ planning
 
@@ -79,17 +90,18 @@ class Scheduler:
         # One walk: each node's leading run, and how far the stores together cover the chain.
         runs, store_end = self.index.prefix_runs(hashes[:usable], stores)
         fetch_s = self.prefill_cost.fetch_block_s
+        dispatch_s = self.prefill_cost.dispatch.value
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         candidates = []
         for p in prefills:
-            dev = min(runs.get(p.node_id, 0), usable)
+            dev = self._resident_run(p.node_id, hashes, runs.get(p.node_id, 0), usable)
             reusable = max(dev, store_end)
             prefill_s = prefill_time.get(reusable)
             if prefill_s is None:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
-            est = self.queue_s(p.node_id) + (reusable - dev) * fetch_s + prefill_s
+            est = dispatch_s + self.queue_s(p.node_id) + (reusable - dev) * fetch_s + prefill_s
             candidates.append((est, prefill_s, dev, reusable, p))
 
         if self.cfg.policy == "random":
@@ -101,12 +113,22 @@ class Scheduler:
         else:
             chosen = min(candidates, key=lambda c: c[0])
         est, prefill_s, dev, reusable, p = chosen
-        best = min(c[0] for c in candidates)
 
-        first_token_at = now + est
-        decode, batch = min(((d, self._slots(d.node_id).running_at(first_token_at) + 1) for d in decodes),
-                            key=lambda db: db[1])
+        # The decode instance: one with room in its pool now, then the smallest batch when the
+        # first token comes, then the shortest wait for room.
+        full = min(len(hashes), n_tokens // block_tokens)
+        total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
+        options = []
+        for d in decodes:
+            slots = self._slots(d.node_id)
+            need = total_blocks - self._resident_run(d.node_id, hashes, runs.get(d.node_id, 0), full)
+            wait = slots.room_at(need, d.info.num_blocks, now) - now
+            first_token_at = now + est + max(0.0, wait - self.queue_s(p.node_id))
+            options.append((wait > 0, slots.running_at(first_token_at) + 1, wait, len(options), first_token_at, need, d))
+        _, batch, wait, _, first_token_at, need, decode = min(options)
         tbt = self.decode_cost.predict(batch)
+        ttft = first_token_at - now
+        best = min(c[0] + max(0.0, wait - self.queue_s(c[4].node_id)) for c in candidates)
 
         segs: list[tuple[int, int, str]] = []
         if reusable > dev:  # read from the stores local to the chosen instance first
@@ -114,8 +136,20 @@ class Scheduler:
             segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
         drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
-        return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, est, best, batch, tbt,
-                    first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]])
+        return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
+                    first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]],
+                    reserve_wait_s=wait, queue_s=self.queue_s(p.node_id), decode_blocks=need, hashes=hashes[:full])
+
+    def _resident_run(self, node_id: str, hashes: Sequence[bytes], indexed: int, limit: int) -> int:
+        """Leading blocks of ``hashes`` (at most ``limit``) an instance holds, or will hold once
+        the requests booked on it are served; ``indexed``: its run in the KV index."""
+        pending = self.pending.of(node_id)
+        run = min(indexed, limit)
+        if not pending:
+            return run
+        while run < limit and (hashes[run] in pending or node_id in self.index.holders(hashes[run])):
+            run += 1
+        return run
 
     @staticmethod
     def _store_for(prefill: Node, stores: dict[str, Node]) -> str:
@@ -131,25 +165,34 @@ class Scheduler:
         """Reserve the plan's predicted load: its prefill work and a decode slot."""
         self.release(req_id)
         self._queue(plan.prefill.node_id).add(req_id, plan.est_prefill_s)
-        self._slots(plan.decode.node_id).add(req_id, plan.expected_end)
-        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id)
+        self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks)
+        hashes = [bytes(h) for h in plan.hashes]
+        self.pending.add(plan.prefill.node_id, hashes)
+        self.pending.add(plan.decode.node_id, hashes)
+        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id, hashes)
 
     def prefill_finished(self, req_id: str) -> None:
         """The request left its prefill instance's queue (it is decoding now)."""
         b = self._booked.get(req_id)
-        if b is not None:
+        if b is not None and not b.prefilled:
+            b.prefilled = True
             self._queue(b.prefill).remove(req_id)
+            self.pending.remove(b.prefill, b.hashes)
 
     def release(self, req_id: str) -> None:
         """All the request's booked load (it finished, failed or moved)."""
         b = self._booked.pop(req_id, None)
         if b is not None:
             self._queue(b.prefill).remove(req_id)
+            if not b.prefilled:
+                self.pending.remove(b.prefill, b.hashes)
+            self.pending.remove(b.decode, b.hashes)
             self._slots(b.decode).remove(req_id)
 
     def forget_node(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
         self.slots.pop(node_id, None)
+        self.pending.forget_node(node_id)
 
     # ------------------------------------------------------------ load views
 

@@ -5,7 +5,8 @@ Read today: ``estimates.prefill_1k_tokens_s`` and ``estimates.decode_step_batch_
 faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 ``estimates.prefill_per_pair_s`` (attention, per new-token x context-token pair),
 ``estimates.decode_step_s``, ``estimates.decode_per_seq_s``, ``estimates.fetch_block_s``
-(per store block read), ``estimates.kv_transfer_token_s``, ``block_tokens`` (the engines'
+(per store block read), ``estimates.kv_transfer_token_s``, ``estimates.transit_s`` (per
+request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
 per node, ``num_blocks`` / ``block_bytes`` (engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
 """
@@ -107,7 +108,8 @@ def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrate
                         prefill_per_pair_s=_number(est, "prefill_per_pair_s") or 0.0,
                         decode_step_s=step, decode_per_seq_s=per_seq,
                         fetch_block_s=(_number(est, "fetch_block_s") or 0.0) / ratio,
-                        transfer_token_s=_number(est, "kv_transfer_token_s") or 0.0)
+                        transfer_token_s=_number(est, "kv_transfer_token_s") or 0.0,
+                        transit_s=_number(est, "transit_s") or 0.0)
     nodes = cluster.get("nodes")
     caps = _capacities(nodes if isinstance(nodes, list) else [], decode_max_batch, ratio)
     return FittedHardware(name, block_tokens, costs, caps)

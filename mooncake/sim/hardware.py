@@ -47,6 +47,10 @@ class Hardware:
         """From the end of prefill until decode holds the whole KV (no overlap by default)."""
         return self.kv_transfer_s(tokens)
 
+    def transit_s(self) -> float:
+        """Per request, messages between the roles beyond the work itself (0: negligible)."""
+        return 0.0
+
     # Priors for the scheduler's cost models (they then learn from what the simulation observes).
     def prefill_prior(self) -> tuple[float, float]:
         """(tokens_per_s, fixed_s) of the prefill cost model."""
@@ -72,6 +76,7 @@ class LinearCosts:
     decode_per_seq_s: float
     fetch_block_s: float
     transfer_token_s: float
+    transit_s: float = 0.0  # per request: messages between the roles
 
 
 class FittedHardware(Hardware):
@@ -97,6 +102,9 @@ class FittedHardware(Hardware):
 
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.costs.transfer_token_s
+
+    def transit_s(self) -> float:
+        return self.costs.transit_s
 
     def prefill_prior(self) -> tuple[float, float]:
         return 1.0 / max(1e-12, self.costs.prefill_per_token_s), self.costs.prefill_fixed_s

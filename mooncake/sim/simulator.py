@@ -8,6 +8,7 @@ measures); ``Admission.check_plan`` rejects early; ``HotBlocks`` finds blocks to
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -92,6 +93,17 @@ class Simulation:
         self.sched.book(r.req_id, plan)
         if self.setup.use_store and plan.reusable_blocks:
             self._note_hits(list(r.hashes[:plan.reusable_blocks]), now)
+        # The decode instance reserves the request's memory between two of its engine steps;
+        # the prefill is sent once it has.
+        d = self.decodes[plan.decode.node_id]
+        reserved = now
+        if d.active and d.step_s > 0:
+            reserved = d.updated_at + math.ceil((now - d.updated_at) / d.step_s - 1e-9) * d.step_s
+        self.loop.at(reserved + self.hw.transit_s(), self._enqueue_prefill, r, plan)
+
+    def _enqueue_prefill(self, r: SimRequest, plan: Plan) -> None:
+        if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it
+            self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
         inst = self.prefills[plan.prefill.node_id]
         inst.queue.append((r, plan))
         if not inst.busy:

@@ -5,15 +5,20 @@ prefix-chained in the format, so an id names its whole prefix); the block key th
 scheduler sees is the id as 8 bytes. What-ifs: ``rate_scale`` compresses arrivals
 (2: twice the rate), ``time_scale`` multiplies timestamps, and ``reuse_scale``
 keeps that fraction of each request's shared leading blocks and replaces the rest
-of its chain with fresh blocks (0: no reuse; 1: the trace as is).
+of its chain with fresh blocks (0: no reuse; 1: the trace as is). A benchmark's
+own prompts can be simulated too (``requests_from_sessions``), to check a
+calibrated simulation against the live run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from mooncake.bench.trace import TraceRecord, load_trace, scaled_input_length
+from mooncake.bench.workloads import Session
+from mooncake.blocks import hash_blocks
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,23 @@ def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, r
         full = n_tokens // block_tokens
         out.append(SimRequest(f"r{i}-{rec.line_no}", (rec.timestamp_ms - t0) / 1000.0 * time_scale / rate_scale,
                               n_tokens, max(1, rec.output_length), tuple(_key(h) for h in ids[:full])))
+    return out
+
+
+def requests_from_sessions(sessions: Sequence[Session], block_tokens: int) -> list[SimRequest]:
+    """The simulated twin of a benchmark replay: the very prompts ``mooncake bench`` sends
+    (single-turn sessions, e.g. a scaled trace), keyed by the serving hash chain of their
+    full blocks, so that a simulation and a live run see the same requests and the same
+    prefix sharing."""
+    out = []
+    for i, s in enumerate(sessions):
+        if len(s.turns) != 1:
+            raise ValueError(f"session {s.session_id} has {len(s.turns)} turns: only single-turn sessions "
+                             "can be simulated (a later turn's prompt holds the model's answer)")
+        prompt = s.turns[0]
+        hashes = hash_blocks(prompt, block_tokens, "sim")
+        out.append(SimRequest(f"r{i}-{s.session_id}", s.arrival_s or 0.0, len(prompt), max(1, s.max_tokens[0]),
+                              tuple(bytes(h) for h in hashes)))
     return out
 
 
