@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 Reason = P.FinishReason
 
 
+def _request_id(client_id: str) -> str:
+    """A unique request id, led by the client's own id when it sent one."""
+    suffix = uuid.uuid4().hex[:16]
+    return f"{client_id}-{suffix[:8]}" if client_id else f"req-{suffix}"
+
+
 class Conductor:
     def __init__(self, cfg: Config, tokenizer: Any, model_name: str, expected: ExpectedModel | None = None) -> None:
         """``expected``: the model the engines must serve (from the conductor's own copy);
@@ -65,6 +71,7 @@ class Conductor:
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
         self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
+        self._deferred: dict[str, Request] = {}  # choices waiting for another choice's prefill (``fork``)
         self.router: Router | None = None
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self._tasks: list[asyncio.Task] = []
@@ -87,6 +94,9 @@ class Conductor:
 
     async def close(self) -> None:
         """After the HTTP drain, requests left have no client: workers drop them, then close."""
+        for req in list(self._deferred.values()):
+            req.finish(Reason.ABORT, RequestError("the server is shutting down"))
+        self._deferred.clear()
         for req in list(self.requests.values()):
             self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
         if self.router is not None:
@@ -111,8 +121,10 @@ class Conductor:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "") -> Request | Rejection:
-        """Admit, plan and dispatch a request; a Rejection says why it is refused."""
+    def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "",
+               request_id: str = "") -> Request | Rejection:
+        """Admit, plan and dispatch a request; a Rejection says why it is refused. ``request_id``
+        (the client's X-Request-Id) leads the request's id, so every role's logs carry it."""
         facts = self.facts
         pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
         rejection = self.admission.check_request(tokens, sampling, facts, pool, len(self.requests),
@@ -121,7 +133,7 @@ class Conductor:
             assert facts is not None
             sampling.max_tokens = min(sampling.max_tokens, facts.max_model_len - len(tokens))
             root = root_hash(facts.model_id, cache_salt or None)
-            req = Request(f"req-{uuid.uuid4().hex[:16]}", list(tokens),
+            req = Request(_request_id(request_id), list(tokens),
                           hash_blocks(tokens, facts.block_tokens, facts.model_id, cache_salt or None), root,
                           sampling, time.monotonic())
             rejection = self._dispatch(req)
@@ -132,8 +144,41 @@ class Conductor:
         self.metrics.rejected.labels(rejection.reason).inc()
         return rejection
 
+    def fork(self, leader: Request, sampling: P.Sampling) -> Request:
+        """Another choice of ``leader``'s prompt (``n`` > 1), with its own ``sampling``. It is
+        dispatched once the leader's prefill is done, so that its prompt's KV comes from the
+        cache instead of being computed again (only the tail past the last full block is)."""
+        leader.forks += 1
+        req = Request(f"{leader.req_id}.{leader.forks}", list(leader.tokens), list(leader.hashes), leader.root,
+                      sampling, time.monotonic())
+        self._deferred[req.req_id] = req
+        if leader.done or leader.first_token_at:
+            self._release_followers(leader, [req])
+        else:
+            leader.followers.append(req)
+        return req
+
+    def _release_followers(self, leader: Request, followers: list[Request] | None = None) -> None:
+        """Dispatch the choices that waited for ``leader``'s prompt KV."""
+        waiting = leader.followers if followers is None else followers
+        for req in list(waiting):
+            if self._deferred.pop(req.req_id, None) is None:
+                continue  # cancelled meanwhile
+            req.arrived = time.monotonic()
+            rejection = self._dispatch(req)
+            if rejection is not None:
+                self.metrics.rejected.labels(rejection.reason).inc()
+                req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
+                continue
+            self.requests[req.req_id] = req
+            self.metrics.prefix_queries.inc(len(req.tokens))
+        waiting.clear()
+
     def cancel(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
+        deferred = self._deferred.pop(req_id, None)
+        if deferred is not None:
+            deferred.finish(Reason.ABORT)
         req = self.requests.get(req_id)
         if req is not None:
             self._finish(req, Reason.ABORT)
@@ -204,7 +249,8 @@ class Conductor:
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
-        if req.prefilled(msg.first_token, msg.cached_tokens, now):
+        self._release_followers(req)
+        if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
             self.metrics.prefix_hits.inc(msg.cached_tokens)
             self.metrics.ttft.observe(now - req.arrived)
             self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
@@ -222,7 +268,7 @@ class Conductor:
             return
         now = time.monotonic()
         last = req.last_token_at
-        emitted = req.accept(msg.index, msg.tokens, now)
+        emitted = req.accept(msg.index, msg.tokens, now, msg.logprobs or None)
         if emitted:
             self.metrics.itl.observe((now - last) / emitted)
         if msg.finished is not None and not req.held:
@@ -283,6 +329,7 @@ class Conductor:
             self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, (time.monotonic() - a.first_token_at) / decoded)
         self._end_attempt(req, notify)
         req.finish(reason, error)
+        self._release_followers(req)
         self.requests.pop(req.req_id, None)
         self.metrics.e2e.observe(time.monotonic() - req.arrived)
         outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
