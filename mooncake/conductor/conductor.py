@@ -58,7 +58,8 @@ class Conductor:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
+        self.metrics.before_render = self._refresh_gauges
         self.cluster = Cluster()
         self.index = KVIndex()
         self.costs = CostModels(self.metrics)
@@ -139,7 +140,7 @@ class Conductor:
             rejection = self._dispatch(req)
             if rejection is None:
                 self.requests[req.req_id] = req
-                self.metrics.prefix_queries.inc(len(tokens))
+                self._count_prompt(req)
                 return req
         self.metrics.rejected.labels(rejection.reason).inc()
         return rejection
@@ -171,8 +172,22 @@ class Conductor:
                 req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
                 continue
             self.requests[req.req_id] = req
-            self.metrics.prefix_queries.inc(len(req.tokens))
+            self._count_prompt(req)
         waiting.clear()
+
+    def _count_prompt(self, req: Request) -> None:
+        self.metrics.prompt_tokens.labels(self.model_name).inc(len(req.tokens))
+        self.metrics.prefix_queries.labels(self.model_name).inc(len(req.tokens))
+
+    def _refresh_gauges(self) -> None:
+        """The gauges read from live state, just before a scrape."""
+        m, name = self.metrics, self.model_name
+        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING) + len(self._deferred)
+        m.num_waiting.labels(name).set(waiting)
+        m.num_running.labels(name).set(len(self.requests) + len(self._deferred) - waiting)
+        decodes = self.cluster.of_role("decode")
+        total = sum(n.info.num_blocks for n in decodes)
+        m.kv_usage.labels(name).set(sum(n.load.used_blocks for n in decodes) / total if total else 0.0)
 
     def cancel(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
@@ -251,9 +266,13 @@ class Conductor:
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
         self._release_followers(req)
         if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
-            self.metrics.prefix_hits.inc(msg.cached_tokens)
-            self.metrics.ttft.observe(now - req.arrived)
-            self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+            m, name = self.metrics, self.model_name
+            m.prefix_hits.labels(name).inc(msg.cached_tokens)
+            m.ttft.labels(name).observe(now - req.arrived)
+            m.queue_time.labels(name).observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+            m.generation_tokens.labels(name).inc()
+        else:
+            self.metrics.generation_tokens.labels(self.model_name).inc()
         decode = req.attempt.plan.decode.node_id
         if msg.finished is not None:  # done at its first token: the decode drops its reservation
             self._finish(req, msg.finished)
@@ -270,7 +289,8 @@ class Conductor:
         last = req.last_token_at
         emitted = req.accept(msg.index, msg.tokens, now, msg.logprobs or None)
         if emitted:
-            self.metrics.itl.observe((now - last) / emitted)
+            self.metrics.itl.labels(self.model_name).observe((now - last) / emitted)
+            self.metrics.generation_tokens.labels(self.model_name).inc(emitted)
         if msg.finished is not None and not req.held:
             self._finish(req, msg.finished, notify=False)
 
@@ -331,7 +351,7 @@ class Conductor:
         req.finish(reason, error)
         self._release_followers(req)
         self.requests.pop(req.req_id, None)
-        self.metrics.e2e.observe(time.monotonic() - req.arrived)
+        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - req.arrived)
         outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
         self.metrics.requests.labels(outcome).inc()
 
