@@ -21,8 +21,10 @@ async def merged(streams: list[AsyncIterator[Piece]], keepalive_s: float) -> Asy
         try:
             async for piece in stream:
                 await queue.put(piece.at(i))
-        finally:
-            await queue.put(i)  # this choice is done
+        except Exception as e:  # handed to the consumer, raised there
+            await queue.put(e)
+            return
+        await queue.put(i)  # this choice is done
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     live = len(tasks)
@@ -33,10 +35,10 @@ async def merged(streams: list[AsyncIterator[Piece]], keepalive_s: float) -> Asy
             except asyncio.TimeoutError:
                 yield None
                 continue
+            if isinstance(item, Exception):
+                raise item
             if isinstance(item, int):
                 live -= 1
-                if tasks[item].done() and not tasks[item].cancelled() and tasks[item].exception():
-                    raise tasks[item].exception()  # type: ignore[misc]
                 continue
             yield item
     finally:

@@ -144,12 +144,12 @@ async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, token
     chat = shape.chat
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed)
     salt = request_salt(conductor.cfg.conductor.salt_per_api_key, http.scope, body.cache_salt or "")
-    submitted = conductor.submit(tokens, sampling, salt, request_id=http.state.request_id)
+    submitted = conductor.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""))
     if isinstance(submitted, Rejection):
         raise _error(submitted, chat)
     # the other choices share the prompt's KV: they start once the first one's prefill is done
     reqs = [submitted] + [conductor.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
-                                                               None if body.seed is None else body.seed + i))
+                                                               None if body.seed is None else (body.seed + i) % 2**64))
                           for i in range(1, body.n)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     streams = [_outputs(conductor, r, TextStream(conductor.tokenizer, body.stop or [])) for r in reqs]
