@@ -65,3 +65,25 @@ async def test_merged_choices_and_keepalives():
     chunks = [c async for c in sse_stream(merged([_slow([Piece("x", "stop")], 0.05)], 0.01), "id", "m", True,
                                           lambda: None, lambda e: {})]
     assert KEEPALIVE in chunks and chunks[-1] == b"data: [DONE]\n\n"
+
+
+async def test_chat_without_a_template_is_a_400():
+    from mooncake.api.prompts import Prompts
+    from mooncake.api.schemas import ChatMessage
+
+    class NoTemplate:
+        chat_template = None
+
+    class Refusing:
+        chat_template = "{{ raise_exception('roles must alternate') }}"
+
+        def apply_chat_template(self, *a, **kw):
+            raise ValueError("roles must alternate")
+
+    msgs = [ChatMessage(role="user", content="hi")]
+    for tok, code in ((NoTemplate(), "no_chat_template"), (Refusing(), "chat_template_error")):
+        prompts = Prompts(tok)
+        with pytest.raises(APIError) as e:
+            await prompts.chat(msgs)
+        assert e.value.status == 400 and e.value.code == code and e.value.param == "messages"
+        prompts.close()

@@ -217,7 +217,7 @@ class Conductor:
         wire_id = req.dispatched(plan, time.monotonic())
         self.attempts[wire_id] = req
         self.scheduler.book(wire_id, plan)
-        self.metrics.prefill_dispatched.labels(plan.prefill.node_id).inc()
+        self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
         kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(
             wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),

@@ -57,8 +57,11 @@ class Grammars:
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         lt.fill_next_token_bitmask_par(self._executor, rows, bits)
         shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(B, -1)
-        return allowed[:, :self.vocab_size]
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(B, -1)[:, :self.vocab_size]
+        dead = ~allowed.any(-1)  # a matcher in error allows nothing: end the sequence instead
+        if dead.any() and self.eos_ids:
+            allowed[dead.nonzero()[:, 0].unsqueeze(-1), torch.tensor(self.eos_ids)] = True
+        return allowed
 
 
 def consume(matcher: Any, token: int) -> bool:

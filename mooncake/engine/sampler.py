@@ -61,10 +61,7 @@ def _penalties(logits: torch.Tensor, rows: list[Row]) -> None:
     dev = logits.device
     outs = [r.tokens[len(r.tokens) - r.num_generated:] for r in rows]
     width = max(1, max(len(o) for o in outs))
-    ids = torch.full((B, width), V, dtype=torch.long, device=dev)
-    for i, o in enumerate(outs):  # building the index tensor; the math below is batched
-        if o:
-            ids[i, :len(o)] = torch.tensor(o, dtype=torch.long)
+    ids = torch.tensor([o + [V] * (width - len(o)) for o in outs], dtype=torch.long, device=dev)
     counts = torch.zeros(B, V + 1, device=dev).scatter_add_(1, ids, torch.ones(B, width, device=dev))[:, :V]
     presence = torch.tensor([r.sampling.presence_penalty for r in rows], device=dev)[:, None]
     frequency = torch.tensor([r.sampling.frequency_penalty for r in rows], device=dev)[:, None]
@@ -72,9 +69,7 @@ def _penalties(logits: torch.Tensor, rows: list[Row]) -> None:
     if (rep != 1).any():
         prompts = [r.tokens[:len(r.tokens) - r.num_generated] for r in rows]
         pw = max(1, max(len(p) for p in prompts))
-        pid = torch.full((B, pw), V, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            pid[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        pid = torch.tensor([p + [V] * (pw - len(p)) for p in prompts], dtype=torch.long, device=dev)
         seen = torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, pid, True)[:, :V] | (counts > 0)
         logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits))
     logits -= presence * (counts > 0) + frequency * counts
