@@ -264,7 +264,9 @@ class Conductor:
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
-        self._release_followers(req)
+        if req.followers:  # its prompt's blocks are on this prefill now (its own events may come later)
+            self.index.add(node.node_id, "device", req.hashes)
+            self._release_followers(req)
         if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
             m, name = self.metrics, self.model_name
             m.prefix_hits.labels(name).inc(msg.cached_tokens)
