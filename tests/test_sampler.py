@@ -91,3 +91,18 @@ def test_logprobs_are_the_models_and_top_sorted():
     assert out.logprobs[1] is None and out.tokens[0] == 0
     assert math.isclose(first.logprob, lp[0].item(), rel_tol=1e-5)  # before the bias: the model's own
     assert first.top_ids == lp.topk(3).indices.tolist() and first.top_logprobs == sorted(first.top_logprobs)[::-1]
+
+
+def test_candidate_shortcut_draws_what_a_full_sort_draws(monkeypatch):
+    import mooncake.engine.sampler as sampler
+
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(5)) * 6
+    rows = [Row(Sampling(temperature=0.9, top_p=0.8, min_p=0.01 * (i % 3), top_k=(0, 20, 200)[i % 3]), i, [1], i)
+            for i in range(16)]
+    monkeypatch.setattr(sampler, "CANDIDATES", 256)
+    k = torch.tensor([r.sampling.top_k or 4096 for r in rows])
+    probs = (x / 0.9).softmax(-1)
+    assert sampler._candidates(probs, k, torch.full((16,), 0.8), torch.zeros(16))[0].shape[1] == 256  # the shortcut
+    short = sample(x, rows).tokens
+    monkeypatch.setattr(sampler, "CANDIDATES", 1 << 20)
+    assert sample(x, rows).tokens == short

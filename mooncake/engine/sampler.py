@@ -108,6 +108,22 @@ def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return at.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
+CANDIDATES = 1024
+
+
+def _candidates(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens the filters can keep, most likely first: the top ``CANDIDATES`` when no row can
+    keep a token past them (exact, and far cheaper than sorting the vocabulary), else all."""
+    V = probs.shape[1]
+    if V > CANDIDATES:
+        sp, order = probs.topk(CANDIDATES, -1)
+        covered = (k <= CANDIDATES) | ((k == V) & ((sp.sum(-1) >= top_p) | (sp[:, -1] < min_p * sp[:, 0])))
+        if bool(covered.all()):
+            return sp, order
+    return probs.sort(-1, descending=True)
+
+
 def choose(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """One token id per row of processed ``logits``: greedy where temperature is 0, else sampled."""
     greedy = logits.argmax(-1)
@@ -122,15 +138,17 @@ def choose(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     if all(r.sampling.top_k in (0, V) and r.sampling.top_p >= 1 and r.sampling.min_p <= 0 for r in rows):
         sampled = _pick(probs, u)
     else:
-        sp, order = probs.sort(-1, descending=True)
         k = torch.tensor([r.sampling.top_k if 0 < r.sampling.top_k < V else V for r in rows], device=dev)
-        keep = torch.arange(V, device=dev)[None, :] < k[:, None]
+        top_p = torch.tensor([r.sampling.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.sampling.min_p for r in rows], device=dev)
+        sp, order = _candidates(probs, k, top_p, min_p)
+        keep = torch.arange(sp.shape[1], device=dev)[None, :] < k[:, None]
         sp = sp * keep
-        top_p = torch.tensor([r.sampling.top_p for r in rows], device=dev)[:, None]
-        mass = sp / sp.sum(-1, keepdim=True)
-        keep &= (mass.cumsum(-1) - mass) < top_p  # the mass before a token must not reach top_p
-        min_p = torch.tensor([r.sampling.min_p for r in rows], device=dev)[:, None]
-        keep &= sp >= min_p * sp[:, :1]
+        # top-p over the top-k distribution: its mass is the candidates' (k <= candidates) or 1 (no top-k)
+        total = torch.where(k < V, sp.sum(-1), torch.ones_like(top_p))
+        mass = sp / total[:, None]
+        keep &= (mass.cumsum(-1) - mass) < top_p[:, None]  # the mass before a token must not reach top_p
+        keep &= sp >= min_p[:, None] * sp[:, :1]
         sampled = order.gather(1, _pick(sp * keep, u).unsqueeze(-1)).squeeze(-1)
     is_greedy = torch.tensor([r.sampling.temperature == 0 for r in rows], device=dev)
     return torch.where(is_greedy, greedy, sampled)
