@@ -15,13 +15,13 @@ import torch
 from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, prefill_batch
+from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
-from mooncake.engine.sampling_checks import check_sampling
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
 from mooncake.engine.loader import LoadedModel
-from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.sampler import Row, Sampled, sample, sequence_seed
+from mooncake.engine.sampling_checks import check_sampling
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.protocol import Sampling
 
