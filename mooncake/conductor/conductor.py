@@ -28,6 +28,7 @@ from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.conductor.admission import Admission, Rejection
 from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.expected_model import ExpectedModel
+from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
@@ -72,7 +73,7 @@ class Conductor:
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
         self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
-        self._deferred: dict[str, Request] = {}  # choices waiting for another choice's prefill (``fork``)
+        self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.router: Router | None = None
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self._tasks: list[asyncio.Task] = []
@@ -95,9 +96,7 @@ class Conductor:
 
     async def close(self) -> None:
         """After the HTTP drain, requests left have no client: workers drop them, then close."""
-        for req in list(self._deferred.values()):
-            req.finish(Reason.ABORT, RequestError("the server is shutting down"))
-        self._deferred.clear()
+        self.forks.close("the server is shutting down")
         for req in list(self.requests.values()):
             self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
         if self.router is not None:
@@ -146,34 +145,18 @@ class Conductor:
         return rejection
 
     def fork(self, leader: Request, sampling: P.Sampling) -> Request:
-        """Another choice of ``leader``'s prompt (``n`` > 1), with its own ``sampling``. It is
-        dispatched once the leader's prefill is done, so that its prompt's KV comes from the
-        cache instead of being computed again (only the tail past the last full block is)."""
-        leader.forks += 1
-        req = Request(f"{leader.req_id}.{leader.forks}", list(leader.tokens), list(leader.hashes), leader.root,
-                      sampling, time.monotonic())
-        self._deferred[req.req_id] = req
-        if leader.done or leader.first_token_at:
-            self._release_followers(leader, [req])
-        else:
-            leader.followers.append(req)
-        return req
+        """Another choice of ``leader``'s prompt (``n`` > 1), with its own ``sampling``; it starts
+        once the leader's prefill is done and reuses its prompt's KV (``forks.py``)."""
+        return self.forks.fork(leader, sampling)
 
-    def _release_followers(self, leader: Request, followers: list[Request] | None = None) -> None:
-        """Dispatch the choices that waited for ``leader``'s prompt KV."""
-        waiting = leader.followers if followers is None else followers
-        for req in list(waiting):
-            if self._deferred.pop(req.req_id, None) is None:
-                continue  # cancelled meanwhile
-            req.arrived = time.monotonic()
-            rejection = self._dispatch(req)
-            if rejection is not None:
-                self.metrics.rejected.labels(rejection.reason).inc()
-                req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
-                continue
-            self.requests[req.req_id] = req
-            self._count_prompt(req)
-        waiting.clear()
+    def _start_choice(self, req: Request) -> None:
+        rejection = self._dispatch(req)
+        if rejection is not None:
+            self.metrics.rejected.labels(rejection.reason).inc()
+            req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
+            return
+        self.requests[req.req_id] = req
+        self._count_prompt(req)
 
     def _count_prompt(self, req: Request) -> None:
         self.metrics.prompt_tokens.labels(self.model_name).inc(len(req.tokens))
@@ -182,18 +165,16 @@ class Conductor:
     def _refresh_gauges(self) -> None:
         """The gauges read from live state, just before a scrape."""
         m, name = self.metrics, self.model_name
-        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING) + len(self._deferred)
+        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING) + len(self.forks.waiting)
         m.num_waiting.labels(name).set(waiting)
-        m.num_running.labels(name).set(len(self.requests) + len(self._deferred) - waiting)
+        m.num_running.labels(name).set(len(self.requests) + len(self.forks.waiting) - waiting)
         decodes = self.cluster.of_role("decode")
         total = sum(n.info.num_blocks for n in decodes)
         m.kv_usage.labels(name).set(sum(n.load.used_blocks for n in decodes) / total if total else 0.0)
 
     def cancel(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
-        deferred = self._deferred.pop(req_id, None)
-        if deferred is not None:
-            deferred.finish(Reason.ABORT)
+        self.forks.cancel(req_id)
         req = self.requests.get(req_id)
         if req is not None:
             self._finish(req, Reason.ABORT)
@@ -266,7 +247,7 @@ class Conductor:
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
         if req.followers:  # its prompt's blocks are on this prefill now (its own events may come later)
             self.index.add(node.node_id, "device", req.hashes)
-            self._release_followers(req)
+            self.forks.release(req)
         if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
             m, name = self.metrics, self.model_name
             m.prefix_hits.labels(name).inc(msg.cached_tokens)
@@ -351,7 +332,7 @@ class Conductor:
             self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, (time.monotonic() - a.first_token_at) / decoded)
         self._end_attempt(req, notify)
         req.finish(reason, error)
-        self._release_followers(req)
+        self.forks.release(req)
         self.requests.pop(req.req_id, None)
         self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - req.arrived)
         outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
