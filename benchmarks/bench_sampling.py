@@ -8,7 +8,7 @@
    and with a JSON-schema grammar (llguidance mask every step; the schema holds a string of
    at least 4000 characters, so no sequence finishes inside the measurement). Unconstrained
    and constrained repetitions alternate.
-2. A dev cluster (1 prefill, 1 decode, no store, one torch thread each): one request with
+2. A dev cluster (1, then 2 prefill instances, 1 decode, no store, one torch thread each): one request with
    ``n=4`` against 4 concurrent requests with the same prompt (1024 random tokens, fresh per
    repetition, 16 output tokens, temperature 1): wall time, and prompt tokens computed
    (``prompt_tokens`` - ``prefix_cache_hits``, from /metrics).
@@ -105,8 +105,8 @@ async def _n_vs_separate(url: str, reps: int, vocab: int) -> list[tuple[str, flo
     return [(k, statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in out.items()]
 
 
-def bench_n(reps: int) -> list[tuple[str, float, float]]:
-    with tempfile.TemporaryDirectory() as d, running_cluster(Path(d), prefill=1, decode=1, store=0,
+def bench_n(reps: int, prefill: int) -> list[tuple[str, float, float]]:
+    with tempfile.TemporaryDirectory() as d, running_cluster(Path(d), prefill=prefill, decode=1, store=0,
                                                             use_store=False) as c:
         return asyncio.run(_n_vs_separate(c.url, reps, 49152))
 
@@ -115,18 +115,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", choices=["grammar", "n"], help="run one part only")
     args = ap.parse_args()
-    lines = ["| batch | decode step, free (ms) | with JSON-schema grammar (ms) | tokens/s free | tokens/s "
-             "constrained | constrained / free throughput |", "|---:|---:|---:|---:|---:|---:|"]
-    for batch, free, con in bench_grammar(args.reps):
+    lines = [] if args.only == "n" else [
+        "| batch | decode step, free (ms) | with JSON-schema grammar (ms) | tokens/s free | tokens/s constrained "
+        "| constrained / free throughput |", "|---:|---:|---:|---:|---:|---:|"]
+    for batch, free, con in ([] if args.only == "n" else bench_grammar(args.reps)):
         lines.append(f"| {batch} | {free * 1e3:.1f} | {con * 1e3:.1f} | {batch / free:.1f} | {batch / con:.1f} | "
                      f"{free / con:.2f} |")
-    lines += ["", "| request | wall time (s) | prompt tokens computed |", "|---|---:|---:|"]
-    rows = bench_n(args.reps)
-    for kind, wall, comp in rows:
-        lines.append(f"| {kind} | {wall:.2f} | {comp:.0f} |")
-    base = dict((k, w) for k, w, _ in rows)
-    lines.append(f"\nn=4 / 4 requests wall time: {base['n=4'] / base['4 requests']:.2f}")
+    if args.only != "grammar":
+        lines += ["", "| prefill instances | request | wall time (s) | prompt tokens computed |", "|---:|---|---:|---:|"]
+        for prefill in (1, 2):
+            rows = bench_n(args.reps, prefill)
+            for kind, wall, comp in rows:
+                lines.append(f"| {prefill} | {kind} | {wall:.2f} | {comp:.0f} |")
+            walls = {k: w for k, w, _ in rows}
+            lines.append(f"| {prefill} | n=4 / 4 requests | {walls['n=4'] / walls['4 requests']:.2f} | |")
     text = "\n".join(lines)
     print(text)
     if args.out:
