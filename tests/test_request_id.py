@@ -53,3 +53,19 @@ def test_request_ids_are_led_by_the_clients_and_unique():
     a, b = _request_id("trace-7"), _request_id("trace-7")
     assert a.startswith("trace-7-") and a != b and _request_id("").startswith("req-")
     assert clean_request_id("x" * 100) == "x" * 64
+
+
+def test_roles_log_json_lines_when_asked():
+    import os
+    import subprocess
+    import sys
+
+    code = "from mooncake.logs import setup_logging; import logging; setup_logging('info'); " \
+           "logging.getLogger('mooncake.role').info('started %d', 1)"
+    env = {**os.environ, "MOONCAKE_LOG_FORMAT": "json"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    line = json.loads(out.stderr.strip().splitlines()[-1])
+    assert line["logger"] == "mooncake.role" and line["message"] == "started 1"
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "MOONCAKE_LOG_FORMAT": "xml"},
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "MOONCAKE_LOG_FORMAT" in bad.stderr
