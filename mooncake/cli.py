@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from mooncake.config import ConfigError, load_config
+from mooncake.logs import setup_logging
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(args.log_level)
     if args.dev == bool(args.role):
         print("mooncake serve: give exactly one of --dev or --role", file=sys.stderr)
         return 2

@@ -79,6 +79,8 @@ class ConductorConfig(_Section):
     hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
     replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
     max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
+    sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
+    access_log: bool = Field(False, description="Log one line per HTTP request (method, path, status, seconds, X-Request-Id).")
 
     @field_validator("api_keys", mode="before")
     @classmethod

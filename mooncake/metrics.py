@@ -1,41 +1,73 @@
-"""Prometheus metrics of the conductor (prefix ``mooncake:``), in their own registry."""
+"""Prometheus metrics of the conductor (prefix ``mooncake:``), in their own registry.
+
+The serving metrics carry vLLM's names (``mooncake:num_requests_running``,
+``mooncake:time_to_first_token_seconds``, ...) and a ``model_name`` label, and exist
+from start-up (at 0), so dashboards and autoscalers made for vLLM work unchanged.
+Cumulative values are Counters, those the nodes report as totals too (``report``
+adds what grew since the last report). Series of a node that left are removed
+(``forget_node``).
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 0.01)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("mooncake:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("mooncake:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("mooncake:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("mooncake:queue_time_seconds", "Arrival to prefill start.",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_name = model_name
+        self.before_render: Callable[[], None] | None = None  # refreshes the gauges read from live state
+        self._node_series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
+        self._reported: dict[tuple[int, tuple[str, ...]], float] = {}
+        m = ["model_name"]
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, m, buckets=_LATENCY_BUCKETS, registry=r)
+
+        # vLLM's serving metrics, per model
+        self.ttft = hist("mooncake:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("mooncake:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = hist("mooncake:e2e_request_latency_seconds", "Request latency, arrival to last token.")
+        self.queue_time = hist("mooncake:request_queue_time_seconds", "Arrival to prefill start.")
+        self.num_running = Gauge("mooncake:num_requests_running", "Requests on an instance (reserving, prefilling "
+                                 "or decoding).", m, registry=r)
+        self.num_waiting = Gauge("mooncake:num_requests_waiting", "Requests admitted and waiting for an instance.",
+                                 m, registry=r)
+        self.kv_usage = Gauge("mooncake:kv_cache_usage_perc", "Fraction of the decode instances' KV blocks held by "
+                              "sequences (1 = full).", m, registry=r)
+        self.prompt_tokens = Counter("mooncake:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r)
+        self.generation_tokens = Counter("mooncake:generation_tokens", "Generated tokens.", m, registry=r)
+        self.prefix_queries = Counter("mooncake:prefix_cache_queries", "Prompt tokens looked up in the KV cache.",
+                                      m, registry=r)
+        self.prefix_hits = Counter("mooncake:prefix_cache_hits", "Prompt tokens served from cached KV.", m, registry=r)
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.num_running, self.num_waiting,
+                       self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+                       self.prefix_hits):
+            metric.labels(model_name)  # exported at 0 from start-up
+
+        # the cluster's own
         self.decision = Histogram("mooncake:scheduler_decision_seconds", "Scheduler decision time.",
                                   buckets=_FAST_BUCKETS, registry=r)
-        self.prefix_queries = Counter("mooncake:prefix_cache_queries_tokens", "Prompt tokens looked up in the KV cache.",
-                                      registry=r)
-        self.prefix_hits = Counter("mooncake:prefix_cache_hits_tokens", "Prompt tokens served from cached KV.",
-                                   registry=r)
         self.kv_bytes = Counter("mooncake:kv_bytes_moved", "KV bytes moved between roles.", ["path"], registry=r)
         self.rejected = Counter("mooncake:requests_rejected", "Requests refused.", ["reason"], registry=r)
         self.requests = Counter("mooncake:requests", "Finished requests by outcome.", ["outcome"], registry=r)
         self.prefill_dispatched = Counter("mooncake:prefill_dispatched", "Prefill requests sent to an instance.",
                                           ["instance"], registry=r)
-        self.running = Gauge("mooncake:requests_running", "Requests running per instance.", ["instance"], registry=r)
-        self.waiting = Gauge("mooncake:requests_waiting", "Requests waiting per instance.", ["instance"], registry=r)
+        self.running = Gauge("mooncake:instance_requests_running", "Requests running per instance.", ["instance"],
+                             registry=r)
+        self.waiting = Gauge("mooncake:instance_requests_waiting", "Requests waiting per instance.", ["instance"],
+                             registry=r)
         self.tier_used = Gauge("mooncake:tier_used_bytes", "Bytes used per node and tier.", ["node", "tier"], registry=r)
-        self.tier_hits = Gauge("mooncake:tier_hits", "Hits per node and tier.", ["node", "tier"], registry=r)
-        self.tier_evictions = Gauge("mooncake:tier_evictions", "Evictions per node and tier.", ["node", "tier"],
-                                    registry=r)
+        self.tier_hits = Counter("mooncake:tier_hits", "Hits per node and tier.", ["node", "tier"], registry=r)
+        self.tier_evictions = Counter("mooncake:tier_evictions", "Evictions per node and tier.", ["node", "tier"],
+                                      registry=r)
         self.index_blocks = Gauge("mooncake:kv_index_blocks", "Blocks in the global KV index.", registry=r)
         self.nodes = Gauge("mooncake:nodes", "Live nodes per role.", ["role"], registry=r)
         self.replications = Counter("mooncake:replications", "Hot blocks replicated.", registry=r)
@@ -55,11 +87,38 @@ class Metrics:
                                    registry=r)
         self.refused_registrations = Counter("mooncake:registrations_refused",
                                              "Registrations refused for their key.", ["reason"], registry=r)
-        self.kv_rejected = Gauge("mooncake:kv_blocks_rejected", "KV a node refused: forged or corrupt (wrong request "
-                                 "token, checksum, shape, dtype or hash), per node and reason.", ["node", "reason"],
-                                 registry=r)
-        self.writes_dropped = Gauge("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too many "
-                                    "in flight).", ["node"], registry=r)
+        self.kv_rejected = Counter("mooncake:kv_blocks_rejected", "KV a node refused: forged or corrupt (wrong "
+                                   "request token, checksum, shape, dtype or hash), per node and reason.",
+                                   ["node", "reason"], registry=r)
+        self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
+                                      "many in flight).", ["node"], registry=r)
+
+    def of_node(self, metric: MetricWrapperBase, node_id: str, *labels: str) -> MetricWrapperBase:
+        """``metric``'s child for ``node_id`` (its first label), remembered for ``forget_node``."""
+        values = (node_id, *labels)
+        self._node_series.setdefault(node_id, set()).add((metric, values))
+        return metric.labels(*values)
+
+    def report(self, counter: Counter, node_id: str, labels: tuple[str, ...], total: float) -> None:
+        """A node's running total of ``counter``: the counter grows by what the total grew
+        (by the whole total when it went down: the node restarted)."""
+        key = (id(counter), (node_id, *labels))
+        last = self._reported.get(key, 0.0)
+        self._reported[key] = total
+        child = self.of_node(counter, node_id, *labels)
+        if total != last:
+            child.inc(total - last if total > last else total)
+
+    def forget_node(self, node_id: str) -> None:
+        """Remove every series of a node that left."""
+        for metric, values in self._node_series.pop(node_id, set()):
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
+            self._reported.pop((id(metric), values), None)
 
     def render(self) -> bytes:
+        if self.before_render is not None:
+            self.before_render()
         return generate_latest(self.registry)

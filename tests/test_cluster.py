@@ -153,7 +153,7 @@ def model_id(cluster) -> str:
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}, "frobnicate": 1}, 400, "frobnicate"),
     ({"model": MODEL, "prompt": list(range(1000, 9500))}, 400, "prompt"),
     ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),

@@ -178,7 +178,7 @@ def test_forged_kv_to_decode_is_dropped(cluster, keys):
             sock.close()
     finally:
         ctx.term()
-    wait_for(lambda: metric(metrics(cluster.url), "mooncake:kv_blocks_rejected", reason="unauthorized") >= 1, 30,
+    wait_for(lambda: metric(metrics(cluster.url), "mooncake:kv_blocks_rejected_total", reason="unauthorized") >= 1, 30,
              "the decode to count the KV from a store key")
     assert complete(cluster.url, "Still serving", max_tokens=4).status_code == 200
 

@@ -55,7 +55,7 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
         assert cached(ask(c.url, KEY_B)) >= len(PREFIX)
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "both tenants' blocks in the store")
         hits = metric(httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text,
-                      "mooncake:prefix_cache_hits_tokens_total")
+                      "mooncake:prefix_cache_hits_total")
         assert hits >= 2 * len(PREFIX)
     cfg.conductor.port = small_config(tmp_path).conductor.port  # SIGTERMed above: start again on the same dir
     with running_cluster(cfg=cfg) as c:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import msgspec
@@ -23,9 +24,13 @@ from mooncake import protocol as P
 from mooncake.api.errors import APIError, install_error_handlers
 from mooncake.api.guard import Guard, request_salt
 from mooncake.api.prompts import Prompts
+from mooncake.api.request_id import RequestId
 from mooncake.api.health import add_health_routes
+from mooncake.api.choices import ChoiceOutput, TokenText, chat_logprobs, completion_logprobs, merged
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from mooncake.api.sse import Piece, sse_stream
+from mooncake.api.sse import Piece, StreamFormat, sse_stream
+from mooncake.api.structured import request_grammar, tool_calls, tools_for_template
+from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
 from mooncake.conductor import Conductor, Finished, Rejection, Request, RequestError, Tokens
 
@@ -37,6 +42,7 @@ def build_app(conductor: Conductor) -> FastAPI:
     install_error_handlers(app)
     cfg = conductor.cfg.conductor
     app.add_middleware(Guard, api_keys=cfg.accepted_keys(), limit=cfg.max_body_bytes)
+    app.add_middleware(RequestId, log_access=cfg.access_log)
     prompts = Prompts(conductor.tokenizer)
 
     add_health_routes(app, conductor)
@@ -80,16 +86,21 @@ def build_app(conductor: Conductor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         _check(conductor, body)
-        tokens = await prompts.completion(body.prompt_input())
-        return await _serve(conductor, request, body, tokens, chat=False, max_tokens=body.max_tokens or 16)
+        prompt = body.prompt_input()
+        tokens = await prompts.completion(prompt)
+        echo = (prompt if isinstance(prompt, str) else conductor.tokenizer.decode(tokens)) if body.echo else ""
+        return await _serve(conductor, request, body, tokens, Shape(chat=False, echo=echo),
+                            max_tokens=body.max_tokens or 16)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         _check(conductor, body)
-        tokens = await prompts.chat(body.messages)
+        tokens = await prompts.chat(body.messages, tools_for_template(body))
         limit = body.limit() or max(1, conductor.max_model_len - len(tokens))
-        return await _serve(conductor, request, body, tokens, chat=True, max_tokens=limit)
+        shape = Shape(chat=True, grammar=request_grammar(body), tool_mode=body.tool_mode(), body=body)
+        return await _serve(conductor, request, body, tokens, shape, max_tokens=limit)
 
+    add_token_routes(app, conductor, prompts)
     return app
 
 
@@ -107,42 +118,82 @@ def _error(e: Rejection | RequestError, chat: bool) -> APIError:
     return APIError(e.status, e.message, param, e.code, 1 if e.status >= 500 else None)
 
 
-async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, tokens: list[int], chat: bool,
+@dataclass
+class Shape:
+    """What a route makes of its choices' outputs."""
+
+    chat: bool
+    echo: str = ""  # completions: the prompt text before each choice's
+    grammar: str = ""  # chat: the output's grammar (response_format, tools)
+    tool_mode: str = "none"  # chat: none | auto | required | named
+    body: ChatCompletionRequest | None = None
+
+    def tools(self, text: str) -> tuple[str | None, list[dict]]:
+        assert self.body is not None
+        return tool_calls(self.tool_mode, text, self.body)
+
+
+def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None) -> P.Sampling:
+    return P.Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+                      seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
+                      min_tokens=body.min_tokens, min_p=body.min_p, presence_penalty=body.presence_penalty,
+                      frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                      logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar)
+
+
+async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
                  max_tokens: int) -> Response:
-    sampling = P.Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, ignore_eos=body.ignore_eos)
+    chat = shape.chat
+    sampling = _sampling(body, max_tokens, shape.grammar, body.seed)
     salt = request_salt(conductor.cfg.conductor.salt_per_api_key, http.scope, body.cache_salt or "")
-    submitted = conductor.submit(tokens, sampling, salt)
+    submitted = conductor.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""))
     if isinstance(submitted, Rejection):
         raise _error(submitted, chat)
-    req = submitted
+    # the other choices share the prompt's KV: they start once the first one's prefill is done
+    reqs = [submitted] + [conductor.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
+                                                               None if body.seed is None else (body.seed + i) % 2**64))
+                          for i in range(1, body.n)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    pieces = _outputs(conductor, req, TextStream(conductor.tokenizer, body.stop or []))
+    streams = [_outputs(conductor, r, TextStream(conductor.tokenizer, body.stop or [])) for r in reqs]
+    events = merged(streams, conductor.cfg.conductor.sse_keepalive_s if body.stream else 3600.0)
+    text_of = TokenText(conductor.tokenizer)
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        sse = sse_stream(pieces, rid, conductor.model_name, chat, lambda: _usage(req) if usage else None,
-                         lambda e: _error(e, chat).body())
+        fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named",
+                           tools=shape.tools if chat and shape.tool_mode != "none" else None,
+                           logprobs=None if body.logprobs_wanted() < 0 else (
+                               (lambda p, off: chat_logprobs(list(p.logprobs), text_of)) if chat else
+                               (lambda p, off: completion_logprobs(list(p.logprobs), text_of, off))))
+        sse = sse_stream(events, rid, conductor.model_name, chat, lambda: _usage(reqs) if usage else None,
+                         lambda e: _error(e, chat).body(), fmt)
         return StreamingResponse(sse, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text: list[str] = []
-    last: list[Piece] = []
+    outs = [ChoiceOutput() for _ in reqs]
+    failure: list[RequestError] = []
 
     async def collect() -> None:
-        async for piece in pieces:
-            text.append(piece.text)
-            last[:] = [piece]
+        async for piece in events:
+            if piece is None:
+                continue
+            if piece.error is not None:
+                failure.append(piece.error)
+                return
+            outs[piece.index].add(piece)
 
     collector = asyncio.create_task(collect())
-    while not collector.done():  # a client that goes away frees the request everywhere
-        await asyncio.wait({collector}, timeout=DISCONNECT_POLL_S)
-        if not collector.done() and await http.is_disconnected():
-            collector.cancel()
-            return Response(status_code=499)
-    collector.result()
-    end = last[0] if last else Piece("", "stop")
-    if end.error is not None:
-        raise _error(end.error, chat)
-    return JSONResponse(_response(conductor, req, rid, chat, "".join(text), end.finish or "stop"))
+    try:
+        while not collector.done():  # a client that goes away frees the requests everywhere
+            await asyncio.wait({collector}, timeout=DISCONNECT_POLL_S)
+            if not collector.done() and await http.is_disconnected():
+                collector.cancel()
+                await asyncio.gather(collector, return_exceptions=True)
+                return Response(status_code=499)
+        collector.result()
+    finally:
+        await events.aclose()
+    if failure:
+        raise _error(failure[0], chat)
+    return JSONResponse(_response(conductor, reqs, rid, shape, outs, body.logprobs_wanted() >= 0, text_of))
 
 
 async def _outputs(conductor: Conductor, req: Request, stream: TextStream) -> AsyncIterator[Piece]:
@@ -153,11 +204,12 @@ async def _outputs(conductor: Conductor, req: Request, stream: TextStream) -> As
             event = await req.events.get()
             if isinstance(event, Tokens):
                 text = stream.push(event.ids)
+                lps = tuple(zip(event.ids, event.logprobs)) if event.logprobs else ()
                 if stream.stopped:
-                    yield Piece(text, "stop")
+                    yield Piece(text, "stop", logprobs=lps)
                     return
-                if text:
-                    yield Piece(text)
+                if text or lps:
+                    yield Piece(text, logprobs=lps)
                 continue
             assert isinstance(event, Finished)
             if event.reason in (P.FinishReason.STOP, P.FinishReason.LENGTH):
@@ -169,17 +221,32 @@ async def _outputs(conductor: Conductor, req: Request, stream: TextStream) -> As
         conductor.cancel(req.req_id)
 
 
-def _usage(req: Request) -> dict:
-    n_out = len(req.generated)
-    return {"prompt_tokens": len(req.tokens), "completion_tokens": n_out, "total_tokens": len(req.tokens) + n_out,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+def _usage(reqs: list[Request]) -> dict:
+    prompt = len(reqs[0].tokens)
+    n_out = sum(len(r.generated) for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": n_out, "total_tokens": prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
 
-def _response(conductor: Conductor, req: Request, rid: str, chat: bool, text: str, reason: str) -> dict:
-    base = {"id": rid, "created": int(time.time()), "model": conductor.model_name, "usage": _usage(req)}
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": None}
-        return {**base, "object": "chat.completion", "choices": [choice]}
-    return {**base, "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                                              "logprobs": None}]}
+def _response(conductor: Conductor, reqs: list[Request], rid: str, shape: Shape, outs: list[ChoiceOutput],
+              logprobs: bool, text_of: TokenText) -> dict:
+    base = {"id": rid, "created": int(time.time()), "model": conductor.model_name, "usage": _usage(reqs)}
+    choices = []
+    for i, out in enumerate(outs):
+        text, reason = "".join(out.text), out.finish or "stop"
+        if shape.chat:
+            message: dict = {"role": "assistant", "content": text}
+            if shape.tool_mode != "none":
+                content, calls = shape.tools(text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" and shape.tool_mode != "named" else reason
+            lp = chat_logprobs(out.logprobs, text_of) if logprobs else None
+            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lp})
+        else:
+            lp = completion_logprobs(out.logprobs, text_of, len(shape.echo)) if logprobs else None
+            choices.append({"index": i, "text": shape.echo + text, "finish_reason": reason, "logprobs": lp})
+    if shape.chat:
+        return {**base, "object": "chat.completion", "choices": choices}
+    return {**base, "object": "text_completion", "choices": choices}

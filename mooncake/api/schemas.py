@@ -4,26 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mooncake.api.errors import APIError
 
 # Accepted only at their no-op value; anything else is a 400 that names them.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
     "best_of": (1, None),
-    "echo": (False, None),
-    "logprobs": (False, None, 0),
-    "top_logprobs": (0, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None,),
 }
+MAX_N = 16
+MAX_LOGPROBS = 20
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # harmless: accepted and ignored
 
 
@@ -46,6 +37,35 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: keep generating past eos (benchmarks)
     cache_salt: str | None = Field(None, max_length=256)  # extension: tenant isolation of the KV cache
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # extension (vLLM)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
+    min_tokens: int = Field(0, ge=0, le=1_000_000)  # extension (vLLM)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for k, b in (v or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError("values must be in [-100, 100]")
+            out[int(k)] = b
+        if len(out) > 1024:
+            raise ValueError("at most 1024 entries")
+        return out
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int]:
+        if any(t < 0 for t in v or []):
+            raise ValueError("token ids must be non-negative")
+        return list(v or [])
 
     @field_validator("stop")
     @classmethod
@@ -67,10 +87,33 @@ class _Sampling(BaseModel):
                            code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})",
+                           param="min_tokens")
+        if self.n > 1 and self.temperature == 0:
+            raise APIError(400, "n > 1 needs temperature > 0 (greedy choices would all be the same)", param="n")
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_wanted(self) -> int:
+        """-1: none; k >= 0: the chosen token's logprob and the k most likely."""
+        return -1
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
 
     def prompt_input(self) -> str | list[int]:
         p = self.prompt
@@ -88,19 +131,108 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+            raise APIError(400, "response_format json_schema needs a json_schema object", param="response_format")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or []}:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        constrained_tools = choice == "required" or isinstance(choice, NamedToolChoice)
+        if constrained_tools and self.response_format and self.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a required or named tool_choice",
+                           param="response_format")
+
+    def tool_mode(self) -> str:
+        """"none" | "auto" | "required" | "named" (tools given without tool_choice: auto)."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice

@@ -1,9 +1,12 @@
-"""Server-sent events in OpenAI's chunk format: a role chunk (chat), content chunks,
-the finish chunk, optionally a usage chunk, then ``data: [DONE]``. A failure mid-stream
-is an ``error`` event (OpenAI's error body) before ``[DONE]``."""
+"""Server-sent events in OpenAI's chunk format: a role chunk per choice (chat), content
+chunks (with their logprobs when asked), each choice's finish chunk, optionally a usage
+chunk, then ``data: [DONE]``. A failure mid-stream is an ``error`` event (OpenAI's error
+body) before ``[DONE]``. While nothing comes (queued, prefilling) a comment line keeps
+proxies with idle timeouts from cutting the stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -11,44 +14,86 @@ from typing import Any, AsyncIterator, Callable
 
 from mooncake.conductor import RequestError
 
+KEEPALIVE = b": keep-alive\n\n"
+
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of a request's output text; the last one has ``finish`` or ``error`` set."""
+    """A piece of a choice's output text; the last one has ``finish`` or ``error`` set.
+    ``logprobs``: (token, Logprob) of the tokens that came with it, when asked for."""
 
     text: str
     finish: str | None = None  # "stop" | "length"
     error: RequestError | None = None
+    logprobs: tuple = ()
+    index: int = 0  # the choice
+
+    def at(self, index: int) -> "Piece":
+        return dataclasses.replace(self, index=index)
+
+
+@dataclass
+class StreamFormat:
+    """How a stream's chunks are shaped beyond text."""
+
+    n: int = 1
+    logprobs: Callable[[Piece, int], dict] | None = None  # (piece, text offset so far) -> logprobs body
+    tools: Callable[[str], tuple[str | None, list[dict]]] | None = None  # chat: text -> (content, tool_calls)
+    echo: str = ""  # completions: the prompt, before each choice's text
+    calls_finish: bool = True  # tool calls end with finish_reason "tool_calls" (not for a named tool_choice)
 
 
 def _event(body: Any) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-async def sse_stream(pieces: AsyncIterator[Piece], rid: str, model: str, chat: bool,
-                     usage: Callable[[], dict | None], error_body: Callable[[RequestError], dict]
-                     ) -> AsyncIterator[bytes]:
+async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, chat: bool,
+                     usage: Callable[[], dict | None], error_body: Callable[[RequestError], dict],
+                     fmt: StreamFormat | None = None) -> AsyncIterator[bytes]:
+    fmt = fmt or StreamFormat()
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    offsets = [0] * fmt.n
+    held = [""] * fmt.n  # chat with tools: the text, until the choice ends
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+    def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+              delta: dict | None = None) -> bytes:
         if chat:
-            delta: dict = {"role": "assistant"} if first else {}
+            delta = dict(delta or {})
             if text:
                 delta["content"] = text
-            choice: dict = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
-    if chat:
-        yield chunk("", None, first=True)
+    for i in range(fmt.n):
+        if chat:
+            yield chunk(i, "", None, delta={"role": "assistant"})
+        elif fmt.echo:
+            yield chunk(i, fmt.echo, None)
     async for piece in pieces:
+        if piece is None:
+            yield KEEPALIVE
+            continue
         if piece.error is not None:
             yield _event(error_body(piece.error))
             break
-        if piece.text or piece.finish:
-            yield chunk(piece.text, piece.finish)
+        i = piece.index
+        lp = fmt.logprobs(piece, offsets[i] + len(fmt.echo)) if fmt.logprobs and piece.logprobs else None
+        offsets[i] += len(piece.text)
+        if fmt.tools is not None:
+            held[i] += piece.text
+            if piece.finish:
+                content, calls = fmt.tools(held[i])
+                delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls else {}
+                yield chunk(i, content, "tool_calls" if calls and fmt.calls_finish and piece.finish == "stop" else piece.finish,
+                            lp, delta)
+            elif lp:
+                yield chunk(i, None, None, lp)
+            continue
+        if piece.text or piece.finish or lp:
+            yield chunk(i, piece.text, piece.finish, lp)
     body = usage()
     if body is not None:
         yield _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": body})

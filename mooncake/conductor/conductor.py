@@ -28,6 +28,7 @@ from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.conductor.admission import Admission, Rejection
 from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.expected_model import ExpectedModel
+from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
@@ -45,6 +46,12 @@ log = logging.getLogger(__name__)
 Reason = P.FinishReason
 
 
+def _request_id(client_id: str) -> str:
+    """A unique request id, led by the client's own id when it sent one."""
+    suffix = uuid.uuid4().hex[:16]
+    return f"{client_id}-{suffix[:8]}" if client_id else f"req-{suffix}"
+
+
 class Conductor:
     def __init__(self, cfg: Config, tokenizer: Any, model_name: str, expected: ExpectedModel | None = None) -> None:
         """``expected``: the model the engines must serve (from the conductor's own copy);
@@ -52,7 +59,8 @@ class Conductor:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
+        self.metrics.before_render = self._refresh_gauges
         self.cluster = Cluster()
         self.index = KVIndex()
         self.costs = CostModels(self.metrics)
@@ -65,6 +73,7 @@ class Conductor:
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
         self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
+        self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.router: Router | None = None
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self._tasks: list[asyncio.Task] = []
@@ -87,6 +96,7 @@ class Conductor:
 
     async def close(self) -> None:
         """After the HTTP drain, requests left have no client: workers drop them, then close."""
+        self.forks.close("the server is shutting down")
         for req in list(self.requests.values()):
             self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
         if self.router is not None:
@@ -111,8 +121,10 @@ class Conductor:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "") -> Request | Rejection:
-        """Admit, plan and dispatch a request; a Rejection says why it is refused."""
+    def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "",
+               request_id: str = "") -> Request | Rejection:
+        """Admit, plan and dispatch a request; a Rejection says why it is refused. ``request_id``
+        (the client's X-Request-Id) leads the request's id, so every role's logs carry it."""
         facts = self.facts
         pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
         rejection = self.admission.check_request(tokens, sampling, facts, pool, len(self.requests),
@@ -121,19 +133,48 @@ class Conductor:
             assert facts is not None
             sampling.max_tokens = min(sampling.max_tokens, facts.max_model_len - len(tokens))
             root = root_hash(facts.model_id, cache_salt or None)
-            req = Request(f"req-{uuid.uuid4().hex[:16]}", list(tokens),
+            req = Request(_request_id(request_id), list(tokens),
                           hash_blocks(tokens, facts.block_tokens, facts.model_id, cache_salt or None), root,
                           sampling, time.monotonic())
             rejection = self._dispatch(req)
             if rejection is None:
                 self.requests[req.req_id] = req
-                self.metrics.prefix_queries.inc(len(tokens))
+                self._count_prompt(req)
                 return req
         self.metrics.rejected.labels(rejection.reason).inc()
         return rejection
 
+    def fork(self, leader: Request, sampling: P.Sampling) -> Request:
+        """Another choice of ``leader``'s prompt (``n`` > 1), with its own ``sampling``; it starts
+        once the leader's prefill is done and reuses its prompt's KV (``forks.py``)."""
+        return self.forks.fork(leader, sampling)
+
+    def _start_choice(self, req: Request) -> None:
+        rejection = self._dispatch(req)
+        if rejection is not None:
+            self.metrics.rejected.labels(rejection.reason).inc()
+            req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
+            return
+        self.requests[req.req_id] = req
+        self._count_prompt(req)
+
+    def _count_prompt(self, req: Request) -> None:
+        self.metrics.prompt_tokens.labels(self.model_name).inc(len(req.tokens))
+        self.metrics.prefix_queries.labels(self.model_name).inc(len(req.tokens))
+
+    def _refresh_gauges(self) -> None:
+        """The gauges read from live state, just before a scrape."""
+        m, name = self.metrics, self.model_name
+        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING) + len(self.forks.waiting)
+        m.num_waiting.labels(name).set(waiting)
+        m.num_running.labels(name).set(len(self.requests) + len(self.forks.waiting) - waiting)
+        decodes = self.cluster.of_role("decode")
+        total = sum(n.info.num_blocks for n in decodes)
+        m.kv_usage.labels(name).set(sum(n.load.used_blocks for n in decodes) / total if total else 0.0)
+
     def cancel(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
+        self.forks.cancel(req_id)
         req = self.requests.get(req_id)
         if req is not None:
             self._finish(req, Reason.ABORT)
@@ -157,7 +198,7 @@ class Conductor:
         wire_id = req.dispatched(plan, time.monotonic())
         self.attempts[wire_id] = req
         self.scheduler.book(wire_id, plan)
-        self.metrics.prefill_dispatched.labels(plan.prefill.node_id).inc()
+        self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
         kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(
             wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),
@@ -205,10 +246,17 @@ class Conductor:
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
-        if req.prefilled(msg.first_token, msg.cached_tokens, now):
-            self.metrics.prefix_hits.inc(msg.cached_tokens)
-            self.metrics.ttft.observe(now - req.arrived)
-            self.metrics.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+        if req.followers:  # its prompt's blocks are on this prefill now (its own events may come later)
+            self.index.add(node.node_id, "device", req.hashes)
+            self.forks.release(req)
+        if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
+            m, name = self.metrics, self.model_name
+            m.prefix_hits.labels(name).inc(msg.cached_tokens)
+            m.ttft.labels(name).observe(now - req.arrived)
+            m.queue_time.labels(name).observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+            m.generation_tokens.labels(name).inc()
+        else:
+            self.metrics.generation_tokens.labels(self.model_name).inc()
         decode = req.attempt.plan.decode.node_id
         if msg.finished is not None:  # done at its first token: the decode drops its reservation
             self._finish(req, msg.finished)
@@ -223,9 +271,10 @@ class Conductor:
             return
         now = time.monotonic()
         last = req.last_token_at
-        emitted = req.accept(msg.index, msg.tokens, now)
+        emitted = req.accept(msg.index, msg.tokens, now, msg.logprobs or None)
         if emitted:
-            self.metrics.itl.observe((now - last) / emitted)
+            self.metrics.itl.labels(self.model_name).observe((now - last) / emitted)
+            self.metrics.generation_tokens.labels(self.model_name).inc(emitted)
         if msg.finished is not None and not req.held:
             self._finish(req, msg.finished, notify=False)
 
@@ -284,8 +333,9 @@ class Conductor:
             self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, (time.monotonic() - a.first_token_at) / decoded)
         self._end_attempt(req, notify)
         req.finish(reason, error)
+        self.forks.release(req)
         self.requests.pop(req.req_id, None)
-        self.metrics.e2e.observe(time.monotonic() - req.arrived)
+        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - req.arrived)
         outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
         self.metrics.requests.labels(outcome).inc()
 

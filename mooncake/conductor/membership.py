@@ -114,17 +114,17 @@ class Membership:
             log.warning("%s %s progresses again: takes work again", node.role, node.node_id)
             node.stalled = False
             self.cluster.reindex()
+        m = self.metrics
         if node.role in ("prefill", "decode"):
-            self.metrics.running.labels(node.node_id).set(load.running)
-            self.metrics.waiting.labels(node.node_id).set(load.waiting)
+            m.of_node(m.running, node.node_id).set(load.running)
+            m.of_node(m.waiting, node.node_id).set(load.waiting)
+            m.report(m.writes_dropped, node.node_id, (), load.writes_dropped)
         for reason, count in load.kv_rejected.items():
-            self.metrics.kv_rejected.labels(node.node_id, reason).set(count)
-        if node.role in ("prefill", "decode"):
-            self.metrics.writes_dropped.labels(node.node_id).set(load.writes_dropped)
+            m.report(m.kv_rejected, node.node_id, (reason,), count)
         for tier, st in load.tiers.items():
-            self.metrics.tier_used.labels(node.node_id, tier).set(st.used_bytes)
-            self.metrics.tier_hits.labels(node.node_id, tier).set(st.hits)
-            self.metrics.tier_evictions.labels(node.node_id, tier).set(st.evictions)
+            m.of_node(m.tier_used, node.node_id, tier).set(st.used_bytes)
+            m.report(m.tier_hits, node.node_id, (tier,), st.hits)
+            m.report(m.tier_evictions, node.node_id, (tier,), st.evictions)
 
     def leave(self, node: Node) -> None:
         node.draining = True
@@ -136,6 +136,7 @@ class Membership:
         for node in self.cluster.silent_since(now - self.cfg.dead_after_s):
             log.warning("%s %s is silent: declared dead", node.role, node.node_id)
             self.cluster.remove(node.node_id)
+            self.metrics.forget_node(node.node_id)
             self.peers.pop(node.node_id, None)
             self.index.drop_node(node.node_id)
             self._count(node.role)

@@ -58,9 +58,10 @@ class RequestError:
 
 @dataclass(frozen=True)
 class Tokens:
-    """Event: new generated tokens, in order."""
+    """Event: new generated tokens, in order (with their logprobs when the request asked)."""
 
     ids: list[int]
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class Request:
     migrations: int = 0  # attempts moved after a failure (preemptions do not count)
     generated: list[int] = field(default_factory=list)
     held: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens that came early
+    held_logprobs: dict[int, list] = field(default_factory=dict)  # index -> their logprobs, if any
+    followers: list["Request"] = field(default_factory=list)  # choices of the same prompt waiting for its KV
+    forks: int = 0  # choices forked from this one (``Conductor.fork``)
     cached_tokens: int = 0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -127,6 +131,7 @@ class Request:
         self.attempts += 1
         self.attempt = Attempt(self.attempts, plan, now)
         self.held.clear()
+        self.held_logprobs.clear()
         self.last_progress = now
         return self.wire_id
 
@@ -135,7 +140,7 @@ class Request:
         assert self.attempt is not None
         self.attempt.reserved_at = self.last_progress = now
 
-    def prefilled(self, first_token: int, cached_tokens: int, now: float) -> bool:
+    def prefilled(self, first_token: int, cached_tokens: int, now: float, logprob: object = None) -> bool:
         """The attempt's prefill is done; its first token is emitted. Returns whether it is
         the request's first token (the time to first token)."""
         self._to(RequestStatus.DECODING)
@@ -145,28 +150,31 @@ class Request:
         if first:
             self.cached_tokens = cached_tokens
             self.first_token_at = now
-        self.accept(len(self.generated), [first_token], now)
+        self.accept(len(self.generated), [first_token], now, [logprob] if logprob is not None else None)
         return first
 
-    def accept(self, index: int, ids: list[int], now: float) -> int:
-        """Tokens ``index`` onwards; emits what is next in order. Returns how many were emitted."""
+    def accept(self, index: int, ids: list[int], now: float, logprobs: list | None = None) -> int:
+        """Tokens ``index`` onwards (and their logprobs); emits what is next in order. Returns
+        how many were emitted."""
         if self.status is not RequestStatus.DECODING:
             raise TransitionError(f"{self.req_id}: tokens while {self.status.value}")
         self.held[index] = ids
+        if logprobs:
+            self.held_logprobs[index] = logprobs
         emitted = 0
         while self.held:
             at = len(self.generated)
             for i in [i for i in self.held if i + len(self.held[i]) <= at]:
                 del self.held[i]  # wholly emitted already: a duplicate
-            chunk = self.held.pop(at, None)
-            if chunk is None:
-                # a run that starts inside what was emitted contributes its unseen tail
-                overlap = next((i for i in self.held if i < at), None)
-                if overlap is None:
-                    break
-                chunk = self.held.pop(overlap)[at - overlap:]
+                self.held_logprobs.pop(i, None)
+            start = at if at in self.held else next((i for i in self.held if i < at), None)
+            if start is None:
+                break
+            # a run that starts inside what was emitted contributes its unseen tail
+            chunk = self.held.pop(start)[at - start:]
+            lps = self.held_logprobs.pop(start, None)
             self.generated.extend(chunk)
-            self.events.put_nowait(Tokens(list(chunk)))
+            self.events.put_nowait(Tokens(list(chunk), lps[at - start:] if lps else None))
             emitted += len(chunk)
         if emitted:
             self.last_progress = self.last_token_at = now
@@ -177,6 +185,7 @@ class Request:
         self._to(RequestStatus.WAITING)
         self.attempt = None
         self.held.clear()
+        self.held_logprobs.clear()
         if counts_as_migration:
             self.migrations += 1
         self.last_progress = now

@@ -15,11 +15,13 @@ import torch
 from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, prefill_batch
+from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
 from mooncake.engine.loader import LoadedModel
-from mooncake.engine.sampler import make_generator, sample
+from mooncake.engine.sampler import Row, Sampled, sample, sequence_seed
+from mooncake.engine.sampling_checks import check_sampling
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.protocol import Sampling
 
@@ -59,6 +61,7 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
         self.eos_token_ids = _eos_ids(loaded)
         self.vocab_size = int(self.model.embed.shape[0])
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_token_ids, cfg.threads or 1)
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.prefix_caching = cfg.prefix_caching
         self.max_batch = cfg.max_batch
@@ -93,6 +96,7 @@ class Engine:
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         if sampling.top_k < 0:
             raise InvalidRequestError("top_k must be >= 0 (0: disabled)", "top_k")
+        check_sampling(sampling, self.vocab_size)
 
     def cached_prefix(self, hashes: list[BlockHash]) -> int:
         return self.blocks.cached_prefix(hashes) if self.prefix_caching else 0
@@ -104,6 +108,7 @@ class Engine:
         pool cannot hold it (nothing is leaked). ``hashes``/``root``: the prompt's chain, when the
         caller has it (else computed from ``cache_salt``)."""
         self.validate(tokens, sampling)
+        matcher = self._matcher(tokens, sampling, num_generated)
         T = self.block_tokens
         root = self.root(cache_salt) if root is None else root
         hashes = self.hashes(tokens, cache_salt) if hashes is None else list(hashes)
@@ -115,8 +120,8 @@ class Engine:
             return None
         self._num_seqs += 1
         return Sequence(req_id, list(tokens), sampling, root, n_hit * T, n_hit * T, num_generated,
-                        held + new, list(hashes[:n_hit]), generator=make_generator(sampling, self.device),
-                        hashes=hashes, uid=next(self._uids))
+                        held + new, list(hashes[:n_hit]), seed=sequence_seed(sampling),
+                        hashes=hashes, uid=next(self._uids), matcher=matcher)
 
     def reserve(self, req_id: str, tokens: list[int], hashes: list[BlockHash], root: BlockHash,
                 sampling: Sampling, num_generated: int = 0) -> Sequence | None:
@@ -124,6 +129,7 @@ class Engine:
         ``write_kv``; leading blocks already cached are shared (their KV need not come).
         None if the pool cannot hold it now (nothing is leaked)."""
         self.validate(tokens, sampling)
+        matcher = self._matcher(tokens, sampling, num_generated)
         T = self.block_tokens
         n_hit = self.blocks.cached_prefix(hashes)
         held = self.blocks.acquire(hashes[:n_hit])
@@ -133,7 +139,8 @@ class Engine:
             return None
         self._num_seqs += 1
         return Sequence(req_id, list(tokens), sampling, root, n_hit * T, 0, num_generated, held + new,
-                        generator=make_generator(sampling, self.device), hashes=list(hashes), uid=next(self._uids))
+                        seed=sequence_seed(sampling), hashes=list(hashes), uid=next(self._uids),
+                        matcher=matcher)
 
     def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor) -> None:
         """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;
@@ -156,6 +163,8 @@ class Engine:
         self.blocks.register(seq.block_table[n_hit:full], seq.hashes[n_hit:full])
         seq.block_hashes = list(seq.hashes[:full])
         seq.num_computed = len(seq.tokens)
+        if seq.matcher is not None:
+            consume(seq.matcher, next_token)
         seq.tokens.append(next_token)
         seq.num_generated += 1
         seq.prefilled = True
@@ -190,8 +199,9 @@ class Engine:
             return PrefillStep(full, False)
         seq.prefilled = True
         assert logits is not None
-        token = sample(logits, [seq.sampling], [seq.generator])[0]
-        return PrefillStep(full, True, token, self._append(seq, token), logits[0])
+        picked = self._sample(logits, [seq])
+        token = picked.tokens[0]
+        return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0])
 
     def decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One token for each sequence, batched (``max_batch`` at a time). A sequence that cannot
@@ -214,19 +224,35 @@ class Engine:
             part = ready[i: i + self.max_batch]
             logits = self.model.forward(self.pool, decode_batch(part, self.block_tokens, self.device))
             assert logits is not None
-            tokens = sample(logits, [s.sampling for s in part], [s.generator for s in part])
-            for s, tok in zip(part, tokens):
+            picked = self._sample(logits, part)
+            for s, tok, lp in zip(part, picked.tokens, picked.logprobs):
                 s.num_computed += 1
                 if s.num_computed % T == 0:
                     self._register_full(s, s.num_computed - 1, s.num_computed)
-                out[id(s)] = StepOutput(s, tok, self._append(s, tok))
+                out[id(s)] = StepOutput(s, tok, self._append(s, tok), lp)
         return [out[id(s)] for s in seqs]
+
+    def _matcher(self, tokens: list[int], sampling: Sampling, num_generated: int) -> object:
+        if not sampling.grammar:
+            return None
+        return self.grammars.matcher(sampling.grammar, tokens[len(tokens) - num_generated:])
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        rows = []
+        for s in seqs:
+            sp = s.sampling
+            banned = (list(self.eos_token_ids) + sp.stop_token_ids) if s.num_generated < sp.min_tokens else ()
+            rows.append(Row(sp, s.seed, s.tokens, s.num_generated, banned))
+        matchers = [s.matcher for s in seqs]
+        mask = self.grammars.mask(matchers) if any(m is not None for m in matchers) else None
+        return sample(logits, rows, mask)
 
     def _append(self, seq: Sequence, token: int) -> str:
         seq.tokens.append(token)
         seq.num_generated += 1
         s = seq.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+        done_grammar = seq.matcher is not None and consume(seq.matcher, token)
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids) or done_grammar:
             seq.finished = "stop"
         elif seq.num_generated >= s.max_tokens or len(seq.tokens) >= self.max_model_len:
             seq.finished = "length"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mooncake.blocks import BlockHash
-from mooncake.protocol import Sampling
+from mooncake.protocol import Logprob, Sampling
 
 
 @dataclass(eq=False)
@@ -31,11 +32,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     finished: str = ""  # "" | "stop" | "length"
-    generator: torch.Generator | None = None
+    seed: int = 0  # the sampler's seed (the request's, else random)
     hashes: list[BlockHash] = field(default_factory=list)  # the chain over its full blocks, as known
     prefilled: bool = False
     uid: int = 0  # unique per engine: identifies the sequence in the decode workspace
     freed: bool = False
+    matcher: Any = None  # the grammar's matcher when the output is constrained
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +51,7 @@ class PrefillStep:
     token: int | None = None  # sampled after the last chunk
     finished: str = ""  # "" | "stop" | "length"
     logits: torch.Tensor | None = None  # last-position logits when done
+    logprob: Logprob | None = None  # the token's, when asked for
 
 
 @dataclass
@@ -56,3 +59,4 @@ class StepOutput:
     seq: Sequence
     token: int | None  # None: no block for this step (sequence intact) or already finished
     finished: str = ""
+    logprob: Logprob | None = None  # the token's, when asked for

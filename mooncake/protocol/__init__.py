@@ -26,7 +26,8 @@ from mooncake.protocol.base import Msg
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
-                                        KVTransfer, PrefillDone, PrefillRequest, Reserved, Sampling, TokenEvent)
+                                        KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
+                                        TokenEvent)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
@@ -49,6 +50,7 @@ __all__ = [
     "Heartbeat",
     "KVTransfer",
     "Leave",
+    "Logprob",
     "Load",
     "MAX_DIMS",
     "Message",

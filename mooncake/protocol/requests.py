@@ -35,6 +35,22 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens are out
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # on tokens generated so far
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # on prompt and generated tokens (>1 discourages)
+    logit_bias: dict[int, float] = {}
+    logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the k most likely
+    grammar: str = ""  # an llguidance grammar (JSON) the output must match: a token mask on every step
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    """The chosen token's log-probability under the model and the ``top`` most likely (id, logprob)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class FetchPlan(msgspec.Struct, array_like=True):
@@ -90,6 +106,7 @@ class PrefillDone(Msg, tag="prefill_done"):
     fetched_blocks: int = 0  # blocks read from a store
     fetch_s: float = 0.0
     finished: FinishReason | None = None  # set if the first token already ends the request
+    logprob: Logprob | None = None  # the first token's, when the request asked for logprobs
 
 
 class FirstToken(Msg, tag="first_token"):
@@ -120,6 +137,7 @@ class TokenEvent(Msg, tag="tokens"):
     index: int
     tokens: list[int]
     finished: FinishReason | None = None
+    logprobs: list[Logprob] = []  # one per token, when the request asked for logprobs
 
 
 class Abort(Msg, tag="abort"):

@@ -256,7 +256,8 @@ class DecodeWorker(EngineWorker):
             if out.token is None or self.running.get(rid) is not slot:
                 continue
             finished = P.FinishReason(out.finished) if out.finished else None
-            await self.send(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished))
+            lps = [out.logprob] if out.logprob is not None else []
+            await self.send(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished, lps))
             slot.next_index += 1
             if finished is not None:
                 await self._retire(self.running.pop(rid), write=True)

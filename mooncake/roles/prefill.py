@@ -201,7 +201,7 @@ class PrefillWorker(EngineWorker):
         # The first token goes out now (time to first token); the KV tail follows to decode.
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
-            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished))
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob))
         if finished is None:
             kv = await self.run_engine(eng.export_sequence, seq, sent, None)
             await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
