@@ -78,11 +78,12 @@ def serve(args: argparse.Namespace) -> int:
             await worker_cls(cfg).start()
     from mooncake.engine import ModelLoadError
     from mooncake.link import HandshakeError
+    from mooncake.p2p.rpc import P2PError
     from mooncake.security import CurveError, InsecureNetworkError
 
     try:
         asyncio.run(main(cfg))
-    except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError) as e:
+    except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError, P2PError) as e:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
