@@ -37,6 +37,7 @@ class Peer:
     name: str
     endpoint: str
     sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
     chunks: set[int] = field(default_factory=set)
     in_flight: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (chunk, sent at)
     bad: set[int] = field(default_factory=set)  # chunks that failed verification from this peer
@@ -80,7 +81,7 @@ class Fetch:
         finally:
             for t in list(self._writes):
                 t.cancel()
-            for p in self.peers.values():
+            for p in list(self.peers.values()):
                 self._drop_peer(p)
             self.save(self.obj)
 
@@ -152,8 +153,8 @@ class Fetch:
             self.curve.client(sock, "store")  # type: ignore[attr-defined]
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
-        peer = Peer(node_id, name, endpoint, sock)
-        peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer, monitor))]
+        peer = Peer(node_id, name, endpoint, sock, monitor)
+        peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer))]
         return peer
 
     async def _read(self, peer: Peer) -> None:
@@ -161,18 +162,16 @@ class Fetch:
             frames = await recv_multipart(peer.sock)
             self.events.put_nowait((peer, frames))
 
-    async def _watch(self, peer: Peer, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            await recv_multipart(monitor)  # the one event it listens for: disconnected
-            self.events.put_nowait((peer, None))
-        finally:
-            monitor.close(0)
+    async def _watch(self, peer: Peer) -> None:
+        await recv_multipart(peer.monitor)  # the one event it listens for: disconnected
+        self.events.put_nowait((peer, None))
 
     def _drop_peer(self, peer: Peer, requeue: bool = False) -> None:
         """Close a holder's socket; its chunks in flight become wanted again."""
         for t in peer.tasks:
             t.cancel()
         peer.in_flight.clear()
+        peer.monitor.close(0)
         peer.sock.close(0)
         if self.peers.get(peer.node_id) is peer:
             del self.peers[peer.node_id]

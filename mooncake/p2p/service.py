@@ -92,8 +92,11 @@ class P2PService:
             log.info("p2p: forgot %s", name)
 
     async def close(self) -> None:
-        for t in list(self._tasks):
+        """Stop serving and fetching (an interrupted fetch resumes from disk next time)."""
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # fetches close their peers' sockets
         self.sock.close(0)
         self.meta.close()
         self.objects.close()
