@@ -22,6 +22,8 @@ def add_p2p_parser(sub: argparse._SubParsersAction) -> None:
     get.add_argument("name")
     get.add_argument("dest", help="directory (created if absent); a directory's files keep their relative paths")
     get.add_argument("--quiet", action="store_true", help="no progress bar")
+    get.add_argument("--from", dest="only_from", action="append", metavar="NODE",
+                     help="fetch only from this node (repeat for several; default: every holder)")
     ps.add_parser("ls", help="objects, sizes, holders and completeness")
     rm = ps.add_parser("rm", help="remove an object cluster-wide (stores stop serving it; files stay)")
     rm.add_argument("name")
@@ -47,7 +49,7 @@ def run_p2p(args: argparse.Namespace) -> int:
             print(await client.put(args.name, args.path))
         elif args.p2p_command == "get":
             t0 = time.monotonic()
-            report = await client.get(args.name, args.dest, bar.update)
+            report = await client.get(args.name, args.dest, bar.update, only_from=args.only_from)
             bar.finish()
             dt = time.monotonic() - t0
             peers = ", ".join(f"{k} {human(v)}" for k, v in sorted(report.peers.items())) or "already on disk"

@@ -42,11 +42,12 @@ class P2PClient:
 
     async def get(self, name: str, dest: str | Path,
                   on_progress: Callable[[ProgressReport], None] | None = None,
-                  poll_s: float = 0.2) -> ProgressReport:
-        """Fetch ``name`` into ``dest`` (created if absent); returns when complete, raises P2PError on failure."""
+                  poll_s: float = 0.2, only_from: list[str] | None = None) -> ProgressReport:
+        """Fetch ``name`` into ``dest`` (created if absent); returns when complete, raises P2PError on
+        failure. ``only_from``: node names to fetch from (default: every holder)."""
         dest = Path(dest).expanduser().resolve()
         store = await self.store()
-        await store.call(GetObject(name, str(dest)))
+        await store.call(GetObject(name, str(dest), list(only_from or ())))
         while True:
             report = await store.call(Progress(name), timeout_s=30.0)
             assert isinstance(report, ProgressReport)

@@ -48,8 +48,9 @@ class Peer:
 class Fetch:
     def __init__(self, ctx: zmq.asyncio.Context, curve: object | None, meta: Rpc, node_id: str, obj: LocalObject,
                  save: object, in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0,
-                 chunk_timeout_s: float = 60.0, refresh_s: float = 0.25) -> None:
-        """``save(obj)``: persist the object's record; ``meta``: the conductor."""
+                 chunk_timeout_s: float = 60.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
+        """``save(obj)``: persist the object's record; ``meta``: the conductor; ``only_from``: node
+        names to fetch from (default: every holder)."""
         self.ctx, self.curve, self.meta, self.node_id, self.obj = ctx, curve, meta, node_id, obj
         self.save = save
         self.in_flight_per_peer = in_flight_per_peer
@@ -65,6 +66,7 @@ class Fetch:
         self._rank = {c: r for r, c in enumerate(self._order)}
         self._writes: set[asyncio.Task] = set()
         self.bad_chunks = 0
+        self.only_from = set(only_from or ())
         self._fatal: Exception | None = None  # a write that cannot go on (disk full)
 
     def progress(self) -> ProgressReport:
@@ -90,7 +92,8 @@ class Fetch:
         await asyncio.to_thread(obj.prepare)
         if obj.done:
             log.info("p2p %s: resuming, %d of %d chunks already on disk", obj.name, len(obj.done), len(obj.spans))
-            await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
+        # what this store holds now (a fetch into a new directory replaces what it held elsewhere)
+        await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
         self.save(obj)
         last_progress = time.monotonic()
         next_refresh = 0.0
@@ -132,7 +135,8 @@ class Fetch:
         now = time.monotonic()
         seen = set()
         for h in loc.holders:
-            if h.node_id == self.node_id or self.banned.get(h.node_id, 0) > now:
+            if h.node_id == self.node_id or self.banned.get(h.node_id, 0) > now or \
+                    (self.only_from and h.node_name not in self.only_from):
                 continue
             seen.add(h.node_id)
             peer = self.peers.get(h.node_id)

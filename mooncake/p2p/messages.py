@@ -140,6 +140,7 @@ class GetObject(P2PMsg, tag="p2p_get"):
 
     name: str
     dest: str
+    only_from: list[str] = []  # node names to fetch from; empty: every holder
 
 
 class Progress(P2PMsg, tag="p2p_progress"):

@@ -192,7 +192,7 @@ class P2PService:
         obj = LocalObject(manifest, Path(msg.dest))
         self.objects.add(obj)
         fetch = Fetch(self.ctx, self.curve, self.meta, self.node_id, obj, self.objects.save,
-                      self.in_flight_per_peer, self.stall_timeout_s)
+                      self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from)
         self.fetches[msg.name] = fetch
         self._spawn(fetch.run())
         return Done("fetching")
