@@ -41,14 +41,14 @@ class Peer:
     chunks: set[int] = field(default_factory=set)
     in_flight: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (chunk, sent at)
     bad: set[int] = field(default_factory=set)  # chunks that failed verification from this peer
-    bytes: int = 0
+    last_reply: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
 class Fetch:
     def __init__(self, ctx: zmq.asyncio.Context, curve: object | None, meta: Rpc, node_id: str, obj: LocalObject,
                  save: object, in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0,
-                 chunk_timeout_s: float = 60.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
+                 chunk_timeout_s: float = 20.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
         """``save(obj)``: persist the object's record; ``meta``: the conductor; ``only_from``: node
         names to fetch from (default: every holder)."""
         self.ctx, self.curve, self.meta, self.node_id, self.obj = ctx, curve, meta, node_id, obj
@@ -155,9 +155,10 @@ class Fetch:
         limit_message_size(sock, self.obj.manifest.chunk_bytes + (1 << 16))
         if self.curve is not None:
             self.curve.client(sock, "store")  # type: ignore[attr-defined]
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # a connection refused (the holder's process is gone) or lost: its chunks go elsewhere at once
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(endpoint)
-        peer = Peer(node_id, name, endpoint, sock, monitor)
+        peer = Peer(node_id, name, endpoint, sock, monitor, last_reply=time.monotonic())
         peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer))]
         return peer
 
@@ -167,7 +168,7 @@ class Fetch:
             self.events.put_nowait((peer, frames))
 
     async def _watch(self, peer: Peer) -> None:
-        await recv_multipart(peer.monitor)  # the one event it listens for: disconnected
+        await recv_multipart(peer.monitor)  # disconnected, or a connection attempt failed
         self.events.put_nowait((peer, None))
 
     def _drop_peer(self, peer: Peer, requeue: bool = False) -> None:
@@ -188,8 +189,9 @@ class Fetch:
 
     def _expire(self, now: float) -> None:
         for peer in list(self.peers.values()):
-            if any(now - sent > self.chunk_timeout_s for _, sent in peer.in_flight.values()):
-                self._ban(peer, f"no chunk within {self.chunk_timeout_s:.0f}s")
+            silent = now - peer.last_reply > self.chunk_timeout_s
+            if silent and any(now - sent > self.chunk_timeout_s for _, sent in peer.in_flight.values()):
+                self._ban(peer, f"no chunk for {self.chunk_timeout_s:.0f}s")
 
     def _assign(self) -> None:
         """Fill free request slots: least-loaded holder first, rarest chunk it has first."""
@@ -227,7 +229,7 @@ class Fetch:
         if self.peers.get(peer.node_id) is not peer:
             return False  # from a holder already dropped
         if frames is None:
-            self._ban(peer, "disconnected")
+            self._ban(peer, "disconnected or refused")
             return False
         try:
             head = decoder.decode(frames[0].bytes)
@@ -237,6 +239,7 @@ class Fetch:
             log.warning("p2p %s: unexpected reply from %s", self.obj.name, peer.name)
             return False
         chunk, _ = peer.in_flight.pop(head.req)
+        peer.last_reply = time.monotonic()
         if head.missing or len(frames) != 2:
             peer.chunks.discard(chunk)
             log.warning("p2p %s: %s does not serve chunk %d (%s)", self.obj.name, peer.name, chunk,
