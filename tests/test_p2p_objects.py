@@ -15,7 +15,7 @@ import pytest
 
 from mooncake.p2p.index import P2PIndex
 from mooncake.p2p.manifest import ObjectError, build_manifest, check_name, spans, validate
-from mooncake.p2p.messages import (Done, Failure, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
+from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
                                    Publish, RemoveObject, StoreAt, bits)
 from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, ObjectStore
 from mooncake.protocol import NodeInfo
@@ -153,8 +153,9 @@ def test_index_tracks_holders_conflicts_and_removal(tmp_path):
     index.drop_node("b-store")
     assert isinstance(h[Have](Have("b-store", "obj", m.version, [0, 1])), Done)
     assert isinstance(h[Have](Have("b-store", "obj", "0" * 64, [2])), Failure)  # wrong version
+    assert isinstance(h[Fetching](Fetching("b-store", "obj", [2, 3])), Done)  # being fetched: soon held
     loc = h[Locate](Locate("obj"))
-    assert isinstance(loc, Located)
+    assert isinstance(loc, Located) and loc.fetching[:5] == [0, 0, 1, 1, 0]
     held = {x.node_name: bits(x.chunks) for x in loc.holders}
     assert held == {"a": list(range(len(m.checksums))), "b": [0, 1]}
     del cluster.nodes["a-store"]  # a holder whose store is gone is not listed

@@ -48,8 +48,8 @@ class P2PClient:
         dest = Path(dest).expanduser().resolve()
         store = await self.store()
         await store.call(GetObject(name, str(dest), list(only_from or ())))
-        while True:
-            report = await store.call(Progress(name), timeout_s=30.0)
+        while True:  # each answer comes after poll_s, or at once when the fetch ends
+            report = await store.call(Progress(name, wait_s=poll_s), timeout_s=30.0)
             assert isinstance(report, ProgressReport)
             if on_progress is not None:
                 on_progress(report)
@@ -57,7 +57,6 @@ class P2PClient:
                 return report
             if report.state == "failed":
                 raise P2PError(f"fetching {name} failed: {report.error}")
-            await asyncio.sleep(poll_s)
 
     async def ls(self) -> Listing:
         reply = await self.conductor.call(ListObjects())

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake.p2p.manifest import ObjectError
-from mooncake.p2p.messages import ChunkData, ChunkGet, Have, Located, Locate, ProgressReport, bits, decoder, encoder
+from mooncake.p2p.messages import ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
@@ -56,6 +56,7 @@ class Fetch:
         self.in_flight_per_peer = in_flight_per_peer
         self.stall_timeout_s, self.chunk_timeout_s, self.refresh_s = stall_timeout_s, chunk_timeout_s, refresh_s
         self.state, self.error = "fetching", ""
+        self.finished = asyncio.Event()
         self.peers: dict[str, Peer] = {}
         self.banned: dict[str, float] = {}  # node id -> until when (disconnected or silent)
         self.bytes_by_peer: dict[str, int] = {}
@@ -64,6 +65,7 @@ class Fetch:
         self._order = list(range(len(obj.spans)))
         random.shuffle(self._order)
         self._rank = {c: r for r, c in enumerate(self._order)}
+        self._others_fetching: list[int] = []  # per chunk: other stores fetching it now
         self._writes: set[asyncio.Task] = set()
         self.bad_chunks = 0
         self.only_from = set(only_from or ())
@@ -86,6 +88,12 @@ class Fetch:
             for p in list(self.peers.values()):
                 self._drop_peer(p)
             self.save(self.obj)
+            self.finished.set()
+        if self.state == "complete":
+            try:
+                await self.meta.call(Fetching(self.node_id, self.obj.name, []))
+            except P2PError:
+                pass  # the conductor forgets it with this store's registration anyway
 
     async def _run(self) -> None:
         obj = self.obj
@@ -128,10 +136,13 @@ class Fetch:
                 f"{len(self.obj.spans)} chunks missing (holders: {', '.join(holders) or 'none alive'}){why}")
 
     async def _refresh(self) -> None:
+        mine = sorted({c for p in self.peers.values() for c, _ in p.in_flight.values()})
+        await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
         loc = await self.meta.call(Locate(self.obj.name))
         assert isinstance(loc, Located)
         if loc.manifest.version != self.obj.manifest.version:
             raise ObjectError(f"{self.obj.name} changed while fetching (now version {loc.manifest.version[:12]})")
+        self._others_fetching = [max(0, k - (i in mine)) for i, k in enumerate(loc.fetching)]
         now = time.monotonic()
         seen = set()
         for h in loc.holders:
@@ -194,13 +205,15 @@ class Fetch:
                 self._ban(peer, f"no chunk for {self.chunk_timeout_s:.0f}s")
 
     def _assign(self) -> None:
-        """Fill free request slots: least-loaded holder first, rarest chunk it has first."""
+        """Fill free request slots: least-loaded holder first, rarest chunk it has first (a chunk
+    other stores are fetching counts as held by them: it soon is)."""
         taken = {c for p in self.peers.values() for c, _ in p.in_flight.values()}
         taken |= {t.chunk for t in self._writes}  # type: ignore[attr-defined]
         wanted = [c for c in self._order if c not in self.obj.done and c not in taken]
         if not wanted:
             return
-        holders = {c: 0 for c in wanted}
+        others = self._others_fetching
+        holders = {c: others[c] if c < len(others) else 0 for c in wanted}  # being fetched: held soon
         for p in self.peers.values():
             for c in p.chunks:
                 if c in holders:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mooncake.p2p.manifest import ObjectError, validate
-from mooncake.p2p.messages import (Done, Failure, FindStore, Forget, Have, Holder, ListObjects, Listing, Locate,
-                                   Located, Manifest, ObjectInfo, P2PMsg, Publish, RemoveObject, StoreAt, bitmap)
+from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, Holder, ListObjects, Listing,
+                                   Locate, Located, Manifest, ObjectInfo, P2PMsg, Publish, RemoveObject, StoreAt, bitmap)
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class Entry:
     manifest: Manifest
     holders: dict[str, set[int]] = field(default_factory=dict)  # store node id -> chunks held
+    fetching: dict[str, list[int]] = field(default_factory=dict)  # store node id -> chunks it is fetching
 
 
 class P2PIndex:
@@ -33,7 +34,7 @@ class P2PIndex:
         self.objects: dict[str, Entry] = {}
 
     def handlers(self) -> dict[type, Callable[[Any], P2PMsg]]:
-        return {Publish: self.publish, Have: self.have, Locate: self.locate, ListObjects: self.list,
+        return {Publish: self.publish, Have: self.have, Fetching: self.fetching, Locate: self.locate, ListObjects: self.list,
                 RemoveObject: self.remove, FindStore: self.find_store}
 
     def _store(self, node_id: str) -> Any:
@@ -71,6 +72,16 @@ class P2PIndex:
             del entry.holders[msg.node_id]
         return Done()
 
+    def fetching(self, msg: Fetching) -> P2PMsg:
+        entry = self.objects.get(msg.name)
+        if entry is None:
+            return Failure(f"no object named {msg.name!r}", "unknown")
+        if msg.chunks:
+            entry.fetching[msg.node_id] = msg.chunks
+        else:
+            entry.fetching.pop(msg.node_id, None)
+        return Done()
+
     def _entry(self, name: str) -> Entry | Failure:
         entry = self.objects.get(name)
         if entry is None:
@@ -88,7 +99,13 @@ class P2PIndex:
             node = self._store(node_id)
             if node is not None and chunks:
                 holders.append(Holder(node_id, node.name, node.endpoints["p2p"], bitmap(chunks, n)))
-        return Located(entry.manifest, holders)
+        fetching = [0] * n
+        for node_id, chunks in entry.fetching.items():
+            if self._store(node_id) is not None:
+                for i in chunks:
+                    if 0 <= i < n:
+                        fetching[i] += 1
+        return Located(entry.manifest, holders, fetching)
 
     def list(self, msg: ListObjects) -> P2PMsg:
         out = []
@@ -118,3 +135,4 @@ class P2PIndex:
     def drop_node(self, node_id: str) -> None:
         for entry in self.objects.values():
             entry.holders.pop(node_id, None)
+            entry.fetching.pop(node_id, None)

@@ -63,6 +63,15 @@ class Have(P2PMsg, tag="p2p_have"):
     replace: bool = False
 
 
+class Fetching(P2PMsg, tag="p2p_fetching"):
+    """``node_id`` is fetching these chunks of ``name`` now (replaces what it said before): other
+    fetchers prefer chunks nobody is fetching, so that the seed sends each chunk about once."""
+
+    node_id: str
+    name: str
+    chunks: list[int]
+
+
 class Locate(P2PMsg, tag="p2p_locate"):
     name: str
 
@@ -70,6 +79,7 @@ class Locate(P2PMsg, tag="p2p_locate"):
 class Located(P2PMsg, tag="p2p_located"):
     manifest: Manifest
     holders: list[Holder]
+    fetching: list[int] = []  # per chunk: how many stores are fetching it now
 
 
 class ListObjects(P2PMsg, tag="p2p_list"):
@@ -144,7 +154,10 @@ class GetObject(P2PMsg, tag="p2p_get"):
 
 
 class Progress(P2PMsg, tag="p2p_progress"):
+    """How a fetch goes; with ``wait_s`` the answer waits up to that long for the fetch to end."""
+
     name: str
+    wait_s: float = 0.0
 
 
 class ProgressReport(P2PMsg, tag="p2p_progress_report"):
@@ -175,7 +188,7 @@ class ChunkData(P2PMsg, tag="p2p_chunk"):
     missing: str = ""
 
 
-P2PMessage = (Publish | Have | Locate | Located | ListObjects | Listing | RemoveObject | FindStore | StoreAt
+P2PMessage = (Publish | Have | Fetching | Locate | Located | ListObjects | Listing | RemoveObject | FindStore | StoreAt
               | Done | Failure | Forget | PutObject | GetObject | Progress | ProgressReport | ChunkGet | ChunkData)
 
 encoder = msgspec.msgpack.Encoder()

@@ -132,7 +132,7 @@ class P2PService:
             elif isinstance(msg, GetObject):
                 reply = await self._get(msg)
             else:
-                reply = self._progress(msg.name)  # type: ignore[attr-defined]
+                reply = await self._progress(msg)  # type: ignore[arg-type]
         except (ObjectError, P2PError, OSError) as e:
             reply = Failure(str(e), getattr(e, "code", "error"))
         except Exception as e:  # a request must never kill the service
@@ -197,9 +197,15 @@ class P2PService:
         self._spawn(fetch.run())
         return Done("fetching")
 
-    def _progress(self, name: str) -> P2PMsg:
+    async def _progress(self, msg: Progress) -> P2PMsg:
+        name = msg.name
         fetch = self.fetches.get(name)
         if fetch is not None:
+            if fetch.state == "fetching" and msg.wait_s > 0:
+                try:
+                    await asyncio.wait_for(fetch.finished.wait(), min(msg.wait_s, 5.0))
+                except asyncio.TimeoutError:
+                    pass
             return fetch.progress()
         obj = self.objects.objects.get(name)
         if obj is None:
