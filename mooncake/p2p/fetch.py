@@ -57,6 +57,7 @@ class Fetch:
         self.stall_timeout_s, self.chunk_timeout_s, self.refresh_s = stall_timeout_s, chunk_timeout_s, refresh_s
         self.state, self.error = "fetching", ""
         self.finished = asyncio.Event()
+        self.verify_s = 0.0
         self.peers: dict[str, Peer] = {}
         self.banned: dict[str, float] = {}  # node id -> until when (disconnected or silent)
         self.bytes_by_peer: dict[str, int] = {}
@@ -73,7 +74,8 @@ class Fetch:
 
     def progress(self) -> ProgressReport:
         return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
-                              self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer))
+                              self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
+                              self.verify_s)
 
     async def run(self) -> None:
         try:
@@ -125,7 +127,9 @@ class Fetch:
                 raise self._fatal
             if time.monotonic() - last_progress > self.stall_timeout_s and not self._writes:
                 raise ObjectError(self._stall_reason())
+        t0 = time.monotonic()
         await asyncio.to_thread(obj.verify_files)
+        self.verify_s = time.monotonic() - t0
 
     def _stall_reason(self) -> str:
         missing = sorted(set(range(len(self.obj.spans))) - self.obj.done)

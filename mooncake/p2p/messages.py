@@ -168,6 +168,7 @@ class ProgressReport(P2PMsg, tag="p2p_progress_report"):
     state: str  # "fetching" | "complete" | "failed"
     error: str = ""
     peers: dict[str, int] = {}  # holder node name -> bytes fetched from it
+    verify_s: float = 0.0  # of the fetch's time: checking each file's SHA-256 at the end
 
 
 # ---- peer -> peer (P2P socket)
