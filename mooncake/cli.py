@@ -1,5 +1,5 @@
-"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, sim, config check,
-probe (an exec health probe) and deploy kubernetes."""
+"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, sim, p2p, config
+check, probe (an exec health probe) and deploy kubernetes."""
 
 from __future__ import annotations
 
@@ -78,11 +78,12 @@ def serve(args: argparse.Namespace) -> int:
             await worker_cls(cfg).start()
     from mooncake.engine import ModelLoadError
     from mooncake.link import HandshakeError
+    from mooncake.p2p.rpc import P2PError
     from mooncake.security import CurveError, InsecureNetworkError
 
     try:
         asyncio.run(main(cfg))
-    except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError) as e:
+    except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError, P2PError) as e:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -149,6 +150,12 @@ def run_ops(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from mooncake.p2p.cli import add_p2p_parser, run_p2p
+
+    add_p2p_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["p2p"]:  # before the other commands' parsers: `mooncake p2p` never imports torch
+        return run_p2p(parser.parse_args(argv))
     _serve_parser(sub)
     keys = sub.add_parser("keys", help="create the role keys for [security] curve_keys_dir")
     keys.add_argument("dir", help="directory to write KIND.key and KIND.key_secret into (KIND: conductor, "

@@ -29,6 +29,7 @@ class ModelConfig(_Section):
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
+    p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 
 
 class EngineConfig(_Section):
@@ -51,6 +52,9 @@ class StoreConfig(_Section):
         "on_demotion", description="on_demotion: every block demoted from DRAM is written; after_hits: only blocks hit >= ssd_admission_hits times; write_through: every stored block is also written to LMDB as it arrives (batched, off the request path), so a crash loses at most the last batch. On SIGTERM a store writes its DRAM blocks to LMDB whatever this says.")
     ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
     promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
+    p2p_chunk_bytes: int = Field(16 * MiB, ge=64 * 1024, le=256 * MiB, description="Chunk size of the P2P objects this store publishes (each chunk checksummed, fetched from any holder).")
+    p2p_in_flight_per_peer: int = Field(2, ge=1, le=64, description="P2P chunk requests a fetch keeps in flight to one holder.")
+    p2p_stall_timeout_s: float = Field(30.0, gt=0, description="A P2P fetch that makes no progress this long (no live holder has what is missing) fails.")
 
 
 class ConductorConfig(_Section):
@@ -107,6 +111,7 @@ class NodeConfig(_Section):
     host: str = Field("127.0.0.1", description="Address this node's roles bind and advertise.")
     kv_port: int = Field(0, ge=0, le=65535, description="Decode KV ingress port; 0: any free port.")
     store_port: int = Field(0, ge=0, le=65535, description="Store object-API port; 0: any free port.")
+    p2p_port: int = Field(0, ge=0, le=65535, description="Store P2P object port (chunks between peers, mooncake p2p); 0: any free port.")
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
     health_port: int = Field(0, ge=0, le=65535, description="Worker/store HTTP port for /health/live and /health/ready; 0: off.")
 

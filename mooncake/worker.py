@@ -25,6 +25,7 @@ from mooncake.kv_integrity import Rejections, checksums
 from mooncake.link import ConductorLink
 from mooncake.sched.engine_profile import EngineProfile
 from mooncake.node_health import start_node_health
+from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
@@ -53,6 +54,7 @@ class EngineWorker(ABC):
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, self.role)
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
+        fetch_model(cfg, self.role)  # [model] p2p_name: a missing model directory comes from peers first
         self.loaded = load_model(cfg.model)
         self.engine = Engine(self.loaded, cfg.engine)
         self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,

@@ -36,6 +36,7 @@ from mooncake.conductor.request import Request, RequestError, RequestStatus
 from mooncake.conductor.router import Router
 from mooncake.config import Config
 from mooncake.metrics import Metrics
+from mooncake.p2p.index import P2PIndex
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.scheduler import Scheduler
@@ -75,6 +76,7 @@ class Conductor:
         self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.router: Router | None = None
+        self.p2p = P2PIndex(self.cluster, self._send)  # who holds which chunks of the P2P objects
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self._tasks: list[asyncio.Task] = []
 
@@ -90,6 +92,8 @@ class Conductor:
         r.on(P.PrefillDone, self._on_prefill_done)
         r.on(P.TokenEvent, self._on_tokens)
         r.on(P.Failed, self._on_failed)
+        for msg_type, handler in self.p2p.handlers().items():
+            r.answer(msg_type, handler)
         self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
         log.info("conductor listening for roles on %s", r.endpoint)
         return r.endpoint
@@ -357,6 +361,7 @@ class Conductor:
         self.scheduler.forget_node(node.node_id)
         if node.role == "store":
             self.replicator.forget(node.endpoints.get("store", ""))
+            self.p2p.drop_node(node.node_id)
         for req in list(self.requests.values()):
             plan = req.attempt.plan if req.attempt else None
             if plan is not None and node.node_id in (plan.prefill.node_id, plan.decode.node_id):

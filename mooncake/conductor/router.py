@@ -7,7 +7,9 @@ and the loop goes on: no single message can stop the conductor. ``Register`` is
 handled with the sender's routing id and, under CURVE, its peer key (``KIND:key``,
 from the ZAP handler: membership authorizes the role by it); every other message
 only when it comes from the node it names (others get ``Reregister`` on a
-heartbeat, else nothing). Frames above ``max_message_bytes`` disconnect their sender.
+heartbeat, else nothing). Queries (``answer``: the P2P object index) are answered to any
+sender, registered or not (under CURVE, any cluster key): the ``mooncake p2p`` command asks
+them. Frames above ``max_message_bytes`` disconnect their sender.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Router:
         self.curve = curve
         self.on_register = on_register
         self.handlers: dict[type, Handler] = {}
+        self.queries: dict[type, Callable[[P.Msg], P.Msg]] = {}
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -52,6 +55,10 @@ class Router:
 
     def on(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
+
+    def answer(self, msg_type: type, handler: Callable[[P.Msg], P.Msg]) -> None:
+        """Reply ``handler(msg)`` to whoever sends a ``msg_type``."""
+        self.queries[msg_type] = handler
 
     async def serve(self) -> None:
         while True:
@@ -70,6 +77,10 @@ class Router:
             return
         if isinstance(msg, P.Register):
             await self._send_raw(ident, self.on_register(ident, msg, peer_of(frames[1])))
+            return
+        query = self.queries.get(type(msg))
+        if query is not None:
+            await self._send_raw(ident, query(msg))
             return
         node_id = getattr(msg, "node_id", None) or ident.decode(errors="replace")
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None

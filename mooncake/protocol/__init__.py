@@ -30,6 +30,7 @@ from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKin
                                         TokenEvent)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
+from mooncake.p2p.messages import P2PMessage
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
                                        dtype_name, frame_tensor, tensor_frame)
 
@@ -91,6 +92,7 @@ Message = Union[
     Ok, Blocks, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,
+    P2PMessage,  # mooncake/p2p/messages.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip
 
 _encoder = msgspec.msgpack.Encoder()

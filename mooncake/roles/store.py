@@ -1,7 +1,8 @@
 """Store role: the tiered block store served over ZeroMQ, registered with the conductor.
 
 Its node id is stable (``<node name>-store`` unless configured), because the
-LMDB tier lives under it: a restarted store finds its blocks again and
+LMDB tier lives under it (and its P2P object records under ``data_dir/<node id>-p2p``,
+see mooncake/p2p/service.py): a restarted store finds its blocks again and
 re-announces them to the conductor's index, as it does whenever the conductor
 asks it to register again. Its directory (``data_dir/<node id>``) is locked: a
 second store with the same node id exits at start with a message that says so.
@@ -19,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import zmq.asyncio
 
@@ -26,6 +28,8 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.link import ConductorLink
 from mooncake.node_health import start_node_health
+from mooncake.p2p.messages import Forget
+from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.tiers.dir_lock import DirLocked
@@ -58,6 +62,11 @@ async def run_store(cfg: Config) -> None:
     server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
                          node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
     endpoint = await server.start()
+    p2p_port = cfg.node.p2p_port
+    p2p = P2PService(ctx, node_id, Path(cfg.store.data_dir).expanduser() / f"{node_id}-p2p", f"tcp://{cfg.node.host}:{p2p_port or '*'}",
+                     cfg.conductor.endpoint, curve, cfg.store.p2p_chunk_bytes, cfg.store.p2p_in_flight_per_peer,
+                     cfg.store.p2p_stall_timeout_s)
+    p2p.start()
 
     async def announce() -> None:
         by_tier: dict[str, list[bytes]] = {}
@@ -67,6 +76,7 @@ async def run_store(cfg: Config) -> None:
             for i in range(0, len(hashes), ANNOUNCE_CHUNK):
                 await link.send(P.BlockEvent(node_id, "stored", tier, hashes[i:i + ANNOUNCE_CHUNK]))
         log.info("store %s announced %d blocks", node_id, sum(map(len, by_tier.values())))
+        await p2p.announce()
 
     def load() -> P.Load:
         snap = store.snapshot(top_n=0)
@@ -74,7 +84,7 @@ async def run_store(cfg: Config) -> None:
                                                     t["evictions"]) for t in snap["tiers"]},
                       kv_rejected=server.rejections.snapshot())
 
-    reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint},
+    reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid()))
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve,
                          max_message_bytes=max_message_bytes)
@@ -87,9 +97,10 @@ async def run_store(cfg: Config) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    drain = asyncio.create_task(_drain(link))
+    drain = asyncio.create_task(_drain(link, p2p))
     await stop.wait()
     drain.cancel()
+    await p2p.close()
     await server.close()  # no new operations; those in flight have finished
     store.on_event = None
     t0 = time.monotonic()
@@ -101,8 +112,11 @@ async def run_store(cfg: Config) -> None:
     ctx.term()
 
 
-async def _drain(link: ConductorLink) -> None:
-    """The conductor sends stores nothing but membership; keep the socket read."""
+async def _drain(link: ConductorLink, p2p: P2PService) -> None:
+    """The conductor sends stores membership and P2P removals; keep the socket read."""
     while True:
         msg, _ = await link.recv()
-        log.warning("store ignores %s from the conductor", type(msg).__name__)
+        if isinstance(msg, Forget):
+            p2p.forget(msg.name)
+        else:
+            log.warning("store ignores %s from the conductor", type(msg).__name__)

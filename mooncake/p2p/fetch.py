@@ -1,0 +1,290 @@
+"""One fetch of an object into a store: chunks pulled from every holder at once.
+
+Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time; a
+free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
+(fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
+different chunks and soon serve each other). Every chunk is verified before it is
+written; a bad one is asked again from another holder, and so is one whose holder
+disconnects or stays silent. Each verified chunk is announced to the conductor at once,
+and the holder list is refreshed every ``refresh_s``: peers fetching the same object
+serve each other during the distribution, not only the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from mooncake.p2p.manifest import ObjectError
+from mooncake.p2p.messages import ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
+from mooncake.p2p.objects import LocalObject
+from mooncake.p2p.rpc import P2PError, Rpc
+from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Peer:
+    node_id: str
+    name: str
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    chunks: set[int] = field(default_factory=set)
+    in_flight: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (chunk, sent at)
+    bad: set[int] = field(default_factory=set)  # chunks that failed verification from this peer
+    last_reply: float = 0.0
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class Fetch:
+    def __init__(self, ctx: zmq.asyncio.Context, curve: object | None, meta: Rpc, node_id: str, obj: LocalObject,
+                 save: object, in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0,
+                 chunk_timeout_s: float = 20.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
+        """``save(obj)``: persist the object's record; ``meta``: the conductor; ``only_from``: node
+        names to fetch from (default: every holder)."""
+        self.ctx, self.curve, self.meta, self.node_id, self.obj = ctx, curve, meta, node_id, obj
+        self.save = save
+        self.in_flight_per_peer = in_flight_per_peer
+        self.stall_timeout_s, self.chunk_timeout_s, self.refresh_s = stall_timeout_s, chunk_timeout_s, refresh_s
+        self.state, self.error = "fetching", ""
+        self.finished = asyncio.Event()
+        self.verify_s = 0.0
+        self.peers: dict[str, Peer] = {}
+        self.banned: dict[str, float] = {}  # node id -> until when (disconnected or silent)
+        self.bytes_by_peer: dict[str, int] = {}
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._req = 0
+        self._order = list(range(len(obj.spans)))
+        random.shuffle(self._order)
+        self._rank = {c: r for r, c in enumerate(self._order)}
+        self._others_fetching: list[int] = []  # per chunk: other stores fetching it now
+        self._writes: set[asyncio.Task] = set()
+        self.bad_chunks = 0
+        self.only_from = set(only_from or ())
+        self._fatal: Exception | None = None  # a write that cannot go on (disk full)
+
+    def progress(self) -> ProgressReport:
+        return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
+                              self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
+                              self.verify_s)
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+            self.state = "complete"
+        except (ObjectError, P2PError, OSError) as e:
+            self.state, self.error = "failed", str(e)
+            log.error("p2p fetch of %s failed: %s", self.obj.name, e)
+        finally:
+            for t in list(self._writes):
+                t.cancel()
+            for p in list(self.peers.values()):
+                self._drop_peer(p)
+            self.save(self.obj)
+            self.finished.set()
+        if self.state == "complete":
+            try:
+                await self.meta.call(Fetching(self.node_id, self.obj.name, []))
+            except P2PError:
+                pass  # the conductor forgets it with this store's registration anyway
+
+    async def _run(self) -> None:
+        obj = self.obj
+        await asyncio.to_thread(obj.prepare)
+        if obj.done:
+            log.info("p2p %s: resuming, %d of %d chunks already on disk", obj.name, len(obj.done), len(obj.spans))
+        # what this store holds now (a fetch into a new directory replaces what it held elsewhere)
+        await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
+        self.save(obj)
+        last_progress = time.monotonic()
+        next_refresh = 0.0
+        while not obj.complete:
+            now = time.monotonic()
+            if now >= next_refresh:
+                await self._refresh()
+                next_refresh = now + self.refresh_s
+            self._expire(now)
+            self._assign()
+            try:
+                peer, frames = await asyncio.wait_for(self.events.get(), self.refresh_s)
+            except asyncio.TimeoutError:
+                peer = None
+            if peer is not None and self._on_reply(peer, frames):
+                last_progress = time.monotonic()
+            if self._writes and not any(p.in_flight for p in self.peers.values()):
+                await asyncio.wait(set(self._writes), timeout=self.refresh_s)
+                last_progress = time.monotonic() if obj.done else last_progress
+            if self._fatal is not None:
+                raise self._fatal
+            if time.monotonic() - last_progress > self.stall_timeout_s and not self._writes:
+                raise ObjectError(self._stall_reason())
+        t0 = time.monotonic()
+        await asyncio.to_thread(obj.verify_files)
+        self.verify_s = time.monotonic() - t0
+
+    def _stall_reason(self) -> str:
+        missing = sorted(set(range(len(self.obj.spans))) - self.obj.done)
+        holders = [p.name for p in self.peers.values()]
+        bad = sorted({c for p in self.peers.values() for c in p.bad} & set(missing))
+        why = f"; chunks {bad[:5]} failed verification from every holder" if bad else ""
+        return (f"{self.obj.name}: no progress for {self.stall_timeout_s:.0f}s with {len(missing)} of "
+                f"{len(self.obj.spans)} chunks missing (holders: {', '.join(holders) or 'none alive'}){why}")
+
+    async def _refresh(self) -> None:
+        mine = sorted({c for p in self.peers.values() for c, _ in p.in_flight.values()})
+        await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
+        loc = await self.meta.call(Locate(self.obj.name))
+        assert isinstance(loc, Located)
+        if loc.manifest.version != self.obj.manifest.version:
+            raise ObjectError(f"{self.obj.name} changed while fetching (now version {loc.manifest.version[:12]})")
+        self._others_fetching = [max(0, k - (i in mine)) for i, k in enumerate(loc.fetching)]
+        now = time.monotonic()
+        seen = set()
+        for h in loc.holders:
+            if h.node_id == self.node_id or self.banned.get(h.node_id, 0) > now or \
+                    (self.only_from and h.node_name not in self.only_from):
+                continue
+            seen.add(h.node_id)
+            peer = self.peers.get(h.node_id)
+            if peer is not None and peer.endpoint != h.endpoint:  # restarted elsewhere
+                self._drop_peer(peer, requeue=True)
+                peer = None
+            if peer is None:
+                peer = self.peers[h.node_id] = self._open_peer(h.node_id, h.node_name, h.endpoint)
+            peer.chunks = set(bits(h.chunks))
+        for node_id in set(self.peers) - seen:
+            self._drop_peer(self.peers[node_id], requeue=True)
+
+    def _open_peer(self, node_id: str, name: str, endpoint: str) -> Peer:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        limit_message_size(sock, self.obj.manifest.chunk_bytes + (1 << 16))
+        if self.curve is not None:
+            self.curve.client(sock, "store")  # type: ignore[attr-defined]
+        # a connection refused (the holder's process is gone) or lost: its chunks go elsewhere at once
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        sock.connect(endpoint)
+        peer = Peer(node_id, name, endpoint, sock, monitor, last_reply=time.monotonic())
+        peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer))]
+        return peer
+
+    async def _read(self, peer: Peer) -> None:
+        while True:
+            frames = await recv_multipart(peer.sock)
+            self.events.put_nowait((peer, frames))
+
+    async def _watch(self, peer: Peer) -> None:
+        await recv_multipart(peer.monitor)  # disconnected, or a connection attempt failed
+        self.events.put_nowait((peer, None))
+
+    def _drop_peer(self, peer: Peer, requeue: bool = False) -> None:
+        """Close a holder's socket; its chunks in flight become wanted again."""
+        for t in peer.tasks:
+            t.cancel()
+        peer.in_flight.clear()
+        peer.monitor.close(0)
+        peer.sock.close(0)
+        if self.peers.get(peer.node_id) is peer:
+            del self.peers[peer.node_id]
+
+    def _ban(self, peer: Peer, why: str) -> None:
+        log.warning("p2p %s: dropping holder %s (%s); its %d chunks in flight go to others", self.obj.name,
+                    peer.name, why, len(peer.in_flight))
+        self.banned[peer.node_id] = time.monotonic() + max(5.0, 4 * self.refresh_s)
+        self._drop_peer(peer)
+
+    def _expire(self, now: float) -> None:
+        for peer in list(self.peers.values()):
+            silent = now - peer.last_reply > self.chunk_timeout_s
+            if silent and any(now - sent > self.chunk_timeout_s for _, sent in peer.in_flight.values()):
+                self._ban(peer, f"no chunk for {self.chunk_timeout_s:.0f}s")
+
+    def _assign(self) -> None:
+        """Fill free request slots: least-loaded holder first, rarest chunk it has first (a chunk
+    other stores are fetching counts as held by them: it soon is)."""
+        taken = {c for p in self.peers.values() for c, _ in p.in_flight.values()}
+        taken |= {t.chunk for t in self._writes}  # type: ignore[attr-defined]
+        wanted = [c for c in self._order if c not in self.obj.done and c not in taken]
+        if not wanted:
+            return
+        others = self._others_fetching
+        holders = {c: others[c] if c < len(others) else 0 for c in wanted}  # being fetched: held soon
+        for p in self.peers.values():
+            for c in p.chunks:
+                if c in holders:
+                    holders[c] += 1
+        wanted_set = set(wanted)
+        while wanted_set:
+            free = [p for p in self.peers.values() if len(p.in_flight) < self.in_flight_per_peer]
+            free.sort(key=lambda p: len(p.in_flight))
+            for peer in free:
+                cands = [c for c in wanted_set if c in peer.chunks and c not in peer.bad]
+                if cands:
+                    chunk = min(cands, key=lambda c: (holders[c], self._rank[c]))
+                    self._request(peer, chunk)
+                    wanted_set.discard(chunk)
+                    break
+            else:
+                return
+
+    def _request(self, peer: Peer, chunk: int) -> None:
+        self._req += 1
+        peer.in_flight[self._req] = (chunk, time.monotonic())
+        msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk)
+        asyncio.create_task(send_multipart(peer.sock, [encoder.encode(msg)]))
+
+    def _on_reply(self, peer: Peer, frames: list | None) -> bool:
+        if self.peers.get(peer.node_id) is not peer:
+            return False  # from a holder already dropped
+        if frames is None:
+            self._ban(peer, "disconnected or refused")
+            return False
+        try:
+            head = decoder.decode(frames[0].bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            head = None
+        if not isinstance(head, ChunkData) or head.req not in peer.in_flight:
+            log.warning("p2p %s: unexpected reply from %s", self.obj.name, peer.name)
+            return False
+        chunk, _ = peer.in_flight.pop(head.req)
+        peer.last_reply = time.monotonic()
+        if head.missing or len(frames) != 2:
+            peer.chunks.discard(chunk)
+            log.warning("p2p %s: %s does not serve chunk %d (%s)", self.obj.name, peer.name, chunk,
+                        head.missing or "no data")
+            return False
+        task = asyncio.create_task(self._write(peer, chunk, frames[1]))
+        task.chunk = chunk  # type: ignore[attr-defined]
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return True
+
+    async def _write(self, peer: Peer, chunk: int, frame: zmq.Frame) -> None:
+        try:
+            ok = await asyncio.to_thread(self.obj.write_chunk, chunk, frame.buffer)
+        except (ObjectError, OSError) as e:
+            self._fatal = e
+            return
+        if not ok:
+            self.bad_chunks += 1
+            peer.bad.add(chunk)
+            log.warning("p2p %s: chunk %d from %s failed verification; asking another holder", self.obj.name,
+                        chunk, peer.name)
+            return
+        self.obj.done.add(chunk)
+        length = self.obj.spans[chunk].length
+        self.bytes_by_peer[peer.name] = self.bytes_by_peer.get(peer.name, 0) + length
+        self.save(self.obj)
+        try:
+            await self.meta.call(Have(self.node_id, self.obj.name, self.obj.manifest.version, [chunk]))
+        except P2PError as e:
+            log.warning("p2p %s: announcing chunk %d failed: %s", self.obj.name, chunk, e)

@@ -1,0 +1,116 @@
+"""Building and checking manifests: an object's files, chunk table and checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import xxhash
+
+from mooncake.p2p.messages import FileEntry, Manifest, encoder
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}$")
+
+
+class ObjectError(ValueError):
+    """A P2P request that cannot be served; the message says why."""
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise ObjectError(f"invalid object name {name!r}: letters, digits and . _ : @ + - (at most 200, "
+                          f"starting with a letter or digit)")
+    return name
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where chunk ``index`` lives: ``length`` bytes at ``offset`` of file ``file``."""
+
+    index: int
+    file: int
+    offset: int
+    length: int
+
+
+def spans(m: Manifest) -> list[Span]:
+    out = []
+    for fi, f in enumerate(m.files):
+        for off in range(0, f.size, m.chunk_bytes):
+            out.append(Span(len(out), fi, off, min(m.chunk_bytes, f.size - off)))
+    return out
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def source_files(path: Path) -> tuple[Path, list[str]]:
+    """(root, relative file paths) of a file or a directory tree (regular files, sorted)."""
+    path = path.expanduser().resolve()
+    if path.is_file():
+        return path.parent, [path.name]
+    if not path.is_dir():
+        raise ObjectError(f"{path}: no such file or directory")
+    rels = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    if not rels:
+        raise ObjectError(f"{path}: no files to publish")
+    return path, rels
+
+
+def build_manifest(name: str, path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Path, Manifest]:
+    """(root, manifest) of the file or directory at ``path``; reads every byte once."""
+    check_name(name)
+    root, rels = source_files(path)
+    files, sums = [], []
+    for rel in rels:
+        sha = hashlib.sha256()
+        size = 0
+        with open(root / rel, "rb", buffering=0) as fh:
+            while chunk := fh.read(chunk_bytes):
+                sha.update(chunk)
+                sums.append(checksum(chunk))
+                size += len(chunk)
+        files.append(FileEntry(rel, size, sha.hexdigest()))
+    return root, Manifest(name, content_version(name, chunk_bytes, files, sums), chunk_bytes, files, sums)
+
+
+def content_version(name: str, chunk_bytes: int, files: list[FileEntry], sums: list[int]) -> str:
+    return hashlib.sha256(encoder.encode([name, chunk_bytes, files, sums])).hexdigest()
+
+
+def validate(m: Manifest) -> Manifest:
+    """Refuse a manifest that is inconsistent or would write outside its destination."""
+    check_name(m.name)
+    if m.chunk_bytes < 4096:
+        raise ObjectError(f"{m.name}: chunk size {m.chunk_bytes} too small")
+    for f in m.files:
+        p = PurePosixPath(f.path)
+        if p.is_absolute() or ".." in p.parts or not f.path or "\\" in f.path or f.size < 0:
+            raise ObjectError(f"{m.name}: unsafe file path {f.path!r}")
+    if len(spans(m)) != len(m.checksums):
+        raise ObjectError(f"{m.name}: {len(m.checksums)} checksums for {len(spans(m))} chunks")
+    if content_version(m.name, m.chunk_bytes, m.files, m.checksums) != m.version:
+        raise ObjectError(f"{m.name}: version does not match its content description")
+    return m
+
+
+def file_sha256(path: Path, block: int = 8 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while b := fh.read(block):
+            sha.update(b)
+    return sha.hexdigest()
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
+    p = path
+    while not p.exists():
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize

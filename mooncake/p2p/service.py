@@ -1,0 +1,214 @@
+"""The P2P half of a store role: serves chunks to peers, publishes and fetches objects for
+its node (``mooncake p2p put/get``, a worker's ``[model] p2p_name``), and keeps the
+conductor's index told of what it holds.
+
+One ROUTER socket. Peers send ``ChunkGet`` (store keys only, under CURVE); the node's
+CLI and workers send ``PutObject`` / ``GetObject`` / ``Progress`` (store or worker keys).
+Chunks are read and checked in a thread, at most ``READERS`` at a time, and leave as one
+zero-copy frame each. A chunk that no longer verifies on disk is not served: it is
+dropped from this store's holdings (announced) and the asker goes to another holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from mooncake.p2p.fetch import Fetch
+from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
+from mooncake.p2p.messages import (ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
+                                   Progress, ProgressReport, Publish, PutObject, decoder, encoder)
+from mooncake.p2p.objects import ChunkCorrupt, LocalObject, ObjectStore
+from mooncake.p2p.rpc import P2PError, Rpc
+from mooncake.security import kind_of, peer_of
+from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
+
+log = logging.getLogger(__name__)
+READERS = 4
+# Fault injection for tests: this store corrupts every chunk it serves (after reading it).
+CORRUPT_ENV = "MOONCAKE_FAULT_P2P_CORRUPT_SERVE"
+ACCESS = {ChunkGet: ("store",), PutObject: ("store", "worker"), GetObject: ("store", "worker"),
+          Progress: ("store", "worker")}
+
+
+class P2PService:
+    def __init__(self, ctx: zmq.asyncio.Context, node_id: str, directory: Path, bind: str,
+                 conductor_endpoint: str, curve: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0) -> None:
+        self.ctx, self.node_id, self.curve = ctx, node_id, curve
+        self.chunk_bytes, self.in_flight_per_peer, self.stall_timeout_s = chunk_bytes, in_flight_per_peer, stall_timeout_s
+        self.objects = ObjectStore(directory)
+        self.fetches: dict[str, Fetch] = {}
+        self.meta = Rpc(ctx, conductor_endpoint, curve, "conductor")
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        limit_message_size(self.sock, 1 << 20)  # requests only: chunks go out, never in
+        if curve is not None:
+            curve.server(self.sock, ctx)
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._send_lock = asyncio.Lock()
+        self._readers = asyncio.Semaphore(READERS)
+        self._tasks: set[asyncio.Task] = set()
+        self._corrupt = os.environ.get(CORRUPT_ENV) == "1"
+
+    def start(self) -> None:
+        loaded = self.objects.load()
+        if loaded:
+            log.info("p2p: %d objects on disk (%d complete)", len(loaded), sum(o.complete for o in loaded))
+        self._spawn(self._serve())
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def announce(self) -> None:
+        """Tell the conductor everything held (at registration and re-registration)."""
+        for obj in list(self.objects.objects.values()):
+            try:
+                if obj.complete:
+                    await self.meta.call(Publish(self.node_id, obj.manifest))
+                elif obj.done:
+                    await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done),
+                                              replace=True))
+            except P2PError as e:
+                log.warning("p2p: announcing %s failed: %s", obj.name, e)
+
+    def forget(self, name: str) -> None:
+        """The object was removed cluster-wide: stop serving and fetching it (its files stay)."""
+        fetch = self.fetches.pop(name, None)
+        if fetch is not None:
+            fetch.state, fetch.error = "failed", f"{name} was removed"
+        if self.objects.forget(name):
+            log.info("p2p: forgot %s", name)
+
+    async def close(self) -> None:
+        """Stop serving and fetching (an interrupted fetch resumes from disk next time)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # fetches close their peers' sockets
+        self.sock.close(0)
+        self.meta.close()
+        self.objects.close()
+
+    # ---- the socket
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await recv_multipart(self.sock)
+            try:
+                msg = decoder.decode(frames[1].bytes)
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as e:
+                log.warning("p2p: dropping malformed request: %s", e)
+                continue
+            ident = frames[0].bytes
+            kinds = ACCESS.get(type(msg))
+            if kinds is None or (self.curve is not None and kind_of(peer_of(frames[1])) not in kinds):
+                await self._reply(ident, Failure(f"{type(msg).__name__} not accepted here", "forbidden"))
+                continue
+            self._spawn(self._handle(ident, msg))
+
+    async def _reply(self, ident: bytes, msg: P2PMsg, *data: Any) -> None:
+        async with self._send_lock:
+            await send_multipart(self.sock, [ident, encoder.encode(msg), *data], copy=False)
+
+    async def _handle(self, ident: bytes, msg: P2PMsg) -> None:
+        try:
+            if isinstance(msg, ChunkGet):
+                await self._chunk(ident, msg)
+                return
+            if isinstance(msg, PutObject):
+                reply: P2PMsg = await self._put(msg)
+            elif isinstance(msg, GetObject):
+                reply = await self._get(msg)
+            else:
+                reply = await self._progress(msg)  # type: ignore[arg-type]
+        except (ObjectError, P2PError, OSError) as e:
+            reply = Failure(str(e), getattr(e, "code", "error"))
+        except Exception as e:  # a request must never kill the service
+            log.exception("p2p: %s failed", type(msg).__name__)
+            reply = Failure(f"{type(e).__name__}: {e}")
+        await self._reply(ident, reply)
+
+    async def _chunk(self, ident: bytes, msg: ChunkGet) -> None:
+        obj = self.objects.objects.get(msg.name)
+        if obj is None or obj.manifest.version != msg.version or msg.index not in obj.done:
+            await self._reply(ident, ChunkData(msg.req, msg.index, "not held"))
+            return
+        try:
+            async with self._readers:
+                data = await asyncio.to_thread(obj.read_chunk, msg.index)
+        except (ChunkCorrupt, OSError) as e:
+            log.error("p2p: %s; no longer serving it", e)
+            obj.done.discard(msg.index)
+            self.objects.save(obj)
+            await self._reply(ident, ChunkData(msg.req, msg.index, "corrupt on this holder"))
+            try:
+                await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
+            except P2PError as err:
+                log.warning("p2p: announcing the loss failed: %s", err)
+            return
+        if self._corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        await self._reply(ident, ChunkData(msg.req, msg.index), data)
+
+    async def _put(self, msg: PutObject) -> P2PMsg:
+        check_name(msg.name)
+        if not os.path.isabs(msg.path):
+            raise ObjectError(f"{msg.path}: give an absolute path (the store resolves it on its machine)")
+        root, manifest = await asyncio.to_thread(build_manifest, msg.name, Path(msg.path), self.chunk_bytes)
+        await self.meta.call(Publish(self.node_id, manifest))
+        obj = LocalObject(manifest, root, set(range(len(manifest.checksums))))
+        self.objects.add(obj)
+        return Done(f"published {manifest.name} version {manifest.version[:12]}: {len(manifest.files)} files, "
+                    f"{manifest.total_bytes} bytes, {len(manifest.checksums)} chunks")
+
+    async def _get(self, msg: GetObject) -> P2PMsg:
+        check_name(msg.name)
+        if not os.path.isabs(msg.dest):
+            raise ObjectError(f"{msg.dest}: give an absolute path (the store resolves it on its machine)")
+        fetch = self.fetches.get(msg.name)
+        if fetch is not None and fetch.state == "fetching":
+            if fetch.obj.root != Path(msg.dest):
+                raise ObjectError(f"{msg.name} is being fetched into {fetch.obj.root} already")
+            return Done("already fetching")
+        loc = await self.meta.call(Locate(msg.name))
+        assert isinstance(loc, Located)
+        manifest = validate(loc.manifest)
+        have = self.objects.objects.get(msg.name)
+        if have is not None and have.manifest.version == manifest.version and have.root == Path(msg.dest) \
+                and have.complete:
+            return Done("already complete")
+        obj = LocalObject(manifest, Path(msg.dest))
+        self.objects.add(obj)
+        fetch = Fetch(self.ctx, self.curve, self.meta, self.node_id, obj, self.objects.save,
+                      self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from)
+        self.fetches[msg.name] = fetch
+        self._spawn(fetch.run())
+        return Done("fetching")
+
+    async def _progress(self, msg: Progress) -> P2PMsg:
+        name = msg.name
+        fetch = self.fetches.get(name)
+        if fetch is not None:
+            if fetch.state == "fetching" and msg.wait_s > 0:
+                try:
+                    await asyncio.wait_for(fetch.finished.wait(), min(msg.wait_s, 5.0))
+                except asyncio.TimeoutError:
+                    pass
+            return fetch.progress()
+        obj = self.objects.objects.get(name)
+        if obj is None:
+            return Failure(f"{name} is not being fetched by this store", "unknown")
+        return ProgressReport(name, obj.manifest.version, obj.done_bytes, obj.manifest.total_bytes,
+                              "complete" if obj.complete else "failed", "" if obj.complete else "interrupted")

@@ -1,0 +1,147 @@
+"""P2P objects across real processes on loopback: a conductor and four stores, driven by the
+``mooncake p2p`` command. One store (``bad``) corrupts every chunk it serves."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2p_nodes import P2PNodes
+from mooncake.config import load_config
+from mooncake.p2p.client import fetch_model
+from mooncake.p2p.service import CORRUPT_ENV
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree(root: Path, seed: int, mib: int = 6) -> Path:
+    (root / "tokenizer").mkdir(parents=True)
+    (root / "model.safetensors").write_bytes(os.urandom(mib << 20) + bytes([seed]))
+    (root / "tokenizer" / "vocab.json").write_text(f'{{"seed": {seed}}}')
+    return root
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and \
+        all(sha(a / f) == sha(b / f) for f in files)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    work = tmp_path_factory.mktemp("p2p")
+    n = P2PNodes(work, ["n1", "n2", "n3", "bad"], store_env={"bad": {CORRUPT_ENV: "1"}}, stall_timeout_s=4.0)
+    with n:
+        yield n
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_objects_spread_to_every_fetcher_with_their_tree(nodes, tmp_path):
+    src = tree(tmp_path / "src", 1)
+    assert "published model version" in ok(nodes.cli("n1", "put", "model", str(src)))
+    gets = [nodes.popen_cli(name, "get", "model", str(tmp_path / name)) for name in ("n2", "n3")]
+    for p in gets:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "fetched model" in out
+    assert same_tree(src, tmp_path / "n2") and same_tree(src, tmp_path / "n3")
+    listing = ok(nodes.cli("n1", "ls"))
+    assert "model" in listing and "n1 complete, n2 complete, n3 complete" in listing
+    # the same content published again from another node: one more holder, no conflict
+    ok(nodes.cli("n3", "put", "model", str(tmp_path / "n3")))
+
+
+def test_unknown_names_and_conflicting_publishes_are_errors(nodes, tmp_path):
+    r = nodes.cli("n2", "get", "no-such", str(tmp_path / "x"))
+    assert r.returncode == 1 and "no object named 'no-such'" in r.stderr
+    assert not (tmp_path / "x").exists()
+    ok(nodes.cli("n1", "put", "conf", str(tree(tmp_path / "a", 2, mib=1))))
+    r = nodes.cli("n2", "put", "conf", str(tree(tmp_path / "b", 3, mib=1)))
+    assert r.returncode == 1 and "already published with different content" in r.stderr
+    r = nodes.cli("n2", "put", "bad/name", str(tmp_path / "b"))
+    assert r.returncode == 1 and "invalid object name" in r.stderr
+    r = nodes.cli("n2", "rm", "no-such")
+    assert r.returncode == 1 and "no object named" in r.stderr
+
+
+def test_corrupt_chunks_are_refused_and_fetched_from_another_holder(nodes, tmp_path):
+    src = tree(tmp_path / "src", 4, mib=3)
+    ok(nodes.cli("bad", "put", "corrupt", str(src)))
+    r = nodes.cli("n2", "get", "corrupt", str(tmp_path / "dst"))  # the only holder serves garbage
+    assert r.returncode == 1 and "failed verification from every holder" in r.stderr, r.stderr
+    ok(nodes.cli("n1", "put", "corrupt", str(src)))  # a good holder appears
+    out = ok(nodes.cli("n2", "get", "corrupt", str(tmp_path / "dst")))
+    assert "from: n1" in out and "bad" not in out.split("from:")[1]
+    assert same_tree(src, tmp_path / "dst")
+
+
+def test_a_fetch_resumes_from_what_is_on_disk(nodes, tmp_path):
+    src = tree(tmp_path / "src", 5, mib=8)
+    ok(nodes.cli("n1", "put", "resume", str(src)))
+    dst = tmp_path / "dst"
+    (dst / "tokenizer").mkdir(parents=True)
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[: 5 << 20])  # interrupted
+    out = ok(nodes.cli("n3", "get", "resume", str(dst)))
+    fetched = out.split("from: n1 ")[1].split()[0]
+    assert float(fetched) < 4.5, out  # ~3 MB and the vocab, not the 8 MB again
+    assert same_tree(src, dst)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_is_a_clear_error(nodes, tmp_path):
+    ok(nodes.cli("n1", "put", "big", str(tree(tmp_path / "src", 6, mib=4))))
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        r = nodes.cli("n2", "get", "big", str(small / "dst"))
+        assert r.returncode == 1 and "more bytes at" in r.stderr and "free" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_rm_forgets_an_object_everywhere(nodes, tmp_path):
+    src = tree(tmp_path / "src", 7, mib=1)
+    ok(nodes.cli("n1", "put", "gone", str(src)))
+    ok(nodes.cli("n2", "get", "gone", str(tmp_path / "dst")))
+    assert "removed gone (2 holders told)" in ok(nodes.cli("n3", "rm", "gone"))
+    assert "gone " not in ok(nodes.cli("n1", "ls"))
+    r = nodes.cli("n3", "get", "gone", str(tmp_path / "again"))
+    assert r.returncode == 1 and "no object named 'gone'" in r.stderr
+    assert same_tree(src, tmp_path / "dst")  # the files stay; only the sharing ends
+    ok(nodes.cli("n2", "put", "gone", str(tree(tmp_path / "new", 8, mib=1))))  # the name is free again
+
+
+def test_a_worker_fetches_its_missing_model_directory(nodes, tmp_path):
+    src = tree(tmp_path / "src", 9, mib=2)
+    ok(nodes.cli("n1", "put", "smol", str(src)))
+    cfg = load_config(nodes.config("n2"), env={})
+    cfg.model.path, cfg.model.p2p_name = str(tmp_path / "models" / "smol"), "smol"
+    fetch_model(cfg, "store")
+    assert same_tree(src, tmp_path / "models" / "smol")
+    (tmp_path / "models" / "smol" / "model.safetensors").write_bytes(b"local")  # present: left alone
+    fetch_model(cfg, "store")
+    assert (tmp_path / "models" / "smol" / "model.safetensors").read_bytes() == b"local"
+
+
+def test_the_command_never_imports_torch(nodes):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "mooncake.cli", "p2p", "ls", "--config",
+                        str(nodes.config("n1"))], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")})
+    assert r.returncode == 0, r.stderr
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "mooncake.p2p.client" in imported and not {"torch", "transformers", "numpy"} & imported

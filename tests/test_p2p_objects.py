@@ -1,0 +1,170 @@
+"""P2P objects, in process: manifests, chunks on disk (verify, resume, corruption, full
+disk), records, and the conductor's index of holders."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from mooncake.p2p.index import P2PIndex
+from mooncake.p2p.manifest import ObjectError, build_manifest, check_name, spans, validate
+from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
+                                   Publish, RemoveObject, StoreAt, bits)
+from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, ObjectStore
+from mooncake.protocol import NodeInfo
+from mooncake.sched.cluster import Cluster, Node
+
+CHUNK = 64 * 1024
+
+
+def make_tree(root: Path) -> Path:
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "weights.bin").write_bytes(os.urandom(5 * CHUNK + 123))
+    (root / "sub" / "config.json").write_text('{"a": 1}')
+    (root / "sub" / "deeper" / "empty").write_bytes(b"")
+    return root
+
+
+def test_manifest_covers_every_file_in_chunks(tmp_path):
+    src = make_tree(tmp_path / "src")
+    root, m = build_manifest("model:v1", src, CHUNK)
+    assert root == src.resolve()
+    assert [f.path for f in m.files] == ["sub/config.json", "sub/deeper/empty", "weights.bin"]
+    assert m.files[2].sha256 == hashlib.sha256((src / "weights.bin").read_bytes()).hexdigest()
+    assert len(m.checksums) == len(spans(m)) == 1 + 0 + 6  # a partial last chunk, an empty file: none
+    assert validate(m) is m
+    _, again = build_manifest("model:v1", src, CHUNK)
+    assert again.version == m.version  # content-addressed
+    (src / "sub" / "config.json").write_text('{"a": 2}')
+    assert build_manifest("model:v1", src, CHUNK)[1].version != m.version
+
+
+def test_bad_names_and_manifests_are_refused(tmp_path):
+    for bad in ("", "../x", "a/b", "-x", "x" * 300):
+        with pytest.raises(ObjectError, match="invalid object name"):
+            check_name(bad)
+    with pytest.raises(ObjectError, match="no such file"):
+        build_manifest("x", tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ObjectError, match="no files"):
+        build_manifest("x", tmp_path / "empty")
+    _, m = build_manifest("x", make_tree(tmp_path / "src"), CHUNK)
+    evil = msgspec.structs.replace(m, files=[msgspec.structs.replace(m.files[0], path="../../etc/passwd"), *m.files[1:]])
+    with pytest.raises(ObjectError, match="unsafe file path"):
+        validate(evil)
+    with pytest.raises(ObjectError, match="version does not match"):
+        validate(msgspec.structs.replace(m, checksums=[c ^ 1 for c in m.checksums]))
+
+
+def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    dst = LocalObject(m, tmp_path / "dst")
+    dst.prepare()
+    assert dst.done == set() and (tmp_path / "dst" / "sub" / "deeper" / "empty").exists()
+    data = src.read_chunk(3)
+    assert not dst.write_chunk(3, bytes([data[0] ^ 1]) + data[1:])  # corrupt: refused, nothing written
+    assert not dst.write_chunk(3, data[:-1])  # short: refused
+    for i in range(len(m.checksums)):
+        assert dst.write_chunk(i, memoryview(src.read_chunk(i)))
+    dst.verify_files()
+    for f in m.files:
+        assert (tmp_path / "dst" / f.path).read_bytes() == (src_root / f.path).read_bytes()
+    src.close()
+    dst.close()
+
+
+def test_a_fetch_resumes_from_the_chunks_on_disk(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    first = LocalObject(m, tmp_path / "dst")
+    first.prepare()
+    for i in (0, 2, 4):
+        first.write_chunk(i, src.read_chunk(i))
+    first.close()  # interrupted
+    again = LocalObject(m, tmp_path / "dst")
+    again.prepare()
+    assert again.done == {0, 2, 4}
+    again.close()
+    src.close()
+
+
+def test_records_survive_a_restart_and_corruption_is_found(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    store = ObjectStore(tmp_path / "p2p")
+    store.add(LocalObject(m, src_root, set(range(len(m.checksums)))))
+    store.close()
+    w = src_root / "weights.bin"
+    raw = bytearray(w.read_bytes())
+    raw[CHUNK + 10] ^= 0xFF  # the weights' second chunk (index 3 overall) changes on disk
+    w.write_bytes(bytes(raw))
+    again = ObjectStore(tmp_path / "p2p")
+    [obj] = again.load()
+    weights_chunks = [s.index for s in obj.spans if m.files[s.file].path == "weights.bin"]
+    assert obj.done == set(range(len(m.checksums))) - {weights_chunks[1]}
+    with pytest.raises(ChunkCorrupt, match="corrupt on disk"):
+        obj.read_chunk(weights_chunks[1])
+    assert again.forget("obj") and not again.forget("obj")
+    assert ObjectStore(tmp_path / "p2p").load() == []
+    assert w.exists()  # forgetting never deletes the files
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="mounting a tmpfs needs root")
+def test_a_full_disk_is_an_error_before_any_chunk(tmp_path):
+    _, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(small)], check=True)
+    try:
+        obj = LocalObject(m, small / "dst")
+        with pytest.raises(DiskFull, match=r"needs \d+ more bytes at .*only \d+ free"):
+            obj.prepare()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def _cluster(*stores: tuple[str, str]) -> Cluster:
+    c = Cluster()
+    for node_id, name in stores:
+        c.upsert(Node(node_id, "store", node_id.encode(), {"store": "tcp://s", "p2p": f"tcp://{name}:1"},
+                      NodeInfo(name, 1), time.monotonic()))
+    return c
+
+
+def test_index_tracks_holders_conflicts_and_removal(tmp_path):
+    _, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    _, other = build_manifest("obj", make_tree(tmp_path / "other"), CHUNK)
+    sent = []
+    cluster = _cluster(("a-store", "a"), ("b-store", "b"))
+    index = P2PIndex(cluster, lambda node_id, msg: sent.append((node_id, msg)))
+    h = index.handlers()
+    assert isinstance(h[Locate](Locate("obj")), Failure)
+    assert isinstance(h[Publish](Publish("a-store", m)), Done)
+    conflict = h[Publish](Publish("b-store", other))
+    assert isinstance(conflict, Failure) and conflict.code == "conflict" and "different content" in conflict.message
+    assert isinstance(h[Publish](Publish("b-store", m)), Done)  # same content: another holder
+    index.drop_node("b-store")
+    assert isinstance(h[Have](Have("b-store", "obj", m.version, [0, 1])), Done)
+    assert isinstance(h[Have](Have("b-store", "obj", "0" * 64, [2])), Failure)  # wrong version
+    assert isinstance(h[Fetching](Fetching("b-store", "obj", [2, 3])), Done)  # being fetched: soon held
+    loc = h[Locate](Locate("obj"))
+    assert isinstance(loc, Located) and loc.fetching[:5] == [0, 0, 1, 1, 0]
+    held = {x.node_name: bits(x.chunks) for x in loc.holders}
+    assert held == {"a": list(range(len(m.checksums))), "b": [0, 1]}
+    del cluster.nodes["a-store"]  # a holder whose store is gone is not listed
+    cluster.reindex()
+    assert [x.node_name for x in h[Locate](Locate("obj")).holders] == ["b"]
+    listing = h[ListObjects](ListObjects())
+    assert isinstance(listing, Listing) and listing.objects[0].holders == {"b": 2}
+    assert isinstance(h[FindStore](FindStore("b")), StoreAt)
+    assert "no store registered for node 'z'" in h[FindStore](FindStore("z")).message
+    assert isinstance(h[RemoveObject](RemoveObject("obj")), Done)
+    assert sorted(n for n, msg in sent if isinstance(msg, Forget)) == ["a-store", "b-store"]
+    assert isinstance(h[Locate](Locate("obj")), Failure)
