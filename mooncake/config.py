@@ -26,7 +26,7 @@ class ModelConfig(_Section):
     path: str = Field("", description="Local HF model directory, GGUF file, or Hugging Face repo id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded); empty: the bundled SmolLM2-135M-Instruct.")
     name: str = Field("", description="Model name served in the API (--served-model-name); empty: the repo id (org/name) for a model from the Hugging Face cache, else the file or directory name.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA.")
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere (--dtype). float32 is token-exact against transformers; bfloat16 is close.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
 

@@ -65,9 +65,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with fast bf16 matmuls
+
+
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX-512 BF16), from the
+    ``flags`` line of ``/proc/cpuinfo`` (``cpuinfo``: its text, for tests); else from
+    torch's CPU capability (AVX-512 builds without the flag list, e.g. not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return any(f in flags for f in BF16_CPU_FLAGS)
+    return torch.backends.cpu.get_cpu_capability() == "AMX"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
     return getattr(torch, name)
 
 
