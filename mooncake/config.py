@@ -28,6 +28,8 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere (--dtype). float32 is token-exact against transformers; bfloat16 is close.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
 
 

@@ -47,7 +47,7 @@ class Engine:
         self.block_tokens = T = cfg.block_tokens
         model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
-        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T)
+        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization)
         self.dtype, self.device = self.model.dtype, self.model.device
         self.block_shape = self.model.block_shape
         self.block_bytes = math.prod(self.block_shape) * torch.empty(0, dtype=self.dtype).element_size()

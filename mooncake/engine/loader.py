@@ -42,6 +42,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+    quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.int8)
 
 
 def default_model_path() -> Path:
@@ -104,6 +105,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model_dir, name = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.quantization == "int8" and (dtype != torch.bfloat16 or device.type != "cpu"):
+        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16; this model would serve "
+                             f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
+                             f"on a CPU, or quantization = \"none\"")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -113,7 +118,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
     model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
-    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype)
+    if cfg.quantization != "none":
+        model_id += f"-{cfg.quantization}"
+    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization)
 
 
 def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:
