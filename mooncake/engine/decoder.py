@@ -4,7 +4,8 @@ A family (``mooncake.engine.families``) hands over a ``ModelSpec``: the loaded
 transformers model's own tensors (no copy) and the few ways it differs from Llama
 (norm style, fused projections, q/k norms, GeGLU, embedding scale, attention scale and
 soft-capping, sliding windows per layer, rope per layer type). One call computes ``S``
-new tokens for each of ``B`` sequences, with either ``B == 1`` (a prefill chunk) or
+new tokens for each of ``B`` sequences, with either ``B == 1`` (a prefill chunk, or the
+chunks of several sequences packed side by side in one row: ``Batch.packed``) or
 ``S == 1`` (a batched decode step).
 
 Per call, the past KV of the batch is gathered once from the pool (by block
@@ -126,7 +127,7 @@ class DecoderForward:
                 for key, (cos, sin) in self.rope.items()}
         masks = layer_masks(b, self.windows, spec.attn_softcap is not None, self.dtype)
         row, col, K = b.row, b.col, b.key_len
-        single = B == 1
+        single = B == 1 and not b.packed
         c0 = b.col0
         x = F.embedding(b.ids, self.embed)
         if self.embed_scale is not None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.families import SUPPORTED_MODEL_TYPES, check_config
@@ -117,10 +118,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:  # transformers raises many types; the caller gets one
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
-    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
-    if cfg.quantization != "none":
-        model_id += f"-{cfg.quantization}"
+    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}{model_variant(cfg)}"
     return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization)
+
+
+def model_variant(cfg: ModelConfig) -> str:
+    """What follows the dtype in a ``model_id``: ``-int8`` when quantized, ``+xxh3_128`` when
+    blocks hash with xxh3 (both change what a block key means)."""
+    return scheme_model_id("-" + cfg.quantization if cfg.quantization != "none" else "", cfg.block_hash)
 
 
 def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:
