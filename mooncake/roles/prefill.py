@@ -48,6 +48,7 @@ class PrefillWorker(EngineWorker):
         self._slots = asyncio.Semaphore(cfg.engine.max_prefill_batch)
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
+        self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self._chunks = PrefillBatcher(lambda seqs: self.run_engine(self.engine.prefill_many, seqs))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
 
@@ -175,12 +176,14 @@ class PrefillWorker(EngineWorker):
         have = await self.run_engine(eng.cached_prefix, hashes)
         fetched, fetch_s = await self._fetch_prefix(req, hashes, have) if req.fetch else (0, 0.0)
         while True:
+            releases = self._releases
             seq: Sequence | None = await self.run_engine(
                 eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
                 BlockHash(req.root))
-            if seq is not None or not self._holding:  # pool full of others' prompts: wait for one
+            if seq is not None or (not self._holding and releases == self._releases):
                 break
-            await self._released.wait()
+            if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
+                await self._released.wait()
         if seq is None:
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
@@ -190,6 +193,7 @@ class PrefillWorker(EngineWorker):
         finally:
             await self.run_engine(eng.free, seq)
             self._holding -= 1
+            self._releases += 1
             self._released.set()  # wake those waiting for blocks; later waits use a fresh event
             self._released = asyncio.Event()
 
