@@ -18,7 +18,12 @@ Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
 * ``hf_serve``: ``transformers serve --continuous-batching`` on the same
   converted model (text prompts: it does not take token-id prompts).
 
-    .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--out RESULTS.md]
+    .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--dtype D] [--rate-scale R]
+                                             [--out RESULTS.md]
+
+``--dtype`` is mooncake's serving dtype (default ``auto``, as ``mooncake serve``: bfloat16
+on CPUs with AMX or AVX-512 BF16); ``--rate-scale R`` multiplies both workloads' arrival
+rates (the trace's timestamps are divided by R).
 
 JSON reports go to --json-dir (default /tmp/mooncake-e2e).
 """
@@ -52,8 +57,9 @@ SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve"]
 
 
-def start_mooncake(system: str) -> DevCluster:
+def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
+    cfg.model.dtype = dtype  # small_config pins float32 for the exactness tests
     cfg.engine.kv_cache_bytes = 400 * MiB  # ~8,900 tokens per instance
     if system == "cache_off":
         cfg.conductor.use_store = False
@@ -104,15 +110,15 @@ class HFServe:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def workloads(quick: bool, model_dir: str) -> dict[str, dict]:
+def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0) -> dict[str, dict]:
     n_trace = 24 if quick else 69
     trace = dict(workload="trace", trace_path=TRACE, max_requests=n_trace,
-                 scaling=TraceScaling(block_tokens=16, time_scale=0.1, max_input_tokens=1500,
+                 scaling=TraceScaling(block_tokens=16, time_scale=0.1 / rate_scale, max_input_tokens=1500,
                                       max_output_tokens=32, max_requests=n_trace, prefix_groups=3))
     sp = SharedPrefixSpec(groups=2 if quick else 3, sessions_per_group=2 if quick else 4,
                           prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16)
     shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,
-                  arrival=ArrivalSpec(kind="poisson", rate=1.0, seed=0))
+                  arrival=ArrivalSpec(kind="poisson", rate=1.0 * rate_scale, seed=0))
     return {"trace": trace, "shared-prefix": shared}
 
 
@@ -125,7 +131,8 @@ async def warm(url: str, model: str | None, text: bool) -> None:
         r.raise_for_status()
 
 
-def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str) -> dict[str, dict]:
+def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str,
+               dtype: str = "auto") -> dict[str, dict]:
     out: dict[str, dict] = {}
     t0 = time.perf_counter()
     if system == "hf_serve":
@@ -134,7 +141,7 @@ def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str)
         server.start()
         url, extra, model = server.url, {"prompt_mode": "text", "model": model_dir}, model_dir
     else:
-        server = start_mooncake(system)
+        server = start_mooncake(system, dtype)
         url, extra, model = server.url, {"ignore_eos": True}, None
     print(f"[{system}] up in {time.perf_counter() - t0:.0f} s", flush=True)
     try:
@@ -188,21 +195,24 @@ def main() -> int:
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     ap.add_argument("--json-dir", default="/tmp/mooncake-e2e")
     ap.add_argument("--out", help="also write the markdown tables here")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="mooncake's dtype")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rates by this")
     args = ap.parse_args()
     json_dir = Path(args.json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = str(resolve_model_dir(ModelConfig())[0])
-    wl = workloads(args.quick, model_dir)
+    model_dir = str(resolve_model_dir(ModelConfig(dtype="float32"))[0])  # transformers serve runs float32
+    wl = workloads(args.quick, model_dir, args.rate_scale)
     results: dict[str, dict[str, dict]] = {}
     failed = []
     for system in args.systems:
         try:
-            results[system] = run_system(system, wl, json_dir, model_dir)
+            results[system] = run_system(system, wl, json_dir, model_dir, args.dtype)
         except Exception as exc:  # report the others; exit non-zero at the end
             print(f"[{system}] FAILED: {type(exc).__name__}: {exc}", flush=True)
             results[system] = {}
             failed.append(system)
-    text = [f"SLOs for goodput: TTFT <= {SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms."]
+    text = [f"SLOs for goodput: TTFT <= {SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms; mooncake dtype "
+            f"{args.dtype}; arrival rates x{args.rate_scale:g}."]
     for name in wl:
         text += ["", f"### {name}", "", table(results, name)]
     out = "\n".join(text)

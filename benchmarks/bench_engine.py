@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short run: fewer sizes, reps and steps")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per point (default 5, quick 2)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="serving dtype (auto: bfloat16 where the CPU has AMX or AVX-512 BF16)")
     ap.add_argument("--out", default="", help="also write the markdown report here")
     a = ap.parse_args()
     if a.threads:
@@ -117,7 +119,7 @@ def main() -> None:
     prefill_sizes = [128, 512] if a.quick else [128, 512, 2048]
     batches = [1, 8] if a.quick else [1, 8, 32]
     steps = 4 if a.quick else 16
-    loaded = load_model(ModelConfig(device="cpu"))
+    loaded = load_model(ModelConfig(device="cpu", dtype=a.dtype))
     eng = Engine(loaded, EngineConfig(kv_cache_bytes=(1 << 30) + (256 << 20)))
     b = Bench(eng, loaded.hf_model, reps)
     rows = ["| measurement | mooncake engine | transformers eager | ratio |", "|---|---|---|---|"]

@@ -4,6 +4,11 @@
 with ``h_{-1}`` seeded by the model identity and an optional per-tenant
 ``cache_salt``. Only full blocks are keyed. Deterministic across processes and
 restarts, so LMDB keys outlive the processes that wrote them.
+
+A faster scheme, xxh3-128 (``[model] block_hash = "xxh3_128"``), chains the same way with
+16-byte hashes. The scheme is part of the model id (suffix ``+xxh3_128``), so the root,
+and with it every key, differs between schemes: stores never mix them. A chain's scheme
+is read back from its hash length.
 """
 
 from __future__ import annotations
@@ -12,8 +17,19 @@ import hashlib
 from typing import NewType, Sequence
 
 import numpy as np
+import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
+
+BLOCK_HASH_SCHEMES = ("sha256", "xxh3_128")
+XXH3_SUFFIX = "+xxh3_128"  # model ids whose chains use xxh3-128
+
+
+def scheme_model_id(model_id: str, scheme: str) -> str:
+    """The model id under ``scheme`` (sha256: unchanged)."""
+    if scheme not in BLOCK_HASH_SCHEMES:
+        raise ValueError("unknown block hash scheme %r; known: %s" % (scheme, ", ".join(BLOCK_HASH_SCHEMES)))
+    return model_id + XXH3_SUFFIX if scheme == "xxh3_128" else model_id
 
 
 def root_hash(model_id: str, cache_salt: str | None = None) -> BlockHash:
@@ -21,6 +37,8 @@ def root_hash(model_id: str, cache_salt: str | None = None) -> BlockHash:
     seed = b"mooncake/v1\0" + model_id.encode()
     if cache_salt:
         seed += b"\0salt\0" + cache_salt.encode()
+    if model_id.endswith(XXH3_SUFFIX):
+        return BlockHash(xxhash.xxh3_128_digest(seed))
     return BlockHash(hashlib.sha256(seed).digest())
 
 
@@ -43,6 +61,12 @@ def extend_chain(prev: BlockHash, tokens: Sequence[int], block_tokens: int) -> l
     data = np.asarray(tokens[: n_full * block_tokens], dtype="<i4").tobytes()
     step = block_tokens * 4
     out: list[BlockHash] = []
+    if len(prev) == 16:  # an xxh3-128 chain
+        digest = xxhash.xxh3_128_digest
+        for i in range(n_full):
+            prev = BlockHash(digest(prev + data[i * step: (i + 1) * step]))
+            out.append(prev)
+        return out
     for i in range(n_full):
         h = hashlib.sha256(prev)
         h.update(data[i * step : (i + 1) * step])

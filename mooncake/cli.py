@@ -21,6 +21,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "Hugging Face cache (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: org/name, or the path's name)")
     p.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's own)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="serving dtype (default auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16)")
     p.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--api-key", action="append", metavar="KEY",
@@ -43,7 +45,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         o.setdefault("conductor", {}).update(api_key=keys[0] if keys else "", api_keys=keys[1:])
     for key, section, field in (("host", "conductor", "host"), ("port", "conductor", "port"),
                                 ("data_dir", "store", "data_dir"),
-                                ("served_model_name", "model", "name"), ("max_model_len", "engine", "max_model_len")):
+                                ("served_model_name", "model", "name"), ("dtype", "model", "dtype"), ("max_model_len", "engine", "max_model_len")):
         value = getattr(args, key, None)
         if value is not None:
             o.setdefault(section, {})[field] = value

@@ -26,8 +26,12 @@ class ModelConfig(_Section):
     path: str = Field("", description="Local HF model directory, GGUF file, or Hugging Face repo id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded); empty: the bundled SmolLM2-135M-Instruct.")
     name: str = Field("", description="Model name served in the API (--served-model-name); empty: the repo id (org/name) for a model from the Hugging Face cache, else the file or directory name.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA.")
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere (--dtype). float32 is token-exact against transformers; bfloat16 is close.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    block_hash: Literal["sha256", "xxh3_128"] = Field(
+        "sha256", description="Chained hash keying KV blocks: sha256, or xxh3_128 (faster; part of the model id, so stores never mix schemes).")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 
@@ -36,7 +40,8 @@ class EngineConfig(_Section):
     block_tokens: int = Field(16, ge=1, le=4096, description="Token positions per KV block.")
     kv_cache_bytes: int = Field(1 * GiB, ge=1 * MiB, description="Bytes of the preallocated paged KV pool.")
     max_batch: int = Field(32, ge=1, le=1024, description="Most sequences in one decode step.")
-    prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk.")
+    prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk (per forward: the chunks of several prompts share it).")
+    max_prefill_batch: int = Field(8, ge=1, le=256, description="Prompts a prefill instance computes at once: their chunks go in one forward, so a burst of short prompts is not serialized (1: one prompt at a time).")
     max_model_len: int = Field(0, ge=0, description="Context limit in tokens, prompt and output (--max-model-len); 0: the model's own (max_position_embeddings); larger than the model's own: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")

@@ -30,8 +30,10 @@ def free_port() -> int:
 
 
 def small_config(data_dir: Path, **conductor: object) -> Config:
-    """A config sized for tests on a 2-core machine: small pools, one torch thread per role."""
+    """A config sized for tests on a 2-core machine: small pools, one torch thread per role,
+    float32 (outputs are compared with transformers token for token)."""
     cfg = Config()
+    cfg.model.dtype = "float32"
     cfg.conductor.port = free_port()
     for k, v in conductor.items():
         setattr(cfg.conductor, k, v)

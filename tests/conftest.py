@@ -7,11 +7,12 @@ import pytest
 
 @pytest.fixture(scope="session")
 def loaded_model():
-    """The default LoadedModel (bundled SmolLM2-135M-Instruct, converted once and cached)."""
+    """The default LoadedModel (bundled SmolLM2-135M-Instruct, converted once and cached), in
+    float32: the dtype in which the engine is token-exact against transformers."""
     from mooncake.config import ModelConfig
     from mooncake.engine import load_model
 
-    return load_model(ModelConfig(device="cpu"))
+    return load_model(ModelConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="session")

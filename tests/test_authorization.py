@@ -77,6 +77,7 @@ def test_the_expected_model_is_what_the_engine_reports(loaded_model):
 
     cfg = Config()
     cfg.model.device, cfg.engine.kv_cache_bytes = "cpu", 8 * MiB
+    cfg.model.dtype = "float32"  # loaded_model's (a GGUF converted to another dtype is other weights)
     engine = Engine(loaded_model, cfg.engine)
     facts = P.ModelFacts(engine.model_id, engine.block_tokens, engine.max_model_len, engine.vocab_size,
                          tuple(engine.block_shape))

@@ -33,6 +33,19 @@ def oracle_text(oracle_model, tokenizer, ids: list[int], n: int) -> str:
     return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
+def test_burst_of_short_prompts_prefills_together_and_matches_transformers(cluster, oracle_model, tokenizer):
+    """Concurrent prompts share prefill forwards (``max_prefill_batch``); output is unchanged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Item {i}: the best way to learn {topic} is" for i, topic in
+               enumerate(["chess", "piano", "French", "cooking", "painting", "running", "algebra", "sailing"])]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: complete(cluster.url, p, max_tokens=12), prompts))
+    for p, r in zip(prompts, responses):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == oracle_text(oracle_model, tokenizer, tokenizer.encode(p), 12)
+
+
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n   "])
 def test_greedy_completion_matches_transformers(cluster, oracle_model, tokenizer, prompt):
     r = complete(cluster.url, prompt, max_tokens=24)

@@ -66,7 +66,7 @@ def cases(loaded_model):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_float32_greedy_and_logits_match_transformers(tiny_models, cases, family):
-    loaded = load_model(ModelConfig(path=str(tiny_models[family]), device="cpu"))
+    loaded = load_model(ModelConfig(path=str(tiny_models[family]), device="cpu", dtype="float32"))
     ref = oracle(tiny_models[family])
     chunked = Engine(loaded, EngineConfig(kv_cache_bytes=8 << 20, prefill_chunk_tokens=16))
     whole = Engine(loaded, EngineConfig(kv_cache_bytes=8 << 20, prefill_chunk_tokens=512))
@@ -106,7 +106,7 @@ def test_bfloat16_close_to_transformers(tiny_models, cases, family):
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "phi3"])
 def test_batched_decode_equals_single(tiny_models, cases, family):
     """Sequences of different lengths (inside and past the window) decode together as alone."""
-    engine = Engine(load_model(ModelConfig(path=str(tiny_models[family]), device="cpu")),
+    engine = Engine(load_model(ModelConfig(path=str(tiny_models[family]), device="cpu", dtype="float32")),
                     EngineConfig(kv_cache_bytes=8 << 20, prefill_chunk_tokens=16))
     base = cases[2]
     batch = [base[:n] for n in (3, 9, 20, 47, 100)] + cases[:2]
@@ -121,7 +121,7 @@ def test_batched_decode_equals_single(tiny_models, cases, family):
 
 
 def test_family_specs_name_what_differs(tiny_models):
-    specs = {f: model_spec(load_model(ModelConfig(path=str(d), device="cpu")).hf_model)
+    specs = {f: model_spec(load_model(ModelConfig(path=str(d), device="cpu", dtype="float32")).hf_model)
              for f, d in tiny_models.items()}
     assert [layer.window for layer in specs["gemma2"].layers] == [8, None, 8]
     assert [layer.window for layer in specs["qwen3"].layers] == [None, 8, 8]

@@ -26,7 +26,7 @@ def test_roles_configured_only_by_environment_form_a_cluster(tmp_path, oracle_mo
     http = free_port()
     shared = dict(conductor_port=http, conductor_endpoint=f"tcp://127.0.0.1:{free_port()}",
                   engine_kv_cache_bytes=160 << 20, engine_threads=1, store_dram_bytes=128 << 20,
-                  store_lmdb_bytes=256 << 20, store_data_dir=tmp_path / "data", model_device="cpu")
+                  store_lmdb_bytes=256 << 20, store_data_dir=tmp_path / "data", model_device="cpu", model_dtype="float32")
     health = {role: free_port() for role in ("prefill", "decode", "store")}
     procs = {}
     try:

@@ -128,6 +128,6 @@ def test_gguf_only_repo_in_the_cache_is_converted_and_served_by_repo_id(loaded_m
     snap = tmp_path / "hub" / "models--tiny-org--smol-gguf" / "snapshots" / COMMIT
     snap.mkdir(parents=True)
     (snap / default_model_path().name).symlink_to(default_model_path())
-    model_dir, name = resolve_model_dir(ModelConfig(path="tiny-org/smol-gguf"))
+    model_dir, name = resolve_model_dir(ModelConfig(path="tiny-org/smol-gguf", dtype="float32"))
     assert name == "tiny-org/smol-gguf"
     assert model_dir == loaded_model.model_dir  # the same file, already converted for float32

@@ -50,6 +50,7 @@ class Cluster:
 def cluster(tmp_path_factory):
     base = load_config(ROOT / "config.example.toml", env={})  # port 8000, endpoint port 5550: own stacks
     base.engine.kv_cache_bytes, base.engine.threads = 160 * MiB, 1  # test-sized, as tests/clusters.py
+    base.model.dtype = "float32"  # compared with transformers token for token
     base.store.dram_bytes, base.store.lmdb_bytes = 128 * MiB, 256 * MiB
     base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, DEAD_AFTER_S
     base.conductor.request_timeout_s = 60.0

@@ -22,12 +22,17 @@ class ExpectedModel:
     dtype: str | None  # None: any (``[model] dtype = "auto"``)
     block_tokens: int
     block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_tokens, head_dim]
+    variant: str = ""  # after the dtype: quantization and block hash scheme (loader.model_variant)
 
     def problem(self, facts: P.ModelFacts) -> str | None:
         """Why ``facts`` (from a registering engine) are not this model, or None."""
         weights_id, _, dtype = facts.model_id.rpartition("/")
         if weights_id != self.weights_id:
             return f"it serves weights {weights_id!r}, the conductor's model is {self.weights_id!r}"
+        bare = dtype.removesuffix(self.variant) if self.variant else dtype
+        if not dtype.endswith(self.variant) or "-" in bare or "+" in bare:
+            return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, block hash)"
+        dtype = bare
         if self.dtype is not None and dtype != self.dtype:
             return f"it computes in {dtype}, the cluster in {self.dtype}"
         if facts.block_tokens != self.block_tokens or tuple(facts.block_shape) != self.block_shape:
@@ -40,7 +45,7 @@ def expected_model(cfg: Config) -> ExpectedModel:
     """The model the conductor's config names (no weights loaded; ModelLoadError if unusable)."""
     from transformers import AutoConfig
 
-    from mooncake.engine.loader import resolve_model_dir, weights_id
+    from mooncake.engine.loader import model_variant, resolve_model_dir, weights_id
 
     model_dir, name = resolve_model_dir(cfg.model)
     hf = AutoConfig.from_pretrained(model_dir)
@@ -50,4 +55,4 @@ def expected_model(cfg: Config) -> ExpectedModel:
     T = cfg.engine.block_tokens
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
     return ExpectedModel(weights_id(model_dir, name, cfg.model.cache_dir), dtype, T,
-                         (int(hf.num_hidden_layers), 2, int(kv_heads), T, int(head_dim)))
+                         (int(hf.num_hidden_layers), 2, int(kv_heads), T, int(head_dim)), model_variant(cfg.model))

@@ -26,3 +26,4 @@ class Batch:
     logit_rows: torch.Tensor | None  # rows of [B*S] whose logits are wanted; None: none
     col0: int = 0  # B == 1: key position of the first new token
     rows: list[tuple[int, int, list[int]]] | None = None  # decode: (seq uid, past length, past blocks)
+    packed: bool = False  # B == 1 holding several sequences' chunks side by side (block-diagonal mask)

@@ -35,6 +35,40 @@ def prefill_batch(seq: Sequence, start: int, end: int, logits: bool, T: int, dev
         logit_rows=tensor([S - 1]) if logits else None, col0=start)
 
 
+def packed_prefill_batch(parts: list[tuple[Sequence, int, int, bool]], T: int, device: torch.device) -> Batch:
+    """Chunks ``(seq, start, end, logits)`` of several sequences in one row (``B == 1``): each
+    sequence owns a block-aligned segment of key columns holding its blocks ``[0, ceil(end/T))``
+    (past gathered from the pool, new positions written by the forward); a token sees only
+    its own segment, causally. Models without sliding windows (masks by column, not position)."""
+    tensor = _tensorizer(device)
+    table: list[int] = []
+    ids: list[int] = []
+    pos: list[int] = []
+    cols: list[int] = []
+    lo: list[int] = []
+    slot_block: list[int] = []
+    logit_rows: list[int] = []
+    for seq, start, end, logits in parts:
+        off = len(table) * T
+        table += seq.block_table[: -(-end // T)]
+        ids += seq.tokens[start:end]
+        pos += range(start, end)
+        cols += range(off + start, off + end)
+        lo += [off] * (end - start)
+        slot_block += [seq.block_table[p // T] for p in range(start, end)]
+        if logits:
+            logit_rows.append(len(ids) - 1)
+    key_len = len(table) * T
+    positions, qcol, keys = tensor(pos), tensor(cols), torch.arange(key_len, device=device)
+    mask = (keys[None, :] >= tensor(lo)[:, None]) & (keys[None, :] <= qcol[:, None])
+    N = len(ids)
+    return Batch(
+        ids=tensor(ids), positions=positions, B=1, S=N, past_table=tensor(table)[None], key_len=key_len,
+        row=torch.zeros(N, dtype=torch.long, device=device), col=qcol, slot_block=tensor(slot_block),
+        slot_offset=positions % T, mask=mask[None, None], causal=False,
+        logit_rows=tensor(logit_rows) if logit_rows else None, packed=True)
+
+
 def decode_batch(seqs: list[Sequence], T: int, device: torch.device) -> Batch:
     """The last token of each sequence at position ``num_computed``; its block is allocated."""
     B = len(seqs)

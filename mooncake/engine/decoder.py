@@ -4,7 +4,8 @@ A family (``mooncake.engine.families``) hands over a ``ModelSpec``: the loaded
 transformers model's own tensors (no copy) and the few ways it differs from Llama
 (norm style, fused projections, q/k norms, GeGLU, embedding scale, attention scale and
 soft-capping, sliding windows per layer, rope per layer type). One call computes ``S``
-new tokens for each of ``B`` sequences, with either ``B == 1`` (a prefill chunk) or
+new tokens for each of ``B`` sequences, with either ``B == 1`` (a prefill chunk, or the
+chunks of several sequences packed side by side in one row: ``Batch.packed``) or
 ``S == 1`` (a batched decode step).
 
 Per call, the past KV of the batch is gathered once from the pool (by block
@@ -24,12 +25,15 @@ import torch.nn.functional as F
 from mooncake.engine.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
 from mooncake.engine.families import model_spec
+from mooncake.engine.int8 import quantize_spec
 from mooncake.engine.rope import tables_of
 
 
 class DecoderForward:
-    def __init__(self, hf_model: Any, max_len: int, block_tokens: int) -> None:
+    def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none") -> None:
         self.spec = spec = model_spec(hf_model)
+        if quantization == "int8":
+            quantize_spec(spec)
         self.num_layers = len(spec.layers)
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -123,7 +127,7 @@ class DecoderForward:
                 for key, (cos, sin) in self.rope.items()}
         masks = layer_masks(b, self.windows, spec.attn_softcap is not None, self.dtype)
         row, col, K = b.row, b.col, b.key_len
-        single = B == 1
+        single = B == 1 and not b.packed
         c0 = b.col0
         x = F.embedding(b.ids, self.embed)
         if self.embed_scale is not None:
@@ -147,11 +151,11 @@ class DecoderForward:
             mask = masks[layer.window]
             lo = mask[2]
             o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
-            a = F.linear(o.reshape(N, H * D), *layer.o)
+            a = layer.o(o.reshape(N, H * D))
             x = x + (layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
             h = layer.mlp_norm(x)
             g, u = layer.gate_up(h)
-            m = F.linear(act(g).mul_(u), *layer.down)
+            m = layer.down(act(g).mul_(u))
             x = x + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
         # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
         pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
@@ -160,7 +164,7 @@ class DecoderForward:
                 self._rows[r] = (uid, ctx + 1)
         if b.logit_rows is None:
             return None
-        logits = F.linear(spec.final_norm(x[b.logit_rows]), spec.lm_head).float()
+        logits = spec.head(spec.final_norm(x[b.logit_rows])).float()
         if spec.logit_softcap is not None:
             logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
         return logits

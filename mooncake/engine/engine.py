@@ -14,7 +14,7 @@ import torch
 
 from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
-from mooncake.engine.batching import decode_batch, prefill_batch
+from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill_batch
 from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
@@ -49,7 +49,7 @@ class Engine:
         self.block_tokens = T = cfg.block_tokens
         model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
-        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T)
+        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization)
         self.dtype, self.device = self.model.dtype, self.model.device
         self.block_shape = self.model.block_shape
         self.block_bytes = math.prod(self.block_shape) * torch.empty(0, dtype=self.dtype).element_size()
@@ -202,6 +202,44 @@ class Engine:
         picked = self._sample(logits, [seq])
         token = picked.tokens[0]
         return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0])
+
+    def prefill_many(self, seqs: list[Sequence]) -> list[PrefillStep]:
+        """``prefill`` for several sequences in one forward: the chunk budget
+        (``prefill_chunk_tokens``) is shared in order, so a burst of short prompts computes
+        together instead of one after another. A sequence left without budget makes no
+        progress this call (its step is not done, no new blocks). Models with sliding
+        windows compute the sequences one by one."""
+        for s in seqs:
+            if s.prefilled or s.freed:
+                raise RuntimeError("sequence %s is not waiting for prefill" % s.req_id)
+        if len(seqs) == 1 or self.model.windows != {None}:
+            return [self.prefill(s) for s in seqs]
+        budget = self.chunk_tokens
+        parts: list[tuple[Sequence, int, int, bool]] = []
+        for s in seqs:
+            start, n = s.num_computed, len(s.tokens)
+            end = min(n, start + budget)
+            if end > start:
+                parts.append((s, start, end, end == n))
+                budget -= end - start
+        if len(parts) == 1:
+            return [self.prefill(s) if s is parts[0][0] else PrefillStep([], False) for s in seqs]
+        logits = self.model.forward(self.pool, packed_prefill_batch(parts, self.block_tokens, self.device))
+        steps: dict[int, PrefillStep] = {}
+        finishing: list[Sequence] = []
+        for s, start, end, last in parts:
+            s.num_computed = end
+            steps[id(s)] = PrefillStep(self._register_full(s, start, end), False)
+            if last:
+                finishing.append(s)
+        if finishing:
+            assert logits is not None
+            picked = self._sample(logits, finishing)
+            for i, (s, tok) in enumerate(zip(finishing, picked.tokens)):
+                s.prefilled = True
+                full = steps[id(s)].new_full_blocks
+                steps[id(s)] = PrefillStep(full, True, tok, self._append(s, tok), logits[i], picked.logprobs[i])
+        return [steps.get(id(s), PrefillStep([], False)) for s in seqs]
 
     def decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One token for each sequence, batched (``max_batch`` at a time). A sequence that cannot

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.families import SUPPORTED_MODEL_TYPES, check_config
@@ -42,6 +43,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+    quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.int8)
 
 
 def default_model_path() -> Path:
@@ -65,9 +67,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with fast bf16 matmuls
+
+
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX-512 BF16), from the
+    ``flags`` line of ``/proc/cpuinfo`` (``cpuinfo``: its text, for tests); else from
+    torch's CPU capability (AVX-512 builds without the flag list, e.g. not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return any(f in flags for f in BF16_CPU_FLAGS)
+    return torch.backends.cpu.get_cpu_capability() == "AMX"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
     return getattr(torch, name)
 
 
@@ -82,6 +106,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model_dir, name = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.quantization == "int8" and (dtype != torch.bfloat16 or device.type != "cpu"):
+        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16; this model would serve "
+                             f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
+                             f"on a CPU, or quantization = \"none\"")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -90,8 +118,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:  # transformers raises many types; the caller gets one
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
-    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
-    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype)
+    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}{model_variant(cfg)}"
+    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization)
+
+
+def model_variant(cfg: ModelConfig) -> str:
+    """What follows the dtype in a ``model_id``: ``-int8`` when quantized, ``+xxh3_128`` when
+    blocks hash with xxh3 (both change what a block key means)."""
+    return scheme_model_id("-" + cfg.quantization if cfg.quantization != "none" else "", cfg.block_hash)
 
 
 def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:

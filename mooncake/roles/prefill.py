@@ -27,6 +27,7 @@ from mooncake.config import Config
 from mooncake.engine import Sequence
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
 from mooncake.kv_link import connect_kv_egress
+from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.sockets import send_multipart
 from mooncake.worker import EngineWorker
 from mooncake.tiers.client import StoreError
@@ -43,7 +44,12 @@ class PrefillWorker(EngineWorker):
         self.queue: asyncio.Queue[P.PrefillRequest] = asyncio.Queue()
         self.aborted: set[str] = set()
         self.queued: set[str] = set()  # ids in ``queue``: an Abort for anything else is stale
-        self.current: str | None = None
+        self.running: set[str] = set()  # requests being prefilled (their chunks batch together)
+        self._slots = asyncio.Semaphore(cfg.engine.max_prefill_batch)
+        self._holding = 0  # requests holding a sequence (blocks) in the engine
+        self._released = asyncio.Event()  # set when one of them frees its blocks
+        self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
+        self._chunks = PrefillBatcher(lambda seqs: self.run_engine(self.engine.prefill_many, seqs))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
 
     async def start(self) -> None:
@@ -53,11 +59,11 @@ class PrefillWorker(EngineWorker):
         await self.serve({})
 
     def busy(self) -> bool:
-        return self.current is not None or not self.queue.empty()
+        return bool(self.running) or not self.queue.empty()
 
     def load(self) -> P.Load:
         load = super().load()
-        load.waiting, load.running = self.queue.qsize(), int(self.current is not None)
+        load.waiting, load.running = self.queue.qsize(), len(self.running)
         return load
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
@@ -66,30 +72,38 @@ class PrefillWorker(EngineWorker):
             self.queued.add(msg.req_id)
             self.queue.put_nowait(msg)
         elif isinstance(msg, P.Abort):
-            if msg.req_id == self.current or msg.req_id in self.queued:
+            if msg.req_id in self.running or msg.req_id in self.queued:
                 self.aborted.add(msg.req_id)
         else:
             log.warning("prefill ignores %s", type(msg).__name__)
 
     async def _work_loop(self) -> None:
+        """Up to ``max_prefill_batch`` requests at once, in arrival order; their chunks batch."""
         while True:
+            await self._slots.acquire()
             req = await self.queue.get()
             self.queued.discard(req.req_id)
             if req.req_id in self.aborted:
                 self.aborted.discard(req.req_id)
+                self._slots.release()
                 continue
-            self.current = req.req_id
-            try:
-                await self._prefill(req)
-            except Exception as e:  # report, never die
-                if req.req_id in self.aborted:
-                    log.info("prefill of %s stopped: aborted", req.req_id)
-                    continue
-                log.exception("prefill of %s failed", req.req_id)
-                await self.fail(req.req_id, e)
-            finally:
-                self.current = None
-                self.aborted.discard(req.req_id)
+            self.running.add(req.req_id)
+            self._tasks.append(asyncio.create_task(self._run_one(req)))
+            self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _run_one(self, req: P.PrefillRequest) -> None:
+        try:
+            await self._prefill(req)
+        except Exception as e:  # report, never die
+            if req.req_id in self.aborted:
+                log.info("prefill of %s stopped: aborted", req.req_id)
+                return
+            log.exception("prefill of %s failed", req.req_id)
+            await self.fail(req.req_id, e)
+        finally:
+            self.running.discard(req.req_id)
+            self.aborted.discard(req.req_id)
+            self._slots.release()
 
     async def _fetch_prefix(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int) -> tuple[int, float]:
         """Import the planned store blocks that follow the ``have`` cached ones; (count, seconds)."""
@@ -161,16 +175,27 @@ class PrefillWorker(EngineWorker):
         hashes = [BlockHash(h) for h in req.hashes]
         have = await self.run_engine(eng.cached_prefix, hashes)
         fetched, fetch_s = await self._fetch_prefix(req, hashes, have) if req.fetch else (0, 0.0)
-        seq: Sequence | None = await self.run_engine(
-            eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
-            BlockHash(req.root))
+        while True:
+            releases = self._releases
+            seq: Sequence | None = await self.run_engine(
+                eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
+                BlockHash(req.root))
+            if seq is not None or (not self._holding and releases == self._releases):
+                break
+            if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
+                await self._released.wait()
         if seq is None:
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
+        self._holding += 1
         try:
             await self._compute_and_ship(req, seq, hashes, fetched, fetch_s, t_start)
         finally:
             await self.run_engine(eng.free, seq)
+            self._holding -= 1
+            self._releases += 1
+            self._released.set()  # wake those waiting for blocks; later waits use a fresh event
+            self._released = asyncio.Event()
 
     async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
                                 fetched: int, fetch_s: float, t_start: float) -> None:
@@ -184,7 +209,7 @@ class PrefillWorker(EngineWorker):
             sent = reused
         t_compute = time.perf_counter()
         while True:
-            step = await self.run_engine(eng.prefill, seq)
+            step = await self._chunks.chunk(seq)
             self.progress += 1
             if req.req_id in self.aborted:
                 return

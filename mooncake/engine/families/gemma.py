@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.families.spec import (Layer, ModelSpec, RMSNorm, Separate, activation, dims, layer_windows,
+from mooncake.engine.families.spec import (Layer, ModelSpec, RMSNorm, activation, fuse, dims, layer_windows,
                                            linear, rotary_dim)
 from mooncake.engine.rope import RopeParams, check_params, params_from_dict
 
@@ -48,11 +48,11 @@ def build(hf_model: Any) -> ModelSpec:
         a, mlp = block.self_attn, block.mlp
         layer = Layer(
             attn_norm=RMSNorm(block.input_layernorm.weight, eps, offset=True),
-            qkv=Separate(linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
+            qkv=fuse(linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
             o=linear(a.o_proj),
             post_attn_norm=RMSNorm(block.post_attention_layernorm.weight, eps, offset=True),
             mlp_norm=RMSNorm(block.pre_feedforward_layernorm.weight, eps, offset=True),
-            gate_up=Separate(linear(mlp.gate_proj), linear(mlp.up_proj)),
+            gate_up=fuse(linear(mlp.gate_proj), linear(mlp.up_proj)),
             down=linear(mlp.down_proj),
             post_mlp_norm=RMSNorm(block.post_feedforward_layernorm.weight, eps, offset=True),
             window=window,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from mooncake.engine.families.spec import (Layer, ModelSpec, RMSNorm, Separate, activation, dims, layer_windows,
+from mooncake.engine.families.spec import (Layer, ModelSpec, RMSNorm, activation, fuse, dims, layer_windows,
                                            linear, rotary_dim)
 from mooncake.engine.rope import RopeParams, check_params, params_from_dict
 
@@ -25,10 +25,10 @@ def layer(block: Any, eps: float, window: int | None) -> Layer:
     a, mlp = block.self_attn, block.mlp
     return Layer(
         attn_norm=RMSNorm(block.input_layernorm.weight, eps),
-        qkv=Separate(linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
+        qkv=fuse(linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
         o=linear(a.o_proj),
         mlp_norm=RMSNorm(block.post_attention_layernorm.weight, eps),
-        gate_up=Separate(linear(mlp.gate_proj), linear(mlp.up_proj)),
+        gate_up=fuse(linear(mlp.gate_proj), linear(mlp.up_proj)),
         down=linear(mlp.down_proj),
         window=window)
 

@@ -55,20 +55,57 @@ class Fused:
         return F.linear(h, self.weight, self.bias).split(self.sizes, -1)
 
 
+class Linear:
+    """One projection: ``x @ weight.T + bias``."""
+
+    def __init__(self, weight: Weight) -> None:
+        self.weight, self.bias = weight
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight, self.bias)
+
+
+def fuse(*parts: Weight) -> Separate | Fused:
+    """Projections of one input as one weight, fused at load time: one larger matmul instead
+    of several small ones (at batch 1 a matmul's fixed cost dominates). The model's own
+    parameters become views into the fused tensor, so no weight is held twice and the
+    transformers model still runs on them. Parts with and without bias stay separate."""
+    with_bias = [b is not None for _, b in parts]
+    if any(with_bias) and not all(with_bias):
+        return Separate(*parts)
+    weight = torch.cat([w.detach() for w, _ in parts])
+    bias = torch.cat([b.detach() for _, b in parts]) if all(with_bias) else None
+    sizes = [int(w.shape[0]) for w, _ in parts]
+    at = 0
+    for (w, b), n in zip(parts, sizes):
+        w.data = weight[at:at + n]
+        if b is not None:
+            assert bias is not None
+            b.data = bias[at:at + n]
+        at += n
+    return Fused((weight, bias), sizes)
+
+
 @dataclass
 class Layer:
     attn_norm: RMSNorm
-    qkv: Separate | Fused  # -> (q, k, v)
-    o: Weight
+    qkv: Any  # Separate | Fused (or int8 ``Int8Projection``) -> (q, k, v)
+    o: Any  # Weight, made a Linear (or int8 ``Int8Projection``)
     mlp_norm: RMSNorm
-    gate_up: Separate | Fused  # -> (gate, up)
-    down: Weight
+    gate_up: Any  # Separate | Fused (or ``Int8Projection``) -> (gate, up)
+    down: Any  # Weight, made a Linear (or ``Int8Projection``)
     q_norm: RMSNorm | None = None  # per head, before RoPE (Qwen3, Gemma 3)
     k_norm: RMSNorm | None = None
     post_attn_norm: RMSNorm | None = None  # on the attention output, before the residual add (Gemma)
     post_mlp_norm: RMSNorm | None = None  # on the MLP output, before the residual add (Gemma)
     window: int | None = None  # sliding-window attention: a query at p sees keys in (p - window, p]
     rope: str = "default"  # key into ModelSpec.rope
+
+    def __post_init__(self) -> None:
+        if isinstance(self.o, tuple):
+            self.o = Linear(self.o)
+        if isinstance(self.down, tuple):
+            self.down = Linear(self.down)
 
 
 @dataclass
@@ -88,6 +125,11 @@ class ModelSpec:
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c
     logit_softcap: float | None = None  # logits -> tanh(logits / c) * c
+    head: Any = None  # the lm_head as a projection (Linear, or ``Int8Projection``); set from lm_head
+
+    def __post_init__(self) -> None:
+        if self.head is None:
+            self.head = Linear((self.lm_head, None))
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -1,0 +1,100 @@
+"""The engine in float32, bfloat16 and bfloat16 + weight-only int8, in one run: prefill
+tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512).
+
+    .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--out FILE]
+
+Medians of ``--reps`` prefills and of ``--steps`` decode steps per point; the variants
+take turns point by point, so load changes on a shared machine hit them alike. Prompts
+are random token ids (no prefix hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.engine.loader import cpu_has_fast_bf16
+from mooncake.protocol import Sampling
+
+GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bfloat16 + int8": ("bfloat16", "int8")}
+
+
+def prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+
+def prefill_tok_s(eng: Engine, n: int, reps: int, gen: torch.Generator) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        s = eng.add_sequence("p", prompt(gen, n, eng.vocab_size), GREEDY)
+        t = time.perf_counter()
+        while not s.prefilled:
+            eng.prefill(s)
+        times.append(time.perf_counter() - t)
+        eng.free(s)
+    return n / statistics.median(times[1:])
+
+
+def decode_tok_s(eng: Engine, batch: int, ctx: int, steps: int, gen: torch.Generator) -> float:
+    seqs = [eng.add_sequence("d%d" % i, prompt(gen, ctx, eng.vocab_size), GREEDY) for i in range(batch)]
+    assert all(s is not None for s in seqs), "KV pool too small for the decode batch"
+    for s in seqs:
+        while not s.prefilled:
+            eng.prefill(s)
+    eng.decode_step(seqs)  # warm-up (gathers the workspace)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.decode_step(seqs)
+        times.append(time.perf_counter() - t)
+    for s in seqs:
+        eng.free(s)
+    return batch / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer reps and steps, prefill at 512 tokens")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--reps", type=int, default=0, help="prefills per point (default 5, quick 2)")
+    ap.add_argument("--steps", type=int, default=0, help="decode steps per point (default 24, quick 6)")
+    ap.add_argument("--out", default="", help="also write the markdown report here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    reps, steps = a.reps or (2 if a.quick else 5), a.steps or (6 if a.quick else 24)
+    prefill_n = 512 if a.quick else 2048
+    engines = {}
+    for name, (dtype, quant) in VARIANTS.items():
+        loaded = load_model(ModelConfig(device="cpu", dtype=dtype, quantization=quant))
+        engines[name] = Engine(loaded, EngineConfig(kv_cache_bytes=(1 << 30) + (256 << 20), profile_at_start=False))
+    gen = torch.Generator().manual_seed(0)
+    points = [(f"prefill {prefill_n} tokens (tok/s)", lambda e: prefill_tok_s(e, prefill_n, reps, gen))]
+    for bs in (1, 32):
+        points.append((f"decode batch {bs}, ctx 512 (tok/s)", lambda e, bs=bs: decode_tok_s(e, bs, 512, steps, gen)))
+    names = list(VARIANTS)
+    rows = ["| measurement | " + " | ".join(names) + " | bf16 / f32 | bf16+int8 / f32 |",
+            "|---" * (len(names) + 3) + "|"]
+    for label, fn in points:
+        r = {n: fn(engines[n]) for n in names}
+        rows.append(f"| {label} | " + " | ".join(f"{r[n]:.1f}" for n in names)
+                    + f" | {r['bfloat16'] / r['float32']:.2f}x | {r['bfloat16 + int8'] / r['float32']:.2f}x |")
+        print(rows[-1], flush=True)
+    head = (f"{platform.processor() or platform.machine()}, bf16 natively: {cpu_has_fast_bf16()}, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}")
+    report = head + "\n\n" + "\n".join(rows) + "\n"
+    print("\n" + report)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()

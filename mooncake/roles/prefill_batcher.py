@@ -1,0 +1,61 @@
+"""Coalesces the prefill chunks that concurrent requests ask for into one engine call.
+
+Each request's coroutine awaits ``chunk(seq)``; while the engine computes one batch, the
+chunks asked for meanwhile gather and go together next (``Engine.prefill_many``: one
+forward, the chunk budget shared in arrival order). A burst of short prompts thus costs a
+few forwards instead of one per prompt, and a lone request goes alone, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from mooncake.engine.sequence import PrefillStep, Sequence
+
+log = logging.getLogger(__name__)
+
+RunMany = Callable[[list[Sequence]], Awaitable[list[PrefillStep]]]
+
+
+class PrefillBatcher:
+    def __init__(self, run_many: RunMany) -> None:
+        self._run_many = run_many
+        self._pending: list[tuple[Sequence, asyncio.Future[PrefillStep]]] = []
+        self._drainer: asyncio.Task | None = None
+        self.calls = 0  # engine calls made (a batch counts once)
+
+    async def chunk(self, seq: Sequence) -> PrefillStep:
+        """The next chunk of ``seq`` (computed with whatever else is asked for meanwhile)."""
+        fut: asyncio.Future[PrefillStep] = asyncio.get_running_loop().create_future()
+        self._pending.append((seq, fut))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0)  # callers woken by the same event join this batch
+            batch = [(s, f) for s, f in self._pending if not f.done()]  # a cancelled caller drops out
+            self._pending = []
+            if not batch:
+                continue
+            self.calls += 1
+            await self._run(batch)
+
+    async def _run(self, batch: list[tuple[Sequence, asyncio.Future[PrefillStep]]]) -> None:
+        try:
+            steps = await self._run_many([s for s, _ in batch])
+        except Exception as e:
+            if len(batch) > 1:  # one bad sequence fails only itself: each again alone
+                log.warning("batched prefill failed (%s); computing its %d sequences one by one", e, len(batch))
+                for one in batch:
+                    await self._run([one])
+                return
+            if not batch[0][1].done():
+                batch[0][1].set_exception(e)
+            return
+        for (_, f), step in zip(batch, steps):
+            if not f.done():
+                f.set_result(step)
