@@ -18,6 +18,7 @@ from mooncake.engine.batching import decode_batch, prefill_batch
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
+from mooncake.engine.layerwise import ChunkLayers, LayerFn
 from mooncake.engine.loader import LoadedModel
 from mooncake.engine.sampler import make_generator, sample
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
@@ -148,6 +149,20 @@ class Engine:
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
 
+    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor) -> None:
+        """Copy one layer of received blocks (``kv``: ``[n, 2, Hkv, T, D]``) into a reserved sequence's
+        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are."""
+        n_blocks = len(seq.block_table)
+        if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled or not 0 <= layer < self.block_shape[0]:
+            raise ValueError("layer %d of blocks %d..%d does not fit sequence %s of %d blocks"
+                             % (layer, first_block, first_block + len(kv), seq.req_id, n_blocks))
+        if kv.dim() != len(self.block_shape) or tuple(kv.shape[1:]) != self.block_shape[1:]:
+            raise ValueError("kv layer has shape %s; expected [n, %s]" % (tuple(kv.shape), self.block_shape[1:]))
+        skip = max(0, seq.num_cached_tokens // self.block_tokens - first_block)
+        if skip < len(kv):
+            idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
+            self.pool[idx, layer] = kv[skip:].to(self.device, self.dtype)
+
     def begin_decoding(self, seq: Sequence, next_token: int) -> None:
         """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
         T = self.block_tokens
@@ -177,13 +192,17 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def prefill(self, seq: Sequence) -> PrefillStep:
-        """Compute the next chunk of the prompt; sample the first token after the last one."""
+    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None) -> PrefillStep:
+        """Compute the next chunk of the prompt; sample the first token after the last one.
+        ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
+        as soon as the layer has computed them (``layerwise.py``; on this thread)."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
-        logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device))
+        hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
+        logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
+                                    hook)
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:

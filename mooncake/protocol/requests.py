@@ -90,6 +90,7 @@ class PrefillDone(Msg, tag="prefill_done"):
     fetched_blocks: int = 0  # blocks read from a store
     fetch_s: float = 0.0
     finished: FinishReason | None = None  # set if the first token already ends the request
+    kv_pending_bytes: int = 0  # KV to decode still queued on the prefill when it sent this
 
 
 class FirstToken(Msg, tag="first_token"):
@@ -107,6 +108,20 @@ class KVTransfer(Msg, tag="kv"):
 
     req_id: str
     first_block: int
+    tensors: list[TensorSpec] = []
+    token: bytes = b""
+    checksums: list[int] = []
+
+
+class KVLayer(Msg, tag="kv_layer"):
+    """Prefill -> decode: one layer of the request's KV blocks ``first_block`` onwards, sent as soon
+    as the prefill computed that layer (layer-wise KV). One frame ``[n, 2, kv_heads, block_tokens,
+    head_dim]`` (``pool[blocks, layer]``); ``checksums`` holds one xxh3_64 over it (per transfer).
+    Decode writes it into the reserved blocks and uses a block once all its layers are in."""
+
+    req_id: str
+    first_block: int
+    layer: int
     tensors: list[TensorSpec] = []
     token: bytes = b""
     checksums: list[int] = []

@@ -2,10 +2,11 @@
 
 Per request: blocks already in this instance's device cache are attached; the
 conductor's fetch plan names stores holding the next blocks (local node first)
-and they are imported; the rest is computed chunk by chunk, and each chunk's
-full blocks are sent to the decode instance while later chunks compute. The
-first token goes to the conductor; newly computed full blocks are written to
-the node's store in the background.
+and they are imported; the rest is computed chunk by chunk. New KV leaves for the decode instance
+layer by layer as the engine computes it (``[engine] kv_transfer = "layer"``, see
+``engine/layerwise.py``), or block by block after each chunk (``"block"``), while
+later work computes. The first token goes to the conductor; each chunk's newly
+completed full blocks are written to the node's store in the background.
 
 Trust: blocks read from a store must be the ones asked for, in the model's block
 shape and dtype (else a miss, recomputed); every KV transfer to decode carries the
@@ -27,6 +28,7 @@ from mooncake.config import Config
 from mooncake.engine import Sequence
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
 from mooncake.kv_link import connect_kv_egress
+from mooncake.kv_sender import KVSender
 from mooncake.sockets import send_multipart
 from mooncake.worker import EngineWorker
 from mooncake.tiers.client import StoreError
@@ -138,12 +140,12 @@ class PrefillWorker(EngineWorker):
             self._kv_socks[endpoint] = sock
         return sock
 
-    async def _ship(self, endpoint: str, msg: P.KVTransfer, kv: torch.Tensor) -> None:
+    async def _ship(self, endpoint: str, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
         """Send KV to a decode instance; gives up when the request is aborted (e.g. the
         conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S. The
-        message carries the attempt's token and a checksum per block."""
-        msg.checksums = await asyncio.to_thread(checksums, kv)
-        frames = P.encode(msg, list(kv.unbind(0)))
+        message carries the attempt's token and a checksum per frame (a block, or a layer of blocks)."""
+        msg.checksums = await asyncio.to_thread(checksums, tensors)
+        frames = P.encode(msg, tensors)
         send = asyncio.ensure_future(send_multipart(self._kv_socket(endpoint), frames))
         deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
         while not send.done():
@@ -167,33 +169,51 @@ class PrefillWorker(EngineWorker):
         if seq is None:
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
+        sender = KVSender(lambda msg, tensors: self._ship(req.decode_endpoint, msg, tensors))
         try:
-            await self._compute_and_ship(req, seq, hashes, fetched, fetch_s, t_start)
+            await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start)
         finally:
+            sender.cancel()
             await self.run_engine(eng.free, seq)
 
     async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
-                                fetched: int, fetch_s: float, t_start: float) -> None:
+                                sender: KVSender, fetched: int, fetch_s: float, t_start: float) -> None:
+        """The chunk loop. KV leaves through ``sender`` while later work computes: the reused prefix
+        first (known before any compute), then each layer of each chunk as soon as it is computed
+        (``kv_transfer = "layer"``) or each chunk's blocks after the chunk. The blocks a chunk
+        completes are written to the store after that chunk."""
         eng = self.engine
+        T = eng.block_tokens
         cached = seq.num_cached_tokens
-        sent = 0
-        reused = cached // eng.block_tokens
-        if reused:  # the reused prefix is known before any compute: it travels while the rest computes
-            kv = await self.run_engine(eng.export_sequence, seq, 0, reused)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0, token=req.kv_token), kv)
-            sent = reused
+        sent = written = cached // T
+        if sent:
+            kv = await self.run_engine(eng.export_sequence, seq, 0, sent)
+            sender.put(P.KVTransfer(req.req_id, 0, token=req.kv_token), list(kv.unbind(0)))
+        loop = asyncio.get_running_loop()
+
+        def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
+            loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, first, layer, token=req.kv_token), [kv])
+
+        on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
         t_compute = time.perf_counter()
         while True:
-            step = await self.run_engine(eng.prefill, seq)
+            step = await self.run_engine(eng.prefill, seq, on_layer)
             self.progress += 1
             if req.req_id in self.aborted:
                 return
-            full = seq.num_computed // eng.block_tokens
+            sender.check()
+            full = seq.num_computed // T
+            if on_layer is not None:  # the chunk's layers are queued already
+                sent = -(-seq.num_computed // T) if step.done else full
+            if req.store_endpoint and min(full, len(hashes)) > written:
+                kv = await self.run_engine(eng.export_sequence, seq, written, min(full, len(hashes)))
+                self.write_back(req.store_endpoint, hashes[written:min(full, len(hashes))], kv)
+                written = min(full, len(hashes))
             if step.done:
                 break
-            if full > sent:  # stream finished blocks while the next chunk computes
+            if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
-                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
+                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
                 sent = full
         compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
@@ -201,14 +221,13 @@ class PrefillWorker(EngineWorker):
         # The first token goes out now (time to first token); the KV tail follows to decode.
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
-            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished))
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished,
+            kv_pending_bytes=sender.pending_bytes))
         if finished is None:
-            kv = await self.run_engine(eng.export_sequence, seq, sent, None)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
-        new_from = cached // eng.block_tokens
-        if req.store_endpoint and len(hashes) > new_from:
-            kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))
-            self.write_back(req.store_endpoint, hashes[new_from:], kv)
+            if sent < len(seq.block_table):
+                kv = await self.run_engine(eng.export_sequence, seq, sent, None)
+                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
+            await sender.finish()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
 
