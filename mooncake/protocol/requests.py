@@ -90,7 +90,7 @@ class PrefillDone(Msg, tag="prefill_done"):
     fetched_blocks: int = 0  # blocks read from a store
     fetch_s: float = 0.0
     finished: FinishReason | None = None  # set if the first token already ends the request
-    kv_pending_bytes: int = 0  # KV to decode still queued on the prefill when it sent this
+    kv_pending_bytes: int = 0  # KV for decode not yet handed to the socket when the prefill sent this
 
 
 class FirstToken(Msg, tag="first_token"):

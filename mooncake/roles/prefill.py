@@ -222,7 +222,7 @@ class PrefillWorker(EngineWorker):
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
             prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished,
-            kv_pending_bytes=sender.pending_bytes))
+            kv_pending_bytes=sender.pending_bytes + (len(seq.block_table) - sent) * eng.block_bytes))
         if finished is None:
             if sent < len(seq.block_table):
                 kv = await self.run_engine(eng.export_sequence, seq, sent, None)
