@@ -38,7 +38,11 @@ class KVSender:
         await self._task
 
     def cancel(self) -> None:
-        self._task.cancel()
+        if self._task.done():
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: the caller has seen it, or no longer cares
+        else:
+            self._task.cancel()
 
     async def _run(self) -> None:
         while True:

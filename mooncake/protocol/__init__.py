@@ -12,7 +12,8 @@ ever travels on the wire: only MessagePack and raw tensor bytes.
 
 The store's object API addresses blocks by ``BlockHash``; one block is one
 payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
-block_tokens, head_dim]`` (see ``mooncake.engine``).
+block_tokens, head_dim]`` (see ``mooncake.engine``). Layer-wise KV (``KVLayer``) carries one
+layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``.
 """
 
 from __future__ import annotations
