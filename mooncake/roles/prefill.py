@@ -205,12 +205,9 @@ class PrefillWorker(EngineWorker):
             full = seq.num_computed // T
             if on_layer is not None:  # the chunk's layers are queued already
                 sent = -(-seq.num_computed // T) if step.done else full
-            if req.store_endpoint and min(full, len(hashes)) > written:
-                kv = await self.run_engine(eng.export_sequence, seq, written, min(full, len(hashes)))
-                self.write_back(req.store_endpoint, hashes[written:min(full, len(hashes))], kv)
-                written = min(full, len(hashes))
             if step.done:
                 break
+            written = await self._write_new_blocks(req, seq, hashes, written, full)
             if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
                 sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
@@ -227,9 +224,21 @@ class PrefillWorker(EngineWorker):
             if sent < len(seq.block_table):
                 kv = await self.run_engine(eng.export_sequence, seq, sent, None)
                 sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
+        await self._write_new_blocks(req, seq, hashes, written, len(hashes))
+        if finished is None:
             await sender.finish()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
+
+    async def _write_new_blocks(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
+                                written: int, full: int) -> int:
+        """Write blocks ``[written, full)`` to the node's store in the background; the new ``written``."""
+        full = min(full, len(hashes))
+        if not req.store_endpoint or full <= written:
+            return written
+        kv = await self.run_engine(self.engine.export_sequence, seq, written, full)
+        self.write_back(req.store_endpoint, hashes[written:full], kv)
+        return full
 
     async def close(self) -> None:
         for s in self._kv_socks.values():
