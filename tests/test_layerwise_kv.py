@@ -8,7 +8,7 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
-from mooncake.engine.layerwise import completed_blocks
+from mooncake.engine.layerwise import completed_blocks, split_runs
 from mooncake.protocol import Sampling
 
 GREEDY = Sampling(max_tokens=8, temperature=0, ignore_eos=True)
@@ -30,6 +30,14 @@ def test_completed_blocks():
     assert completed_blocks(40, 80, False, 16) == (2, 5)  # block 2 began in the previous chunk
     assert completed_blocks(80, 90, True, 16) == (5, 6)  # the partial tail counts at the end
     assert completed_blocks(80, 96, True, 16) == (5, 6)
+
+
+def test_split_runs_keeps_frames_small():
+    kv = torch.arange(7.0).view(7, 1)
+    parts = list(split_runs(3, kv, 3))
+    assert [(f, p.flatten().tolist()) for f, p in parts] == [(3, [0, 1, 2]), (6, [3, 4, 5]), (9, [6])]
+    assert all(p.is_contiguous() for _, p in parts)
+    assert [f for f, _ in split_runs(0, kv, 0)] == list(range(7))  # at least one block per piece
 
 
 def _prefill_layerwise(src: Engine, dst: Engine, ids: list[int], cached_prefix: bool) -> tuple:

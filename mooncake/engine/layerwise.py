@@ -13,7 +13,7 @@ gathered from the pool) and hands them to a callback on the engine thread.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -52,3 +52,11 @@ class ChunkLayers:
         if full < n and rest > 0:  # the prompt's partial last block
             dst[:, :, full, :rest].copy_(src[:, :, (first + full) * T:self.end])
         self.fn(layer, first, out)
+
+
+def split_runs(first: int, kv: torch.Tensor, max_blocks: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first block, kv)`` pieces of at most ``max_blocks`` blocks (views, no copy), so that one
+    layer of a long chunk stays within a socket's frame size limit."""
+    step = max(1, max_blocks)
+    for i in range(0, len(kv), step):
+        yield first + i, kv[i:i + step]

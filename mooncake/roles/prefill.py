@@ -26,6 +26,7 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
+from mooncake.engine.layerwise import split_runs
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
 from mooncake.kv_link import connect_kv_egress
 from mooncake.kv_sender import KVSender
@@ -190,9 +191,11 @@ class PrefillWorker(EngineWorker):
             kv = await self.run_engine(eng.export_sequence, seq, 0, sent)
             sender.put(P.KVTransfer(req.req_id, 0, token=req.kv_token), list(kv.unbind(0)))
         loop = asyncio.get_running_loop()
+        per_frame = self.max_message_bytes // 2 // (eng.block_bytes // eng.block_shape[0])
 
         def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
-            loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, first, layer, token=req.kv_token), [kv])
+            for start, part in split_runs(first, kv, per_frame):  # frames well under the receiver's limit
+                loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
 
         on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
         t_compute = time.perf_counter()
