@@ -79,6 +79,7 @@ class DecodeWorker(EngineWorker):
         self.steps: list[tuple[int, float]] = []  # (batch, seconds) since the last heartbeat
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
+        self._landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
 
     async def start(self) -> None:
         self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
@@ -93,7 +94,8 @@ class DecodeWorker(EngineWorker):
         steps, self.steps = self.steps, []
         load = super().load()
         load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
-        load.pending = bool(self.running)  # the engine has steps to run (incoming KV waits on prefill)
+        # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
+        load.pending = bool(self.running) or self._landing > 0
         return load
 
     # ------------------------------------------------------------ conductor messages
@@ -222,6 +224,7 @@ class DecodeWorker(EngineWorker):
                         msg.req_id, layer, msg.first_block, msg.first_block + n, expected, len(slot.seq.block_table))
             await self._give_up(slot, "KV arrived out of order or oversized")
             return
+        self._landing += 1
         try:
             if layer is not None:
                 await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0])
@@ -231,6 +234,9 @@ class DecodeWorker(EngineWorker):
             log.exception("writing KV of %s failed", msg.req_id)
             await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
             return
+        finally:
+            self._landing -= 1
+        self.progress += 1  # landing KV is engine progress (layer-wise: one write per layer and chunk)
         if layer is not None:
             slot.layers_in[layer] += n
         else:
