@@ -90,6 +90,10 @@ class Metrics:
         self.kv_rejected = Counter("mooncake:kv_blocks_rejected", "KV a node refused: forged or corrupt (wrong "
                                    "request token, checksum, shape, dtype or hash), per node and reason.",
                                    ["node", "reason"], registry=r)
+        self.kv_inflight_at_prefill_end = Histogram(
+            "mooncake:kv_inflight_at_prefill_end_bytes", "KV bytes for decode still queued on the prefill when it "
+            "reported the first token (layer-wise transfer keeps this near one layer of the last chunk).",
+            buckets=(0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28), registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
                                       "many in flight).", ["node"], registry=r)
 

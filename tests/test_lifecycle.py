@@ -64,7 +64,8 @@ def test_a_stalled_engine_is_marked_unhealthy_and_its_request_completes_elsewher
     prompt = prompts(loaded_model.tokenizer, 40)[0]
     want = loaded_model.tokenizer.decode(greedy(oracle_model, prompt, 24), skip_special_tokens=True)
     with running_cluster(prefill=1, decode=1, store=1, cfg=cfg) as c:
-        # decode0 again, with an engine that hangs at its first decode step (reserve, KV, begin, step);
+        # decode0 again, with an engine that hangs at its 4th call (reserve, then KV writes: layer-wise,
+        # one per layer, so it hangs while the KV lands, with work pending);
         # then decode1, registered after it: with both idle, the scheduler picks decode0 first.
         c.kill("decode0")
         c.spawn("decode", 0, env={STALL_ENV: "3"})

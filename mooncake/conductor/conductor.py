@@ -267,6 +267,7 @@ class Conductor:
             return
         n_tokens = len(req.tokens) + len(req.generated) - 1
         self.metrics.kv_bytes.labels("prefill_to_decode").inc(-(-n_tokens // self.facts.block_tokens) * block_bytes)
+        self.metrics.kv_inflight_at_prefill_end.observe(msg.kv_pending_bytes)
         self._send(decode, P.FirstToken(msg.req_id, msg.first_token))
 
     def _on_tokens(self, node: Node, msg: P.TokenEvent) -> None:

@@ -12,12 +12,14 @@ Per call, the past KV of the batch is gathered once from the pool (by block
 table) into a workspace ``[L, 2, B, Hkv, K, D]``; each layer writes its new K/V
 next to the past of its own sequence and attends over that row, masked to its
 length (and to its window on sliding-window layers: every block is kept, so blocks
-stay shareable). After the last layer the new K/V go to the pool in one scatter.
+stay shareable). After the last layer the new K/V go to the pool in one scatter; a
+prefill chunk may also hand each layer's K/V out as soon as the layer wrote them
+(``on_layer``, see ``layerwise.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +110,10 @@ class DecoderForward:
         return torch.cat([torch.addcmul(r * cos, r.roll(rd // 2, -1), sin), x[..., rd:]], -1)
 
     @torch.inference_mode()
-    def forward(self, pool: torch.Tensor, b: Batch) -> torch.Tensor | None:
-        """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None."""
+    def forward(self, pool: torch.Tensor, b: Batch,
+                on_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None.
+        ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV)."""
         spec = self.spec
         B, S, T = b.B, b.S, self.block_tokens
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -148,6 +152,8 @@ class DecoderForward:
             else:
                 kc[row, :, col] = k
                 vc[row, :, col] = v
+            if on_layer is not None:
+                on_layer(li, ws[li])
             mask = masks[layer.window]
             lo = mask[2]
             o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)

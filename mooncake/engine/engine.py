@@ -19,6 +19,7 @@ from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
+from mooncake.engine.layerwise import ChunkLayers, LayerFn
 from mooncake.engine.loader import LoadedModel
 from mooncake.engine.sampler import Row, Sampled, sample, sequence_seed
 from mooncake.engine.sampling_checks import check_sampling
@@ -155,6 +156,20 @@ class Engine:
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
 
+    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor) -> None:
+        """Copy one layer of received blocks (``kv``: ``[n, 2, Hkv, T, D]``) into a reserved sequence's
+        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are."""
+        n_blocks = len(seq.block_table)
+        if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled or not 0 <= layer < self.block_shape[0]:
+            raise ValueError("layer %d of blocks %d..%d does not fit sequence %s of %d blocks"
+                             % (layer, first_block, first_block + len(kv), seq.req_id, n_blocks))
+        if kv.dim() != len(self.block_shape) or tuple(kv.shape[1:]) != self.block_shape[1:]:
+            raise ValueError("kv layer has shape %s; expected [n, %s]" % (tuple(kv.shape), self.block_shape[1:]))
+        skip = max(0, seq.num_cached_tokens // self.block_tokens - first_block)
+        if skip < len(kv):
+            idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
+            self.pool[idx, layer] = kv[skip:].to(self.device, self.dtype)
+
     def begin_decoding(self, seq: Sequence, next_token: int) -> None:
         """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
         T = self.block_tokens
@@ -186,13 +201,17 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def prefill(self, seq: Sequence) -> PrefillStep:
-        """Compute the next chunk of the prompt; sample the first token after the last one."""
+    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None) -> PrefillStep:
+        """Compute the next chunk of the prompt; sample the first token after the last one.
+        ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
+        as soon as the layer has computed them (``layerwise.py``; on this thread)."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
-        logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device))
+        hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
+        logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
+                                    hook)
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
@@ -203,15 +222,18 @@ class Engine:
         token = picked.tokens[0]
         return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0])
 
-    def prefill_many(self, seqs: list[Sequence]) -> list[PrefillStep]:
+    def prefill_many(self, seqs: list[Sequence], hooks: list[LayerFn | None] | None = None) -> list[PrefillStep]:
         """``prefill`` for several sequences in one forward: the chunk budget
         (``prefill_chunk_tokens``) is shared in order, so a burst of short prompts computes
         together instead of one after another. A sequence left without budget makes no
         progress this call (its step is not done, no new blocks). Models with sliding
-        windows compute the sequences one by one."""
+        windows, and sequences with per-layer KV hooks (``hooks``, layer-wise transfer: the
+        hook reads one sequence's workspace), compute the sequences one by one."""
         for s in seqs:
             if s.prefilled or s.freed:
                 raise RuntimeError("sequence %s is not waiting for prefill" % s.req_id)
+        if hooks is not None and any(h is not None for h in hooks):
+            return [self.prefill(s, h) for s, h in zip(seqs, hooks)]
         if len(seqs) == 1 or self.model.windows != {None}:
             return [self.prefill(s) for s in seqs]
         budget = self.chunk_tokens

@@ -12,7 +12,8 @@ ever travels on the wire: only MessagePack and raw tensor bytes.
 
 The store's object API addresses blocks by ``BlockHash``; one block is one
 payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
-block_tokens, head_dim]`` (see ``mooncake.engine``).
+block_tokens, head_dim]`` (see ``mooncake.engine``). Layer-wise KV (``KVLayer``) carries one
+layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mooncake.protocol.base import Msg
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
-                                        KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
+                                        KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         TokenEvent)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
@@ -49,6 +50,7 @@ __all__ = [
     "FirstToken",
     "Get",
     "Heartbeat",
+    "KVLayer",
     "KVTransfer",
     "Leave",
     "Logprob",
@@ -90,7 +92,7 @@ Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
     Put, Get, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, Error, BlockEvent,
-    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, TokenEvent, Abort, Failed,
+    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, Abort, Failed,
     ShmPut, ShmGet, ShmBlocks,
     P2PMessage,  # mooncake/p2p/messages.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip
@@ -119,7 +121,7 @@ def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
 def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) -> tuple[Msg, list[torch.Tensor]]:
     """(message, tensors) from received frames. Raises ProtocolError, and nothing else, on
     anything malformed. With ``block_shape``, every tensor must be one KV block of that shape
-    in a floating dtype (for sockets that receive KV)."""
+    in a floating dtype, or for a ``KVLayer`` one layer of ``n`` blocks (for sockets that receive KV)."""
     if not frames:
         raise ProtocolError("empty message")
     try:
@@ -130,8 +132,11 @@ def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) ->
         if len(specs) != len(frames) - 1:
             raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
         if block_shape is not None:
+            layer = isinstance(msg, KVLayer)
+            want = (-1, *block_shape[1:]) if layer else tuple(block_shape)
             for s in specs:
-                if tuple(s.shape) != tuple(block_shape) or not dtype_from_name(s.dtype).is_floating_point:
+                shape = (-1, *s.shape[1:]) if layer and s.shape else tuple(s.shape)
+                if shape != want or not dtype_from_name(s.dtype).is_floating_point:
                     raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} float block")
         return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
     except ProtocolError:

@@ -107,6 +107,7 @@ class PrefillDone(Msg, tag="prefill_done"):
     fetch_s: float = 0.0
     finished: FinishReason | None = None  # set if the first token already ends the request
     logprob: Logprob | None = None  # the first token's, when the request asked for logprobs
+    kv_pending_bytes: int = 0  # KV for decode not yet handed to the socket when the prefill sent this
 
 
 class FirstToken(Msg, tag="first_token"):
@@ -124,6 +125,20 @@ class KVTransfer(Msg, tag="kv"):
 
     req_id: str
     first_block: int
+    tensors: list[TensorSpec] = []
+    token: bytes = b""
+    checksums: list[int] = []
+
+
+class KVLayer(Msg, tag="kv_layer"):
+    """Prefill -> decode: one layer of the request's KV blocks ``first_block`` onwards, sent as soon
+    as the prefill computed that layer (layer-wise KV). One frame ``[n, 2, kv_heads, block_tokens,
+    head_dim]`` (``pool[blocks, layer]``); ``checksums`` holds one xxh3_64 over it (per transfer).
+    Decode writes it into the reserved blocks and uses a block once all its layers are in."""
+
+    req_id: str
+    first_block: int
+    layer: int
     tensors: list[TensorSpec] = []
     token: bytes = b""
     checksums: list[int] = []

@@ -15,6 +15,10 @@ attempt's token (the conductor gave it to this decode and to the prefill it chos
 and whose blocks match their checksums and the model's block shape and dtype.
 Forged KV (wrong token, unknown sender) is dropped; corrupt KV fails the attempt,
 which is recomputed. Each refusal is counted by reason.
+
+KV arrives as whole blocks (``KVTransfer``: a reused prefix, or a block-wise prefill) or one
+layer at a time (``KVLayer``: layer-wise prefill); each layer lands straight in the reserved
+blocks, and a block counts as received once all its layers are in.
 """
 
 from __future__ import annotations
@@ -48,10 +52,15 @@ class Slot:
 
     msg: P.DecodeRequest
     seq: Sequence
-    next_block: int = 0  # KV blocks received so far (in order)
+    layers_in: list[int]  # per layer: KV blocks received so far (in order); whole blocks count for all
     first_token: int | None = None
     started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
+
+    @property
+    def next_block(self) -> int:
+        """Blocks whose every layer is in (a block is used only once it is whole)."""
+        return min(self.layers_in)
 
     @property
     def kv_complete(self) -> bool:
@@ -70,6 +79,7 @@ class DecodeWorker(EngineWorker):
         self.steps: list[tuple[int, float]] = []  # (batch, seconds) since the last heartbeat
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
+        self._landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
 
     async def start(self) -> None:
         self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
@@ -84,7 +94,8 @@ class DecodeWorker(EngineWorker):
         steps, self.steps = self.steps, []
         load = super().load()
         load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
-        load.pending = bool(self.running)  # the engine has steps to run (incoming KV waits on prefill)
+        # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
+        load.pending = bool(self.running) or self._landing > 0
         return load
 
     # ------------------------------------------------------------ conductor messages
@@ -144,7 +155,8 @@ class DecodeWorker(EngineWorker):
                         continue
                     return
                 self.pending.popleft()
-                self.incoming[msg.req_id] = Slot(msg, seq, next_index=msg.num_generated + 1)
+                self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
+                                                 next_index=msg.num_generated + 1)
                 await self.send(P.Reserved(msg.req_id, self.node_id))
 
     def _unqueue(self, msg: P.DecodeRequest) -> None:
@@ -178,8 +190,10 @@ class DecodeWorker(EngineWorker):
             return
         try:
             msg, tensors = P.decode(frames, block_shape=self.engine.block_shape)
-            if not isinstance(msg, P.KVTransfer):
+            if not isinstance(msg, (P.KVTransfer, P.KVLayer)):
                 raise P.ProtocolError(f"expected KV, got {type(msg).__name__}")
+            if isinstance(msg, P.KVLayer) and (len(tensors) != 1 or len(tensors[0]) < 1):
+                raise P.ProtocolError("a KV layer transfer carries one tensor of at least one block")
         except P.ProtocolError as e:
             log.warning("dropping malformed KV message: %s", e)
             return
@@ -191,27 +205,42 @@ class DecodeWorker(EngineWorker):
             self.rejections.add("token", len(tensors))
             log.warning("KV of %s without the attempt's token (not from its prefill): dropped", msg.req_id)
             return
-        problem = shape_problem(tensors, self.engine.block_shape, self.engine.dtype)
+        layer = msg.layer if isinstance(msg, P.KVLayer) else None
+        shape = self.engine.block_shape if layer is None else self.engine.block_shape[1:]
+        problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors, shape, self.engine.dtype)
         bad = None if problem else await asyncio.to_thread(first_corrupt, tensors, msg.checksums)
         if problem or bad is not None:
             self.rejections.add("shape" if problem else "checksum", len(tensors))
-            await self._give_up(slot, f"its KV is corrupt ({problem or f'block {bad} fails its checksum'}): "
+            await self._give_up(slot, f"its KV is corrupt ({problem or f'transfer {bad} fails its checksum'}): "
                                       "recomputed elsewhere")
             return
-        if msg.first_block != slot.next_block or slot.next_block + len(tensors) > len(slot.seq.block_table):
-            log.warning("KV of %s: blocks %d..%d do not continue the %d received of %d: request failed",
-                        msg.req_id, msg.first_block, msg.first_block + len(tensors), slot.next_block,
-                        len(slot.seq.block_table))
+        n = len(tensors[0]) if layer is not None else len(tensors)
+        if layer is None:  # whole blocks continue where every layer is
+            expected = slot.next_block if max(slot.layers_in) == slot.next_block else -1
+        else:
+            expected = slot.layers_in[layer] if 0 <= layer < len(slot.layers_in) else -1
+        if msg.first_block != expected or msg.first_block + n > len(slot.seq.block_table):
+            log.warning("KV of %s (layer %s): blocks %d..%d do not continue the %d received of %d: request failed",
+                        msg.req_id, layer, msg.first_block, msg.first_block + n, expected, len(slot.seq.block_table))
             await self._give_up(slot, "KV arrived out of order or oversized")
             return
+        self._landing += 1
         try:
-            if tensors:
+            if layer is not None:
+                await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0])
+            elif tensors:
                 await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors))
         except Exception as e:  # this request's KV is unusable; the ingress goes on
             log.exception("writing KV of %s failed", msg.req_id)
             await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
             return
-        slot.next_block += len(tensors)
+        finally:
+            self._landing -= 1
+        self.progress += 1  # landing KV is engine progress (layer-wise: one write per layer and chunk)
+        if layer is not None:
+            slot.layers_in[layer] += n
+        else:
+            slot.layers_in = [b + n for b in slot.layers_in]
         await self._maybe_start(slot)
 
     async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:

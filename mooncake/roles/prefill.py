@@ -2,10 +2,11 @@
 
 Per request: blocks already in this instance's device cache are attached; the
 conductor's fetch plan names stores holding the next blocks (local node first)
-and they are imported; the rest is computed chunk by chunk, and each chunk's
-full blocks are sent to the decode instance while later chunks compute. The
-first token goes to the conductor; newly computed full blocks are written to
-the node's store in the background.
+and they are imported; the rest is computed chunk by chunk. New KV leaves for the decode instance
+layer by layer as the engine computes it (``[engine] kv_transfer = "layer"``, see
+``engine/layerwise.py``), or block by block after each chunk (``"block"``), while
+later work computes. The first token goes to the conductor; each chunk's newly
+completed full blocks are written to the node's store in the background.
 
 Trust: blocks read from a store must be the ones asked for, in the model's block
 shape and dtype (else a miss, recomputed); every KV transfer to decode carries the
@@ -25,9 +26,11 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
+from mooncake.engine.layerwise import split_runs
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
 from mooncake.kv_link import connect_kv_egress
 from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.kv_sender import KVSender
 from mooncake.sockets import send_multipart
 from mooncake.worker import EngineWorker
 from mooncake.tiers.client import StoreError
@@ -49,7 +52,7 @@ class PrefillWorker(EngineWorker):
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
-        self._chunks = PrefillBatcher(lambda seqs: self.run_engine(self.engine.prefill_many, seqs))
+        self._chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
 
     async def start(self) -> None:
@@ -152,12 +155,12 @@ class PrefillWorker(EngineWorker):
             self._kv_socks[endpoint] = sock
         return sock
 
-    async def _ship(self, endpoint: str, msg: P.KVTransfer, kv: torch.Tensor) -> None:
+    async def _ship(self, endpoint: str, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
         """Send KV to a decode instance; gives up when the request is aborted (e.g. the
         conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S. The
-        message carries the attempt's token and a checksum per block."""
-        msg.checksums = await asyncio.to_thread(checksums, kv)
-        frames = P.encode(msg, list(kv.unbind(0)))
+        message carries the attempt's token and a checksum per frame (a block, or a layer of blocks)."""
+        msg.checksums = await asyncio.to_thread(checksums, tensors)
+        frames = P.encode(msg, tensors)
         send = asyncio.ensure_future(send_multipart(self._kv_socket(endpoint), frames))
         deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
         while not send.done():
@@ -188,9 +191,11 @@ class PrefillWorker(EngineWorker):
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
         self._holding += 1
+        sender = KVSender(lambda msg, tensors: self._ship(req.decode_endpoint, msg, tensors))
         try:
-            await self._compute_and_ship(req, seq, hashes, fetched, fetch_s, t_start)
+            await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start)
         finally:
+            sender.cancel()
             await self.run_engine(eng.free, seq)
             self._holding -= 1
             self._releases += 1
@@ -198,27 +203,42 @@ class PrefillWorker(EngineWorker):
             self._released = asyncio.Event()
 
     async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
-                                fetched: int, fetch_s: float, t_start: float) -> None:
+                                sender: KVSender, fetched: int, fetch_s: float, t_start: float) -> None:
+        """The chunk loop. KV leaves through ``sender`` while later work computes: the reused prefix
+        first (known before any compute), then each layer of each chunk as soon as it is computed
+        (``kv_transfer = "layer"``) or each chunk's blocks after the chunk. The blocks a chunk
+        completes are written to the store after that chunk."""
         eng = self.engine
+        T = eng.block_tokens
         cached = seq.num_cached_tokens
-        sent = 0
-        reused = cached // eng.block_tokens
-        if reused:  # the reused prefix is known before any compute: it travels while the rest computes
-            kv = await self.run_engine(eng.export_sequence, seq, 0, reused)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, 0, token=req.kv_token), kv)
-            sent = reused
+        sent = written = cached // T
+        if sent:
+            kv = await self.run_engine(eng.export_sequence, seq, 0, sent)
+            sender.put(P.KVTransfer(req.req_id, 0, token=req.kv_token), list(kv.unbind(0)))
+        loop = asyncio.get_running_loop()
+        per_frame = self.max_message_bytes // 2 // (eng.block_bytes // eng.block_shape[0])
+
+        def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
+            for start, part in split_runs(first, kv, per_frame):  # frames well under the receiver's limit
+                loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+
+        on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
         t_compute = time.perf_counter()
         while True:
-            step = await self._chunks.chunk(seq)
+            step = await self._chunks.chunk(seq, on_layer)
             self.progress += 1
             if req.req_id in self.aborted:
                 return
-            full = seq.num_computed // eng.block_tokens
+            sender.check()
+            full = seq.num_computed // T
+            if on_layer is not None:  # the chunk's layers are queued already
+                sent = -(-seq.num_computed // T) if step.done else full
             if step.done:
                 break
-            if full > sent:  # stream finished blocks while the next chunk computes
+            written = await self._write_new_blocks(req, seq, hashes, written, full)
+            if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
-                await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
+                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
                 sent = full
         compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
@@ -226,16 +246,27 @@ class PrefillWorker(EngineWorker):
         # The first token goes out now (time to first token); the KV tail follows to decode.
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
-            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob))
+            prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob,
+            kv_pending_bytes=sender.pending_bytes + (len(seq.block_table) - sent) * eng.block_bytes))
         if finished is None:
-            kv = await self.run_engine(eng.export_sequence, seq, sent, None)
-            await self._ship(req.decode_endpoint, P.KVTransfer(req.req_id, sent, token=req.kv_token), kv)
-        new_from = cached // eng.block_tokens
-        if req.store_endpoint and len(hashes) > new_from:
-            kv = await self.run_engine(eng.export_sequence, seq, new_from, len(hashes))
-            self.write_back(req.store_endpoint, hashes[new_from:], kv)
+            if sent < len(seq.block_table):
+                kv = await self.run_engine(eng.export_sequence, seq, sent, None)
+                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
+        await self._write_new_blocks(req, seq, hashes, written, len(hashes))
+        if finished is None:
+            await sender.finish()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
+
+    async def _write_new_blocks(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
+                                written: int, full: int) -> int:
+        """Write blocks ``[written, full)`` to the node's store in the background; the new ``written``."""
+        full = min(full, len(hashes))
+        if not req.store_endpoint or full <= written:
+            return written
+        kv = await self.run_engine(self.engine.export_sequence, seq, written, full)
+        self.write_back(req.store_endpoint, hashes[written:full], kv)
+        return full
 
     async def close(self) -> None:
         for s in self._kv_socks.values():

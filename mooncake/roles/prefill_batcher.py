@@ -12,24 +12,27 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from mooncake.engine.layerwise import LayerFn
 from mooncake.engine.sequence import PrefillStep, Sequence
 
 log = logging.getLogger(__name__)
 
-RunMany = Callable[[list[Sequence]], Awaitable[list[PrefillStep]]]
+RunMany = Callable[[list[Sequence], list[LayerFn | None]], Awaitable[list[PrefillStep]]]
+_Pending = tuple[Sequence, LayerFn | None, "asyncio.Future[PrefillStep]"]
 
 
 class PrefillBatcher:
     def __init__(self, run_many: RunMany) -> None:
         self._run_many = run_many
-        self._pending: list[tuple[Sequence, asyncio.Future[PrefillStep]]] = []
+        self._pending: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
         self.calls = 0  # engine calls made (a batch counts once)
 
-    async def chunk(self, seq: Sequence) -> PrefillStep:
-        """The next chunk of ``seq`` (computed with whatever else is asked for meanwhile)."""
+    async def chunk(self, seq: Sequence, on_layer: LayerFn | None = None) -> PrefillStep:
+        """The next chunk of ``seq`` (computed with whatever else is asked for meanwhile);
+        ``on_layer``: its per-layer KV hook (layer-wise transfer)."""
         fut: asyncio.Future[PrefillStep] = asyncio.get_running_loop().create_future()
-        self._pending.append((seq, fut))
+        self._pending.append((seq, on_layer, fut))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         return await fut
@@ -37,25 +40,25 @@ class PrefillBatcher:
     async def _drain(self) -> None:
         while self._pending:
             await asyncio.sleep(0)  # callers woken by the same event join this batch
-            batch = [(s, f) for s, f in self._pending if not f.done()]  # a cancelled caller drops out
+            batch = [p for p in self._pending if not p[2].done()]  # a cancelled caller drops out
             self._pending = []
             if not batch:
                 continue
             self.calls += 1
             await self._run(batch)
 
-    async def _run(self, batch: list[tuple[Sequence, asyncio.Future[PrefillStep]]]) -> None:
+    async def _run(self, batch: list[_Pending]) -> None:
         try:
-            steps = await self._run_many([s for s, _ in batch])
+            steps = await self._run_many([s for s, _, _ in batch], [h for _, h, _ in batch])
         except Exception as e:
             if len(batch) > 1:  # one bad sequence fails only itself: each again alone
                 log.warning("batched prefill failed (%s); computing its %d sequences one by one", e, len(batch))
                 for one in batch:
                     await self._run([one])
                 return
-            if not batch[0][1].done():
-                batch[0][1].set_exception(e)
+            if not batch[0][2].done():
+                batch[0][2].set_exception(e)
             return
-        for (_, f), step in zip(batch, steps):
+        for (_, _, f), step in zip(batch, steps):
             if not f.done():
                 f.set_result(step)
