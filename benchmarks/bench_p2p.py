@@ -13,7 +13,7 @@ Uncapped: host2 fetches from host1 alone (CURVE, and plain TCP on a second clust
 with ``allow_insecure_network``), against a raw TCP socket copy of the same file between
 the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file).
 A fetch's time runs from the request to the store's report that it is complete (every chunk
-checked against its SHA-256, the files' sizes at the end); its transfer, from its first chunk
+checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
 request to its last chunk written, is reported too.
 
     flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] [--reps 3] [--out FILE]

@@ -63,9 +63,9 @@ def test_bad_names_and_manifests_are_refused(tmp_path):
     with pytest.raises(ObjectError, match="version does not match"):
         validate(msgspec.structs.replace(m, checksums=[c ^ 1 for c in m.checksums]))
     forged = [bytes([d[0] ^ 1]) + d[1:] for d in m.digests]
-    with pytest.raises(ObjectError, match="version does not match"):  # the chunk SHA-256s are part of the version
+    with pytest.raises(ObjectError, match="version does not match"):  # the chunk digests are part of the version
         validate(msgspec.structs.replace(m, digests=forged))
-    with pytest.raises(ObjectError, match="SHA-256s for 7 chunks"):
+    with pytest.raises(ObjectError, match="BLAKE3 digests for 7 chunks"):
         validate(msgspec.structs.replace(m, digests=m.digests[:-1]))
 
 
@@ -89,19 +89,19 @@ def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
 
 def with_fast_checksum_of(m, index: int, data: bytes):
     """``m`` as a holder would see it if chunk ``index`` were ``data``: its xxh3 matches ``data``
-    (a forged chunk that passes the fast check), its SHA-256 still the published chunk's."""
+    (a forged chunk that passes the fast check), its BLAKE3 digest still the published chunk's."""
     sums = list(m.checksums)
     sums[index] = xxhash.xxh3_64_intdigest(data)
     return msgspec.structs.replace(m, checksums=sums)
 
 
-def test_a_chunk_is_written_only_if_it_matches_its_sha256(tmp_path):
+def test_a_chunk_is_written_only_if_it_matches_its_digest(tmp_path):
     src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
     src = LocalObject(m, src_root, set(range(len(m.checksums))))
     forged = bytes(len(src.read_chunk(4)))
     dst = LocalObject(with_fast_checksum_of(m, 4, forged), tmp_path / "dst")
     dst.prepare()
-    assert not dst.write_chunk(4, forged)  # passes the xxh3, not the SHA-256: refused, nothing written
+    assert not dst.write_chunk(4, forged)  # passes the xxh3, not the BLAKE3: refused, nothing written
     assert (tmp_path / "dst" / "weights.bin").read_bytes() == bytes(5 * CHUNK + 123)
     assert dst.write_chunk(4, src.read_chunk(4))
     src.close()
@@ -115,7 +115,7 @@ def test_a_file_that_changes_size_before_the_fetch_ends_is_an_error(tmp_path):
     dst.prepare()
     for i in range(len(m.checksums)):
         assert dst.write_chunk(i, src.read_chunk(i))
-    dst.verify_files()  # every chunk matched its SHA-256: the files are complete, no re-reading
+    dst.verify_files()  # every chunk matched its digest: the files are complete, no re-reading
     with open(tmp_path / "dst" / "weights.bin", "ab") as f:
         f.write(b"appended")
     with pytest.raises(ObjectError, match=r"weights.bin is \d+ bytes after the fetch"):
@@ -124,7 +124,7 @@ def test_a_file_that_changes_size_before_the_fetch_ends_is_an_error(tmp_path):
     dst.close()
 
 
-def test_a_resumed_fetch_keeps_only_chunks_matching_their_sha256(tmp_path):
+def test_a_resumed_fetch_keeps_only_chunks_matching_their_digests(tmp_path):
     src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
     src = LocalObject(m, src_root, set(range(len(m.checksums))))
     first = LocalObject(m, tmp_path / "dst")
@@ -140,7 +140,7 @@ def test_a_resumed_fetch_keeps_only_chunks_matching_their_sha256(tmp_path):
     forged = [s.index for s in first.spans if m.files[s.file].path == "weights.bin"][2]
     again = LocalObject(with_fast_checksum_of(m, forged, tampered), tmp_path / "dst")
     again.prepare()
-    assert again.done == set(range(len(m.checksums))) - {forged}  # its xxh3 matches, its SHA-256 does not
+    assert again.done == set(range(len(m.checksums))) - {forged}  # its xxh3 matches, its BLAKE3 does not
     assert again.write_chunk(forged, src.read_chunk(forged))
     again.verify_files()
     assert w.read_bytes() == (src_root / "weights.bin").read_bytes()

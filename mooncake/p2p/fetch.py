@@ -3,7 +3,7 @@
 Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time; a
 free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
 (fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
-different chunks and soon serve each other). Every chunk is checked against its SHA-256
+different chunks and soon serve each other). Every chunk is checked against its BLAKE3
 before it is written (in a thread, so that hashing overlaps the transfer); a bad one is
 asked again from another holder, and so is one whose holder disconnects or stays silent.
 Each verified chunk is announced to the conductor at once,

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import blake3
 import xxhash
 
 from mooncake.p2p.messages import FileEntry, Manifest, encoder
@@ -51,8 +52,9 @@ def checksum(data: bytes | memoryview) -> int:
 
 
 def digest(data: bytes | memoryview) -> bytes:
-    """A chunk's SHA-256: what a fetcher checks before writing it (hashlib releases the GIL)."""
-    return hashlib.sha256(data).digest()
+    """A chunk's BLAKE3 (256 bits): what a fetcher checks before writing it. A cryptographic hash
+    like SHA-256, at 2.5x its speed here (4.5 vs 1.7 GB/s on one core); it releases the GIL."""
+    return blake3.blake3(data).digest()
 
 
 def source_files(path: Path) -> tuple[Path, list[str]]:
@@ -102,7 +104,7 @@ def validate(m: Manifest) -> Manifest:
             raise ObjectError(f"{m.name}: unsafe file path {f.path!r}")
     n = len(spans(m))
     if len(m.checksums) != n or len(m.digests) != n or any(len(d) != 32 for d in m.digests):
-        raise ObjectError(f"{m.name}: {len(m.checksums)} checksums and {len(m.digests)} SHA-256s for {n} chunks")
+        raise ObjectError(f"{m.name}: {len(m.checksums)} checksums and {len(m.digests)} BLAKE3 digests for {n} chunks")
     if content_version(m.name, m.chunk_bytes, m.files, m.checksums, m.digests) != m.version:
         raise ObjectError(f"{m.name}: version does not match its content description")
     return m

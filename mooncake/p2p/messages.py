@@ -25,7 +25,7 @@ class Manifest(msgspec.Struct, frozen=True):
     """What an object is: its files, chunking and checksums. ``version`` is the SHA-256 of
     everything else: two manifests with the same name and version are the same content.
 
-    Each chunk has two checksums: its SHA-256 (``digests``), which a fetcher checks before it
+    Each chunk has two checksums: its BLAKE3 (``digests``, a cryptographic hash), which a fetcher checks before it
     writes the chunk, so that every byte written is bound to ``version`` cryptographically; and
     its xxh3 (``checksums``), which a holder checks, at memory speed, before it serves the chunk
     (to notice a file that changed on its disk)."""
@@ -35,7 +35,7 @@ class Manifest(msgspec.Struct, frozen=True):
     chunk_bytes: int
     files: list[FileEntry]
     checksums: list[int]  # xxh3_64 per chunk, chunks of each file in file order
-    digests: list[bytes]  # SHA-256 per chunk (32 bytes each), same order
+    digests: list[bytes]  # BLAKE3 per chunk (32 bytes each), same order
 
     @property
     def total_bytes(self) -> int:

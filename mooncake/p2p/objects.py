@@ -6,14 +6,14 @@ An object's files stay where they are: a published object is served in place fro
 the published path, a fetched one from its destination directory. Objects are pinned:
 nothing evicts them; only ``forget`` (``mooncake p2p rm``) drops a record, never the files.
 
-A fetcher checks every chunk against its SHA-256 before writing it, and so every chunk it
-finds on disk when a fetch resumes. Each byte of a file lies in exactly one chunk, the files
-are created at their exact sizes, and the chunk SHA-256s are part of what the object's
-version (a SHA-256) covers: once every chunk is in, each file is the published one (unless
-SHA-256 has collisions) without reading it again; the fetch ends with a check of the sizes.
-A holder checks each chunk against its xxh3 (far cheaper) before serving it, and when it
-reloads its records: that catches a file changed on its disk, and the fetcher's SHA-256
-check catches anything else.
+A fetcher checks every chunk against its BLAKE3 digest (cryptographic) before writing it,
+and so every chunk it finds on disk when a fetch resumes. Each byte of a file lies in
+exactly one chunk, the files are created at their exact sizes, and the chunk digests are
+part of what the object's version (a SHA-256) covers: once every chunk is in, each file is
+the published one (its SHA-256 in the manifest) without reading it again, short of a
+collision in BLAKE3; the fetch ends with a check of the sizes. A holder checks each chunk
+against its xxh3 (far cheaper) before serving it, and when it reloads its records: that
+catches a file changed on its disk, and the fetcher's check catches anything else.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class LocalObject:
             return fd
 
     def read_chunk(self, index: int, strong: bool = False) -> bytes:
-        """The chunk's bytes, checked against its xxh3 (``strong``: its SHA-256); ChunkCorrupt if
+        """The chunk's bytes, checked against its xxh3 (``strong``: its BLAKE3 digest); ChunkCorrupt if
         they do not match."""
         s = self.spans[index]
         data = os.pread(self._fd(s.file, False), s.length, s.offset)
@@ -93,7 +93,7 @@ class LocalObject:
         return data
 
     def write_chunk(self, index: int, data: memoryview | bytes) -> bool:
-        """Write a received chunk if it matches its SHA-256; False (nothing written) if it does not."""
+        """Write a received chunk if it matches its BLAKE3 digest; False (nothing written) if it does not."""
         s = self.spans[index]
         if len(data) != s.length or digest(data) != self.manifest.digests[index]:
             return False
@@ -139,9 +139,9 @@ class LocalObject:
         self.done = self.verified_on_disk(before, strong=True)
 
     def verified_on_disk(self, sizes: dict[int, int] | None = None, strong: bool = False) -> set[int]:
-        """Chunks whose bytes on disk match their xxh3 (``strong``: their SHA-256), among those
+        """Chunks whose bytes on disk match their xxh3 (``strong``: their BLAKE3 digest), among those
         that lie within ``sizes[file]`` bytes (default: the files' sizes now). A fetch resumes
-        from the chunks that match their SHA-256 in what its files held before it reserved them."""
+        from the chunks that match their digests in what its files held before it reserved them."""
         ok = set()
         for s in self.spans:
             if sizes is not None:
@@ -160,7 +160,7 @@ class LocalObject:
 
     def verify_files(self) -> None:
         """Once every chunk is in: each file has its size (its bytes were each checked against
-        their chunk's SHA-256 when written, see the module's docstring)."""
+        their chunk's digest when written, see the module's docstring)."""
         for fi, f in enumerate(self.manifest.files):
             size = self.path(fi).stat().st_size
             if size != f.size:
