@@ -132,6 +132,8 @@ class Fetch:
                 raise ObjectError(self._stall_reason())
         t0 = time.monotonic()
         self.transfer_s = t0 - self._first_request if self._first_request else 0.0
+        if self._writes:  # the last chunks' announcements: the conductor must know this store holds them
+            await asyncio.wait(set(self._writes))
         await asyncio.to_thread(obj.verify_files)
         self.verify_s = time.monotonic() - t0
 
