@@ -16,7 +16,8 @@ A fetch's time runs from the request to the store's report that it is complete (
 checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
 request to its last chunk written, is reported too.
 
-    flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] [--reps 3] [--out FILE]
+    flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] \
+        [--reps 3] [--uncapped-only] [--in-flight N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def main() -> None:
         row("P2P fetch, CURVE, transfer only", curve_transfer, raw_transfer),
         "",
         f"All runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}; "
-        f"raw {[round(x, 2) for x in raw_all]} (transfers {[round(x, 2) for x in raw_transfer]}); plain {[round(x, 2) for x in plain_times]} "
+        f"raw {[round(x, 2) for x in raw_all]} (transfers {[round(x, 2) for x in raw_transfer]}); "
+        f"plain {[round(x, 2) for x in plain_times]} "
         f"(transfers {[round(x, 2) for x in plain_transfer]}); curve {[round(x, 2) for x in curve_times]} "
         f"(transfers {[round(x, 2) for x in curve_transfer]}).",
     ]
