@@ -12,9 +12,12 @@ Between fetches the object is removed and published again (no copies left over).
 Uncapped: host2 fetches from host1 alone (CURVE, and plain TCP on a second cluster started
 with ``allow_insecure_network``), against a raw TCP socket copy of the same file between
 the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file).
-A fetch's time includes checking every chunk and each file's SHA-256 at the end.
+A fetch's time runs from the request to the store's report that it is complete (every chunk
+checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
+request to its last chunk written, is reported too.
 
-    flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] [--reps 3] [--out FILE]
+    flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] \
+        [--reps 3] [--uncapped-only] [--in-flight N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ RECEIVER = """
 import socket, sys, time
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(1); print("ready", flush=True)
-conn, _ = srv.accept(); buf = bytearray(16 << 20); view = memoryview(buf); total = 0
+conn, _ = srv.accept(); t0 = time.monotonic(); buf = bytearray(16 << 20); view = memoryview(buf); total = 0
 with open(sys.argv[3], "wb", buffering=0) as f:
     while (n := conn.recv_into(buf)):
         f.write(view[:n]); total += n
-print(total, flush=True)
+print(total, time.monotonic() - t0, flush=True)
 """
 SENDER = """
 import socket, sys, time
@@ -63,15 +66,15 @@ def write_object(path: Path, size: int) -> None:
             f.write((off.to_bytes(8, "little") + block[8:])[: size - off])
 
 
-async def fetch(net: P2PHosts, hosts: list[int], dest: Path, only_seed: bool, checks: list | None = None) -> float:
-    """Seconds until every host has the object; ``checks`` gets each fetch's final SHA-256 check time."""
+async def fetch(net: P2PHosts, hosts: list[int], dest: Path, only_seed: bool, reports: list | None = None) -> float:
+    """Seconds until every host has the object; ``reports`` gets each fetch's final ProgressReport."""
     clients = [net.client(i) for i in hosts]
     t0 = time.monotonic()
     try:
-        reports = await asyncio.gather(*(c.get("obj", dest / f"host{i}", only_from=["host1"] if only_seed else None)
-                                         for c, i in zip(clients, hosts)))
-        if checks is not None:
-            checks.extend(r.verify_s for r in reports)
+        got = await asyncio.gather(*(c.get("obj", dest / f"host{i}", only_from=["host1"] if only_seed else None)
+                                     for c, i in zip(clients, hosts)))
+        if reports is not None:
+            reports.extend(got)
         return time.monotonic() - t0
     finally:
         for c in clients:
@@ -87,7 +90,9 @@ def republish(net: P2PHosts, src: Path, dest: Path) -> None:
     shutil.rmtree(dest, ignore_errors=True)
 
 
-def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> float:
+def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> tuple[float, float]:
+    """(seconds from starting the sender to the receiver's last byte written, of which from its
+    connection accepted to its last byte written)."""
     h1, h2 = net.hosts[1], net.hosts[2]
     port = 5999
     recv = subprocess.Popen(["ip", "netns", "exec", h2.ns, sys.executable, "-c", RECEIVER, h2.address, str(port),
@@ -97,10 +102,10 @@ def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> float:
         t0 = time.monotonic()
         subprocess.run(["ip", "netns", "exec", h1.ns, sys.executable, "-c", SENDER, h2.address, str(port), str(src)],
                        check=True)
-        got = int(recv.stdout.readline())
+        got, transfer = recv.stdout.readline().split()
         dt = time.monotonic() - t0
-        assert got == src.stat().st_size, got
-        return dt
+        assert int(got) == src.stat().st_size, got
+        return dt, float(transfer)
     finally:
         recv.kill()
         recv.wait()
@@ -108,13 +113,13 @@ def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> float:
 
 
 def uncapped(net: P2PHosts, src: Path, work: Path, reps: int) -> tuple[list[float], list[float]]:
-    """(fetch times, of which the final SHA-256 checks)."""
+    """(fetch times, of which the transfers: first chunk request to last chunk written)."""
     times: list[float] = []
-    checks: list[float] = []
+    reports: list = []
     for _ in range(reps):
         republish(net, src.parent, work / "dst")
-        times.append(asyncio.run(fetch(net, [2], work / "dst", only_seed=True, checks=checks)))
-    return times, checks
+        times.append(asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports)))
+    return times, [r.transfer_s for r in reports]
 
 
 def main() -> None:
@@ -122,6 +127,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=300)
     ap.add_argument("--rate", default="200mbit")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--in-flight", type=int, help="[store] p2p_in_flight_per_peer (default: the config's)")
+    ap.add_argument("--uncapped-only", action="store_true", help="only the uncapped fetch vs. raw TCP copy")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
     size = args.size_mb * 1000 * 1000
@@ -130,10 +137,10 @@ def main() -> None:
     write_object(src, size)
     rows: dict[str, list[float]] = {"single": [], "seed": [], "p2p": []}
     try:
-        with P2PHosts(work / "curve", curve=True) as net:
+        with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
             for i in range(1, 5):
-                net.set_rate(i, args.rate)
-            for rep in range(args.reps):
+                net.set_rate(i, None if args.uncapped_only else args.rate)
+            for rep in range(0 if args.uncapped_only else args.reps):
                 for mode, hosts in (("single", [2]), ("seed", [2, 3, 4]), ("p2p", [2, 3, 4])):
                     republish(net, src.parent, work / "dst")
                     rows[mode].append(asyncio.run(fetch(net, hosts, work / "dst", only_seed=mode != "p2p")))
@@ -143,23 +150,27 @@ def main() -> None:
             raw = []
             for _ in range(args.reps):
                 raw.append(raw_tcp_copy(net, src, work / "raw.bin"))
-            curve_times, _ = uncapped(net, src, work, args.reps)
+            curve_times, curve_transfer = uncapped(net, src, work, args.reps)
             print(f"raw {raw} curve {curve_times}", flush=True)
-        with P2PHosts(work / "plain", curve=False) as net:
-            plain_times, plain_checks = uncapped(net, src, work, args.reps)
+        with P2PHosts(work / "plain", curve=False, in_flight_per_peer=args.in_flight) as net:
+            plain_times, plain_transfer = uncapped(net, src, work, args.reps)
             raw_plain = [raw_tcp_copy(net, src, work / "raw.bin") for _ in range(args.reps)]
             print(f"plain {plain_times} raw {raw_plain}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    raw_all = raw + raw_plain
+    med = {k: statistics.median(v) if v else float("nan") for k, v in rows.items()}
+    raw_all = [t for t, _ in raw + raw_plain]
+    raw_transfer = [t for _, t in raw + raw_plain]
     mb = size / 1e6
-    raw_med = statistics.median(raw_all)
-    transfer = [t - c for t, c in zip(plain_times, plain_checks)]
+
+    def row(label: str, times: list[float], base: list[float]) -> str:
+        t = statistics.median(times)
+        return f"| {label} | {t:.2f} | {mb / t:.0f} | {statistics.median(base) / t:.2f}× |"
+
     lines = [
-        f"{args.size_mb} MB object, 16 MiB chunks, 4 hosts (network namespaces), CURVE, median of {args.reps}.",
+        f"{args.size_mb} MB object, 16 MiB chunks, 4 hosts (network namespaces), median of {args.reps}.",
         "",
-        f"Egress of every host capped at {args.rate}:",
+        f"Egress of every host capped at {args.rate} (CURVE):",
         "",
         "| fetch | time (s) | vs. 3 fetches from the seed | vs. single fetch |",
         "|---|---|---|---|",
@@ -171,18 +182,19 @@ def main() -> None:
         "",
         "| copy | time (s) | MB/s | vs. raw TCP |",
         "|---|---|---|---|",
-        f"| raw TCP socket copy (sendfile → recv_into + write) | {raw_med:.2f} | {mb / raw_med:.0f} | 1.00× |",
-        f"| P2P fetch, plain TCP | {statistics.median(plain_times):.2f} | {mb / statistics.median(plain_times):.0f} "
-        f"| {raw_med / statistics.median(plain_times):.2f}× |",
-        f"| P2P fetch, plain TCP, less its final SHA-256 check ({statistics.median(plain_checks):.2f} s) "
-        f"| {statistics.median(transfer):.2f} | {mb / statistics.median(transfer):.0f} "
-        f"| {raw_med / statistics.median(transfer):.2f}× |",
-        f"| P2P fetch, CURVE | {statistics.median(curve_times):.2f} | {mb / statistics.median(curve_times):.0f} "
-        f"| {raw_med / statistics.median(curve_times):.2f}× |",
+        row("raw TCP socket copy (sendfile → recv_into + write), from starting the sender", raw_all, raw_all),
+        row("P2P fetch, plain TCP, from the request", plain_times, raw_all),
+        row("P2P fetch, CURVE, from the request", curve_times, raw_all),
+        row("raw TCP copy, transfer only (connection accepted → last byte written)", raw_transfer, raw_transfer),
+        row("P2P fetch, plain TCP, transfer only (first chunk request → last chunk written)", plain_transfer,
+            raw_transfer),
+        row("P2P fetch, CURVE, transfer only", curve_transfer, raw_transfer),
         "",
         f"All runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}; "
-        f"raw {[round(x, 2) for x in raw_all]}; plain {[round(x, 2) for x in plain_times]}; "
-        f"curve {[round(x, 2) for x in curve_times]}.",
+        f"raw {[round(x, 2) for x in raw_all]} (transfers {[round(x, 2) for x in raw_transfer]}); "
+        f"plain {[round(x, 2) for x in plain_times]} "
+        f"(transfers {[round(x, 2) for x in plain_transfer]}); curve {[round(x, 2) for x in curve_times]} "
+        f"(transfers {[round(x, 2) for x in curve_transfer]}).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

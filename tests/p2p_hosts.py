@@ -24,11 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class P2PHosts:
     def __init__(self, workdir: Path, n: int = 4, rate: str | None = None, curve: bool = True,
-                 stall_timeout_s: float = 20.0) -> None:
+                 stall_timeout_s: float = 20.0, in_flight_per_peer: int | None = None) -> None:
         self.workdir = Path(workdir)
         base = load_config(ROOT / "config.example.toml", env={})  # fixed ports: each host has its own stack
         base.store.dram_bytes, base.store.lmdb_bytes = 16 << 20, 0
         base.store.p2p_stall_timeout_s = stall_timeout_s
+        if in_flight_per_peer is not None:
+            base.store.p2p_in_flight_per_peer = in_flight_per_peer
         base.conductor.heartbeat_s, base.conductor.dead_after_s, base.conductor.drain_timeout_s = 0.5, 4.0, 2.0
         resolve_model_dir(base.model)  # the conductor's tokenizer: converted once, before it starts
         if curve:

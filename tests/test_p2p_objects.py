@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import xxhash
 
 from mooncake.p2p.index import P2PIndex
 from mooncake.p2p.manifest import ObjectError, build_manifest, check_name, spans, validate
@@ -61,6 +62,11 @@ def test_bad_names_and_manifests_are_refused(tmp_path):
         validate(evil)
     with pytest.raises(ObjectError, match="version does not match"):
         validate(msgspec.structs.replace(m, checksums=[c ^ 1 for c in m.checksums]))
+    forged = [bytes([d[0] ^ 1]) + d[1:] for d in m.digests]
+    with pytest.raises(ObjectError, match="version does not match"):  # the chunk digests are part of the version
+        validate(msgspec.structs.replace(m, digests=forged))
+    with pytest.raises(ObjectError, match="BLAKE3 digests for 7 chunks"):
+        validate(msgspec.structs.replace(m, digests=m.digests[:-1]))
 
 
 def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
@@ -79,6 +85,67 @@ def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
         assert (tmp_path / "dst" / f.path).read_bytes() == (src_root / f.path).read_bytes()
     src.close()
     dst.close()
+
+
+def with_fast_checksum_of(m, index: int, data: bytes):
+    """``m`` as a holder would see it if chunk ``index`` were ``data``: its xxh3 matches ``data``
+    (a forged chunk that passes the fast check), its BLAKE3 digest still the published chunk's."""
+    sums = list(m.checksums)
+    sums[index] = xxhash.xxh3_64_intdigest(data)
+    return msgspec.structs.replace(m, checksums=sums)
+
+
+def test_a_chunk_is_written_only_if_it_matches_its_digest(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    forged = bytes(len(src.read_chunk(4)))
+    dst = LocalObject(with_fast_checksum_of(m, 4, forged), tmp_path / "dst")
+    dst.prepare()
+    assert not dst.write_chunk(4, forged)  # passes the xxh3, not the BLAKE3: refused, nothing written
+    assert (tmp_path / "dst" / "weights.bin").read_bytes() == bytes(5 * CHUNK + 123)
+    assert dst.write_chunk(4, src.read_chunk(4))
+    src.close()
+    dst.close()
+
+
+def test_a_file_that_changes_size_before_the_fetch_ends_is_an_error(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    dst = LocalObject(m, tmp_path / "dst")
+    dst.prepare()
+    for i in range(len(m.checksums)):
+        assert dst.write_chunk(i, src.read_chunk(i))
+    dst.verify_files()  # every chunk matched its digest: the files are complete, no re-reading
+    with open(tmp_path / "dst" / "weights.bin", "ab") as f:
+        f.write(b"appended")
+    with pytest.raises(ObjectError, match=r"weights.bin is \d+ bytes after the fetch"):
+        dst.verify_files()
+    src.close()
+    dst.close()
+
+
+def test_a_resumed_fetch_keeps_only_chunks_matching_their_digests(tmp_path):
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    first = LocalObject(m, tmp_path / "dst")
+    first.prepare()
+    for i in range(len(m.checksums)):
+        first.write_chunk(i, src.read_chunk(i))
+    first.close()  # interrupted (say), and then the weights' third chunk changes on disk
+    w = tmp_path / "dst" / "weights.bin"
+    raw = bytearray(w.read_bytes())
+    tampered = bytes(CHUNK)
+    raw[2 * CHUNK: 3 * CHUNK] = tampered
+    w.write_bytes(bytes(raw))
+    forged = [s.index for s in first.spans if m.files[s.file].path == "weights.bin"][2]
+    again = LocalObject(with_fast_checksum_of(m, forged, tampered), tmp_path / "dst")
+    again.prepare()
+    assert again.done == set(range(len(m.checksums))) - {forged}  # its xxh3 matches, its BLAKE3 does not
+    assert again.write_chunk(forged, src.read_chunk(forged))
+    again.verify_files()
+    assert w.read_bytes() == (src_root / "weights.bin").read_bytes()
+    again.close()
+    src.close()
 
 
 def test_a_fetch_resumes_from_the_chunks_on_disk(tmp_path):

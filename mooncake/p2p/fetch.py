@@ -3,9 +3,10 @@
 Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time; a
 free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
 (fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
-different chunks and soon serve each other). Every chunk is verified before it is
-written; a bad one is asked again from another holder, and so is one whose holder
-disconnects or stays silent. Each verified chunk is announced to the conductor at once,
+different chunks and soon serve each other). Every chunk is checked against its BLAKE3
+before it is written (in a thread, so that hashing overlaps the transfer); a bad one is
+asked again from another holder, and so is one whose holder disconnects or stays silent.
+Each verified chunk is announced to the conductor at once,
 and the holder list is refreshed every ``refresh_s``: peers fetching the same object
 serve each other during the distribution, not only the seed.
 """
@@ -58,6 +59,8 @@ class Fetch:
         self.state, self.error = "fetching", ""
         self.finished = asyncio.Event()
         self.verify_s = 0.0
+        self._first_request = 0.0
+        self.transfer_s = 0.0
         self.peers: dict[str, Peer] = {}
         self.banned: dict[str, float] = {}  # node id -> until when (disconnected or silent)
         self.bytes_by_peer: dict[str, int] = {}
@@ -75,7 +78,7 @@ class Fetch:
     def progress(self) -> ProgressReport:
         return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
                               self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
-                              self.verify_s)
+                              self.verify_s, self.transfer_s)
 
     async def run(self) -> None:
         try:
@@ -128,6 +131,9 @@ class Fetch:
             if time.monotonic() - last_progress > self.stall_timeout_s and not self._writes:
                 raise ObjectError(self._stall_reason())
         t0 = time.monotonic()
+        self.transfer_s = t0 - self._first_request if self._first_request else 0.0
+        if self._writes:  # the last chunks' announcements: the conductor must know this store holds them
+            await asyncio.wait(set(self._writes))
         await asyncio.to_thread(obj.verify_files)
         self.verify_s = time.monotonic() - t0
 
@@ -237,6 +243,7 @@ class Fetch:
                 return
 
     def _request(self, peer: Peer, chunk: int) -> None:
+        self._first_request = self._first_request or time.monotonic()
         self._req += 1
         peer.in_flight[self._req] = (chunk, time.monotonic())
         msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk)

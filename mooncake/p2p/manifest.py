@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import blake3
 import xxhash
 
 from mooncake.p2p.messages import FileEntry, Manifest, encoder
@@ -46,7 +47,14 @@ def spans(m: Manifest) -> list[Span]:
 
 
 def checksum(data: bytes | memoryview) -> int:
+    """A chunk's fast checksum (xxh3_64): what a holder checks before serving it."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def digest(data: bytes | memoryview) -> bytes:
+    """A chunk's BLAKE3 (256 bits): what a fetcher checks before writing it. A cryptographic hash
+    like SHA-256, at 2.5x its speed here (4.5 vs 1.7 GB/s on one core); it releases the GIL."""
+    return blake3.blake3(data).digest()
 
 
 def source_files(path: Path) -> tuple[Path, list[str]]:
@@ -66,7 +74,7 @@ def build_manifest(name: str, path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """(root, manifest) of the file or directory at ``path``; reads every byte once."""
     check_name(name)
     root, rels = source_files(path)
-    files, sums = [], []
+    files, sums, digests = [], [], []
     for rel in rels:
         sha = hashlib.sha256()
         size = 0
@@ -74,13 +82,15 @@ def build_manifest(name: str, path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES
             while chunk := fh.read(chunk_bytes):
                 sha.update(chunk)
                 sums.append(checksum(chunk))
+                digests.append(digest(chunk))
                 size += len(chunk)
         files.append(FileEntry(rel, size, sha.hexdigest()))
-    return root, Manifest(name, content_version(name, chunk_bytes, files, sums), chunk_bytes, files, sums)
+    version = content_version(name, chunk_bytes, files, sums, digests)
+    return root, Manifest(name, version, chunk_bytes, files, sums, digests)
 
 
-def content_version(name: str, chunk_bytes: int, files: list[FileEntry], sums: list[int]) -> str:
-    return hashlib.sha256(encoder.encode([name, chunk_bytes, files, sums])).hexdigest()
+def content_version(name: str, chunk_bytes: int, files: list[FileEntry], sums: list[int], digests: list[bytes]) -> str:
+    return hashlib.sha256(encoder.encode([name, chunk_bytes, files, sums, digests])).hexdigest()
 
 
 def validate(m: Manifest) -> Manifest:
@@ -92,19 +102,12 @@ def validate(m: Manifest) -> Manifest:
         p = PurePosixPath(f.path)
         if p.is_absolute() or ".." in p.parts or not f.path or "\\" in f.path or f.size < 0:
             raise ObjectError(f"{m.name}: unsafe file path {f.path!r}")
-    if len(spans(m)) != len(m.checksums):
-        raise ObjectError(f"{m.name}: {len(m.checksums)} checksums for {len(spans(m))} chunks")
-    if content_version(m.name, m.chunk_bytes, m.files, m.checksums) != m.version:
+    n = len(spans(m))
+    if len(m.checksums) != n or len(m.digests) != n or any(len(d) != 32 for d in m.digests):
+        raise ObjectError(f"{m.name}: {len(m.checksums)} checksums and {len(m.digests)} BLAKE3 digests for {n} chunks")
+    if content_version(m.name, m.chunk_bytes, m.files, m.checksums, m.digests) != m.version:
         raise ObjectError(f"{m.name}: version does not match its content description")
     return m
-
-
-def file_sha256(path: Path, block: int = 8 << 20) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb", buffering=0) as fh:
-        while b := fh.read(block):
-            sha.update(b)
-    return sha.hexdigest()
 
 
 def free_bytes(path: Path) -> int:

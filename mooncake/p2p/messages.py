@@ -23,13 +23,19 @@ class FileEntry(msgspec.Struct, array_like=True, frozen=True):
 
 class Manifest(msgspec.Struct, frozen=True):
     """What an object is: its files, chunking and checksums. ``version`` is the SHA-256 of
-    everything else: two manifests with the same name and version are the same content."""
+    everything else: two manifests with the same name and version are the same content.
+
+    Each chunk has two checksums: its BLAKE3 (``digests``, a cryptographic hash), which a fetcher checks before it
+    writes the chunk, so that every byte written is bound to ``version`` cryptographically; and
+    its xxh3 (``checksums``), which a holder checks, at memory speed, before it serves the chunk
+    (to notice a file that changed on its disk)."""
 
     name: str
     version: str
     chunk_bytes: int
     files: list[FileEntry]
     checksums: list[int]  # xxh3_64 per chunk, chunks of each file in file order
+    digests: list[bytes]  # BLAKE3 per chunk (32 bytes each), same order
 
     @property
     def total_bytes(self) -> int:
@@ -168,7 +174,8 @@ class ProgressReport(P2PMsg, tag="p2p_progress_report"):
     state: str  # "fetching" | "complete" | "failed"
     error: str = ""
     peers: dict[str, int] = {}  # holder node name -> bytes fetched from it
-    verify_s: float = 0.0  # of the fetch's time: checking each file's SHA-256 at the end
+    verify_s: float = 0.0  # of the fetch's time: the final check of the files (sizes) once every chunk is in
+    transfer_s: float = 0.0  # of the fetch's time: from its first chunk request to its last chunk written
 
 
 # ---- peer -> peer (P2P socket)

@@ -6,8 +6,14 @@ An object's files stay where they are: a published object is served in place fro
 the published path, a fetched one from its destination directory. Objects are pinned:
 nothing evicts them; only ``forget`` (``mooncake p2p rm``) drops a record, never the files.
 
-Every chunk is checked against its checksum when it is written, when it is served and
-when a fetch resumes; a file is checked against its SHA-256 when its fetch completes.
+A fetcher checks every chunk against its BLAKE3 digest (cryptographic) before writing it,
+and so every chunk it finds on disk when a fetch resumes. Each byte of a file lies in
+exactly one chunk, the files are created at their exact sizes, and the chunk digests are
+part of what the object's version (a SHA-256) covers: once every chunk is in, each file is
+the published one (its SHA-256 in the manifest) without reading it again, short of a
+collision in BLAKE3; the fetch ends with a check of the sizes. A holder checks each chunk
+against its xxh3 (far cheaper) before serving it, and when it reloads its records: that
+catches a file changed on its disk, and the fetcher's check catches anything else.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from mooncake.p2p.manifest import ObjectError, Span, checksum, file_sha256, free_bytes, spans, validate
+from mooncake.p2p.manifest import ObjectError, Span, checksum, digest, free_bytes, spans, validate
 from mooncake.p2p.messages import Manifest, bitmap, bits
 
 log = logging.getLogger(__name__)
@@ -75,18 +81,21 @@ class LocalObject:
                 self._fds[file] = fd
             return fd
 
-    def read_chunk(self, index: int) -> bytes:
-        """The chunk's bytes, verified; ChunkCorrupt if they changed."""
+    def read_chunk(self, index: int, strong: bool = False) -> bytes:
+        """The chunk's bytes, checked against its xxh3 (``strong``: its BLAKE3 digest); ChunkCorrupt if
+        they do not match."""
         s = self.spans[index]
         data = os.pread(self._fd(s.file, False), s.length, s.offset)
-        if len(data) != s.length or checksum(data) != self.manifest.checksums[index]:
+        ok = len(data) == s.length and (digest(data) == self.manifest.digests[index] if strong
+                                        else checksum(data) == self.manifest.checksums[index])
+        if not ok:
             raise ChunkCorrupt(f"{self.name}: chunk {index} of {self.manifest.files[s.file].path} is corrupt on disk")
         return data
 
     def write_chunk(self, index: int, data: memoryview | bytes) -> bool:
-        """Write a received chunk if it verifies; False (nothing written) if it does not."""
+        """Write a received chunk if it matches its BLAKE3 digest; False (nothing written) if it does not."""
         s = self.spans[index]
-        if len(data) != s.length or checksum(data) != self.manifest.checksums[index]:
+        if len(data) != s.length or digest(data) != self.manifest.digests[index]:
             return False
         fd = self._fd(s.file, True)
         try:
@@ -104,9 +113,11 @@ class LocalObject:
         an error now, not halfway), keeping what is there, and find the chunks already on disk."""
         m = self.manifest
         need = 0
-        for f in m.files:
+        before: dict[int, int] = {}  # file -> bytes it held before: only these can hold chunks already
+        for fi, f in enumerate(m.files):
             p = self.root / f.path
-            need += max(0, f.size - (p.stat().st_size if p.exists() else 0))
+            before[fi] = p.stat().st_size if p.is_file() else 0
+            need += max(0, f.size - before[fi])
         free = free_bytes(self.root)
         if need > free:
             raise DiskFull(f"{m.name}: needs {need} more bytes at {self.root}, only {free} free")
@@ -125,27 +136,35 @@ class LocalObject:
                     raise DiskFull(f"{m.name}: no space for {p} ({f.size} bytes)") from None
                 raise
             self._fds[fi] = fd
-        self.done = self.verified_on_disk()
+        self.done = self.verified_on_disk(before, strong=True)
 
-    def verified_on_disk(self) -> set[int]:
-        """Chunks whose bytes on disk match their checksums (resume after an interruption)."""
+    def verified_on_disk(self, sizes: dict[int, int] | None = None, strong: bool = False) -> set[int]:
+        """Chunks whose bytes on disk match their xxh3 (``strong``: their BLAKE3 digest), among those
+        that lie within ``sizes[file]`` bytes (default: the files' sizes now). A fetch resumes
+        from the chunks that match their digests in what its files held before it reserved them."""
         ok = set()
         for s in self.spans:
-            p = self.path(s.file)
-            if not p.exists() or p.stat().st_size < s.offset + s.length:
+            if sizes is not None:
+                have = sizes.get(s.file, 0)
+            else:
+                p = self.path(s.file)
+                have = p.stat().st_size if p.is_file() else 0
+            if have < s.offset + s.length:
                 continue
             try:
-                self.read_chunk(s.index)
+                self.read_chunk(s.index, strong)
             except (ChunkCorrupt, OSError):
                 continue
             ok.add(s.index)
         return ok
 
     def verify_files(self) -> None:
-        """Every file against its SHA-256 (once complete)."""
+        """Once every chunk is in: each file has its size (its bytes were each checked against
+        their chunk's digest when written, see the module's docstring)."""
         for fi, f in enumerate(self.manifest.files):
-            if file_sha256(self.path(fi)) != f.sha256:
-                raise ObjectError(f"{self.name}: {f.path} does not match its SHA-256 after the fetch")
+            size = self.path(fi).stat().st_size
+            if size != f.size:
+                raise ObjectError(f"{self.name}: {f.path} is {size} bytes after the fetch, not {f.size}")
 
     def close(self) -> None:
         with self._lock:

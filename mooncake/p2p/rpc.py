@@ -38,17 +38,24 @@ class Rpc:
         sock.connect(self.endpoint)
         return sock
 
+    def _reset(self) -> None:
+        """A new socket: the reply to an abandoned call (timed out, cancelled) must never answer the next."""
+        self.sock.close(0)
+        self.sock = self._open()
+
     async def call(self, msg: P2PMsg, timeout_s: float | None = None) -> P2PMsg:
         """The reply; a ``Failure`` reply raises P2PError, and so does silence past the timeout."""
         async with self._lock:
-            await send_multipart(self.sock, [encoder.encode(msg)])
             try:
+                await send_multipart(self.sock, [encoder.encode(msg)])
                 frames = await asyncio.wait_for(recv_multipart(self.sock), timeout_s or self.timeout_s)
             except asyncio.TimeoutError:
-                self.sock.close(0)  # a late reply must never answer the next call: a new socket
-                self.sock = self._open()
+                self._reset()
                 raise P2PError(f"no answer from {self.endpoint} within {timeout_s or self.timeout_s:.0f}s",
                                "timeout") from None
+            except asyncio.CancelledError:
+                self._reset()  # its reply may still come
+                raise
         try:
             reply = decoder.decode(frames[0].bytes)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
