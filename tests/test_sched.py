@@ -241,3 +241,21 @@ def test_a_request_larger_than_the_pool_waits_for_it_to_empty():
     sched.slots["d0"].add("small", 7.0, 2)
     plan = sched.plan(H[:4], 100, 20, 16, now=0)  # 9 blocks: more than the whole pool
     assert plan.reserve_wait_s == pytest.approx(7.0)
+
+
+def test_a_request_that_would_push_queued_ones_past_their_slo_is_refused():
+    """Prefill packs the chunks of queued requests into one forward: a newcomer delays them too."""
+    sched, cluster, _ = make()
+    cluster.get("p1").draining = True
+    cluster.reindex()
+    admission = Admission(ConductorConfig(ttft_slo_ms=10_000), Metrics())
+    admission.last_admitted = 0.0
+    first = sched.plan(H[:2], 40, 4, 16, now=0)
+    assert admission.check_plan(first, now=0.0) is None
+    sched.book("r1", first, deadline=first.est_ttft_s + 0.001)  # admitted with almost no slack left
+    second = sched.plan(H[2:4], 40, 4, 16, now=0)
+    assert second.queue_slack_s == pytest.approx(first.est_ttft_s + 0.001)
+    r = admission.check_plan(second, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo" and "queued ahead" in r.message
+    sched.prefill_finished("r1")  # its first token came: it no longer waits on the pack
+    assert admission.check_plan(sched.plan(H[2:4], 40, 4, 16, now=0), now=0.0) is None

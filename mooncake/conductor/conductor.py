@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -201,7 +202,8 @@ class Conductor:
         assert plan is not None
         wire_id = req.dispatched(plan, time.monotonic())
         self.attempts[wire_id] = req
-        self.scheduler.book(wire_id, plan)
+        slo_s = self.cfg.conductor.ttft_slo_ms / 1000
+        self.scheduler.book(wire_id, plan, req.arrived + slo_s if slo_s and not req.generated else math.inf)
         self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
         kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(

@@ -14,6 +14,7 @@ instance counts them as cached.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -23,16 +24,24 @@ from typing import Iterable
 class PrefillQueue:
     work: dict[str, float] = field(default_factory=dict)  # request -> predicted seconds
     total_s: float = 0.0
+    deadlines: dict[str, float] = field(default_factory=dict)  # request -> when its first token is due
 
-    def add(self, req_id: str, seconds: float) -> None:
+    def add(self, req_id: str, seconds: float, deadline: float = math.inf) -> None:
         self.remove(req_id)
         self.work[req_id] = seconds
         self.total_s += seconds
+        if deadline < math.inf:
+            self.deadlines[req_id] = deadline
 
     def remove(self, req_id: str) -> None:
         s = self.work.pop(req_id, None)
+        self.deadlines.pop(req_id, None)
         if s is not None:
             self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
+
+    def earliest_deadline(self) -> float:
+        """The first token due soonest among the queued requests (inf: none is due)."""
+        return min(self.deadlines.values(), default=math.inf)
 
 
 @dataclass

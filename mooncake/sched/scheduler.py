@@ -16,6 +16,7 @@ the predicted load when the conductor dispatches, and releases it itself.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -46,6 +47,7 @@ class Plan:
     fetch_hashes: list[bytes] = field(default_factory=list)
     reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
+    queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
 
@@ -138,7 +140,9 @@ class Scheduler:
         drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
                     first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]],
-                    reserve_wait_s=wait, queue_s=self.queue_s(p.node_id), decode_blocks=need, hashes=hashes[:full])
+                    reserve_wait_s=wait, queue_s=self.queue_s(p.node_id),
+                    queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need,
+                    hashes=hashes[:full])
 
     def _resident_run(self, node_id: str, hashes: Sequence[bytes], indexed: int, limit: int) -> int:
         """Leading blocks of ``hashes`` (at most ``limit``) an instance holds, or will hold once
@@ -161,10 +165,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ booking
 
-    def book(self, req_id: str, plan: Plan) -> None:
-        """Reserve the plan's predicted load: its prefill work and a decode slot."""
+    def book(self, req_id: str, plan: Plan, deadline: float = math.inf) -> None:
+        """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
+        when its first token is due, if it has an SLO)."""
         self.release(req_id)
-        self._queue(plan.prefill.node_id).add(req_id, plan.est_prefill_s)
+        self._queue(plan.prefill.node_id).add(req_id, plan.est_prefill_s, deadline)
         self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks)
         hashes = [bytes(h) for h in plan.hashes]
         self.pending.add(plan.prefill.node_id, hashes)
