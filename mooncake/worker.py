@@ -93,7 +93,8 @@ class EngineWorker(ABC):
 
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
-                          self.engine.block_bytes, self._profile)
+                          self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
+                          threads=torch.get_num_threads())
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     # ---- stores

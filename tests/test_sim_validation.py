@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,9 @@ from clusters import running_cluster, small_config
 from mooncake.bench import BenchConfig
 from mooncake.bench.trace import TraceScaling
 from mooncake.bench.workloads import Session
+from mooncake.sim.calibrate import calibrated_hardware
 from mooncake.sim.setup import SimSetup
+from mooncake.sim.shared_cpu import Colocation
 from mooncake.sim.validate import CALIBRATION_POINTS, validate
 from mooncake.sim.workload import requests_from_sessions
 
@@ -41,7 +44,11 @@ def test_simulation_of_a_live_replay(tmp_path: Path) -> None:
         bc = BenchConfig(base_url=c.url, workload="trace", trace_path=str(TRACE), scaling=scaling,
                          ignore_eos=True, progress=False, timeout_s=120)
         v = validate(bc, SimSetup(1, 1), cfg.engine.block_tokens)
-        assert httpx.get(c.url + "/cluster").json()["predictions"]["ttft"]["count"] >= 10
+        cluster = httpx.get(c.url + "/cluster").json()
+        assert cluster["predictions"]["ttft"]["count"] >= 10
+        # Every role of a dev cluster runs on this machine: the simulated ones share its cores.
+        hw = calibrated_hardware(cluster, cfg.engine.block_tokens)
+        assert hw.colocation == Colocation(cores=len(os.sched_getaffinity(0)), threads=1)
     assert v.requests == 10 and len(v.prompt_tokens) == 10 and max(v.prompt_tokens) <= 600
     assert set(v.sim) == set(CALIBRATION_POINTS)
     assert 0 < v.live_p50_s <= v.live_p90_s

@@ -27,6 +27,8 @@ class NodeInfo(msgspec.Struct, frozen=True):
     num_blocks: int = 0
     block_bytes: int = 0
     profile: EngineProfile | None = None  # what the engine measured of itself at start-up
+    cpus: int = 0  # CPU cores the process may run on (engine roles)
+    threads: int = 0  # compute threads the engine uses (engine roles)
 
 
 class TierLoad(msgspec.Struct, frozen=True):

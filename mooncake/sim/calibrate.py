@@ -9,6 +9,8 @@ faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
 per node, ``num_blocks`` / ``block_bytes`` (engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
+When all engine nodes share one machine ``name`` and report ``cpus`` (and ``threads``), the
+simulated instances share that many cores as the live ones do (``shared_cpu.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import urllib.request
 from typing import Any
 
 from mooncake.sim.hardware import Capacities, FittedHardware, LinearCosts
+from mooncake.sim.shared_cpu import Colocation
 
 # With only the batch-8 step time, the batch dependence takes the shape of the default decode
 # prior (0.03 s + 0.002 s per sequence): 0.016 / 0.046 of the batch-8 step is per sequence.
@@ -85,6 +88,18 @@ def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
                       store_ssd_blocks=tier_blocks("lmdb", "ssd"))
 
 
+def _colocation(nodes: list) -> Colocation | None:
+    """The machine the engine nodes share, when they all run on one (a dev cluster)."""
+    engines = [n for n in nodes if isinstance(n, dict) and n.get("role") in ("prefill", "decode")]
+    if len(engines) < 2 or len({n.get("name") for n in engines}) != 1:
+        return None
+    cpus = min((_number(n, "cpus") or 0 for n in engines), default=0)
+    if not cpus:
+        return None
+    threads = max(_number(n, "threads") or 1 for n in engines)
+    return Colocation(cores=cpus, threads=threads)
+
+
 def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrated",
                         decode_max_batch: int = 32) -> FittedHardware:
     """Simulated instances that cost what the cluster's own cost models predict."""
@@ -111,5 +126,6 @@ def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrate
                         transfer_token_s=_number(est, "kv_transfer_token_s") or 0.0,
                         transit_s=_number(est, "transit_s") or 0.0)
     nodes = cluster.get("nodes")
-    caps = _capacities(nodes if isinstance(nodes, list) else [], decode_max_batch, ratio)
-    return FittedHardware(name, block_tokens, costs, caps)
+    nodes = nodes if isinstance(nodes, list) else []
+    return FittedHardware(name, block_tokens, costs, _capacities(nodes, decode_max_batch, ratio),
+                          colocation=_colocation(nodes))

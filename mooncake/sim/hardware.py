@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncake.sim.shared_cpu import Colocation
+
 
 @dataclass(frozen=True)
 class Capacities:
@@ -25,6 +27,7 @@ class Hardware:
     block_tokens: int
     kv_bytes_per_token: float
     caps: Capacities
+    colocation: Colocation | None = None  # None: every instance has hardware of its own
 
     def prefill_s(self, n_new: int, ctx: int) -> float:
         """Compute time of ``n_new`` prompt tokens after ``ctx`` cached ones (chunked)."""
@@ -81,13 +84,15 @@ class LinearCosts:
 
 class FittedHardware(Hardware):
     def __init__(self, name: str, block_tokens: int, costs: LinearCosts, caps: Capacities,
-                 kv_bytes_per_token: float = 0.0, chunk_tokens: int = 512) -> None:
+                 kv_bytes_per_token: float = 0.0, chunk_tokens: int = 512,
+                 colocation: Colocation | None = None) -> None:
         self.name = name
         self.block_tokens = block_tokens
         self.costs = costs
         self.caps = caps
         self.kv_bytes_per_token = kv_bytes_per_token
         self.chunk_tokens = chunk_tokens
+        self.colocation = colocation
 
     def prefill_s(self, n_new: int, ctx: int) -> float:
         c = self.costs

@@ -26,6 +26,7 @@ from mooncake.sim.instances import DecodeInstance, DecodeSeq, PrefillInstance, S
 from mooncake.sim.lru import LRUBlocks
 from mooncake.sim.results import Outcome, SimResult, summarize
 from mooncake.sim.setup import SimSetup
+from mooncake.sim.shared_cpu import SharedCpu
 from mooncake.sim.workload import SimRequest
 
 class Simulation:
@@ -67,6 +68,7 @@ class Simulation:
             node = virtual_node(f"decode-{j}", "decode", f"d{j}")
             self.decodes[node.node_id] = DecodeInstance(node, caps.decode_kv_tokens, caps.decode_max_batch)
             self.cluster.upsert(node)
+        self.cpu = SharedCpu(hw.colocation) if hw.colocation is not None else None
         self.outcomes: dict[str, Outcome] = {}
         self.gaps: list[tuple[float, float]] = []  # (inter-token time, how many tokens had it)
 
@@ -126,6 +128,7 @@ class Simulation:
     def _start_prefill(self, inst: PrefillInstance) -> None:
         if not inst.queue:
             inst.busy = False
+            self._set_computing(inst.node.node_id, False)
             return
         inst.busy = True
         r, plan = inst.queue.popleft()
@@ -150,19 +153,30 @@ class Simulation:
         compute_s = self.hw.prefill_s(n_new, cached)
         out = self.outcomes[r.req_id]
         out.started_s, out.device_blocks, out.reused_blocks = now, device, reused
-        inst.busy_s += fetch_s + compute_s
-        self.loop.after(fetch_s + compute_s, self._end_prefill, inst, r, plan, n_new, cached, compute_s)
+        work = fetch_s + compute_s
+        inst.job, inst.work_left, inst.work_since = (r, plan, n_new, cached, compute_s, work, now), work, now
+        if not self._set_computing(inst.node.node_id, True):
+            self._schedule_prefill_end(inst)
 
-    def _end_prefill(self, inst: PrefillInstance, r: SimRequest, plan: Plan, n_new: int, cached: int,
-                     compute_s: float) -> None:
+    def _schedule_prefill_end(self, inst: PrefillInstance) -> None:
+        inst.version += 1
+        self.loop.after(inst.work_left / self._speed(), self._end_prefill, inst, inst.version)
+
+    def _end_prefill(self, inst: PrefillInstance, version: int) -> None:
+        if version != inst.version:
+            return
         now = self.loop.now
+        r, plan, n_new, cached, compute_s, work, started = inst.job
+        inst.job = None
+        inst.busy_s += now - started
         out = self.outcomes[r.req_id]
         out.first_token_s = now
         inst.cache_blocks(self.index, r.hashes)
         if inst.store is not None and plan.store_endpoint:
             inst.store.put(r.hashes[out.reused_blocks:])
         self.sched.prefill_finished(r.req_id)
-        self.prefill_cost.observe(n_new, cached, compute_s)
+        # The engine times its compute on the wall clock, sharing included (as the real one does).
+        self.prefill_cost.observe(n_new, cached, compute_s * (now - started) / work if work > 0 else compute_s)
         if r.output_tokens <= 1:
             self._finish(r.req_id)
         else:
@@ -178,7 +192,7 @@ class Simulation:
         d.advance(self.loop.now, self.gaps)
         d.waiting.append(seq)
         self._admit(d)
-        self._reschedule(d)
+        self._batch_changed(d)
 
     def _admit(self, d: DecodeInstance) -> None:
         while d.waiting and d.fits(d.waiting[0]):
@@ -187,13 +201,17 @@ class Simulation:
             d.kv_reserved += seq.reserved
             self.outcomes[seq.req_id].decode_joined_s = self.loop.now
 
+    def _batch_changed(self, d: DecodeInstance) -> None:
+        if not (self._set_computing(d.node.node_id, bool(d.active)) and d.active):  # else rescheduled there
+            self._reschedule(d)
+
     def _reschedule(self, d: DecodeInstance) -> None:
         """New step time for the new batch; the next completion event."""
         d.version += 1
         if not d.active:
             d.step_s = 0.0
             return
-        d.step_s = self.hw.decode_step_s(len(d.active), sum(s.kv_tokens for s in d.active.values()))
+        d.step_s = self.hw.decode_step_s(len(d.active), sum(s.kv_tokens for s in d.active.values())) / self._speed()
         self.decode_cost.observe(len(d.active), d.step_s)
         left = min(s.remaining for s in d.active.values())
         self.loop.after(max(0.0, left) * d.step_s, self._decode_tick, d, d.version)
@@ -207,7 +225,34 @@ class Simulation:
             d.kv_reserved -= seq.reserved
             self._finish(seq.req_id)
         self._admit(d)
-        self._reschedule(d)
+        self._batch_changed(d)
+
+    # ------------------------------------------------------------ co-located instances
+
+    def _speed(self) -> float:
+        return self.cpu.speed() if self.cpu is not None else 1.0
+
+    def _set_computing(self, node_id: str, computing: bool) -> bool:
+        """With instances sharing cores (``hw.colocation``): a change in who computes changes
+        everyone's speed, so the work done so far is accounted at the old speed and every
+        running prefill and decode batch is rescheduled at the new one. True when it did."""
+        cpu = self.cpu
+        if cpu is None or computing == (node_id in cpu.computing):
+            return False
+        now, old = self.loop.now, cpu.speed()
+        running = [p for p in self.prefills.values() if p.job is not None]
+        for p in running:
+            p.work_left -= (now - p.work_since) * old
+            p.work_since = now
+        batches = [d for d in self.decodes.values() if d.active]
+        for d in batches:
+            d.advance(now, self.gaps)
+        cpu.set_computing(node_id, computing)
+        for p in running:
+            self._schedule_prefill_end(p)
+        for d in batches:
+            self._reschedule(d)
+        return True
 
     def _finish(self, req_id: str) -> None:
         self.outcomes[req_id].finished_s = self.loop.now
