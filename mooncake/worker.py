@@ -20,7 +20,7 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.engine import Engine, load_model
 from mooncake.engine.errors import InvalidRequestError
-from mooncake.engine.profile import profile_engine
+from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.kv_integrity import Rejections, checksums
 from mooncake.link import ConductorLink
 from mooncake.sched.engine_profile import EngineProfile
@@ -87,7 +87,8 @@ class EngineWorker(ABC):
         if not self.cfg.engine.profile_at_start:
             return None
         sizes = {"decode_batches": ()} if self.role == "prefill" else {"prefill_sizes": ()}
-        p = profile_engine(self.engine, **sizes)
+        with one_profile_at_a_time():
+            p = profile_engine(self.engine, **sizes)
         log.info("%s profiled in %.1fs: prefill %s, decode %s", self.node_id, p.seconds, p.prefill, p.decode)
         return p
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import tempfile
 
 import msgspec
 import pytest
 
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
-from mooncake.engine.profile import profile_engine
+from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.protocol import Sampling
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.engine_profile import EngineProfile
@@ -92,3 +95,19 @@ def test_profile_of_a_full_pool_is_empty_and_seeds_the_default_prior(loaded_mode
 
 def eng_block_bytes(loaded_model) -> int:
     return engine_with(loaded_model, kv_cache_bytes=1 * MiB).block_bytes
+
+
+def test_engines_of_one_machine_profile_one_at_a_time(tmp_path, monkeypatch):
+    """While one process holds the profile lock, another one's attempt waits (here: fails
+    without blocking), and the lock is free again once the holder is done."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try_lock = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)")
+    path = str(tmp_path / "mooncake-profile.lock")
+    try:
+        with one_profile_at_a_time():
+            assert subprocess.run([sys.executable, "-c", try_lock, path]).returncode == 3
+        assert subprocess.run([sys.executable, "-c", try_lock, path]).returncode == 0
+    finally:
+        tempfile.tempdir = None

@@ -12,14 +12,21 @@ size would grow them.
 
 On the 2-core CPU of BENCHMARKS.md with the bundled SmolLM2-135M, the default profile takes
 2.3 s for the prefill part and 1.7 s for the decode part with one torch thread (1.4 s and
-1.3 s with two); ``benchmarks/bench_cost_model.py`` measures it.
+1.3 s with two); ``benchmarks/bench_cost_model.py`` measures it. Engines that start together
+on one machine profile one after the other (``one_profile_at_a_time``): each measures its own
+speed, not its share of cores the others are busy profiling with.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import statistics
+import tempfile
 import time
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -110,6 +117,18 @@ def _time_decode(engine: Engine, batch: int, context: int, steps: int, salt: str
         return statistics.median(times)
     finally:
         _release(engine, seqs)
+
+
+@contextmanager
+def one_profile_at_a_time() -> Iterator[None]:
+    """Hold this machine's profile lock (a file lock in the temp directory, released by the
+    kernel if the process dies)."""
+    fd = os.open(os.path.join(tempfile.gettempdir(), "mooncake-profile.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZES,

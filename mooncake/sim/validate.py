@@ -17,6 +17,7 @@ import numpy as np
 from mooncake.bench import BenchConfig, run_benchmark
 from mooncake.bench.runner import build_sessions
 from mooncake.sim.calibrate import calibrated_hardware, fetch_cluster
+from mooncake.sim.hardware import FittedHardware
 from mooncake.sim.setup import SimSetup
 from mooncake.sim.simulator import simulate
 from mooncake.sim.workload import requests_from_sessions
@@ -30,6 +31,7 @@ class Validation:
     live_p50_s: float
     live_p90_s: float
     sim: dict[str, tuple[float, float]]  # calibration point -> simulated (TTFT p50, TTFT p90)
+    hardware: dict[str, FittedHardware]  # calibration point -> what the simulation was given
     prompt_tokens: list[int]  # per request, in arrival order: what both the replay and the simulation sent
 
     def ratios(self, point: str) -> tuple[float, float]:
@@ -53,9 +55,10 @@ def validate(bench: BenchConfig, setup: SimSetup, block_tokens: int) -> Validati
     if any(n is not None for n in sent) and sent != [r.prompt_tokens for r in requests]:
         raise RuntimeError("the server counted other prompt lengths than the simulation's requests")
     ttft = np.array([r.ttft_s for r in report.records])
-    sim = {}
+    sim, hardware = {}, {}
     for point, cluster in zip(CALIBRATION_POINTS, (before, after)):
-        r = simulate(setup, calibrated_hardware(cluster, block_tokens), requests)
+        hw = hardware[point] = calibrated_hardware(cluster, block_tokens)
+        r = simulate(setup, hw, requests)
         sim[point] = (r.ttft_p50_s, r.ttft_p90_s)
     return Validation(len(ttft), float(np.percentile(ttft, 50)), float(np.percentile(ttft, 90)), sim,
-                      [r.prompt_tokens for r in requests])
+                      hardware, [r.prompt_tokens for r in requests])
