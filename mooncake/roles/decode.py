@@ -169,6 +169,10 @@ class DecodeWorker(EngineWorker):
         slot.started = True
         rid = slot.msg.req_id
         await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
+        first, full = slot.msg.store_from_block, len(slot.msg.tokens) // self.engine.block_tokens
+        if slot.msg.store_endpoint and 0 <= first < full:  # a pipeline group's prompt blocks, now whole
+            kv = await self.run_engine(self.engine.export_sequence, slot.seq, first, full)
+            self.write_back(slot.msg.store_endpoint, [BlockHash(h) for h in slot.msg.hashes[first:full]], kv)
         if self.incoming.pop(rid, None) is slot:
             self.running[rid] = slot
             self._wake.set()
