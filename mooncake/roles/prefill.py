@@ -59,7 +59,7 @@ class PrefillWorker(EngineWorker):
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self._chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
-        self.inbox = ActivationInbox()  # pipeline stages: hidden states from the previous stage
+        self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
         self._act_sock: zmq.asyncio.Socket | None = None
 
     async def start(self) -> None:

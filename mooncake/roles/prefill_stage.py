@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -43,10 +43,11 @@ class StageError(RuntimeError):
 
 
 class ActivationInbox:
-    """Activations received for this instance's stage requests, one queue per attempt (they may
-    arrive before the request itself)."""
+    """Activations received for this instance's stage requests (queued or running: ``known``), one
+    queue per attempt; those of an attempt this instance does not hold (it ended) are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: Callable[[str], bool]) -> None:
+        self._known = known
         self._queues: dict[str, asyncio.Queue[tuple[P.Activations, torch.Tensor]]] = {}
 
     def _queue(self, req_id: str) -> asyncio.Queue[tuple[P.Activations, torch.Tensor]]:
@@ -64,6 +65,9 @@ class ActivationInbox:
                 raise P.ProtocolError("expected Activations with one [tokens, hidden] float frame")
         except P.ProtocolError as e:
             log.warning("dropping malformed activations: %s", e)
+            return
+        if not self._known(msg.req_id):
+            log.debug("activations of %s, which is not held here: dropped", msg.req_id)
             return
         self._queue(msg.req_id).put_nowait((msg, tensors[0]))
 
