@@ -68,15 +68,21 @@ class DecoderForward:
             self._ws = torch.zeros(n + n // 4, dtype=self.dtype, device=self.device)
         return self._ws[:n].view(shape)
 
-    def _gather_past(self, pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``pool[table]`` into a reused buffer (fresh multi-GB allocations cost more than the copy)."""
+    def _gather_past(self, pool: torch.Tensor, table: torch.Tensor,
+                     layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """``pool[table]`` (only ``layers``, for a pipeline stage) into a reused buffer (fresh
+        multi-GB allocations cost more than the copy)."""
+        src = pool if layers is None else pool[:, layers[0]:layers[1]]
         rows = table.numel()
-        per = pool[0].numel()
+        per = src[0].numel()
         if self._gather.numel() < rows * per:
             self._gather = torch.empty(rows * per + rows * per // 4, dtype=self.dtype, device=self.device)
-        out = self._gather[: rows * per].view(rows, per)
-        torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out)
-        return out.view(*table.shape, *pool.shape[1:])
+        out = self._gather[: rows * per]
+        if layers is None:
+            torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out.view(rows, per))
+        else:
+            torch.index_select(src, 0, table.view(-1), out=out.view(rows, *src.shape[1:]))
+        return out.view(*table.shape, *src.shape[1:])
 
     def _decode_workspace(self, pool: torch.Tensor, b: Batch) -> torch.Tensor:
         """The decode workspace ``[L, 2, B, Hkv, Kcap, D]``. A row still holding the same
@@ -129,10 +135,9 @@ class DecoderForward:
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
         if b.past_table is not None and b.rows is None:
-            past = self._gather_past(pool, b.past_table)  # [B, Mb, L, 2, Hkv, T, D]
-            nl = hi_layer - lo_layer
-            ws[lo_layer:hi_layer, :, :, :, : mb * T].view(nl, 2, B, Hkv, mb, T, D).copy_(
-                past[:, :, lo_layer:hi_layer].permute(2, 3, 0, 4, 1, 5, 6))
+            past = self._gather_past(pool, b.past_table, layers)  # [B, Mb, layers, 2, Hkv, T, D]
+            ws[lo_layer:hi_layer, :, :, :, : mb * T].view(hi_layer - lo_layer, 2, B, Hkv, mb, T, D).copy_(
+                past.permute(2, 3, 0, 4, 1, 5, 6))
         rope = {key: (cos[b.positions].unsqueeze(1), sin[b.positions].unsqueeze(1))  # [N, 1, rd]
                 for key, (cos, sin) in self.rope.items()}
         masks = layer_masks(b, self.windows, spec.attn_softcap is not None, self.dtype)
