@@ -74,8 +74,8 @@ class DecodeRequest(Msg, tag="decode_req"):
     num_generated: int = 0  # tokens produced by earlier attempts (they are part of ``tokens``)
     store_endpoint: str = ""  # where the blocks decode completes are written
     kv_token: bytes = b""  # random, per attempt: only KV carrying it is admitted (the prefill chosen has it)
-    store_from_block: int = -1  # >= 0: once its KV is whole, write the prompt's full blocks from this one to the
-    # store (a pipeline group's stages each hold only their layers, so none of them can)
+    store_from_block: int = -1  # >= 0: write the prompt's full blocks from this one to the store as they become
+    # whole here (a pipeline group's stages each hold only their layers, so none of them can)
 
 
 class Reserved(Msg, tag="reserved"):

@@ -10,7 +10,7 @@ assembles a block from all stages' layers before using it. The last stage sample
 and reports ``PrefillDone``; each stage reports its compute and idle time (``StageDone``).
 
 A stage holds only its layers of the blocks it computes, so they are never keyed for reuse here
-and never written to the store; decode, once it holds them whole, writes them (``store_from``).
+and never written to the store; decode writes them as they become whole there (``store_from_block``).
 Activations carry the attempt's token and a checksum, checked before use.
 """
 
