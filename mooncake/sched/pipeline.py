@@ -6,8 +6,9 @@ registered an activation ingress, ``act``), in node-id order, form a group, and 
 serves alone. Groups are formed from the live instances at each decision, so a stage that dies
 drops out and the others regroup (or serve alone). A group splits the layers evenly; a prompt's
 chunks enter stage 0 one after another, so stage ``i`` computes chunk ``c`` while stage ``i-1``
-computes chunk ``c+1``. Its prefill time is the pipeline's: ``(chunks + stages - 1)`` steps of the
-slowest stage's share of a chunk plus the hand-over of that chunk's hidden states.
+computes chunk ``c+1``. Its prefill time is the pipeline's: the fill (its first chunk, ``1/stages``
+of a chunk, through ``stages - 1`` stages) and ``chunks`` steps of the slowest stage's share of a
+chunk plus the hand-over of that chunk's hidden states.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ def pipeline_groups(prefills: Sequence[Node], size: int) -> list[list[Node]]:
 def pipeline_prefill_s(prefill_s: float, tokens: int, chunk_tokens: int, layers: list[tuple[int, int]],
                        chunk_activation_s: float) -> float:
     """Predicted prefill time of ``tokens`` through a pipeline whose one-instance prefill time is
-    ``prefill_s``: fill + chunks x (slowest stage's share of a chunk + activation hand-over)."""
+    ``prefill_s``: fill + chunks x (slowest stage's share of a chunk + activation hand-over). The
+    first chunk is ``1/stages`` of a chunk, so the fill (the later stages waiting for it) is
+    ``(stages - 1) / stages`` of a step."""
     chunks = max(1, math.ceil(tokens / chunk_tokens))
     total_layers = layers[-1][1] - layers[0][0]
     slowest = max(hi - lo for lo, hi in layers) / total_layers
     step = prefill_s / chunks * slowest + chunk_activation_s
-    return (chunks + len(layers) - 1) * step
+    stages = len(layers)
+    return (chunks + (stages - 1) / stages) * step
 
 
 @dataclass(frozen=True)
