@@ -94,6 +94,18 @@ class Metrics:
             "mooncake:kv_inflight_at_prefill_end_bytes", "KV bytes for decode still queued on the prefill when it "
             "reported the first token (layer-wise transfer keeps this near one layer of the last chunk).",
             buckets=(0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28), registry=r)
+        self.pipeline_requests = Counter("mooncake:pipeline_requests", "Requests whose prefill ran on a pipeline "
+                                         "group (chunked pipeline parallelism).", registry=r)
+        self.stage_compute = Counter("mooncake:pipeline_stage_compute_seconds", "Seconds pipeline stages computed, "
+                                     "by stage index.", ["stage"], registry=r)
+        self.stage_idle = Counter("mooncake:pipeline_stage_idle_seconds", "Seconds pipeline stages waited for the "
+                                  "previous stage's activations, by stage index.", ["stage"], registry=r)
+        self.activation_bytes = Counter("mooncake:pipeline_activation_bytes", "Hidden-state bytes pipeline stages "
+                                        "handed to the next stage.", registry=r)
+        self.stage_kv_inflight = Histogram(
+            "mooncake:pipeline_stage_kv_inflight_bytes", "KV bytes for decode a pipeline stage still had queued "
+            "when its part of the prefill was computed.",
+            buckets=(0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28), registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
                                       "many in flight).", ["node"], registry=r)
 

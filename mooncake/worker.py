@@ -58,7 +58,8 @@ class EngineWorker(ABC):
         self.loaded = load_model(cfg.model)
         self.engine = Engine(self.loaded, cfg.engine)
         self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,
-                                  self.engine.vocab_size, tuple(self.engine.block_shape))
+                                  self.engine.vocab_size, tuple(self.engine.block_shape),
+                                  int(self.engine.model.embed.shape[1]))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
         # A frame is at most one KV block (plus headers): a peer sending more is disconnected.

@@ -31,6 +31,7 @@ from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
+from mooncake.conductor.pipeline import pipeline_shape, record_stage, stage_requests
 from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.request import Request, RequestError, RequestStatus
@@ -93,6 +94,7 @@ class Conductor:
         r.on(P.PrefillDone, self._on_prefill_done)
         r.on(P.TokenEvent, self._on_tokens)
         r.on(P.Failed, self._on_failed)
+        r.on(P.StageDone, self._on_stage_done)
         for msg_type, handler in self.p2p.handlers().items():
             r.answer(msg_type, handler)
         self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
@@ -193,8 +195,9 @@ class Conductor:
         tail = tokens[len(req.hashes) * bt:]
         hashes = req.hashes + extend_chain(req.hashes[-1] if req.hashes else req.root, tail, bt)
         t0 = time.perf_counter()
+        shape = pipeline_shape(self.cfg, facts, self.cluster, self.scheduler.prefill_cost.fetch_block_s)
         plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
-                                   time.monotonic())
+                                   time.monotonic(), shape)
         self.metrics.decision.observe(time.perf_counter() - t0)
         rejection = self.admission.check_plan(plan, time.monotonic(), self.costs.evidence())
         if rejection is not None:
@@ -208,7 +211,8 @@ class Conductor:
         kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(
             wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),
-            store_endpoint=plan.store_endpoint, kv_token=kv_token))
+            store_endpoint=plan.store_endpoint, kv_token=kv_token,
+            store_from_block=plan.reusable_blocks if plan.stages else -1))
         self._pending_prefill[wire_id] = P.PrefillRequest(
             wire_id, tokens, hashes, req.root, req.sampling, plan.decode.endpoints["kv"],
             num_generated=len(req.generated), fetch=plan.fetch, store_endpoint=plan.store_endpoint,
@@ -237,22 +241,32 @@ class Conductor:
             return
         req.reserved(time.monotonic())
         assert req.attempt is not None
-        self._send(req.attempt.plan.prefill.node_id, prefill)
+        plan = req.attempt.plan
+        if plan.stages:  # a pipeline group: every stage gets its part
+            assert self.facts is not None
+            for node_id, part in stage_requests(plan, prefill, self.facts.block_shape[0]):
+                self._send(node_id, part)
+            return
+        self._send(plan.prefill.node_id, prefill)
 
     def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
-        self.costs.observe_prefill(msg.computed_tokens, msg.cached_tokens, msg.prefill_s, msg.fetched_blocks,
-                                   msg.fetch_s)
+        if msg.stages == 1:  # a pipeline's time says nothing of one instance's prefill cost
+            self.costs.observe_prefill(msg.computed_tokens, msg.cached_tokens, msg.prefill_s, msg.fetched_blocks,
+                                       msg.fetch_s)
         req = self._attempt_of(node, msg.req_id, "prefill")
         if req is None or req.status is not RequestStatus.PREFILLING:
             return
         assert req.attempt is not None
         now = time.monotonic()
-        self.costs.observe_dispatch(req.attempt, now, msg.prefill_s + msg.fetch_s)
+        if req.attempt.plan.stages:
+            self.metrics.pipeline_requests.inc()
+        else:
+            self.costs.observe_dispatch(req.attempt, now, msg.prefill_s + msg.fetch_s)
         self.predictions.ttft(node.node_id, req.attempt.plan.est_ttft_s, now - req.attempt.started)
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * block_bytes)
-        if req.followers:  # its prompt's blocks are on this prefill now (its own events may come later)
+        if req.followers and not req.attempt.plan.stages:  # its prompt's blocks are on this prefill now
             self.index.add(node.node_id, "device", req.hashes)
             self.forks.release(req)
         if req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob):
@@ -288,13 +302,18 @@ class Conductor:
     def _on_failed(self, node: Node, msg: P.Failed) -> None:
         req = self.attempts.get(msg.req_id)
         if req is None or req.done or req.attempt is None or \
-                node.node_id not in (req.attempt.plan.prefill.node_id, req.attempt.plan.decode.node_id):
+                node.node_id not in (*req.attempt.plan.prefill_ids, req.attempt.plan.decode.node_id):
             return  # a failure of an attempt that already moved or ended
         log.warning("%s failed %s (%s): %s", node.node_id, msg.req_id, msg.kind.value, msg.message)
         if msg.kind is P.FailureKind.FATAL:
             self._finish(req, Reason.ERROR, RequestError(msg.message, 400, msg.param or None, "invalid_request"))
         else:
             self._move(req, msg.message, preempted=msg.kind is P.FailureKind.PREEMPTED)
+
+    def _on_stage_done(self, node: Node, msg: P.StageDone) -> None:
+        req = self.attempts.get(msg.req_id)
+        if req is not None and req.attempt is not None and node.node_id in req.attempt.plan.prefill_ids:
+            record_stage(self.metrics, msg)
 
     def _on_block_event(self, node: Node, msg: P.BlockEvent) -> None:
         if msg.kind == "stored":
@@ -326,7 +345,7 @@ class Conductor:
         self.attempts.pop(wire_id, None)
         self._pending_prefill.pop(wire_id, None)
         if notify:
-            for node_id in {plan.prefill.node_id, plan.decode.node_id}:
+            for node_id in {*plan.prefill_ids, plan.decode.node_id}:
                 self._send(node_id, P.Abort(wire_id))
 
     def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
@@ -367,7 +386,7 @@ class Conductor:
             self.p2p.drop_node(node.node_id)
         for req in list(self.requests.values()):
             plan = req.attempt.plan if req.attempt else None
-            if plan is not None and node.node_id in (plan.prefill.node_id, plan.decode.node_id):
+            if plan is not None and node.node_id in (*plan.prefill_ids, plan.decode.node_id):
                 self._move(req, why)
 
     async def _liveness_loop(self) -> None:

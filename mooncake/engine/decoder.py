@@ -68,15 +68,21 @@ class DecoderForward:
             self._ws = torch.zeros(n + n // 4, dtype=self.dtype, device=self.device)
         return self._ws[:n].view(shape)
 
-    def _gather_past(self, pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``pool[table]`` into a reused buffer (fresh multi-GB allocations cost more than the copy)."""
+    def _gather_past(self, pool: torch.Tensor, table: torch.Tensor,
+                     layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """``pool[table]`` (only ``layers``, for a pipeline stage) into a reused buffer (fresh
+        multi-GB allocations cost more than the copy)."""
+        src = pool if layers is None else pool[:, layers[0]:layers[1]]
         rows = table.numel()
-        per = pool[0].numel()
+        per = src[0].numel()
         if self._gather.numel() < rows * per:
             self._gather = torch.empty(rows * per + rows * per // 4, dtype=self.dtype, device=self.device)
-        out = self._gather[: rows * per].view(rows, per)
-        torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out)
-        return out.view(*table.shape, *pool.shape[1:])
+        out = self._gather[: rows * per]
+        if layers is None:
+            torch.index_select(pool.view(pool.shape[0], per), 0, table.view(-1), out=out.view(rows, per))
+        else:
+            torch.index_select(src, 0, table.view(-1), out=out.view(rows, *src.shape[1:]))
+        return out.view(*table.shape, *src.shape[1:])
 
     def _decode_workspace(self, pool: torch.Tensor, b: Batch) -> torch.Tensor:
         """The decode workspace ``[L, 2, B, Hkv, Kcap, D]``. A row still holding the same
@@ -111,10 +117,15 @@ class DecoderForward:
 
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch,
-                on_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+                on_layer: Callable[[int, torch.Tensor], None] | None = None,
+                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None.
-        ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV)."""
+        ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV).
+        A pipeline stage (``layers = (lo, hi)``) runs only those layers, on ``hidden`` (``[B*S,
+        hidden]``, the previous stage's output) instead of the embeddings when ``lo > 0``, writes only
+        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer."""
         spec = self.spec
+        lo_layer, hi_layer = layers if layers is not None else (0, self.num_layers)
         B, S, T = b.B, b.S, self.block_tokens
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         N = B * S
@@ -124,8 +135,8 @@ class DecoderForward:
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
         if b.past_table is not None and b.rows is None:
-            past = self._gather_past(pool, b.past_table)  # [B, Mb, L, 2, Hkv, T, D]
-            ws[:, :, :, :, : mb * T].view(self.num_layers, 2, B, Hkv, mb, T, D).copy_(
+            past = self._gather_past(pool, b.past_table, layers)  # [B, Mb, layers, 2, Hkv, T, D]
+            ws[lo_layer:hi_layer, :, :, :, : mb * T].view(hi_layer - lo_layer, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
         rope = {key: (cos[b.positions].unsqueeze(1), sin[b.positions].unsqueeze(1))  # [N, 1, rd]
                 for key, (cos, sin) in self.rope.items()}
@@ -133,11 +144,16 @@ class DecoderForward:
         row, col, K = b.row, b.col, b.key_len
         single = B == 1 and not b.packed
         c0 = b.col0
-        x = F.embedding(b.ids, self.embed)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if lo_layer > 0:
+            assert hidden is not None, "a stage past the first runs on the previous stage's hidden states"
+            x = hidden.to(self.device, self.dtype)
+        else:
+            x = F.embedding(b.ids, self.embed)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
         act, scale, softcap = spec.act, spec.attn_scale, spec.attn_softcap
-        for li, layer in enumerate(spec.layers):
+        for li in range(lo_layer, hi_layer):
+            layer = spec.layers[li]
             h = layer.attn_norm(x)
             q, k, v = layer.qkv(h)
             q, k, v = q.view(N, H, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
@@ -164,10 +180,15 @@ class DecoderForward:
             m = layer.down(act(g).mul_(u))
             x = x + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
         # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
-        pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
+        if layers is None:
+            pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
+        else:
+            pool[b.slot_block, lo_layer:hi_layer, :, :, b.slot_offset] = ws[lo_layer:hi_layer, :, row, :, col]
         if b.rows is not None:
             for r, (uid, ctx, _) in enumerate(b.rows):
                 self._rows[r] = (uid, ctx + 1)
+        if hi_layer < self.num_layers:
+            return x
         if b.logit_rows is None:
             return None
         logits = spec.head(spec.final_norm(x[b.logit_rows])).float()

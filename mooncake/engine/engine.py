@@ -104,16 +104,18 @@ class Engine:
 
     def add_sequence(self, req_id: str, tokens: list[int], sampling: Sampling, cache_salt: str | None = None,
                      num_generated: int = 0, hashes: list[BlockHash] | None = None,
-                     root: BlockHash | None = None) -> Sequence | None:
-        """Attach the longest cached prefix and allocate the prompt's other blocks; None if the
-        pool cannot hold it (nothing is leaked). ``hashes``/``root``: the prompt's chain, when the
-        caller has it (else computed from ``cache_salt``)."""
+                     root: BlockHash | None = None, max_cached_blocks: int | None = None) -> Sequence | None:
+        """Attach the longest cached prefix (at most ``max_cached_blocks``) and allocate the prompt's
+        other blocks; None if the pool cannot hold it (nothing is leaked). ``hashes``/``root``: the
+        prompt's chain, when the caller has it (else computed from ``cache_salt``)."""
         self.validate(tokens, sampling)
         matcher = self._matcher(tokens, sampling, num_generated)
         T = self.block_tokens
         root = self.root(cache_salt) if root is None else root
         hashes = self.hashes(tokens, cache_salt) if hashes is None else list(hashes)
         n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T) if self.prefix_caching else 0
+        if max_cached_blocks is not None:
+            n_hit = min(n_hit, max_cached_blocks)
         held = self.blocks.acquire(hashes[:n_hit])
         new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
         if new is None:
@@ -221,6 +223,39 @@ class Engine:
         picked = self._sample(logits, [seq])
         token = picked.tokens[0]
         return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0])
+
+    def prefill_stage(self, seq: Sequence, layers: tuple[int, int], end: int, hidden: torch.Tensor | None = None,
+                      on_layer: LayerFn | None = None) -> tuple[PrefillStep, torch.Tensor | None]:
+        """One pipeline stage's part of a prefill chunk: positions ``[num_computed, end)`` through
+        ``layers = (lo, hi)`` only, on the previous stage's ``hidden`` states (``lo > 0``). Returns the
+        step and this stage's hidden states ``[end - start, hidden]`` for the next stage (None from the
+        last stage, which samples the first token after the prompt's last chunk). A stage writes only
+        its own layers' K/V, so its blocks are never keyed for reuse (the prefix cache holds whole blocks)."""
+        if seq.prefilled or seq.freed:
+            raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
+        lo, hi = layers
+        start, n = seq.num_computed, len(seq.tokens)
+        if not (0 <= lo < hi <= self.block_shape[0]) or not start < end <= n:
+            raise ValueError("stage layers %d..%d, positions %d..%d do not fit sequence %s (%d computed of %d)"
+                             % (lo, hi, start, end, seq.req_id, start, n))
+        if lo > 0 and (hidden is None or hidden.dim() != 2 or hidden.shape[0] != end - start
+                       or hidden.shape[1] != self.model.embed.shape[1]):
+            raise ValueError("stage input for positions %d..%d must be [%d, %d] hidden states"
+                             % (start, end, end - start, self.model.embed.shape[1]))
+        last, final = end == n, hi == self.block_shape[0]
+        hook = ChunkLayers(on_layer, start, end, last, self.block_tokens) if on_layer is not None else None
+        out = self.model.forward(self.pool, prefill_batch(seq, start, end, last and final, self.block_tokens,
+                                                          self.device), hook, layers, hidden)
+        seq.num_computed = end
+        if not final:
+            return PrefillStep([], last), out
+        if not last:
+            return PrefillStep([], False), None
+        seq.prefilled = True
+        assert out is not None
+        picked = self._sample(out, [seq])
+        token = picked.tokens[0]
+        return PrefillStep([], True, token, self._append(seq, token), out[0], picked.logprobs[0]), None
 
     def prefill_many(self, seqs: list[Sequence], hooks: list[LayerFn | None] | None = None) -> list[PrefillStep]:
         """``prefill`` for several sequences in one forward: the chunk budget

@@ -13,7 +13,8 @@ ever travels on the wire: only MessagePack and raw tensor bytes.
 The store's object API addresses blocks by ``BlockHash``; one block is one
 payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
 block_tokens, head_dim]`` (see ``mooncake.engine``). Layer-wise KV (``KVLayer``) carries one
-layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``.
+layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``. A pipeline
+stage's ``Activations`` carry a chunk's hidden states in one frame ``[tokens, hidden]``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 from mooncake.protocol.base import Msg
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
-from mooncake.protocol.requests import (Abort, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
+from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
-                                        TokenEvent)
+                                        StageDone, StagePlan, TokenEvent)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.p2p.messages import P2PMessage
@@ -38,6 +39,7 @@ from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, 
 __all__ = [
     "ALLOWED_DTYPES",
     "Abort",
+    "Activations",
     "BlockEvent",
     "Blocks",
     "DecodeRequest",
@@ -76,6 +78,8 @@ __all__ = [
     "ShmGet",
     "ShmPut",
     "ShmRef",
+    "StageDone",
+    "StagePlan",
     "StatsQuery",
     "TensorSpec",
     "TierLoad",
@@ -93,6 +97,7 @@ Message = Union[
     Put, Get, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, Abort, Failed,
+    Activations, StageDone,
     ShmPut, ShmGet, ShmBlocks,
     P2PMessage,  # mooncake/p2p/messages.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip

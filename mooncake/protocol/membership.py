@@ -16,6 +16,7 @@ class ModelFacts(msgspec.Struct, frozen=True):
     max_model_len: int
     vocab_size: int
     block_shape: tuple[int, ...] = ()  # one KV block: [layers, 2, kv_heads, block_tokens, head_dim]
+    hidden_size: int = 0  # width of the hidden states a pipeline stage hands on, per token
 
 
 class NodeInfo(msgspec.Struct, frozen=True):

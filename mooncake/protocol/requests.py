@@ -74,6 +74,8 @@ class DecodeRequest(Msg, tag="decode_req"):
     num_generated: int = 0  # tokens produced by earlier attempts (they are part of ``tokens``)
     store_endpoint: str = ""  # where the blocks decode completes are written
     kv_token: bytes = b""  # random, per attempt: only KV carrying it is admitted (the prefill chosen has it)
+    store_from_block: int = -1  # >= 0: write the prompt's full blocks from this one to the store as they become
+    # whole here (a pipeline group's stages each hold only their layers, so none of them can)
 
 
 class Reserved(Msg, tag="reserved"):
@@ -81,6 +83,21 @@ class Reserved(Msg, tag="reserved"):
 
     req_id: str
     node_id: str
+
+
+class StagePlan(msgspec.Struct, array_like=True):
+    """A prefill instance's part in a pipeline group (chunked pipeline parallelism): stage ``index``
+    of ``stages`` computes layers ``[layer_lo, layer_hi)`` of every chunk, after reusing the
+    group's ``prefix_blocks`` (each stage holds them: device cache or the fetch plan), and hands
+    each chunk's hidden states to ``next_endpoint`` (the next stage's activation ingress; "" on
+    the last stage, which samples the first token and reports ``PrefillDone``)."""
+
+    index: int
+    stages: int
+    layer_lo: int
+    layer_hi: int
+    prefix_blocks: int
+    next_endpoint: str = ""
 
 
 class PrefillRequest(Msg, tag="prefill_req"):
@@ -94,6 +111,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     fetch: list[FetchPlan] = []
     store_endpoint: str = ""  # where new full blocks are written
     kv_token: bytes = b""  # the attempt's token: every KVTransfer to decode carries it
+    stage: StagePlan | None = None  # set when the request runs on a pipeline group
 
 
 class PrefillDone(Msg, tag="prefill_done"):
@@ -108,6 +126,33 @@ class PrefillDone(Msg, tag="prefill_done"):
     finished: FinishReason | None = None  # set if the first token already ends the request
     logprob: Logprob | None = None  # the first token's, when the request asked for logprobs
     kv_pending_bytes: int = 0  # KV for decode not yet handed to the socket when the prefill sent this
+    stages: int = 1  # > 1: sent by the last stage of a pipeline group (prefill_s is the pipeline's)
+
+
+class Activations(Msg, tag="activations"):
+    """Pipeline stage -> next stage: the hidden states after the stage's layers for positions
+    ``[start, end)`` of a prompt chunk, one frame ``[end - start, hidden]``; ``token`` is the
+    attempt's (as on KV), ``checksums`` one xxh3_64 over the frame."""
+
+    req_id: str
+    start: int
+    end: int
+    tensors: list[TensorSpec] = []
+    token: bytes = b""
+    checksums: list[int] = []
+
+
+class StageDone(Msg, tag="stage_done"):
+    """Pipeline stage -> conductor, once its part of a prefill is computed: its compute and idle
+    (waiting for the previous stage) seconds, activation bytes it sent, KV still queued for decode."""
+
+    req_id: str
+    node_id: str
+    stage: int
+    compute_s: float
+    idle_s: float
+    activation_bytes: int = 0
+    kv_pending_bytes: int = 0
 
 
 class FirstToken(Msg, tag="first_token"):

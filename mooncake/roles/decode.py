@@ -44,6 +44,7 @@ from mooncake.sockets import recv_multipart
 from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
+STORE_RUN_BLOCKS = 32  # a pipeline group's prompt blocks go to the store in runs of this many
 
 
 @dataclass(eq=False)
@@ -56,6 +57,7 @@ class Slot:
     first_token: int | None = None
     started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
+    stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
 
     @property
     def next_block(self) -> int:
@@ -156,7 +158,7 @@ class DecodeWorker(EngineWorker):
                     return
                 self.pending.popleft()
                 self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
-                                                 next_index=msg.num_generated + 1)
+                                                 next_index=msg.num_generated + 1, stored=msg.store_from_block)
                 await self.send(P.Reserved(msg.req_id, self.node_id))
 
     def _unqueue(self, msg: P.DecodeRequest) -> None:
@@ -241,7 +243,19 @@ class DecodeWorker(EngineWorker):
             slot.layers_in[layer] += n
         else:
             slot.layers_in = [b + n for b in slot.layers_in]
+        await self._store_whole_blocks(slot)
         await self._maybe_start(slot)
+
+    async def _store_whole_blocks(self, slot: Slot) -> None:
+        """A pipeline group's prompt (no stage holds whole blocks): write its full blocks to the store
+        as they become whole here, a prefill chunk's worth at a time, the rest once all KV is in."""
+        full = min(slot.next_block, len(slot.msg.tokens) // self.engine.block_tokens)
+        if slot.stored < 0 or not slot.msg.store_endpoint or full - slot.stored < (
+                1 if slot.kv_complete else STORE_RUN_BLOCKS):
+            return
+        kv = await self.run_engine(self.engine.export_sequence, slot.seq, slot.stored, full)
+        self.write_back(slot.msg.store_endpoint, [BlockHash(h) for h in slot.msg.hashes[slot.stored:full]], kv)
+        slot.stored = full
 
     async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
         """Free a reserved or running request and report it to the conductor."""

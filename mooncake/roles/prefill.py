@@ -11,6 +11,9 @@ completed full blocks are written to the node's store in the background.
 Trust: blocks read from a store must be the ones asked for, in the model's block
 shape and dtype (else a miss, recomputed); every KV transfer to decode carries the
 attempt's token from the conductor and a checksum per block.
+
+A request with a ``StagePlan`` runs this instance as one stage of a pipeline group
+(``prefill_stage.py``): the same prefix handling and KV path, its own layers only.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from mooncake.config import Config
 from mooncake.engine import Sequence
 from mooncake.engine.layerwise import split_runs
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
-from mooncake.kv_link import connect_kv_egress
+from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
 from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.roles.prefill_stage import ActivationInbox, run_stage
+from mooncake.sockets import recv_multipart
 from mooncake.kv_sender import KVSender
 from mooncake.sockets import send_multipart
 from mooncake.worker import EngineWorker
@@ -54,12 +59,28 @@ class PrefillWorker(EngineWorker):
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self._chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
+        self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
+        self._act_sock: zmq.asyncio.Socket | None = None
 
     async def start(self) -> None:
         if self.engine.prefix_caching:
             self.publish_device_cache()
         self._tasks.append(asyncio.create_task(self._work_loop()))
-        await self.serve({})
+        endpoints = {}
+        if self.cfg.conductor.cpp_group_size > 1:  # this instance may be a pipeline stage
+            self._act_sock, endpoints["act"] = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, 0,
+                                                               self.max_message_bytes)
+            self._tasks.append(asyncio.create_task(self._activation_loop()))
+        await self.serve(endpoints)
+
+    async def _activation_loop(self) -> None:
+        assert self._act_sock is not None
+        while True:
+            frames = await recv_multipart(self._act_sock)
+            try:
+                self.inbox.on_frames(frames, self.curve)
+            except Exception:  # one bad message never stops the ingress
+                log.exception("error handling activations")
 
     def busy(self) -> bool:
         return bool(self.running) or not self.queue.empty()
@@ -106,6 +127,7 @@ class PrefillWorker(EngineWorker):
         finally:
             self.running.discard(req.req_id)
             self.aborted.discard(req.req_id)
+            self.inbox.drop(req.req_id)
             self._slots.release()
 
     async def _fetch_prefix(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int) -> tuple[int, float]:
@@ -182,7 +204,7 @@ class PrefillWorker(EngineWorker):
             releases = self._releases
             seq: Sequence | None = await self.run_engine(
                 eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
-                BlockHash(req.root))
+                BlockHash(req.root), req.stage.prefix_blocks if req.stage is not None else None)
             if seq is not None or (not self._holding and releases == self._releases):
                 break
             if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
@@ -193,7 +215,10 @@ class PrefillWorker(EngineWorker):
         self._holding += 1
         sender = KVSender(lambda msg, tensors: self._ship(req.decode_endpoint, msg, tensors))
         try:
-            await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start)
+            if req.stage is not None:
+                await run_stage(self, req, seq, sender, fetched, fetch_s)
+            else:
+                await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start)
         finally:
             sender.cancel()
             await self.run_engine(eng.free, seq)
@@ -271,4 +296,6 @@ class PrefillWorker(EngineWorker):
     async def close(self) -> None:
         for s in self._kv_socks.values():
             s.close(0)
+        if self._act_sock is not None:
+            self._act_sock.close(0)
         await super().close()

@@ -11,6 +11,11 @@ instance has reserved the request's blocks, so a full pool's predicted wait
 the conductor needs to dispatch (instances, fetch segments, the store to write
 to) and the predictions admission judges against the SLOs; the scheduler books
 the predicted load when the conductor dispatches, and releases it itself.
+
+With pipeline groups (``[conductor] cpp_group_size`` > 1, ``pipeline.py``), a prompt with at least
+``cpp_min_tokens`` tokens to compute is also estimated on every group (its slowest member's queue,
+the group's shared prefix, the pipeline's prefill time); a group is chosen only when it beats the
+best single instance, and its work is booked on every stage's queue.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mooncake.sched.booking import DecodeSlots, PendingBlocks, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.pipeline import PipelineShape, pipeline_groups
 
 
 @dataclass
@@ -50,6 +56,12 @@ class Plan:
     queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
+    stages: list[Node] = field(default_factory=list)  # a pipeline group, in stage order ([-1] is ``prefill``)
+
+    @property
+    def prefill_ids(self) -> list[str]:
+        """The prefill instances the attempt runs on (every stage of a group)."""
+        return [n.node_id for n in self.stages] or [self.prefill.node_id]
 
 
 @dataclass
@@ -58,6 +70,11 @@ class _Booked:
     decode: str
     hashes: list[bytes]  # pending on both instances until each is done with the request
     prefilled: bool = False
+    stages: list[str] = field(default_factory=list)  # a pipeline group's instances (their queues hold it)
+
+    @property
+    def queues(self) -> list[str]:
+        return self.stages or [self.prefill]
 
 
 class Scheduler:
@@ -79,9 +96,9 @@ class Scheduler:
     # ------------------------------------------------------------ planning
 
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
-             now: float) -> Plan | None:
+             now: float, pipeline: PipelineShape | None = None) -> Plan | None:
         """The pair for a request of ``n_tokens`` (``hashes``: its full blocks); None when no
-        prefill or no decode instance takes work."""
+        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too."""
         prefills = self.cluster.of_role("prefill")
         decodes = self.cluster.of_role("decode")
         if not prefills or not decodes:
@@ -115,6 +132,13 @@ class Scheduler:
         else:
             chosen = min(candidates, key=lambda c: c[0])
         est, prefill_s, dev, reusable, p = chosen
+        stages: list[Node] = []
+        group = self._best_group(pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens) \
+            if pipeline is not None and pipeline.group_size > 1 else None
+        if group is not None and group[0] < min(c[0] for c in candidates):
+            est, prefill_s, dev, reusable, stages = group
+            p = stages[-1]
+            candidates.append((est, prefill_s, dev, reusable, p))
 
         # The decode instance: one with room in its pool now, then the smallest batch when the
         # first token comes, then the shortest wait for room.
@@ -142,7 +166,26 @@ class Scheduler:
                     first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]],
                     reserve_wait_s=wait, queue_s=self.queue_s(p.node_id),
                     queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need,
-                    hashes=hashes[:full])
+                    hashes=hashes[:full], stages=stages)
+
+    def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
+                    usable: int, store_end: int, n_tokens: int,
+                    block_tokens: int) -> tuple[float, float, int, int, list[Node]] | None:
+        """(est TTFT, prefill s, device blocks, reusable blocks, stages) of the group predicted
+        fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
+        best = None
+        for group in pipeline_groups(prefills, shape.group_size):
+            dev = min(self._resident_run(p.node_id, hashes, runs.get(p.node_id, 0), usable) for p in group)
+            reusable = max(dev, store_end)
+            cached = reusable * block_tokens
+            if n_tokens - cached < shape.min_tokens:
+                continue
+            prefill_s = shape.prefill_s(self.prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
+            est = (self.prefill_cost.dispatch.value + max(self.queue_s(p.node_id) for p in group)
+                   + (reusable - dev) * self.prefill_cost.fetch_block_s + prefill_s)
+            if best is None or est < best[0]:
+                best = (est, prefill_s, dev, reusable, group)
+        return best
 
     def _resident_run(self, node_id: str, hashes: Sequence[bytes], indexed: int, limit: int) -> int:
         """Leading blocks of ``hashes`` (at most ``limit``) an instance holds, or will hold once
@@ -169,27 +212,33 @@ class Scheduler:
         """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
         when its first token is due, if it has an SLO)."""
         self.release(req_id)
-        self._queue(plan.prefill.node_id).add(req_id, plan.est_prefill_s, deadline)
+        for node_id in plan.prefill_ids:
+            self._queue(node_id).add(req_id, plan.est_prefill_s, deadline)
         self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks)
         hashes = [bytes(h) for h in plan.hashes]
-        self.pending.add(plan.prefill.node_id, hashes)
+        if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
+            self.pending.add(plan.prefill.node_id, hashes)
         self.pending.add(plan.decode.node_id, hashes)
-        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id, hashes)
+        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id, hashes,
+                                       stages=[n.node_id for n in plan.stages])
 
     def prefill_finished(self, req_id: str) -> None:
         """The request left its prefill instance's queue (it is decoding now)."""
         b = self._booked.get(req_id)
         if b is not None and not b.prefilled:
             b.prefilled = True
-            self._queue(b.prefill).remove(req_id)
-            self.pending.remove(b.prefill, b.hashes)
+            for node_id in b.queues:
+                self._queue(node_id).remove(req_id)
+            if not b.stages:
+                self.pending.remove(b.prefill, b.hashes)
 
     def release(self, req_id: str) -> None:
         """All the request's booked load (it finished, failed or moved)."""
         b = self._booked.pop(req_id, None)
         if b is not None:
-            self._queue(b.prefill).remove(req_id)
-            if not b.prefilled:
+            for node_id in b.queues:
+                self._queue(node_id).remove(req_id)
+            if not b.prefilled and not b.stages:
                 self.pending.remove(b.prefill, b.hashes)
             self.pending.remove(b.decode, b.hashes)
             self._slots(b.decode).remove(req_id)

@@ -1,0 +1,69 @@
+"""Pipeline groups for chunked pipeline parallelism (CPP): which prefill instances act together,
+each stage's layers, and a group's predicted prefill time.
+
+Every prefill instance keeps the whole model; ``[conductor] cpp_group_size`` instances (those that
+registered an activation ingress, ``act``), in node-id order, form a group, and the remainder
+serves alone. Groups are formed from the live instances at each decision, so a stage that dies
+drops out and the others regroup (or serve alone). A group splits the layers evenly; a prompt's
+chunks enter stage 0 one after another, so stage ``i`` computes chunk ``c`` while stage ``i-1``
+computes chunk ``c+1``. Its prefill time is the pipeline's: the fill (its first chunk, ``1/stages``
+of a chunk, through ``stages - 1`` stages) and ``chunks`` steps of the slowest stage's share of a
+chunk plus the hand-over of that chunk's hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from mooncake.sched.cluster import Node
+
+DEFAULT_LINK_BYTES_S = 1e9  # activation hand-over rate when no store fetch has been measured
+
+
+def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` layer ranges of ``stages`` stages, as even as layer counts allow."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} stages cannot split {num_layers} layers")
+    return [(i * num_layers // stages, (i + 1) * num_layers // stages) for i in range(stages)]
+
+
+def pipeline_groups(prefills: Sequence[Node], size: int) -> list[list[Node]]:
+    """The groups of ``size`` stages the live prefill instances form (none when ``size`` is 1)."""
+    if size <= 1:
+        return []
+    able = sorted((p for p in prefills if p.endpoints.get("act")), key=lambda p: p.node_id)
+    return [able[i:i + size] for i in range(0, len(able) - size + 1, size)]
+
+
+def pipeline_prefill_s(prefill_s: float, tokens: int, chunk_tokens: int, layers: list[tuple[int, int]],
+                       chunk_activation_s: float) -> float:
+    """Predicted prefill time of ``tokens`` through a pipeline whose one-instance prefill time is
+    ``prefill_s``: fill + chunks x (slowest stage's share of a chunk + activation hand-over). The
+    first chunk is ``1/stages`` of a chunk, so the fill (the later stages waiting for it) is
+    ``(stages - 1) / stages`` of a step."""
+    chunks = max(1, math.ceil(tokens / chunk_tokens))
+    total_layers = layers[-1][1] - layers[0][0]
+    slowest = max(hi - lo for lo, hi in layers) / total_layers
+    step = prefill_s / chunks * slowest + chunk_activation_s
+    stages = len(layers)
+    return (chunks + (stages - 1) / stages) * step
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """What the scheduler needs to know of the model and link to predict a group's prefill."""
+
+    group_size: int
+    min_tokens: int
+    num_layers: int
+    chunk_tokens: int
+    activation_bytes_per_token: int
+    link_bytes_s: float = DEFAULT_LINK_BYTES_S
+
+    def prefill_s(self, one_instance_s: float, tokens: int) -> float:
+        """``pipeline_prefill_s`` for a group of ``group_size`` stages."""
+        hand_over = self.chunk_tokens * self.activation_bytes_per_token / (self.link_bytes_s or DEFAULT_LINK_BYTES_S)
+        return pipeline_prefill_s(one_instance_s, tokens, self.chunk_tokens,
+                                  stage_layers(self.num_layers, self.group_size), hand_over)
