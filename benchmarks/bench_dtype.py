@@ -1,7 +1,9 @@
 """The engine in float32, bfloat16 and bfloat16 + weight-only int8, in one run: prefill
-tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512).
+tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512); and, where
+``make bench-setup`` built it, llama.cpp's ``llama-server`` decoding one request at context
+512 on the same GGUF and the same threads (its own ``predicted_per_second``).
 
-    .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--out FILE]
+    .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--out FILE] [--llama-server PATH]
 
 Medians of ``--reps`` prefills and of ``--steps`` decode steps per point; the variants
 take turns point by point, so load changes on a shared machine hit them alike. Prompts
@@ -12,17 +14,24 @@ from __future__ import annotations
 
 import argparse
 import platform
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+
+import httpx
 
 import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine.loader import cpu_has_fast_bf16
+from mooncake.engine.loader import cpu_has_fast_bf16, default_model_path
 from mooncake.protocol import Sampling
 
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bfloat16 + int8": ("bfloat16", "int8")}
 
 
@@ -59,6 +68,42 @@ def decode_tok_s(eng: Engine, batch: int, ctx: int, steps: int, gen: torch.Gener
     return batch / statistics.median(times)
 
 
+def llama_server_decode_tok_s(binary: Path, threads: int, ctx: int, steps: int, reps: int) -> float:
+    """llama-server's decode rate for one request (one slot) at about ``ctx`` tokens of
+    context: the median over ``reps`` completions of its reported ``predicted_per_second``."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(threads), "-np", "1", "-c", str(ctx + steps + 64)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up: {Path(log.name).read_text()[-1000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        gen = torch.Generator().manual_seed(1)
+        rates = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            body = {"prompt": prompt(gen, ctx, 49152), "n_predict": steps, "ignore_eos": True, "temperature": 0,
+                    "cache_prompt": False}
+            r = httpx.post(url + "/completion", json=body, timeout=300)
+            r.raise_for_status()
+            rates.append(float(r.json()["timings"]["predicted_per_second"]))
+        return statistics.median(rates[1:])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps and steps, prefill at 512 tokens")
@@ -66,6 +111,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="prefills per point (default 5, quick 2)")
     ap.add_argument("--steps", type=int, default=0, help="decode steps per point (default 24, quick 6)")
     ap.add_argument("--out", default="", help="also write the markdown report here")
+    ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="llama-server binary (skipped if absent)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -82,11 +128,22 @@ def main() -> None:
     names = list(VARIANTS)
     rows = ["| measurement | " + " | ".join(names) + " | bf16 / f32 | bf16+int8 / f32 |",
             "|---" * (len(names) + 3) + "|"]
+    decode_b1: dict[str, float] = {}
     for label, fn in points:
         r = {n: fn(engines[n]) for n in names}
+        if label.startswith("decode batch 1,"):
+            decode_b1 = r
         rows.append(f"| {label} | " + " | ".join(f"{r[n]:.1f}" for n in names)
                     + f" | {r['bfloat16'] / r['float32']:.2f}x | {r['bfloat16 + int8'] / r['float32']:.2f}x |")
         print(rows[-1], flush=True)
+    if a.llama_server.is_file():
+        rate = llama_server_decode_tok_s(a.llama_server, torch.get_num_threads(), 512, max(steps, 32), 3)
+        best = max(decode_b1.values())
+        rows.append(f"\nllama-server, decode batch 1, ctx 512: {rate:.1f} tok/s (median of 3 requests, "
+                    f"{max(steps, 32)} tokens each); the engine's best variant: {best:.1f} tok/s = {best / rate:.2f}x")
+        print(rows[-1], flush=True)
+    else:
+        rows.append(f"\nllama-server: not measured (no binary at {a.llama_server}; `make bench-setup` builds it)")
     head = (f"{platform.processor() or platform.machine()}, bf16 natively: {cpu_has_fast_bf16()}, torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}")
     report = head + "\n\n" + "\n".join(rows) + "\n"
