@@ -17,7 +17,7 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Container, Iterable
 
 
 @dataclass
@@ -119,6 +119,10 @@ class PendingBlocks:
 
     def of(self, node_id: str) -> Counter[bytes] | None:
         return self._by_node.get(node_id)
+
+    def nodes(self) -> Container[str]:
+        """The instances with pending blocks (a live view: read it, do not keep it)."""
+        return self._by_node.keys()
 
     def forget_node(self, node_id: str) -> None:
         self._by_node.pop(node_id, None)
