@@ -80,6 +80,34 @@ class KVIndex:
                      prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:
         """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
         as long a leading run as they hold together; stays on one node while it can,
+        and starts with the ``prefer`` nodes (e.g. those local to the reader). Each
+        segment's length is counted in C (``_run``)."""
+        segments: list[tuple[int, int, str]] = []
+        i, n = start, len(hashes)
+        while i < n:
+            locs = self._where.get(hashes[i])
+            if not locs:
+                break
+            node = next((p for p in prefer if p in locs and p in nodes), None) or next(
+                (p for p in locs if p in nodes), None)
+            if node is None:
+                break
+            run = self._run(node, hashes, i)
+            segments.append((i, i + run, node))
+            i += run
+        return segments
+
+    def _run(self, node_id: str, hashes: Sequence[bytes], start: int) -> int:
+        """How many blocks of ``hashes`` from ``start`` on ``node_id`` holds without a gap."""
+        held = self._by_node.get(node_id)
+        if not held:
+            return 0
+        return len(list(takewhile(held.__contains__, hashes[start:])))
+
+    def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
+                     prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:
+        """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
+        as long a leading run as they hold together; stays on one node while it can,
         and starts with the ``prefer`` nodes (e.g. those local to the reader)."""
         segments: list[tuple[int, int, str]] = []
         current: str | None = None

@@ -151,7 +151,7 @@ class Scheduler:
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
         drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
-                    first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]],
+                    first_token_at + max_tokens * tbt, drain, fetch_hashes=list(map(bytes, hashes[dev:reusable])),
                     reserve_wait_s=wait, queue_s=p_queue_s,
                     queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need,
                     hashes=hashes[:full])
