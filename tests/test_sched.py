@@ -54,6 +54,10 @@ def test_prefix_runs_agree_with_a_block_by_block_walk():
         while want_store < len(chain) and stores & set(idx.holders(chain[want_store])):
             want_store += 1
         assert idx.prefix_runs(chain, stores) == (want_runs, want_store)
+        for start in (0, want_store // 2):  # the runs found by the walk stand in for re-walking
+            for prefer in ((), ("s2",)):
+                assert idx.covering_run(chain[:want_store], start, stores, prefer, want_runs) == \
+                    idx.covering_run(chain[:want_store], start, stores, prefer)
     assert KVIndex().prefix_runs([], stores) == ({}, 0)
 
 

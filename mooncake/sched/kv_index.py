@@ -77,11 +77,13 @@ class KVIndex:
         return len(list(takewhile(held.__contains__, hashes[start:])))
 
     def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
-                     prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:
+                     prefer: Sequence[str] = (), runs: dict[str, int] | None = None) -> list[tuple[int, int, str]]:
         """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
         as long a leading run as they hold together; stays on one node while it can,
         and starts with the ``prefer`` nodes (e.g. those local to the reader). Each
-        segment's length is counted in C (``_run``)."""
+        segment's length is counted in C (``_run``), or read from ``runs`` (``prefix_runs``
+        of the same chain: a node whose run from block 0 reaches past ``i`` holds exactly
+        ``runs[node] - i`` blocks from ``i``)."""
         segments: list[tuple[int, int, str]] = []
         i, n = start, len(hashes)
         while i < n:
@@ -92,40 +94,8 @@ class KVIndex:
                 (p for p in locs if p in nodes), None)
             if node is None:
                 break
-            run = self._run(node, hashes, i)
+            known = runs.get(node, 0) if runs is not None else 0
+            run = min(known, n) - i if known > i else self._run(node, hashes, i)
             segments.append((i, i + run, node))
             i += run
         return segments
-
-    def _run(self, node_id: str, hashes: Sequence[bytes], start: int) -> int:
-        """How many blocks of ``hashes`` from ``start`` on ``node_id`` holds without a gap."""
-        held = self._by_node.get(node_id)
-        if not held:
-            return 0
-        return len(list(takewhile(held.__contains__, hashes[start:])))
-
-    def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
-                     prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:
-        """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
-        as long a leading run as they hold together; stays on one node while it can,
-        and starts with the ``prefer`` nodes (e.g. those local to the reader)."""
-        segments: list[tuple[int, int, str]] = []
-        current: str | None = None
-        seg_start = start
-        for i in range(start, len(hashes)):
-            locs = self._where.get(hashes[i])
-            if not locs:
-                break
-            if current is None or current not in locs:
-                nxt = next((n for n in prefer if n in locs and n in nodes), None) or next(
-                    (n for n in locs if n in nodes), None)
-                if nxt is None:
-                    break
-                if current is not None:
-                    segments.append((seg_start, i, current))
-                current, seg_start = nxt, i
-        else:
-            i = len(hashes)
-        if current is not None:
-            segments.append((seg_start, i, current))
-        return [s for s in segments if s[1] > s[0]]

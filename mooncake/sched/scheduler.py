@@ -147,7 +147,7 @@ class Scheduler:
         segs: list[tuple[int, int, str]] = []
         if reusable > dev:  # read from the stores local to the chosen instance first
             local = [s.node_id for s in stores.values() if s.name == p.name]
-            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
+            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local, runs)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
         drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
