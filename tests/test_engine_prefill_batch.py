@@ -4,6 +4,8 @@ sequences left waiting for budget."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -75,3 +77,24 @@ def test_prefill_many_refuses_a_sequence_not_waiting(loaded_model, prompts):
     with pytest.raises(RuntimeError, match="not waiting for prefill"):
         engine.prefill_many([other, done])
     assert other.num_computed == 0  # nothing computed
+
+
+def test_packed_prefill_reports_each_sequence_its_share_of_the_forward(loaded_model, prompts):
+    """A packed forward's time is split by tokens (the cost model learns from it), not
+    reported whole to every sequence in it."""
+    engine = Engine(loaded_model, EngineConfig(kv_cache_bytes=32 << 20, prefill_chunk_tokens=512))
+    seqs = [engine.add_sequence("s%d" % i, p, GREEDY) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    steps = engine.prefill_many(seqs)
+    wall = time.perf_counter() - t0
+    assert all(st.done for st in steps)
+    shares = [st.compute_s for st in steps]
+    assert 0 < sum(shares) <= wall
+    per_token = [c / len(p) for c, p in zip(shares, prompts)]
+    assert max(per_token) == pytest.approx(min(per_token))
+    for s in seqs:
+        engine.free(s)
+    alone = engine.add_sequence("a", prompts[0], GREEDY)
+    t0 = time.perf_counter()
+    step = engine.prefill_many([alone])[0]
+    assert 0 < step.compute_s <= time.perf_counter() - t0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mooncake.config import ConductorConfig
@@ -29,6 +31,34 @@ def test_prefix_runs_count_leading_blocks_per_node_and_store_coverage():
     assert store_end == 5  # s0 then s1 together
     assert idx.covering_run(H, 0, {"s0", "s1"}) == [(0, 2, "s0"), (2, 5, "s1")]
     assert idx.covering_run(H, 3, {"s0", "s1"}) == [(3, 5, "s1")]
+
+
+def test_prefix_runs_agree_with_a_block_by_block_walk():
+    """Runs with gaps, several stores taking turns, nodes that start and stop anywhere."""
+    rng = random.Random(7)
+    chain = [bytes([i, 1]) * 16 for i in range(60)]
+    stores = {"s0", "s1", "s2"}
+    for _ in range(200):
+        idx = KVIndex()
+        for node in ("p0", "p1", "s0", "s1", "s2"):
+            lo = rng.choice([0, 0, rng.randrange(60)])
+            idx.add(node, "t", [h for h in chain[lo:rng.randrange(lo, 61)] if rng.random() < 0.95])
+        want_runs: dict[str, int] = {}
+        for node in ("p0", "p1", "s0", "s1", "s2"):
+            n = 0
+            while n < len(chain) and node in idx.holders(chain[n]):
+                n += 1
+            if n:
+                want_runs[node] = n
+        want_store = 0
+        while want_store < len(chain) and stores & set(idx.holders(chain[want_store])):
+            want_store += 1
+        assert idx.prefix_runs(chain, stores) == (want_runs, want_store)
+        for start in (0, want_store // 2):  # the runs found by the walk stand in for re-walking
+            for prefer in ((), ("s2",)):
+                assert idx.covering_run(chain[:want_store], start, stores, prefer, want_runs) == \
+                    idx.covering_run(chain[:want_store], start, stores, prefer)
+    assert KVIndex().prefix_runs([], stores) == ({}, 0)
 
 
 def test_index_remove_and_drop_node_keep_it_consistent():

@@ -115,6 +115,25 @@ class DecoderForward:
         r = x[..., :rd]  # partial rotary: the leading dimensions rotate, the rest pass
         return torch.cat([torch.addcmul(r * cos, r.roll(rd // 2, -1), sin), x[..., rd:]], -1)
 
+    def _qkv(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's rotated queries ``[N, H, D]`` and keys and values ``[N, 2, Hkv, D]``
+        (keys rotated). With a fused projection and no q/k norm, q and k rotate together in
+        place in the projection's output, where k and v already lie side by side: three ops
+        and no copy instead of six ops and a stack."""
+        N, H, Hkv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        joint = getattr(layer.qkv, "joint", None)
+        if joint is not None and layer.q_norm is None and self.rotary_dim == D:
+            out = joint(h).view(N, H + 2 * Hkv, D)
+            qk = out[:, :H + Hkv]
+            torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin, out=qk)
+            return out[:, :H], out[:, H:].view(N, 2, Hkv, D)
+        q, k, v = layer.qkv(h)
+        q, k, v = q.view(N, H, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        return self._rotate(q, cos, sin), torch.stack((self._rotate(k, cos, sin), v), 1)
+
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch,
                 on_layer: Callable[[int, torch.Tensor], None] | None = None,
@@ -155,30 +174,24 @@ class DecoderForward:
         for li in range(lo_layer, hi_layer):
             layer = spec.layers[li]
             h = layer.attn_norm(x)
-            q, k, v = layer.qkv(h)
-            q, k, v = q.view(N, H, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            cos, sin = rope[layer.rope]
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            kc, vc = ws[li, 0], ws[li, 1]  # [B, Hkv, K, D]
+            q, kv = self._qkv(layer, h, *rope[layer.rope])
+            wl = ws[li]  # [2, B, Hkv, K, D]
             if single:
-                kc[0, :, c0:c0 + S] = k.transpose(0, 1)
-                vc[0, :, c0:c0 + S] = v.transpose(0, 1)
+                wl[:, 0, :, c0:c0 + S] = kv.permute(1, 2, 0, 3)
             else:
-                kc[row, :, col] = k
-                vc[row, :, col] = v
+                wl[:, row, :, col] = kv
+            kc, vc = wl[0], wl[1]  # [B, Hkv, K, D]
             if on_layer is not None:
                 on_layer(li, ws[li])
             mask = masks[layer.window]
             lo = mask[2]
             o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
             a = layer.o(o.reshape(N, H * D))
-            x = x + (layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
+            x.add_(layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
             h = layer.mlp_norm(x)
             g, u = layer.gate_up(h)
             m = layer.down(act(g).mul_(u))
-            x = x + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
+            x.add_(layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
         # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
         if layers is None:
             pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]

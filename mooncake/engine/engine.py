@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from typing import Callable
 
 import torch
@@ -18,6 +19,7 @@ from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill
 from mooncake.engine.constraints import Grammars, consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.errors import InvalidRequestError
+from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
 from mooncake.engine.layerwise import ChunkLayers, LayerFn
 from mooncake.engine.loader import LoadedModel
@@ -52,6 +54,8 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
         self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization)
         self.dtype, self.device = self.model.dtype, self.model.device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse freed memory instead of faulting in fresh pages
         self.block_shape = self.model.block_shape
         self.block_bytes = math.prod(self.block_shape) * torch.empty(0, dtype=self.dtype).element_size()
         self.num_blocks = cfg.kv_cache_bytes // self.block_bytes
@@ -209,6 +213,7 @@ class Engine:
         as soon as the layer has computed them (``layerwise.py``; on this thread)."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
+        t0 = time.perf_counter()
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
@@ -217,12 +222,13 @@ class Engine:
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
-            return PrefillStep(full, False)
+            return PrefillStep(full, False, compute_s=time.perf_counter() - t0)
         seq.prefilled = True
         assert logits is not None
         picked = self._sample(logits, [seq])
         token = picked.tokens[0]
-        return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0])
+        return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0],
+                           compute_s=time.perf_counter() - t0)
 
     def prefill_stage(self, seq: Sequence, layers: tuple[int, int], end: int, hidden: torch.Tensor | None = None,
                       on_layer: LayerFn | None = None) -> tuple[PrefillStep, torch.Tensor | None]:
@@ -281,6 +287,7 @@ class Engine:
                 budget -= end - start
         if len(parts) == 1:
             return [self.prefill(s) if s is parts[0][0] else PrefillStep([], False) for s in seqs]
+        t0 = time.perf_counter()
         logits = self.model.forward(self.pool, packed_prefill_batch(parts, self.block_tokens, self.device))
         steps: dict[int, PrefillStep] = {}
         finishing: list[Sequence] = []
@@ -296,6 +303,9 @@ class Engine:
                 s.prefilled = True
                 full = steps[id(s)].new_full_blocks
                 steps[id(s)] = PrefillStep(full, True, tok, self._append(s, tok), logits[i], picked.logprobs[i])
+        per_token = (time.perf_counter() - t0) / sum(end - start for _, start, end, _ in parts)
+        for s, start, end, _ in parts:  # each sequence's share of the forward, by its tokens
+            steps[id(s)].compute_s = per_token * (end - start)
         return [steps.get(id(s), PrefillStep([], False)) for s in seqs]
 
     def decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:

@@ -40,6 +40,11 @@ class Int8Projection:
         self.weight, self.bias, self.sizes = weight, bias, sizes
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        out = self.joint(h)
+        return out.split(self.sizes, -1) if self.sizes is not None else out
+
+    def joint(self, h: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, unsplit (a fresh tensor the caller may write into)."""
         rows = h.numel() // h.shape[-1]
         if rows < INT8_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(h.reshape(rows, h.shape[-1]), self.w8, self.scale)
@@ -48,7 +53,7 @@ class Int8Projection:
                 out = out + self.bias
         else:
             out = F.linear(h, self.weight, self.bias)
-        return out.split(self.sizes, -1) if self.sizes is not None else out
+        return out
 
 
 def _int8(proj: object, where: str) -> Int8Projection:

@@ -52,6 +52,7 @@ class PrefillStep:
     finished: str = ""  # "" | "stop" | "length"
     logits: torch.Tensor | None = None  # last-position logits when done
     logprob: Logprob | None = None  # the token's, when asked for
+    compute_s: float = 0.0  # this sequence's share of the forward's time (by tokens, when packed)
 
 
 @dataclass

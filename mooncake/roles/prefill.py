@@ -248,9 +248,10 @@ class PrefillWorker(EngineWorker):
                 loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
 
         on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
-        t_compute = time.perf_counter()
+        compute_s = 0.0  # this request's own share of the forwards (a packed one is shared by tokens)
         while True:
             step = await self._chunks.chunk(seq, on_layer)
+            compute_s += step.compute_s
             self.progress += 1
             if req.req_id in self.aborted:
                 return
@@ -265,7 +266,6 @@ class PrefillWorker(EngineWorker):
                 kv = await self.run_engine(eng.export_sequence, seq, sent, full)
                 sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
                 sent = full
-        compute_s = time.perf_counter() - t_compute
         token = int(step.token)  # type: ignore[arg-type]
         finished = P.FinishReason(step.finished) if step.finished else None
         # The first token goes out now (time to first token); the KV tail follows to decode.

@@ -17,7 +17,7 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Container, Iterable
 
 
 @dataclass
@@ -48,13 +48,16 @@ class PrefillQueue:
 class DecodeSlots:
     assigned: dict[str, float] = field(default_factory=dict)  # request -> predicted end time
     by_end: list[tuple[float, str]] = field(default_factory=list)  # (end, request), sorted
+    ends: list[float] = field(default_factory=list)  # the ends of ``by_end`` alone (bisected without a key)
     blocks: dict[str, int] = field(default_factory=dict)  # request -> KV blocks it will hold
     blocks_total: int = 0
 
     def add(self, req_id: str, expected_end: float, blocks: int = 0) -> None:
         self.remove(req_id)
         self.assigned[req_id] = expected_end
-        bisect.insort(self.by_end, (expected_end, req_id))
+        j = bisect.bisect_right(self.by_end, (expected_end, req_id))
+        self.by_end.insert(j, (expected_end, req_id))
+        self.ends.insert(j, expected_end)
         self.blocks[req_id] = blocks
         self.blocks_total += blocks
 
@@ -64,16 +67,17 @@ class DecodeSlots:
             j = bisect.bisect_left(self.by_end, (end, req_id))
             if j < len(self.by_end) and self.by_end[j] == (end, req_id):
                 del self.by_end[j]
+                del self.ends[j]
             self.blocks_total -= self.blocks.pop(req_id, 0)
 
     def next_end_after(self, t: float) -> float:
         """When the first request still decoding at ``t`` is predicted to finish (``t`` if none)."""
-        i = bisect.bisect_right(self.by_end, t, key=_end)
-        return self.by_end[i][0] if i < len(self.by_end) else t
+        i = bisect.bisect_right(self.ends, t)
+        return self.ends[i] if i < len(self.ends) else t
 
     def running_at(self, t: float) -> int:
         """Assigned requests predicted to still be decoding at time ``t``."""
-        return len(self.by_end) - bisect.bisect_right(self.by_end, t, key=_end)
+        return len(self.ends) - bisect.bisect_right(self.ends, t)
 
     def room_at(self, need: int, capacity: int, t: float) -> float:
         """The earliest time from ``t`` at which ``need`` blocks are free in a pool of
@@ -89,10 +93,6 @@ class DecodeSlots:
             if held + need <= capacity or held <= 0:
                 return max(t, end)
         return t
-
-
-def _end(entry: tuple[float, str]) -> float:
-    return entry[0]
 
 
 class PendingBlocks:
@@ -119,6 +119,10 @@ class PendingBlocks:
 
     def of(self, node_id: str) -> Counter[bytes] | None:
         return self._by_node.get(node_id)
+
+    def nodes(self) -> Container[str]:
+        """The instances with pending blocks (a live view: read it, do not keep it)."""
+        return self._by_node.keys()
 
     def forget_node(self, node_id: str) -> None:
         self._by_node.pop(node_id, None)

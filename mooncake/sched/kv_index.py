@@ -6,6 +6,7 @@ walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Container, Iterable, Sequence
 
 
@@ -50,49 +51,51 @@ class KVIndex:
         return self._where.get(h, {})
 
     def prefix_runs(self, hashes: Sequence[bytes], stores: Container[str] = ()) -> tuple[dict[str, int], int]:
-        """One walk of the chain: for each node, how many leading blocks it holds (runs
-        from block 0); and how many leading blocks the ``stores`` hold between them."""
+        """For each node, how many leading blocks of the chain it holds (runs from block 0);
+        and how many leading blocks the ``stores`` hold between them. Each run is counted
+        in C (``takewhile`` over the node's own set), not by a Python step per block."""
         runs: dict[str, int] = {}
-        store_end = 0
-        where = self._where
-        for i, h in enumerate(hashes):
-            locs = where.get(h)
-            if not locs:
+        locs = self._where.get(hashes[0]) if hashes else None
+        if not locs:
+            return runs, 0
+        for node in locs:
+            runs[node] = self._run(node, hashes, 0)
+        store_end = max((r for node, r in runs.items() if node in stores), default=0)
+        while 0 < store_end < len(hashes):  # another store may go on where the longest one stops
+            locs = self._where.get(hashes[store_end])
+            more = max((self._run(s, hashes, store_end) for s in locs if s in stores), default=0) if locs else 0
+            if not more:
                 break
-            advanced = False
-            for node in locs:
-                if runs.get(node, 0) == i:
-                    runs[node] = i + 1
-                    advanced = True
-                if store_end == i and node in stores:
-                    store_end = i + 1
-                    advanced = True
-            if not advanced:
-                break
+            store_end += more
         return runs, store_end
 
+    def _run(self, node_id: str, hashes: Sequence[bytes], start: int) -> int:
+        """How many blocks of ``hashes`` from ``start`` on ``node_id`` holds without a gap."""
+        held = self._by_node.get(node_id)
+        if not held:
+            return 0
+        return len(list(takewhile(held.__contains__, hashes[start:])))
+
     def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
-                     prefer: Sequence[str] = ()) -> list[tuple[int, int, str]]:
+                     prefer: Sequence[str] = (), runs: dict[str, int] | None = None) -> list[tuple[int, int, str]]:
         """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
         as long a leading run as they hold together; stays on one node while it can,
-        and starts with the ``prefer`` nodes (e.g. those local to the reader)."""
+        and starts with the ``prefer`` nodes (e.g. those local to the reader). Each
+        segment's length is counted in C (``_run``), or read from ``runs`` (``prefix_runs``
+        of the same chain: a node whose run from block 0 reaches past ``i`` holds exactly
+        ``runs[node] - i`` blocks from ``i``)."""
         segments: list[tuple[int, int, str]] = []
-        current: str | None = None
-        seg_start = start
-        for i in range(start, len(hashes)):
+        i, n = start, len(hashes)
+        while i < n:
             locs = self._where.get(hashes[i])
             if not locs:
                 break
-            if current is None or current not in locs:
-                nxt = next((n for n in prefer if n in locs and n in nodes), None) or next(
-                    (n for n in locs if n in nodes), None)
-                if nxt is None:
-                    break
-                if current is not None:
-                    segments.append((seg_start, i, current))
-                current, seg_start = nxt, i
-        else:
-            i = len(hashes)
-        if current is not None:
-            segments.append((seg_start, i, current))
-        return [s for s in segments if s[1] > s[0]]
+            node = next((p for p in prefer if p in locs and p in nodes), None) or next(
+                (p for p in locs if p in nodes), None)
+            if node is None:
+                break
+            known = runs.get(node, 0) if runs is not None else 0
+            run = min(known, n) - i if known > i else self._run(node, hashes, i)
+            segments.append((i, i + run, node))
+            i += run
+        return segments

@@ -112,15 +112,20 @@ class Scheduler:
         dispatch_s = self.prefill_cost.dispatch.value
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
+        queues = self.queues
+        queue_s = {p.node_id: (queues[p.node_id].total_s if p.node_id in queues else 0.0) for p in prefills}
+        pending = self.pending.nodes()
         candidates = []
         for p in prefills:
-            dev = self._resident_run(p.node_id, hashes, runs.get(p.node_id, 0), usable)
+            nid = p.node_id
+            dev = (self._resident_run(nid, hashes, runs.get(nid, 0), usable) if nid in pending
+                   else min(runs.get(nid, 0), usable))
             reusable = max(dev, store_end)
             prefill_s = prefill_time.get(reusable)
             if prefill_s is None:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
-            est = dispatch_s + self.queue_s(p.node_id) + (reusable - dev) * fetch_s + prefill_s
+            est = dispatch_s + queue_s[nid] + (reusable - dev) * fetch_s + prefill_s
             candidates.append((est, prefill_s, dev, reusable, p))
 
         if self.cfg.policy == "random":
@@ -128,7 +133,7 @@ class Scheduler:
         elif self.cfg.policy == "round_robin":
             chosen = candidates[next(self._rr) % len(candidates)]
         elif self.cfg.policy == "least_loaded":
-            chosen = min(candidates, key=lambda c: (self.queue_s(c[4].node_id), self.queued(c[4].node_id)))
+            chosen = min(candidates, key=lambda c: (queue_s[c[4].node_id], self.queued(c[4].node_id)))
         else:
             chosen = min(candidates, key=lambda c: c[0])
         est, prefill_s, dev, reusable, p = chosen
@@ -139,6 +144,7 @@ class Scheduler:
             est, prefill_s, dev, reusable, stages = group
             p = stages[-1]
             candidates.append((est, prefill_s, dev, reusable, p))
+        p_queue_s = queue_s[p.node_id]
 
         # The decode instance: one with room in its pool now, then the smallest batch when the
         # first token comes, then the shortest wait for room.
@@ -146,25 +152,31 @@ class Scheduler:
         total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
         options = []
         for d in decodes:
-            slots = self._slots(d.node_id)
-            need = total_blocks - self._resident_run(d.node_id, hashes, runs.get(d.node_id, 0), full)
+            nid = d.node_id
+            slots = self._slots(nid)
+            resident = (self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending
+                        else min(runs.get(nid, 0), full))
+            need = total_blocks - resident
             wait = slots.room_at(need, d.info.num_blocks, now) - now
-            first_token_at = now + est + max(0.0, wait - self.queue_s(p.node_id))
+            first_token_at = now + est + max(0.0, wait - p_queue_s)
             options.append((wait > 0, slots.running_at(first_token_at) + 1, wait, len(options), first_token_at, need, d))
         _, batch, wait, _, first_token_at, need, decode = min(options)
         tbt = self.decode_cost.predict(batch)
         ttft = first_token_at - now
-        best = min(c[0] + max(0.0, wait - self.queue_s(c[4].node_id)) for c in candidates)
+        if wait > 0:
+            best = min(c[0] + max(0.0, wait - queue_s[c[4].node_id]) for c in candidates)
+        else:
+            best = min(c[0] for c in candidates)
 
         segs: list[tuple[int, int, str]] = []
         if reusable > dev:  # read from the stores local to the chosen instance first
             local = [s.node_id for s in stores.values() if s.name == p.name]
-            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local)
+            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local, runs)
         fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
         drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
-                    first_token_at + max_tokens * tbt, drain, fetch_hashes=[bytes(h) for h in hashes[dev:reusable]],
-                    reserve_wait_s=wait, queue_s=self.queue_s(p.node_id),
+                    first_token_at + max_tokens * tbt, drain, fetch_hashes=list(map(bytes, hashes[dev:reusable])),
+                    reserve_wait_s=wait, queue_s=p_queue_s,
                     queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need,
                     hashes=hashes[:full], stages=stages)
 

@@ -52,7 +52,11 @@ class Fused:
             raise ModelLoadError(f"fused projection has {self.weight.shape[0]} outputs, expected {sum(sizes)}")
 
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(h, self.weight, self.bias).split(self.sizes, -1)
+        return self.joint(h).split(self.sizes, -1)
+
+    def joint(self, h: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, unsplit (a fresh tensor the caller may write into)."""
+        return F.linear(h, self.weight, self.bias)
 
 
 class Linear:
