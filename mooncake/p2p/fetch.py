@@ -74,11 +74,20 @@ class Fetch:
         self.bad_chunks = 0
         self.only_from = set(only_from or ())
         self._fatal: Exception | None = None  # a write that cannot go on (disk full)
+        self.task: asyncio.Task | None = None  # running ``run`` (set by whoever starts it)
+        self.removed = False
 
     def progress(self) -> ProgressReport:
         return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
                               self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
                               self.verify_s, self.transfer_s)
+
+    def remove(self) -> None:
+        """The object was removed cluster-wide: stop now, and leave no record of it behind."""
+        self.removed = True
+        self.state, self.error = "failed", f"{self.obj.name} was removed"
+        if self.task is not None:
+            self.task.cancel()
 
     async def run(self) -> None:
         try:
@@ -92,7 +101,8 @@ class Fetch:
                 t.cancel()
             for p in list(self.peers.values()):
                 self._drop_peer(p)
-            self.save(self.obj)
+            if not self.removed:
+                self.save(self.obj)
             self.finished.set()
         if self.state == "complete":
             try:
@@ -166,8 +176,13 @@ class Fetch:
 
     async def _refresh(self) -> None:
         mine = sorted({c for p in self.peers.values() for c, _ in p.in_flight.values()})
-        await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
-        loc = await self.meta.call(Locate(self.obj.name))
+        try:
+            await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
+            loc = await self.meta.call(Locate(self.obj.name))
+        except P2PError as e:
+            if e.code == "unknown":
+                raise ObjectError(f"{self.obj.name} was removed while fetching") from None
+            raise
         assert isinstance(loc, Located)
         if loc.manifest.version != self.obj.manifest.version:
             raise ObjectError(f"{self.obj.name} changed while fetching (now version {loc.manifest.version[:12]})")
