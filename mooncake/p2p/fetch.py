@@ -48,7 +48,7 @@ class Peer:
 
 class Fetch:
     def __init__(self, ctx: zmq.asyncio.Context, curve: object | None, meta: Rpc, node_id: str, obj: LocalObject,
-                 save: object, in_flight_per_peer: int = 4, stall_timeout_s: float = 30.0,
+                 save: object, in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0,
                  chunk_timeout_s: float = 20.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
         """``save(obj)``: persist the object's record; ``meta``: the conductor; ``only_from``: node
         names to fetch from (default: every holder)."""

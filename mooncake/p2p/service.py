@@ -41,7 +41,7 @@ ACCESS = {ChunkGet: ("store",), PutObject: ("store", "worker"), GetObject: ("sto
 class P2PService:
     def __init__(self, ctx: zmq.asyncio.Context, node_id: str, directory: Path, bind: str,
                  conductor_endpoint: str, curve: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 in_flight_per_peer: int = 4, stall_timeout_s: float = 30.0) -> None:
+                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0) -> None:
         self.ctx, self.node_id, self.curve = ctx, node_id, curve
         self.chunk_bytes, self.in_flight_per_peer, self.stall_timeout_s = chunk_bytes, in_flight_per_peer, stall_timeout_s
         self.objects = ObjectStore(directory)
