@@ -11,7 +11,10 @@ Between fetches the object is removed and published again (no copies left over).
 
 Uncapped: host2 fetches from host1 alone (CURVE, and plain TCP on a second cluster started
 with ``allow_insecure_network``), against a raw TCP socket copy of the same file between
-the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file).
+the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file). The
+two run in pairs, back to back, the order alternating, each after ``sync`` (no copy pays
+for the last one's writeback); the ratio is the median over the pairs of raw / P2P (this
+machine's other load changes from minute to minute, not within a pair).
 A fetch's time runs from the request to the store's report that it is complete (every chunk
 checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
 request to its last chunk written, is reported too.
@@ -112,14 +115,31 @@ def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> tuple[float, float]:
         dest.unlink(missing_ok=True)
 
 
-def uncapped(net: P2PHosts, src: Path, work: Path, reps: int) -> tuple[list[float], list[float]]:
-    """(fetch times, of which the transfers: first chunk request to last chunk written)."""
-    times: list[float] = []
-    reports: list = []
-    for _ in range(reps):
+def settle() -> None:
+    """Write back every dirty page now, so that no copy pays for the previous one's writeback."""
+    os.sync()
+
+
+def paired(net: P2PHosts, src: Path, work: Path, reps: int) -> list[dict[str, float]]:
+    """``reps`` pairs of (raw TCP copy, P2P fetch) host1 -> host2, back to back, the order
+    alternating, each copy from a clean page cache state; per pair: raw, raw_transfer, p2p,
+    p2p_transfer (seconds) and ratio (raw / p2p, from starting each copy)."""
+    pairs = []
+    for rep in range(reps):
         republish(net, src.parent, work / "dst")
-        times.append(asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports)))
-    return times, [r.transfer_s for r in reports]
+        got: dict[str, float] = {}
+        for what in (("raw", "p2p") if rep % 2 == 0 else ("p2p", "raw")):
+            settle()
+            if what == "raw":
+                got["raw"], got["raw_transfer"] = raw_tcp_copy(net, src, work / "raw.bin")
+            else:
+                reports: list = []
+                got["p2p"] = asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports))
+                got["p2p_transfer"] = reports[0].transfer_s
+        got["ratio"] = got["raw"] / got["p2p"]
+        print(f"pair {rep}: raw {got['raw']:.2f}s p2p {got['p2p']:.2f}s ratio {got['ratio']:.2f}", flush=True)
+        pairs.append(got)
+    return pairs
 
 
 def main() -> None:
@@ -135,6 +155,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-p2p-"))
     src = work / "src" / "obj.bin"
     write_object(src, size)
+    settle()
     rows: dict[str, list[float]] = {"single": [], "seed": [], "p2p": []}
     try:
         with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
@@ -147,25 +168,22 @@ def main() -> None:
                     print(f"rep {rep} {mode}: {rows[mode][-1]:.2f}s", flush=True)
             for i in range(1, 5):
                 net.set_rate(i, None)
-            raw = []
-            for _ in range(args.reps):
-                raw.append(raw_tcp_copy(net, src, work / "raw.bin"))
-            curve_times, curve_transfer = uncapped(net, src, work, args.reps)
-            print(f"raw {raw} curve {curve_times}", flush=True)
+            curve = paired(net, src, work, args.reps)
         with P2PHosts(work / "plain", curve=False, in_flight_per_peer=args.in_flight) as net:
-            plain_times, plain_transfer = uncapped(net, src, work, args.reps)
-            raw_plain = [raw_tcp_copy(net, src, work / "raw.bin") for _ in range(args.reps)]
-            print(f"plain {plain_times} raw {raw_plain}", flush=True)
+            plain = paired(net, src, work, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) if v else float("nan") for k, v in rows.items()}
-    raw_all = [t for t, _ in raw + raw_plain]
-    raw_transfer = [t for _, t in raw + raw_plain]
     mb = size / 1e6
 
-    def row(label: str, times: list[float], base: list[float]) -> str:
-        t = statistics.median(times)
-        return f"| {label} | {t:.2f} | {mb / t:.0f} | {statistics.median(base) / t:.2f}× |"
+    def col(pairs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(p[key] for p in pairs)
+
+    def row(label: str, t: float, ratio: str = "") -> str:
+        return f"| {label} | {t:.2f} | {mb / t:.0f} | {ratio} |"
+
+    def runs(pairs: list[dict[str, float]]) -> str:
+        return "; ".join(f"{p['raw']:.2f} / {p['p2p']:.2f} ({p['ratio']:.2f}×)" for p in pairs)
 
     lines = [
         f"{args.size_mb} MB object, 16 MiB chunks, 4 hosts (network namespaces), median of {args.reps}.",
@@ -178,23 +196,26 @@ def main() -> None:
         f"| 3 hosts, all from the seed | {med['seed']:.1f} | 1.00× | {med['seed'] / med['single']:.2f}× |",
         f"| 3 hosts, P2P | {med['p2p']:.1f} | {med['p2p'] / med['seed']:.2f}× | {med['p2p'] / med['single']:.2f}× |",
         "",
-        "Uncapped, host1 → host2:",
+        f"Uncapped, host1 → host2, {args.reps} pairs (raw TCP copy, P2P fetch) back to back per cluster; "
+        "ratio: median over the pairs of raw time / P2P time:",
         "",
-        "| copy | time (s) | MB/s | vs. raw TCP |",
+        "| copy | time (s) | MB/s | raw / P2P, per pair |",
         "|---|---|---|---|",
-        row("raw TCP socket copy (sendfile → recv_into + write), from starting the sender", raw_all, raw_all),
-        row("P2P fetch, plain TCP, from the request", plain_times, raw_all),
-        row("P2P fetch, CURVE, from the request", curve_times, raw_all),
-        row("raw TCP copy, transfer only (connection accepted → last byte written)", raw_transfer, raw_transfer),
-        row("P2P fetch, plain TCP, transfer only (first chunk request → last chunk written)", plain_transfer,
-            raw_transfer),
-        row("P2P fetch, CURVE, transfer only", curve_transfer, raw_transfer),
+        row("raw TCP socket copy (sendfile → recv_into + write), from starting the sender, plain cluster",
+            col(plain, "raw")),
+        row("P2P fetch, plain TCP, from the request", col(plain, "p2p"), f"**{col(plain, 'ratio'):.2f}×**"),
+        row("raw TCP socket copy, CURVE cluster", col(curve, "raw")),
+        row("P2P fetch, CURVE, from the request", col(curve, "p2p"), f"{col(curve, 'ratio'):.2f}×"),
+        row("raw TCP copy, transfer only (connection accepted → last byte written), plain cluster",
+            col(plain, "raw_transfer")),
+        row("P2P fetch, plain TCP, transfer only (first chunk request → last chunk written)",
+            col(plain, "p2p_transfer"),
+            f"{statistics.median(p['raw_transfer'] / p['p2p_transfer'] for p in plain):.2f}×"),
+        row("P2P fetch, CURVE, transfer only", col(curve, "p2p_transfer"),
+            f"{statistics.median(p['raw_transfer'] / p['p2p_transfer'] for p in curve):.2f}×"),
         "",
-        f"All runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}; "
-        f"raw {[round(x, 2) for x in raw_all]} (transfers {[round(x, 2) for x in raw_transfer]}); "
-        f"plain {[round(x, 2) for x in plain_times]} "
-        f"(transfers {[round(x, 2) for x in plain_transfer]}); curve {[round(x, 2) for x in curve_times]} "
-        f"(transfers {[round(x, 2) for x in curve_transfer]}).",
+        f"Capped runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}.",
+        f"Pairs, raw / P2P (s): plain {runs(plain)}; CURVE {runs(curve)}.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -57,6 +57,10 @@ class P2PNodes:
             self.wait_store(name, timeout_s)
         return self
 
+    def start_worker(self, key: str, role: str, name: str, env: dict[str, str] | None = None) -> None:
+        """A prefill or decode role on node ``name`` (``env``: MOONCAKE_* overrides), logged as ``key``."""
+        self._spawn(key, role, name, env)
+
     def start_store(self, name: str) -> None:
         self._spawn(name, "store", name, self.store_env.get(name))
 

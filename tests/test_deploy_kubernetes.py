@@ -35,7 +35,7 @@ def gpu_config(tmp_path) -> Path:
     path = tmp_path / "gpu.toml"
     path.write_text(f'[model]\ndevice = "cuda"\n[conductor]\nport = 8080\napi_key = "sk-secret"\n'
                     f'endpoint = "tcp://10.0.0.1:6000"\ndrain_timeout_s = 120\n'
-                    f'[node]\nkv_port = 7001\nstore_port = 7002\nhealth_port = 7003\n'
+                    f'[node]\nkv_port = 7001\nstore_port = 7002\nhealth_port = 7003\np2p_port = 7004\n'
                     f'[security]\ncurve_keys_dir = "{tmp_path / "keys"}"\n')
     return path
 
@@ -88,7 +88,8 @@ def _effective(objects: list[dict], container: dict) -> Config:
 def _bound_ports(role: str, cfg: Config) -> set[int]:
     if role == "conductor":
         return {cfg.conductor.port, urlparse(cfg.conductor.endpoint).port}
-    return {cfg.node.health_port} | {"decode": {cfg.node.kv_port}, "store": {cfg.node.store_port}}.get(role, set())
+    return {cfg.node.health_port} | {"decode": {cfg.node.kv_port},
+                                     "store": {cfg.node.store_port, cfg.node.p2p_port}}.get(role, set())
 
 
 def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_config):
@@ -135,6 +136,11 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert conductor_ports[p["targetPort"]] == p["port"]
     store = workloads["store"]
     assert store["kind"] == "StatefulSet" and store["spec"]["serviceName"] in services
+    store_effective = _effective(objects, store["spec"]["template"]["spec"]["containers"][0])
+    assert store_effective.node.p2p_port != 0  # peers connect to it: a fixed port, not any free one
+    store_svc = {p["name"]: p for p in services[store["spec"]["serviceName"]]["spec"]["ports"]}
+    assert store_svc["p2p"]["port"] == store_effective.node.p2p_port
+    assert store_svc["store"]["port"] == store_effective.node.store_port
     store_container = store["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "data", "mountPath": _effective(objects, store_container).store.data_dir} in \
         store_container["volumeMounts"]
@@ -154,6 +160,16 @@ def test_cpu_config_requests_no_gpu_and_has_no_secrets():
     assert "02-secrets.yaml" not in files
     text = yaml.safe_dump_all([o for objs in files.values() for o in objs])
     assert "nvidia.com/gpu" not in text
+
+
+def test_a_store_p2p_port_left_at_0_gets_a_fixed_default():
+    cfg = load_config(ROOT / "config.example.toml", env={})
+    assert cfg.node.p2p_port == 0
+    objects = [o for objs in render(cfg, Topology()).values() for o in objs]
+    store = next(o for o in objects if o["kind"] == "StatefulSet")
+    container = store["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert _effective(objects, container).node.p2p_port == ports["p2p"] == 5580
 
 
 @pytest.mark.parametrize("toml, topology, message", [

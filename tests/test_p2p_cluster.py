@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from p2p_nodes import P2PNodes
 from mooncake.config import load_config
-from mooncake.p2p.client import fetch_model
+from mooncake.p2p.client import P2PClient, fetch_model
 from mooncake.p2p.service import CORRUPT_ENV
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,6 +89,44 @@ def test_corrupt_chunks_are_refused_and_fetched_from_another_holder(nodes, tmp_p
     out = ok(nodes.cli("n2", "get", "corrupt", str(tmp_path / "dst")))
     assert "from: n1" in out and "bad" not in out.split("from:")[1]
     assert same_tree(src, tmp_path / "dst")
+
+
+def test_a_holder_whose_file_changed_stops_serving_it(nodes, tmp_path):
+    src = tree(tmp_path / "src", 10, mib=3)
+    ok(nodes.cli("n1", "put", "changed", str(src)))
+    ok(nodes.cli("n2", "get", "changed", str(tmp_path / "copy")))
+    with open(src / "model.safetensors", "r+b") as f:  # n1's file changes under it, same size
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    r = nodes.cli("n3", "get", "changed", str(tmp_path / "dst"), "--from", "n1")  # n1 alone: refused, no silent copy
+    assert r.returncode == 1 and "no progress" in r.stderr, r.stderr
+    line = next(x for x in ok(nodes.cli("n3", "ls")).splitlines() if x.startswith("changed "))
+    assert "n2 complete" in line and "n1 complete" not in line, line  # n1 told the conductor what it lost
+    out = ok(nodes.cli("n3", "get", "changed", str(tmp_path / "dst")))  # resumed from the good holder
+    assert "n2" in out.split("from:")[1]
+    assert same_tree(tmp_path / "copy", tmp_path / "dst")
+
+
+def test_an_object_removed_during_a_fetch_fails_it_clearly(nodes, tmp_path):
+    async def remove(node: str, name: str) -> None:
+        client = P2PClient(load_config(nodes.config(node), env={}))
+        try:
+            await client.rm(name)
+        finally:
+            client.close()
+
+    ok(nodes.cli("bad", "put", "doomed", str(tree(tmp_path / "src", 11, mib=2))))
+    get = nodes.popen_cli("n2", "get", "--quiet", "doomed", str(tmp_path / "dst"))  # bad's chunks never verify
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "dst" / "model.safetensors").exists():  # the fetch has started
+        assert get.poll() is None and time.monotonic() < deadline, get.communicate()
+        time.sleep(0.05)
+    asyncio.run(remove("n1", "doomed"))  # in-process: at once, well before the fetch's stall timeout
+    _, err = get.communicate(timeout=60)
+    assert get.returncode == 1 and "doomed was removed" in err, err
+    ok(nodes.cli("n1", "put", "doomed", str(tree(tmp_path / "new", 12, mib=1))))  # the name is free again
+    ok(nodes.cli("n2", "get", "doomed", str(tmp_path / "dst2")))
+    assert same_tree(tmp_path / "new", tmp_path / "dst2")
 
 
 def test_a_fetch_resumes_from_what_is_on_disk(nodes, tmp_path):

@@ -18,7 +18,7 @@ from mooncake.p2p.index import P2PIndex
 from mooncake.p2p.manifest import ObjectError, build_manifest, check_name, spans, validate
 from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
                                    Publish, RemoveObject, StoreAt, bits)
-from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, ObjectStore
+from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, NotHeld, ObjectStore
 from mooncake.protocol import NodeInfo
 from mooncake.sched.cluster import Cluster, Node
 
@@ -85,6 +85,41 @@ def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
         assert (tmp_path / "dst" / f.path).read_bytes() == (src_root / f.path).read_bytes()
     src.close()
     dst.close()
+
+
+def test_close_waits_for_io_under_way_and_refuses_later_io(tmp_path):
+    """``mooncake p2p rm`` closes an object while a thread may be reading or writing it: a
+    descriptor closed under that call could be reused by another file before the call lands."""
+    import threading
+
+    src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    src = LocalObject(m, src_root, set(range(len(m.checksums))))
+    entered, release = threading.Event(), threading.Event()
+    real_pread = os.pread
+
+    def slow_pread(fd: int, n: int, off: int) -> bytes:
+        entered.set()
+        release.wait(10)
+        return real_pread(fd, n, off)
+
+    got: list = []
+    os.pread = slow_pread
+    try:
+        reader = threading.Thread(target=lambda: got.append(src.read_chunk(0)))
+        reader.start()
+        assert entered.wait(10)
+        closer = threading.Thread(target=src.close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # waits for the read under way
+        release.set()
+        reader.join(10)
+        closer.join(10)
+    finally:
+        os.pread = real_pread
+    assert not closer.is_alive() and got and len(got[0]) == src.spans[0].length
+    with pytest.raises(NotHeld):
+        src.read_chunk(1)
 
 
 def with_fast_checksum_of(m, index: int, data: bytes):

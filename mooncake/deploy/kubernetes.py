@@ -7,7 +7,9 @@ node name (so that a prefill pod's local store is the one on its machine), the
 pod name as the node id. Secrets (API key, CURVE keys) live in a Secret, never in
 the ConfigMap. Objects: Namespace, ConfigMap, Secret, conductor Deployment +
 Service, prefill and decode Deployments, store StatefulSet (a PersistentVolumeClaim
-per pod for the LMDB tier) + headless Service.
+per pod for the LMDB tier) + headless Service. Every port a role binds is fixed (0 in
+the config becomes a default): a store's P2P port too, since peers fetch chunks from
+it at the pod's IP, which the store registers with the conductor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mooncake.security import KINDS
 from mooncake.deploy.pods import CURVE_MOUNT, DATA_MOUNT, PodPorts, conductor_pod, store_volume_claim, worker_pod
 
 APP = "mooncake"
-DEFAULT_PORTS = {"kv_port": 5560, "store_port": 5570, "health_port": 8081}
+DEFAULT_PORTS = {"kv_port": 5560, "store_port": 5570, "p2p_port": 5580, "health_port": 8081}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -92,6 +94,7 @@ def pod_config(cfg: Config, ports: PodPorts) -> Config:
     c.conductor.api_key, c.conductor.api_keys = "", []  # from the Secret
     c.conductor.host = "0.0.0.0"
     c.node.kv_port, c.node.store_port, c.node.health_port = ports.kv_port, ports.store_port, ports.health_port
+    c.node.p2p_port = ports.p2p_port  # peers fetch chunks from it (through the headless Service's pod IPs)
     c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
     c.store.data_dir = DATA_MOUNT
     c.security.curve_keys_dir = CURVE_MOUNT if cfg.security.curve_keys_dir else ""
@@ -177,7 +180,8 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
         files["30-store.yaml"] = [
             {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-store", **labels),
              "spec": {"clusterIP": "None", "selector": labels,
-                      "ports": [{"name": "store", "port": ports.store_port, "targetPort": "store"}]}},
+                      "ports": [{"name": "store", "port": ports.store_port, "targetPort": "store"},
+                                {"name": "p2p", "port": ports.p2p_port, "targetPort": "p2p"}]}},
             {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(f"{APP}-store", **labels),
              "spec": {"serviceName": f"{APP}-store", "replicas": topology.store,
                       "selector": {"matchLabels": labels}, "podManagementPolicy": "Parallel",

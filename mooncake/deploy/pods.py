@@ -20,6 +20,7 @@ class PodPorts:
     zmq: int  # conductor's role endpoint
     kv_port: int  # decode KV ingress
     store_port: int  # store object API
+    p2p_port: int  # store P2P chunks (peers connect to it at the pod IP)
     health_port: int  # worker/store /health/{live,ready}
 
 
@@ -91,6 +92,7 @@ def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_se
         container_ports.append({"name": "kv", "containerPort": ports.kv_port, "protocol": "TCP"})
     if role == "store":
         container_ports.append({"name": "store", "containerPort": ports.store_port, "protocol": "TCP"})
+        container_ports.append({"name": "p2p", "containerPort": ports.p2p_port, "protocol": "TCP"})
     resources: dict = {"requests": {"cpu": str(cpu), "memory": memory}}
     if gpu:
         resources["limits"] = {"nvidia.com/gpu": 1}

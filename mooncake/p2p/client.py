@@ -5,6 +5,7 @@ removes objects at the conductor."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +29,17 @@ class P2PClient:
         self.conductor = Rpc(self.ctx, cfg.conductor.endpoint, self.curve, "conductor")
         self._store: Rpc | None = None
 
-    async def store(self) -> Rpc:
-        if self._store is None:
-            at = await self.conductor.call(FindStore(self.cfg.node.name))
+    async def store(self, wait_s: float = 0.0) -> Rpc:
+        """This node's store; ``wait_s``: how long to wait for it (and the conductor) to come up."""
+        deadline = time.monotonic() + wait_s
+        while self._store is None:
+            try:
+                at = await self.conductor.call(FindStore(self.cfg.node.name))
+            except P2PError as e:
+                if e.code not in ("no_store", "timeout") or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             assert isinstance(at, StoreAt)
             self._store = Rpc(self.ctx, at.endpoint, self.curve, "store", timeout_s=600.0)
         return self._store
@@ -57,6 +66,16 @@ class P2PClient:
                 return report
             if report.state == "failed":
                 raise P2PError(f"fetching {name} failed: {report.error}")
+
+    async def knows(self, name: str) -> bool:
+        """Whether this node's store holds or fetches ``name`` (completely or in part)."""
+        try:
+            await (await self.store()).call(Progress(name))
+        except P2PError as e:
+            if e.code == "unknown":
+                return False
+            raise
+        return True
 
     async def ls(self) -> Listing:
         reply = await self.conductor.call(ListObjects())
@@ -85,21 +104,29 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+STORE_WAIT_S = 120.0  # how long a worker waits for its node's store to register before fetching its model
+
+
 def fetch_model(cfg: Config, role: str) -> None:
     """``[model] p2p_name`` for a worker: fetch the model directory into ``[model] path``
-    through this node's store when it is missing (a directory with files is left alone)."""
+    through this node's store when it is missing. A directory with files is left alone
+    unless this node's store knows the object: then its fetch may be under way (another
+    worker of the node started it: its files exist at full size before their chunks are
+    in) or was interrupted, and the worker waits for it, or resumes it, before loading."""
     path = Path(cfg.model.path).expanduser() if cfg.model.path else None
     if not cfg.model.p2p_name:
         return
     if path is None:
         raise P2PError("[model] p2p_name needs [model] path: the directory to fetch the model into")
-    if path.is_dir() and any(path.iterdir()):
-        return
+    name = cfg.model.p2p_name
 
     async def run() -> None:
         client = P2PClient(cfg, role)
         try:
-            await client.get(cfg.model.p2p_name, path)
+            await client.store(wait_s=STORE_WAIT_S)  # the node's roles start in any order
+            if path.is_dir() and any(path.iterdir()) and not await client.knows(name):
+                return
+            await client.get(name, path)
         finally:
             client.close()
 

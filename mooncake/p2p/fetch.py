@@ -74,11 +74,20 @@ class Fetch:
         self.bad_chunks = 0
         self.only_from = set(only_from or ())
         self._fatal: Exception | None = None  # a write that cannot go on (disk full)
+        self.task: asyncio.Task | None = None  # running ``run`` (set by whoever starts it)
+        self.removed = False
 
     def progress(self) -> ProgressReport:
         return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
                               self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
                               self.verify_s, self.transfer_s)
+
+    def remove(self) -> None:
+        """The object was removed cluster-wide: stop now, and leave no record of it behind."""
+        self.removed = True
+        self.state, self.error = "failed", f"{self.obj.name} was removed"
+        if self.task is not None:
+            self.task.cancel()
 
     async def run(self) -> None:
         try:
@@ -92,7 +101,8 @@ class Fetch:
                 t.cancel()
             for p in list(self.peers.values()):
                 self._drop_peer(p)
-            self.save(self.obj)
+            if not self.removed:
+                self.save(self.obj)
             self.finished.set()
         if self.state == "complete":
             try:
@@ -108,13 +118,38 @@ class Fetch:
         # what this store holds now (a fetch into a new directory replaces what it held elsewhere)
         await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
         self.save(obj)
+        await self._refresh()
+        refresher = asyncio.create_task(self._keep_refreshing())
+        try:
+            await self._receive()
+        finally:
+            refresher.cancel()
+        t0 = time.monotonic()
+        self.transfer_s = t0 - self._first_request if self._first_request else 0.0
+        if self._writes:  # the last chunks' announcements: the conductor must know this store holds them
+            await asyncio.wait(set(self._writes))
+        await asyncio.to_thread(obj.verify_files)
+        self.verify_s = time.monotonic() - t0
+
+    async def _keep_refreshing(self) -> None:
+        """The holder list, every ``refresh_s``, beside the receive loop (never inside it: a slow
+        conductor must not hold up chunk replies and the requests that follow them)."""
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self._refresh()
+            except (ObjectError, P2PError) as e:
+                self._fatal = e
+            self.events.put_nowait((None, None))  # wake the receive loop: new holders, or the error
+            if self._fatal is not None:
+                return
+
+    async def _receive(self) -> None:
+        """Until every chunk is verified and written (or an error is raised)."""
+        obj = self.obj
         last_progress = time.monotonic()
-        next_refresh = 0.0
         while not obj.complete:
             now = time.monotonic()
-            if now >= next_refresh:
-                await self._refresh()
-                next_refresh = now + self.refresh_s
             self._expire(now)
             self._assign()
             try:
@@ -130,12 +165,6 @@ class Fetch:
                 raise self._fatal
             if time.monotonic() - last_progress > self.stall_timeout_s and not self._writes:
                 raise ObjectError(self._stall_reason())
-        t0 = time.monotonic()
-        self.transfer_s = t0 - self._first_request if self._first_request else 0.0
-        if self._writes:  # the last chunks' announcements: the conductor must know this store holds them
-            await asyncio.wait(set(self._writes))
-        await asyncio.to_thread(obj.verify_files)
-        self.verify_s = time.monotonic() - t0
 
     def _stall_reason(self) -> str:
         missing = sorted(set(range(len(self.obj.spans))) - self.obj.done)
@@ -147,8 +176,13 @@ class Fetch:
 
     async def _refresh(self) -> None:
         mine = sorted({c for p in self.peers.values() for c, _ in p.in_flight.values()})
-        await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
-        loc = await self.meta.call(Locate(self.obj.name))
+        try:
+            await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
+            loc = await self.meta.call(Locate(self.obj.name))
+        except P2PError as e:
+            if e.code == "unknown":
+                raise ObjectError(f"{self.obj.name} was removed while fetching") from None
+            raise
         assert isinstance(loc, Located)
         if loc.manifest.version != self.obj.manifest.version:
             raise ObjectError(f"{self.obj.name} changed while fetching (now version {loc.manifest.version[:12]})")

@@ -22,7 +22,9 @@ import errno
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import quote
 
 import msgspec
@@ -43,6 +45,10 @@ class ChunkCorrupt(ObjectError):
     """A chunk on disk no longer matches its checksum (the file changed under us)."""
 
 
+class NotHeld(ObjectError):
+    """The object was dropped (``mooncake p2p rm``, or replaced) while a read or write was asked."""
+
+
 class DiskFull(ObjectError):
     """Not enough space at the destination for the object."""
 
@@ -56,7 +62,9 @@ class LocalObject:
         self.spans: list[Span] = spans(manifest)
         self.done: set[int] = set(done or ())
         self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._io = threading.Condition()  # guards the fds; close() waits for reads and writes under way
+        self._active = 0
+        self._closed = False
 
     @property
     def name(self) -> str:
@@ -73,19 +81,31 @@ class LocalObject:
     def path(self, file: int) -> Path:
         return self.root / self.manifest.files[file].path
 
-    def _fd(self, file: int, write: bool) -> int:
-        with self._lock:
+    @contextmanager
+    def _fd(self, file: int, write: bool) -> Iterator[int]:
+        """The file's descriptor, held open until the block ends (``close`` waits: a descriptor
+        closed under a read or write could be reused by another file before the call lands)."""
+        with self._io:
+            if self._closed:
+                raise NotHeld(f"{self.name} is no longer held here")
             fd = self._fds.get(file)
             if fd is None:
                 fd = os.open(self.path(file), os.O_RDWR if write else os.O_RDONLY)
                 self._fds[file] = fd
-            return fd
+            self._active += 1
+        try:
+            yield fd
+        finally:
+            with self._io:
+                self._active -= 1
+                self._io.notify_all()
 
     def read_chunk(self, index: int, strong: bool = False) -> bytes:
         """The chunk's bytes, checked against its xxh3 (``strong``: its BLAKE3 digest); ChunkCorrupt if
         they do not match."""
         s = self.spans[index]
-        data = os.pread(self._fd(s.file, False), s.length, s.offset)
+        with self._fd(s.file, False) as fd:
+            data = os.pread(fd, s.length, s.offset)
         ok = len(data) == s.length and (digest(data) == self.manifest.digests[index] if strong
                                         else checksum(data) == self.manifest.checksums[index])
         if not ok:
@@ -97,9 +117,9 @@ class LocalObject:
         s = self.spans[index]
         if len(data) != s.length or digest(data) != self.manifest.digests[index]:
             return False
-        fd = self._fd(s.file, True)
         try:
-            written = os.pwrite(fd, data, s.offset)
+            with self._fd(s.file, True) as fd:
+                written = os.pwrite(fd, data, s.offset)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"{self.name}: disk full writing {self.path(s.file)}") from None
@@ -135,7 +155,14 @@ class LocalObject:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFull(f"{m.name}: no space for {p} ({f.size} bytes)") from None
                 raise
-            self._fds[fi] = fd
+            with self._io:
+                closed, kept = self._closed, not self._closed and fi not in self._fds
+                if kept:
+                    self._fds[fi] = fd
+            if not kept:
+                os.close(fd)
+            if closed:
+                raise NotHeld(f"{m.name} is no longer held here")
         self.done = self.verified_on_disk(before, strong=True)
 
     def verified_on_disk(self, sizes: dict[int, int] | None = None, strong: bool = False) -> set[int]:
@@ -167,7 +194,10 @@ class LocalObject:
                 raise ObjectError(f"{self.name}: {f.path} is {size} bytes after the fetch, not {f.size}")
 
     def close(self) -> None:
-        with self._lock:
+        """Close the files once the reads and writes under way have ended; later ones raise NotHeld."""
+        with self._io:
+            self._closed = True
+            self._io.wait_for(lambda: self._active == 0)
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()

@@ -25,7 +25,7 @@ from mooncake.p2p.fetch import Fetch
 from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
 from mooncake.p2p.messages import (ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
                                    Progress, ProgressReport, Publish, PutObject, decoder, encoder)
-from mooncake.p2p.objects import ChunkCorrupt, LocalObject, ObjectStore
+from mooncake.p2p.objects import ChunkCorrupt, LocalObject, NotHeld, ObjectStore
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.security import kind_of, peer_of
 from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
@@ -85,9 +85,9 @@ class P2PService:
 
     def forget(self, name: str) -> None:
         """The object was removed cluster-wide: stop serving and fetching it (its files stay)."""
-        fetch = self.fetches.pop(name, None)
-        if fetch is not None:
-            fetch.state, fetch.error = "failed", f"{name} was removed"
+        fetch = self.fetches.get(name)
+        if fetch is not None and fetch.state == "fetching":
+            fetch.remove()  # kept: its progress says why it failed; its files close once its writes end
         if self.objects.forget(name):
             log.info("p2p: forgot %s", name)
 
@@ -148,6 +148,9 @@ class P2PService:
         try:
             async with self._readers:
                 data = await asyncio.to_thread(obj.read_chunk, msg.index)
+        except NotHeld:  # removed while the request waited
+            await self._reply(ident, ChunkData(msg.req, msg.index, "not held"))
+            return
         except (ChunkCorrupt, OSError) as e:
             log.error("p2p: %s; no longer serving it", e)
             obj.done.discard(msg.index)
@@ -194,7 +197,7 @@ class P2PService:
         fetch = Fetch(self.ctx, self.curve, self.meta, self.node_id, obj, self.objects.save,
                       self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from)
         self.fetches[msg.name] = fetch
-        self._spawn(fetch.run())
+        fetch.task = self._spawn(fetch.run())
         return Done("fetching")
 
     async def _progress(self, msg: Progress) -> P2PMsg:
