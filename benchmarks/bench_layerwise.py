@@ -20,29 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from clusters import MODEL, metric, metrics, small_config  # noqa: E402
 
-from mooncake.bench.client import RequestRecord, stream_request  # noqa: E402
 from mooncake.config import MiB  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 7) % 40000 + 1000 for i in range(n)]
-
-
-async def request(url: str, ids: list[int], max_tokens: int) -> RequestRecord:
-    rec = RequestRecord(0, "layerwise", 0, 0.0)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await stream_request(client, "/v1/completions",
-                             {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                              "ignore_eos": True, "stream": True}, rec)
-    if not rec.ok:
-        raise RuntimeError(f"request failed: {rec.status} {rec.error}")
-    return rec
+from one_request import fresh_prompt, stream_one  # noqa: E402
 
 
 def run_mode(mode: str, tokens: int, reps: int, max_tokens: int) -> dict:
@@ -54,9 +37,9 @@ def run_mode(mode: str, tokens: int, reps: int, max_tokens: int) -> dict:
     cluster.start()
     out: dict = {"ttft": [], "first_gap": [], "itl": [], "ratio": []}
     try:
-        asyncio.run(request(cluster.url, prompt(999, 64), 4))  # warm-up
+        asyncio.run(stream_one(cluster.url, MODEL, fresh_prompt(999, 64), 4, "layerwise"))  # warm-up
         for rep in range(reps):
-            rec = asyncio.run(request(cluster.url, prompt(rep, tokens), max_tokens))
+            rec = asyncio.run(stream_one(cluster.url, MODEL, fresh_prompt(rep, tokens), max_tokens, "layerwise"))
             gaps = rec.itl_s
             itl = statistics.median(gaps[1:])
             out["ttft"].append(rec.ttft_s)

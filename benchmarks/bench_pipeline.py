@@ -20,29 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from clusters import MODEL, metric, metrics, small_config  # noqa: E402
 
-from mooncake.bench.client import RequestRecord, stream_request  # noqa: E402
 from mooncake.config import MiB  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 7) % 40000 + 1000 for i in range(n)]
-
-
-async def request(url: str, ids: list[int], max_tokens: int) -> RequestRecord:
-    rec = RequestRecord(0, "pipeline", 0, 0.0)
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        await stream_request(client, "/v1/completions",
-                             {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                              "ignore_eos": True, "stream": True}, rec)
-    if not rec.ok:
-        raise RuntimeError(f"request failed: {rec.status} {rec.error}")
-    return rec
+from one_request import fresh_prompt, stream_one  # noqa: E402
 
 
 def run_setup(stages: int, tokens: int, reps: int, seed0: int) -> dict:
@@ -53,9 +36,9 @@ def run_setup(stages: int, tokens: int, reps: int, seed0: int) -> dict:
     cluster.start(timeout_s=300)
     out: dict = {"ttft": [], "texts": []}
     try:
-        asyncio.run(request(cluster.url, prompt(999, 64), 2))  # warm-up (short: one instance)
+        asyncio.run(stream_one(cluster.url, MODEL, fresh_prompt(999, 64), 2, "pipeline"))  # warm-up (short: one instance)
         for rep in range(reps):
-            rec = asyncio.run(request(cluster.url, prompt(seed0 + rep, tokens), 4))
+            rec = asyncio.run(stream_one(cluster.url, MODEL, fresh_prompt(seed0 + rep, tokens), 4, "pipeline"))
             out["ttft"].append(rec.ttft_s)
             print(f"{stages} stage(s) rep {rep}: ttft {rec.ttft_s:.3f}s", flush=True)
         m = metrics(cluster.url)
