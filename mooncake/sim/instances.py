@@ -75,9 +75,8 @@ class PrefillInstance:
     cache: LRUBlocks  # device prefix cache
     store: StoreInstance | None  # the store on the same machine
     queue: deque = field(default_factory=deque)  # (request, plan) in arrival order
-    busy: bool = False
     busy_s: float = 0.0
-    job: tuple | None = None  # the prefill computing now: (request, plan, n_new, cached, compute_s, work_s, start)
+    job: tuple | None = None  # the prefill computing now (None: idle): (request, plan, n_new, cached, compute_s, work_s, start)
     work_left: float = 0.0  # of the job, in seconds at the instance's own speed
     work_since: float = 0.0  # when work_left was last brought up to date
     version: int = 0  # invalidates the end event scheduled before a change of speed

@@ -108,7 +108,7 @@ class Simulation:
             self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
         inst = self.prefills[plan.prefill.node_id]
         inst.queue.append((r, plan))
-        if not inst.busy:
+        if inst.job is None:
             self._start_prefill(inst)
 
     def _note_hits(self, hashes: list[bytes], now: float) -> None:
@@ -127,10 +127,8 @@ class Simulation:
 
     def _start_prefill(self, inst: PrefillInstance) -> None:
         if not inst.queue:
-            inst.busy = False
             self._set_computing(inst.node.node_id, False)
             return
-        inst.busy = True
         r, plan = inst.queue.popleft()
         now = self.loop.now
         usable = min(len(r.hashes), (r.prompt_tokens - 1) // self.B)
