@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,17 @@ T = TypeVar("T")
 MAX_STORE_CLIENTS = 8  # stores a worker talks to at once: its node's and the replicas it reads
 # Fault injection for tests: the engine thread hangs forever after this many engine calls.
 STALL_ENV = "MOONCAKE_FAULT_STALL_AFTER_CALLS"
+
+
+def machine_id() -> str:
+    """What the processes sharing this machine's cores have in common: the kernel's boot id
+    (one per running kernel, so the same in every container and network namespace of a host),
+    else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def node_id_for(cfg: Config, role: str) -> str:
@@ -96,7 +108,7 @@ class EngineWorker(ABC):
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
                           self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
-                          threads=torch.get_num_threads())
+                          threads=torch.get_num_threads(), machine=machine_id())
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     # ---- stores

@@ -86,3 +86,9 @@ def test_calibration_colocates_instances_of_one_machine() -> None:
     assert calibrated_hardware({"estimates": est, "nodes": two_machines}, 16).colocation is None
     unreported = [{k: v for k, v in n.items() if k != "cpus"} for n in one_machine]
     assert calibrated_hardware({"estimates": est, "nodes": unreported}, 16).colocation is None
+    # Nodes of different names on one machine (two prefill nodes of a dev cluster) share it;
+    # one machine id apart is another machine, whatever the names say.
+    named_apart = [dict(n, name=f"node{i}", machine="boot-1") for i, n in enumerate(one_machine)]
+    assert calibrated_hardware({"estimates": est, "nodes": named_apart}, 16).colocation == Colocation(2, 1)
+    named_apart[1]["machine"] = "boot-2"
+    assert calibrated_hardware({"estimates": est, "nodes": named_apart}, 16).colocation is None

@@ -40,13 +40,14 @@ def test_simulation_of_a_live_replay(tmp_path: Path) -> None:
     cfg.engine.profile_at_start = True
     scaling = TraceScaling(block_tokens=16, time_scale=0.1, max_input_tokens=600, max_output_tokens=8,
                            prefix_groups=1, max_requests=10)
-    with running_cluster(cfg=cfg) as c:
+    with running_cluster(cfg=cfg, prefill=2) as c:
         bc = BenchConfig(base_url=c.url, workload="trace", trace_path=str(TRACE), scaling=scaling,
                          ignore_eos=True, progress=False, timeout_s=120)
-        v = validate(bc, SimSetup(1, 1), cfg.engine.block_tokens)
+        v = validate(bc, SimSetup(2, 1), cfg.engine.block_tokens)
         cluster = httpx.get(c.url + "/cluster").json()
         assert cluster["predictions"]["ttft"]["count"] >= 10
-        # Every role of a dev cluster runs on this machine: the simulated ones share its cores.
+        # Every role of a dev cluster runs on this machine (two prefill nodes of different
+        # names included): the simulated ones share its cores.
         hw = calibrated_hardware(cluster, cfg.engine.block_tokens)
         assert hw.colocation == Colocation(cores=len(os.sched_getaffinity(0)), threads=1)
     assert v.requests == 10 and len(v.prompt_tokens) == 10 and max(v.prompt_tokens) <= 600

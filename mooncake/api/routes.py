@@ -67,7 +67,7 @@ def build_app(conductor: Conductor) -> FastAPI:
                 "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
                            "endpoints": n.endpoints,
                            "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
-                           "cpus": n.info.cpus, "threads": n.info.threads,
+                           "cpus": n.info.cpus, "threads": n.info.threads, "machine": n.info.machine,
                            "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),
                            "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,
                            "blocks_indexed": conductor.index.blocks_of(n.node_id)}

@@ -30,6 +30,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     profile: EngineProfile | None = None  # what the engine measured of itself at start-up
     cpus: int = 0  # CPU cores the process may run on (engine roles)
     threads: int = 0  # compute threads the engine uses (engine roles)
+    machine: str = ""  # the same for every process sharing one machine's cores (engine roles)
 
 
 class TierLoad(msgspec.Struct, frozen=True):

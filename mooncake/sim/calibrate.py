@@ -9,7 +9,7 @@ faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
 per node, ``num_blocks`` / ``block_bytes`` (engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
-When all engine nodes share one machine ``name`` and report ``cpus`` (and ``threads``), the
+When all engine nodes share one ``machine`` and report ``cpus`` (and ``threads``), the
 simulated instances share that many cores as the live ones do (``shared_cpu.py``).
 """
 
@@ -89,9 +89,10 @@ def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
 
 
 def _colocation(nodes: list) -> Colocation | None:
-    """The machine the engine nodes share, when they all run on one (a dev cluster)."""
+    """The machine the engine nodes share, when they all run on one (a dev cluster): same
+    ``machine`` (or, from a cluster that does not report it, same node ``name``)."""
     engines = [n for n in nodes if isinstance(n, dict) and n.get("role") in ("prefill", "decode")]
-    if len(engines) < 2 or len({n.get("name") for n in engines}) != 1:
+    if len(engines) < 2 or len({n.get("machine") or n.get("name") for n in engines}) != 1:
         return None
     cpus = min((_number(n, "cpus") or 0 for n in engines), default=0)
     if not cpus:
