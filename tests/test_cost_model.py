@@ -17,12 +17,20 @@ def prefill_truth(n: int, ctx: int) -> float:
     return 0.04 + 0.5 * n / 1000 + 0.05 * n * (ctx + n / 2) / 1e6
 
 
-def decode_truth(batch: int) -> float:
-    return 0.02 + 0.0015 * batch
+def decode_truth(batch: int, kv: int) -> float:
+    """20 ms + 1.5 ms per sequence + 2 ms per 1,000 KV tokens."""
+    return 0.02 + 0.0015 * batch + 0.002 * kv / 1000
+
+
+def at(batch: int, ctx: int = 512) -> tuple[int, int, float]:
+    """A decode sample of ``batch`` sequences of ``ctx`` tokens each."""
+    return batch, batch * ctx, decode_truth(batch, batch * ctx)
 
 
 GRID = [(n, ctx) for n in (1, 16, 128, 1000, 4000) for ctx in (0, 1000, 4000)]
 BATCHES = [1, 2, 8, 32, 128, 256]
+DECODE_GRID = [(b, b * c) for b in BATCHES for c in (16, 512, 2048)]
+DECODE_PROFILE = [at(1, 128), at(8, 128), at(32, 128), at(1, 1024)]
 PROFILE = [(32, 0), (128, 0), (512, 0), (128, 384)]
 SIZES = [16, 64, 200, 500, 1000, 2000]
 
@@ -86,41 +94,41 @@ def test_the_issue_scenario_no_longer_predicts_a_thousand_seconds() -> None:
 
 
 DECODE_SEQUENCES = {
-    "tiny_first": [(1, 0.5)],
-    "outlier_middle": [(b, decode_truth(b)) for b in (1, 4, 16, 32) * 3] + [(8, 5.0)]
-    + [(b, decode_truth(b)) for b in (1, 4, 16, 32) * 2],
-    "zero_and_bad_durations": [x for b in (1, 8, 32) * 4 for x in ((b, decode_truth(b)), (b, 0.0), (b, math.nan))],
-    "identical": [(1, decode_truth(1))] * 200,
-    "only_small": [(b, decode_truth(b)) for b in (1, 2)] * 50,
-    "reversed_slope": [(b, decode_truth(c)) for b, c in zip((4, 8, 16, 32), (32, 16, 8, 4))] * 5,
+    "tiny_first": [(1, 512, 0.5)],
+    "outlier_middle": [at(b, c) for b in (1, 4, 16, 32) for c in (100, 1000)] * 2 + [(8, 4000, 5.0)]
+    + [at(b, c) for b in (1, 4, 16, 32) for c in (300, 2000)],
+    "zero_and_bad_durations": [x for b in (1, 8, 32) * 4 for x in (at(b), (b, 512 * b, 0.0), (b, 512 * b, math.nan))],
+    "identical": [at(1)] * 200,
+    "only_small": [at(b, 64) for b in (1, 2)] * 50,
+    "reversed_slope": [(b, b * 512, decode_truth(c, c * 512)) for b, c in zip((4, 8, 16, 32), (32, 16, 8, 4))] * 5,
+    "long_contexts": [at(b, c) for b in (2, 8) for c in (2000, 8000)] * 10,
 }
 
 
 @pytest.mark.parametrize("start", ["default_prior", "profile"])
 @pytest.mark.parametrize("name", DECODE_SEQUENCES)
 def test_decode_model_stays_within_3x_of_truth(name: str, start: str) -> None:
-    m = DecodeCostModel() if start == "default_prior" else \
-        DecodeCostModel.from_profile([(b, decode_truth(b)) for b in (1, 8, 32)])
-    for b, s in DECODE_SEQUENCES[name]:
-        m.observe(b, s)
-        for gb in BATCHES:
-            assert within(m.predict(gb), decode_truth(gb), 3.0), (name, gb, m.weights)
+    m = DecodeCostModel() if start == "default_prior" else DecodeCostModel.from_profile(DECODE_PROFILE)
+    for b, kv, s in DECODE_SEQUENCES[name]:
+        m.observe(b, kv, s)
+        for gb, gkv in DECODE_GRID:
+            assert within(m.predict(gb, gkv), decode_truth(gb, gkv), 3.0), (name, gb, gkv, m.weights)
 
 
 def test_seeding_from_a_profile_reproduces_the_machine() -> None:
     m = seeded_prefill()
     for n, ctx in GRID:
         assert within(m.predict(n, ctx), prefill_truth(n, ctx), 1.25), (n, ctx, m.weights)
-    d = DecodeCostModel.from_profile([(b, decode_truth(b)) for b in (1, 8, 32)])
-    for b in BATCHES:
-        assert within(d.predict(b), decode_truth(b), 1.05)
+    d = DecodeCostModel.from_profile(DECODE_PROFILE)
+    for b, kv in DECODE_GRID:  # batch sizes and contexts far beyond the profile's
+        assert within(d.predict(b, kv), decode_truth(b, kv), 1.05), (b, kv, d.weights)
 
 
 def test_a_profile_with_nothing_usable_leaves_the_default_prior() -> None:
     assert PrefillCostModel.from_profile([]).weights == pytest.approx(PrefillCostModel().weights)
     assert PrefillCostModel.from_profile([(0, 0, 1.0), (10, 0, 0.0)]).weights == \
         pytest.approx(PrefillCostModel().weights)
-    assert DecodeCostModel.from_profile([(1, math.nan)]).weights == pytest.approx(DecodeCostModel().weights)
+    assert DecodeCostModel.from_profile([(1, 128, math.nan)]).weights == pytest.approx(DecodeCostModel().weights)
 
 
 def test_follows_a_slower_machine_over_a_few_samples() -> None:
@@ -154,7 +162,7 @@ def test_bad_priors_are_refused() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         PrefillCostModel(fixed_s=-1.0)
     with pytest.raises(ValueError, match="no cost"):
-        DecodeCostModel(step_s=0.0, per_seq_s=0.0)
+        DecodeCostModel(step_s=0.0, per_seq_s=0.0, per_1k_kv_s=0.0)
     with pytest.raises(ValueError, match="max_factor"):
         DecodeCostModel(max_factor=1.0)
 
@@ -170,7 +178,7 @@ def test_box_qp_matches_the_unconstrained_solution_inside_the_box() -> None:
 durations = st.one_of(st.floats(min_value=-1.0, max_value=1e6), st.floats(min_value=1e-12, max_value=10.0),
                       st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e300]))
 prefill_samples = st.lists(st.tuples(st.integers(-5, 100_000), st.integers(-5, 100_000), durations), max_size=40)
-decode_samples = st.lists(st.tuples(st.integers(-2, 2048), durations), max_size=40)
+decode_samples = st.lists(st.tuples(st.integers(-2, 2048), st.integers(-5, 10**6), durations), max_size=40)
 
 
 @settings(max_examples=60, deadline=None)
@@ -191,14 +199,15 @@ def test_prefill_predictions_are_monotone_and_bounded(samples, seeded, pairs) ->
 
 
 @settings(max_examples=60, deadline=None)
-@given(samples=decode_samples, b1=st.integers(0, 4096), db=st.integers(0, 4096))
-def test_decode_predictions_are_monotone_and_bounded(samples, b1, db) -> None:
+@given(samples=decode_samples, b1=st.integers(0, 4096), db=st.integers(0, 4096),
+       kv1=st.integers(0, 10**6), dkv=st.integers(0, 10**6))
+def test_decode_predictions_are_monotone_and_bounded(samples, b1, db, kv1, dkv) -> None:
     m = DecodeCostModel()
-    for b, s in samples:
-        m.observe(b, s)
-    assert 0 < m.predict(b1) <= m.predict(b1 + db) * (1 + 1e-12)
-    for b in DecodeCostModel.REFERENCES:
-        assert 1 / 30 <= m.predict(b) / DecodeCostModel().predict(b) <= 30 * (1 + 1e-9)
+    for b, kv, s in samples:
+        m.observe(b, kv, s)
+    assert 0 < m.predict(b1, kv1) <= m.predict(b1 + db, kv1 + dkv) * (1 + 1e-12)
+    for b, kv in DecodeCostModel.REFERENCES:
+        assert 1 / 30 <= m.predict(b, kv) / DecodeCostModel().predict(b, kv) <= 30 * (1 + 1e-9)
 
 
 @settings(max_examples=25, deadline=None)

@@ -52,7 +52,9 @@ def test_profile_measures_sane_numbers_and_leaves_the_engine_clean(loaded_model)
     eng.blocks.check()
     assert [(n, c) for n, c, _ in p.prefill] == [(16, 0), (64, 0), (128, 0), (32, 96)]
     assert p.chunk_tokens == eng.chunk_tokens
-    assert [b for b, _ in p.decode] == [1, 4] and p.decode_context == 32
+    # each batch at 32 tokens per sequence, then batch 1 at the long context (capped by max_model_len)
+    long = min(1024, eng.max_model_len - 5)
+    assert [(b, kv) for b, kv, _ in p.decode] == [(1, 32), (4, 128), (1, long)]
     assert all(0 < s < 60 and math.isfinite(s) for *_, s in p.prefill + p.decode)
     assert p.prefill[2][2] > p.prefill[0][2]  # 128 tokens take longer than 16 (8x the work)
     assert p.threads >= 1 and p.seconds > 0
@@ -69,8 +71,9 @@ def test_profile_travels_on_the_wire_and_seeds_both_models(loaded_model):
     for n, ctx, s in p.prefill:  # the seeded prior reproduces its own measurements roughly
         assert s / 2 <= pc.predict(n, ctx) <= 2 * s
     assert pc.predict(16, 0) <= pc.predict(1000, 0) <= pc.predict(1000, 1000)
-    for b, s in p.decode:
-        assert s / 2 <= dc.predict(b) <= 2 * s
+    for b, kv, s in p.decode:
+        assert s / 2 <= dc.predict(b, kv) <= 2 * s
+    assert dc.predict(1, 16) <= dc.predict(1, 1000) <= dc.predict(4, 1000)
 
 
 def test_profile_sizes_are_capped_by_context_batch_and_free_blocks(loaded_model):
@@ -81,7 +84,8 @@ def test_profile_sizes_are_capped_by_context_batch_and_free_blocks(loaded_model)
                        context_sample=(20, 200))
     assert [(n, c) for n, c, _ in p.prefill] == [(8, 0), (99, 0), (20, 64)]  # 64: 99 - 20, in whole blocks
     # each decode sequence needs ceil((40 + 3 + 2) / 16) = 3 blocks: 10 // 3 = 3, then max_batch = 2
-    assert [b for b, _ in p.decode] == [1, 2]
+    # and batch 1 at the longest context that fits: min(1024, 100 - 5) = 95 tokens in 7 blocks
+    assert [(b, kv) for b, kv, _ in p.decode] == [(1, 40), (2, 80), (1, 95)]
     assert eng.stats()["free_blocks"] == 10 and eng.stats()["used_blocks"] == 2
 
 
@@ -89,7 +93,7 @@ def test_profile_of_a_full_pool_is_empty_and_seeds_the_default_prior(loaded_mode
     eng = engine_with(loaded_model, kv_cache_bytes=4 * eng_block_bytes(loaded_model))
     eng.blocks.allocate(4)
     p = profile_engine(eng)
-    assert p.prefill == [] and p.decode == [] and p.decode_context == 0
+    assert p.prefill == [] and p.decode == []
     assert PrefillCostModel.from_profile(p.prefill).weights == pytest.approx(PrefillCostModel().weights)
 
 

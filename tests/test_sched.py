@@ -88,10 +88,11 @@ def test_cost_models_start_from_priors_and_follow_measurements():
     for n in (200, 400, 800, 1600) * 10:  # the machine is 4x slower than the prior
         pc.observe(n, 0, 4 * n / 1000)
     assert pc.predict(1000, 0) == pytest.approx(4.0, rel=0.15)
-    dc = DecodeCostModel(step_s=0.01, per_seq_s=0.001)
-    for b in (1, 8, 16, 32) * 10:
-        dc.observe(b, 0.02 + 0.002 * b)
-    assert dc.predict(20) == pytest.approx(0.06, rel=0.1)
+    dc = DecodeCostModel(step_s=0.01, per_seq_s=0.001, per_1k_kv_s=0.0)
+    for b in (1, 8, 16, 32) * 10:  # the machine: 20 ms + 2 ms per sequence + 3 ms per 1,000 KV tokens
+        for ctx in (500, 1500):
+            dc.observe(b, b * ctx, 0.02 + 0.002 * b + 0.003 * b * ctx / 1000)
+    assert dc.predict(20, 20_000) == pytest.approx(0.12, rel=0.1)
 
 
 def node(node_id: str, role: str, machine: str, **endpoints: str) -> Node:
@@ -207,12 +208,13 @@ def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
 
 
 def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
-    """A request a second, each predicted to decode for 6.5 s, TBT SLO 40 ms (5 sequences at the
-    prior's 30 ms + 2 ms each): admission follows the batch predicted at first-token time exactly,
-    and the decision flips only when that prediction crosses the SLO."""
+    """A request a second, each predicted to decode for 6.5 s, TBT SLO 41 ms (5 sequences of 40
+    tokens at the prior's 30 ms + 2 ms each + 2 ms per 1,000 KV tokens: 40.4 ms; 6: 42.5 ms):
+    admission follows the batch predicted at first-token time exactly, and the decision flips
+    only when that prediction crosses the SLO."""
     sched, _, _ = make()
     metrics = Metrics()
-    admission = Admission(ConductorConfig(tbt_slo_ms=40, probe_after_s=1e9), metrics)
+    admission = Admission(ConductorConfig(tbt_slo_ms=41, probe_after_s=1e9), metrics)
     admission.last_admitted = 0.0
     verdicts = []
     for i in range(60):

@@ -57,9 +57,10 @@ def build_app(conductor: Conductor) -> FastAPI:
         return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
                 "block_tokens": facts.block_tokens if facts else 0,
                 "estimates": {"prefill_1k_tokens_s": costs.prefill.predict(1000, 0),
-                              "decode_step_batch_8_s": costs.decode.predict(8),
+                              "decode_step_batch_8_s": costs.decode.predict(8, 8 * 1024),  # 1k tokens each
                               "prefill_fixed_s": pw[0], "prefill_per_token_s": pw[1] / 1000,
                               "prefill_per_pair_s": pw[2] / 1e6, "decode_step_s": dw[0], "decode_per_seq_s": dw[1],
+                              "decode_per_kv_token_s": dw[2] / 1000,
                               "fetch_block_s": costs.prefill.fetch_block_s,
                               "dispatch_s": costs.prefill.dispatch.value, "transit_s": costs.prefill.transit.value,
                               "profiled": sorted(costs.profiled)},

@@ -58,9 +58,9 @@ class CostModels:
         self.prefill.dispatch.observe(prefilled_at - attempt.started - worked_s)
         self.prefill.transit.observe(prefilled_at - attempt.reserved_at - worked_s)
 
-    def observe_decode(self, steps: list[tuple[int, float]]) -> None:
-        for batch, seconds in steps:
-            self.decode.observe(int(batch), float(seconds))
+    def observe_decode(self, steps: list[tuple[int, int, float]]) -> None:
+        for batch, kv_tokens, seconds in steps:
+            self.decode.observe(int(batch), int(kv_tokens), float(seconds))
         self.metrics.cost_model_rejected_fits.labels("decode").set(self.decode.model.rejected_fits)
 
     def evidence(self) -> tuple[bool, bool]:

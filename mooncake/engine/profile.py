@@ -39,6 +39,7 @@ PREFILL_SIZES = (32, 128, 384)
 CONTEXT_SAMPLE = (128, 1024)  # new tokens after cached ones: attention over cached context
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 128
+LONG_DECODE_CONTEXT = 1024  # one more sample, at batch 1: what the KV a sequence holds costs a step
 
 
 def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
@@ -134,9 +135,10 @@ def one_profile_at_a_time() -> Iterator[None]:
 def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZES,
                    decode_batches: tuple[int, ...] = DECODE_BATCHES, decode_context: int = DECODE_CONTEXT,
                    context_sample: tuple[int, int] = CONTEXT_SAMPLE, decode_steps: int = 3,
-                   repeats: int = 1) -> EngineProfile:
+                   long_decode_context: int = LONG_DECODE_CONTEXT, repeats: int = 1) -> EngineProfile:
     """Measure prefill times (each size from scratch, then ``context_sample``: new tokens after
-    cached ones) and decode step times (median of ``decode_steps``).
+    cached ones) and decode step times (median of ``decode_steps``): each batch size at
+    ``decode_context`` tokens per sequence, then batch 1 at ``long_decode_context``.
     Sizes are capped by the context limit, ``max_batch`` and the free blocks (sizes that fit
     nothing are skipped); each prefill time is the least of ``repeats`` runs. Pass ``()`` to
     skip a part: a prefill instance need not grow a decode workspace, nor a decode instance
@@ -148,22 +150,30 @@ def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZE
     free = len(engine.blocks.free)  # every measurement gives back what it took: each may use all
     limit = min(engine.max_model_len - 1, free * T)
     sizes = sorted({min(n, limit) for n in prefill_sizes if n > 0} - {0})
-    context = max(1, min(decode_context, engine.max_model_len - decode_steps - 2))
-    per_seq = _blocks(engine, context + decode_steps + 2)
-    batches = sorted({min(b, engine.max_batch, free // per_seq) for b in decode_batches if b > 0} - {0})
+    longest = max(1, min(engine.max_model_len, free * T) - (decode_steps + 2))  # a decode sequence's context
+
+    def batches_at(context: int, wanted: tuple[int, ...]) -> list[int]:
+        per_seq = _blocks(engine, context + decode_steps + 2)
+        return sorted({min(b, engine.max_batch, free // per_seq) for b in wanted if b > 0} - {0})
+
+    short = min(decode_context, longest)
+    runs = [(b, short) for b in batches_at(short, decode_batches)]
+    long = min(long_decode_context, longest)
+    if runs and long > short and batches_at(long, (1,)):
+        runs.append((1, long))
     prefill: list[tuple[int, int, float]] = []
     on_event, engine.on_block_event = engine.on_block_event, None
     try:
         if sizes:
             _time_prefill(engine, _tokens(engine, sizes[0], 0), 0, salt, sampling)  # warm-up, not recorded
         for n in sizes:
-            runs = [_time_prefill(engine, _tokens(engine, n, run), 0, salt, sampling) for run in range(max(repeats, 1))]
-            prefill.append(min(runs, key=lambda r: r[2]))
+            runs_n = [_time_prefill(engine, _tokens(engine, n, run), 0, salt, sampling) for run in range(max(repeats, 1))]
+            prefill.append(min(runs_n, key=lambda r: r[2]))
         n, ctx = min(context_sample[0], limit), min(context_sample[1], limit - context_sample[0]) // T * T
         if sizes and n > 0 and ctx > 0:
             prefill.append(_time_prefill(engine, _tokens(engine, ctx + n, 0), ctx, salt, sampling))
-        decode = [(b, _time_decode(engine, b, context, decode_steps, salt, sampling)) for b in batches]
+        decode = [(b, b * c, _time_decode(engine, b, c, decode_steps, salt, sampling)) for b, c in runs]
     finally:
         engine.on_block_event = on_event
-    return EngineProfile(prefill, decode, decode_context=context if decode else 0, chunk_tokens=engine.chunk_tokens,
-                         threads=torch.get_num_threads(), seconds=time.perf_counter() - t_start)
+    return EngineProfile(prefill, decode, chunk_tokens=engine.chunk_tokens, threads=torch.get_num_threads(),
+                         seconds=time.perf_counter() - t_start)

@@ -52,7 +52,7 @@ class Load(msgspec.Struct):
     sequences: int = 0  # engine: sequences holding blocks
     progress: int = 0
     pending: bool = False
-    steps: list[tuple[int, float]] = []  # decode: (batch, seconds) of steps since the last heartbeat
+    steps: list[tuple[int, int, float]] = []  # decode: (batch, KV tokens, seconds) of steps since the last heartbeat
     tiers: dict[str, TierLoad] = {}  # store: per tier
     kv_rejected: dict[str, int] = {}  # KV refused since start, by reason (forged or corrupt: a miss, recomputed)
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)

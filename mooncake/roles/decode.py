@@ -78,7 +78,7 @@ class DecodeWorker(EngineWorker):
         self.incoming: dict[str, Slot] = {}  # reserved, KV arriving
         self.running: dict[str, Slot] = {}
         self.aborted: set[str] = set()  # running requests to retire at the next step
-        self.steps: list[tuple[int, float]] = []  # (batch, seconds) since the last heartbeat
+        self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
         self._landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
@@ -290,9 +290,10 @@ class DecodeWorker(EngineWorker):
         slots = list(self.running.values())
         if not slots:
             return False
+        kv_tokens = sum(s.seq.num_tokens for s in slots)
         t0 = time.perf_counter()
         outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
-        self.steps.append((len(slots), time.perf_counter() - t0))
+        self.steps.append((len(slots), kv_tokens, time.perf_counter() - t0))
         self.progress += 1
         for slot, out in zip(slots, outs):
             rid = slot.msg.req_id

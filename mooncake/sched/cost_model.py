@@ -1,4 +1,4 @@
-"""Online cost models: prefill time from token counts, decode step time from batch size.
+"""Online cost models: prefill time from token counts, decode step time from batch size and KV.
 
 They drive early rejection, so a wrong model turns into refused requests; they are built
 so that no sequence of measurements can make them run away.
@@ -14,7 +14,7 @@ with the work, so predictions are monotone in tokens, context and batch size:
   twice as much per pair on CPU: ``masked`` counts those pairs, ``e`` is their extra cost.
   ``masked`` never decreases with ``n`` or ``ctx`` (going from no context to some context
   moves the first chunk's pairs into it), so neither does the prediction;
-- one decode step: ``d0 + d1*batch``;
+- one decode step: ``d0 + d1*batch + d2*kv/1e3``, ``kv`` the KV tokens the batch holds;
 - and, outside the fit, what a request spends between dispatch and its prefill beyond the
   queues: messages between the roles and the decode instance's reservation (made between
   its engine steps), as the median of recent requests that met no queue.
@@ -248,35 +248,41 @@ class PrefillCostModel:
 
 
 class DecodeCostModel:
-    """Seconds per decode step at a given batch size: ``step_s + per_seq_s*batch``."""
+    """Seconds per decode step of ``batch`` sequences that hold ``kv_tokens`` of KV in all:
+    ``step_s + per_seq_s*batch + per_1k_kv_s*kv_tokens/1e3`` (each step reads every
+    sequence's KV: at 1,000 tokens each, attention is a large part of a CPU decode step)."""
 
-    ANCHOR = 8
-    REFERENCES = (1, 8, 64)
+    ANCHOR = (8, 8192)
+    REFERENCES = ((1, 128), (8, 8192), (64, 65536))
 
-    def __init__(self, step_s: float = 0.03, per_seq_s: float = 0.002, max_factor: float = 30.0,
-                 **fit: float) -> None:
-        self.model = BoundedLinearModel([step_s, per_seq_s], [1.0, float(self.ANCHOR)],
-                                        [[1.0, float(b)] for b in self.REFERENCES], max_factor=max_factor, **fit)
+    def __init__(self, step_s: float = 0.03, per_seq_s: float = 0.002, per_1k_kv_s: float = 0.002,
+                 max_factor: float = 30.0, **fit: float) -> None:
+        self.model = BoundedLinearModel([step_s, per_seq_s, per_1k_kv_s], self._features(*self.ANCHOR),
+                                        [self._features(*r) for r in self.REFERENCES], max_factor=max_factor, **fit)
 
     @classmethod
-    def from_profile(cls, samples: Iterable[tuple[int, float]], max_factor: float = 10.0,
+    def from_profile(cls, samples: Iterable[tuple[int, int, float]], max_factor: float = 10.0,
                      **fit: float) -> DecodeCostModel:
-        """A model whose prior is fitted to measured ``(batch, seconds per step)`` samples."""
-        rows = [(int(b), float(s)) for b, s in samples if b > 0]
+        """A model whose prior is fitted to measured ``(batch, KV tokens, seconds per step)`` samples."""
+        rows = [(int(b), int(kv), float(s)) for b, kv, s in samples if b > 0 and kv >= 0]
         default = cls().model
-        prior = fit_prior([[1.0, float(b)] for b, _ in rows], [s for _, s in rows], default.scale)
-        if prior is None or not prior[0] + cls.ANCHOR * prior[1] > 0:
+        prior = fit_prior([cls._features(b, kv) for b, kv, _ in rows], [s for *_, s in rows], default.scale)
+        if prior is None or not _dot(prior, cls._features(*cls.ANCHOR)) > 0:
             prior = default.prior
-        return cls(prior[0], prior[1], max_factor=max_factor, **fit)
+        return cls(*prior, max_factor=max_factor, **fit)
+
+    @staticmethod
+    def _features(batch: int, kv_tokens: int) -> list[float]:
+        return [1.0, float(max(batch, 0)), max(kv_tokens, 0) / 1000.0]
 
     @property
     def weights(self) -> list[float]:
-        """``[seconds per step, seconds per sequence in the batch]``."""
+        """``[seconds per step, seconds per sequence in the batch, seconds per 1,000 KV tokens]``."""
         return list(self.model.weights)
 
-    def predict(self, batch: int) -> float:
-        return self.model.predict([1.0, float(max(batch, 0))])
+    def predict(self, batch: int, kv_tokens: int) -> float:
+        return self.model.predict(self._features(batch, kv_tokens))
 
-    def observe(self, batch: int, seconds: float) -> None:
-        if batch > 0:
-            self.model.observe([1.0, float(batch)], seconds)
+    def observe(self, batch: int, kv_tokens: int, seconds: float) -> None:
+        if batch > 0 and kv_tokens >= 0:
+            self.model.observe(self._features(batch, kv_tokens), seconds)

@@ -15,8 +15,7 @@ class EngineProfile(msgspec.Struct, frozen=True):
     ``DecodeCostModel.from_profile(p.decode)``."""
 
     prefill: list[tuple[int, int, float]]  # (new tokens, cached tokens before them, seconds)
-    decode: list[tuple[int, float]]  # (batch size, seconds per decode step)
-    decode_context: int = 0  # tokens of context each sequence of the decode samples had
+    decode: list[tuple[int, int, float]]  # (batch size, KV tokens the batch held, seconds per decode step)
     chunk_tokens: int = 512  # the engine's prefill chunk (the cost model needs it)
     threads: int = 0  # torch CPU threads during the measurement
     seconds: float = 0.0  # wall time the whole profile took

@@ -161,7 +161,8 @@ class Scheduler:
             first_token_at = now + est + max(0.0, wait - p_queue_s)
             options.append((wait > 0, slots.running_at(first_token_at) + 1, wait, len(options), first_token_at, need, d))
         _, batch, wait, _, first_token_at, need, decode = min(options)
-        tbt = self.decode_cost.predict(batch)
+        # the batch's KV as if every sequence were this one halfway through its output
+        tbt = self.decode_cost.predict(batch, batch * (n_tokens + max_tokens // 2))
         ttft = first_token_at - now
         if wait > 0:
             best = min(c[0] + max(0.0, wait - queue_s[c[4].node_id]) for c in candidates)

@@ -1,10 +1,11 @@
 """``--calibrate URL``: the fitted cost models of a running cluster, from ``GET /cluster``.
 
 Read today: ``estimates.prefill_1k_tokens_s`` and ``estimates.decode_step_batch_8_s``
-(required). Read when present (a cluster that reports them is simulated more
+(required; a step of 8 sequences of 1,024 tokens each). Read when present (a cluster that reports them is simulated more
 faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 ``estimates.prefill_per_pair_s`` (attention, per new-token x context-token pair),
-``estimates.decode_step_s``, ``estimates.decode_per_seq_s``, ``estimates.fetch_block_s``
+``estimates.decode_step_s``, ``estimates.decode_per_seq_s``, ``estimates.decode_per_kv_token_s``
+(per token of KV the batch holds), ``estimates.fetch_block_s``
 (per store block read), ``estimates.kv_transfer_token_s``, ``estimates.transit_s`` (per
 request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
@@ -123,6 +124,7 @@ def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrate
     costs = LinearCosts(prefill_fixed_s=fixed, prefill_per_token_s=per_token,
                         prefill_per_pair_s=_number(est, "prefill_per_pair_s") or 0.0,
                         decode_step_s=step, decode_per_seq_s=per_seq,
+                        decode_per_kv_token_s=_number(est, "decode_per_kv_token_s") or 0.0,
                         fetch_block_s=(_number(est, "fetch_block_s") or 0.0) / ratio,
                         transfer_token_s=_number(est, "kv_transfer_token_s") or 0.0,
                         transit_s=_number(est, "transit_s") or 0.0)

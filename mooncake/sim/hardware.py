@@ -61,11 +61,13 @@ class Hardware:
         n = 4096
         return n / max(1e-12, self.prefill_s(n, 0) - fixed), fixed
 
-    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float]:
-        """(step_s, per_seq_s) of the decode cost model at a typical context length."""
-        step = self.decode_step_s(1, typical_ctx)
-        per = (self.decode_step_s(9, 9 * typical_ctx) - step) / 8
-        return max(0.0, step - per), max(0.0, per)
+    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float, float]:
+        """(step_s, per_seq_s, per_1k_kv_s) of the decode cost model, from the differences of
+        steps around a typical context length."""
+        one = self.decode_step_s(1, typical_ctx)
+        per_kv = max(0.0, (self.decode_step_s(1, 2 * typical_ctx) - one) / typical_ctx)
+        per_seq = max(0.0, (self.decode_step_s(9, 9 * typical_ctx) - one) / 8 - per_kv * typical_ctx)
+        return max(0.0, one - per_seq - per_kv * typical_ctx), per_seq, per_kv * 1000
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class LinearCosts:
     fetch_block_s: float
     transfer_token_s: float
     transit_s: float = 0.0  # per request: messages between the roles
+    decode_per_kv_token_s: float = 0.0  # per token of KV the decode batch holds
 
 
 class FittedHardware(Hardware):
@@ -100,7 +103,8 @@ class FittedHardware(Hardware):
         return chunks * c.prefill_fixed_s + n_new * c.prefill_per_token_s + n_new * (ctx + n_new / 2) * c.prefill_per_pair_s
 
     def decode_step_s(self, batch: int, ctx_tokens: float) -> float:
-        return self.costs.decode_step_s + batch * self.costs.decode_per_seq_s
+        c = self.costs
+        return c.decode_step_s + batch * c.decode_per_seq_s + ctx_tokens * c.decode_per_kv_token_s
 
     def fetch_block_s(self, tier: str, local: bool) -> float:
         return self.costs.fetch_block_s
@@ -114,5 +118,6 @@ class FittedHardware(Hardware):
     def prefill_prior(self) -> tuple[float, float]:
         return 1.0 / max(1e-12, self.costs.prefill_per_token_s), self.costs.prefill_fixed_s
 
-    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float]:
-        return self.costs.decode_step_s, self.costs.decode_per_seq_s
+    def decode_prior(self, typical_ctx: int = 8192) -> tuple[float, float, float]:
+        c = self.costs
+        return c.decode_step_s, c.decode_per_seq_s, c.decode_per_kv_token_s * 1000

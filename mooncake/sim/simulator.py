@@ -41,10 +41,10 @@ class Simulation:
         self.index = KVIndex()
         self.cluster = Cluster()
         tps, fixed = hw.prefill_prior()
-        step, per_seq = hw.decode_prior()
+        step, per_seq, per_1k_kv = hw.decode_prior()
         self.prefill_cost = PrefillCostModel(tokens_per_s=tps, fixed_s=fixed,
                                              fetch_block_s=hw.fetch_block_s("dram", True))
-        self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq)
+        self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq, per_1k_kv_s=per_1k_kv)
         self.sched = Scheduler(self.cfg, self.cluster, self.index, self.prefill_cost, self.decode_cost,
                                rng=random.Random(setup.seed))
         self.admission = Admission(self.cfg, Metrics())  # the metrics of a simulation go unread
@@ -209,8 +209,9 @@ class Simulation:
         if not d.active:
             d.step_s = 0.0
             return
-        d.step_s = self.hw.decode_step_s(len(d.active), sum(s.kv_tokens for s in d.active.values())) / self._speed()
-        self.decode_cost.observe(len(d.active), d.step_s)
+        kv_tokens = sum(s.kv_tokens for s in d.active.values())
+        d.step_s = self.hw.decode_step_s(len(d.active), kv_tokens) / self._speed()
+        self.decode_cost.observe(len(d.active), int(kv_tokens), d.step_s)
         left = min(s.remaining for s in d.active.values())
         self.loop.after(max(0.0, left) * d.step_s, self._decode_tick, d, d.version)
 

@@ -1,10 +1,11 @@
 """``mooncake sim size``: the smallest cluster (fewest instances; ties: fewer prefill)
 whose SLO attainment reaches the target.
 
-Attainment grows with either pool, so the minimal decode count for a prefill count,
-``d(p)``, does not grow with ``p``. The search bisects for the fewest prefill
-instances (with the most decode) and the fewest decode (with the most prefill),
-then walks the frontier ``(p, d(p))`` as a staircase: each step one simulation.
+Attainment grows with the decode pool (smaller batches, shorter steps), but not always
+with the prefill pool: more prefill instances hand more requests to decode at once, and
+their batches can then break the TBT SLO. So the search takes prefill counts in turn and
+bisects, for each, the fewest decode instances that qualify, among the counts that would
+still beat the best cluster found so far (one simulation rules a prefill count out).
 """
 
 from __future__ import annotations
@@ -70,18 +71,20 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
 
     if not ok(max_prefill, max_decode):
         return answer
-    p_min = _first(1, max_prefill, lambda p: ok(p, max_decode))
-    d_floor = _first(1, max_decode, lambda d: ok(max_prefill, d))
-    d = _first(d_floor, max_decode, lambda d: ok(p_min, d))
-    answer.frontier.append((p_min, d))
-    best = (p_min, d)
-    p = p_min
-    while d > d_floor and p < max_prefill and (full_frontier or p + 1 + d_floor < sum(best)):
-        p += 1
-        while d > d_floor and ok(p, d - 1):
-            d -= 1
+    best = (max_prefill, max_decode)
+    for p in range(1, max_prefill + 1):
+        # a cluster with p prefill instances must have fewer instances than ``best`` (as many
+        # when it has fewer prefill instances) to win; ``full_frontier`` looks a little further
+        d_hi = min(max_decode, sum(best) - p - (p >= best[0]))
+        if full_frontier and p <= best[0] + 4:
+            d_hi = max_decode
+        if d_hi < 1:
+            break
+        if not ok(p, d_hi):
+            continue
+        d = _first(1, d_hi, lambda d: ok(p, d))
         answer.frontier.append((p, d))
-        if p + d < sum(best):
+        if (p + d, p) < (sum(best), best[0]):
             best = (p, d)
     answer.best = best
     if full_frontier:
