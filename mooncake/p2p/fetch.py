@@ -3,9 +3,10 @@
 Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time; a
 free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
 (fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
-different chunks and soon serve each other). Every chunk is checked against its BLAKE3
-before it is written (in a thread, so that hashing overlaps the transfer); a bad one is
-asked again from another holder, and so is one whose holder disconnects or stays silent.
+different chunks and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
+in a thread, so that both overlap the transfer, and counted only if it matches its digest; a
+bad one is asked again from another holder (its good copy overwrites it), and so is one whose
+holder disconnects or stays silent.
 Each verified chunk is announced to the conductor at once,
 and the holder list is refreshed every ``refresh_s``: peers fetching the same object
 serve each other during the distribution, not only the seed.
