@@ -4,9 +4,10 @@ Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a 
 that once it delivers at ``FAST_HOLDER_BYTES_PER_S`` or more (on a fast link the holder's
 read of the next chunk takes about as long as the last one's transfer: with more requests
 queued it reads ahead and the link never waits; on a slow link more requests would only
-commit more chunks to that holder, where another could soon serve them); a free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
-(fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
-different chunks and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
+commit more chunks to that holder, where another could soon serve them); a free slot goes
+to the least-loaded holder first, and asks it for the rarest chunk it has (fewest holders;
+ties in an order random per fetch, so that concurrent fetchers start on different chunks
+and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
 in a thread, so that both overlap the transfer, and counted only if it matches its digest; a
 bad one is asked again from another holder (its good copy overwrites it), and so is one whose
 holder disconnects or stays silent.
