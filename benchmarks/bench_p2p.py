@@ -11,10 +11,12 @@ Between fetches the object is removed and published again (no copies left over).
 
 Uncapped: host2 fetches from host1 alone (CURVE, and plain TCP on a second cluster started
 with ``allow_insecure_network``), against a raw TCP socket copy of the same file between
-the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file). The
-two run in pairs, back to back, the order alternating, each after ``sync`` (no copy pays
-for the last one's writeback); the ratio is the median over the pairs of raw / P2P (this
-machine's other load changes from minute to minute, not within a pair).
+the same two namespaces (``sendfile`` into a socket, ``recv_into`` + write to a file on the
+same file system, reserved first with ``posix_fallocate`` as a fetch reserves its files). The
+two run in pairs, back to back, the order alternating, each from the same state: the last
+copy's file deleted and ``sync`` (no copy pays for the last one's writeback); the ratio is
+the median over the pairs of raw / P2P (this machine's other load changes from minute to
+minute, not within a pair), also given per order (raw first, P2P first).
 A fetch's time runs from the request to the store's report that it is complete (every chunk
 checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
 request to its last chunk written, is reported too.
@@ -42,11 +44,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from p2p_hosts import P2PHosts  # noqa: E402
 
 RECEIVER = """
-import socket, sys, time
+import os, socket, sys, time
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(1); print("ready", flush=True)
 conn, _ = srv.accept(); t0 = time.monotonic(); buf = bytearray(16 << 20); view = memoryview(buf); total = 0
 with open(sys.argv[3], "wb", buffering=0) as f:
+    os.posix_fallocate(f.fileno(), 0, int(sys.argv[4]))  # reserved first, as a fetch does
     while (n := conn.recv_into(buf)):
         f.write(view[:n]); total += n
 print(total, time.monotonic() - t0, flush=True)
@@ -99,7 +102,7 @@ def raw_tcp_copy(net: P2PHosts, src: Path, dest: Path) -> tuple[float, float]:
     h1, h2 = net.hosts[1], net.hosts[2]
     port = 5999
     recv = subprocess.Popen(["ip", "netns", "exec", h2.ns, sys.executable, "-c", RECEIVER, h2.address, str(port),
-                             str(dest)], stdout=subprocess.PIPE, text=True)
+                             str(dest), str(src.stat().st_size)], stdout=subprocess.PIPE, text=True)
     try:
         assert recv.stdout.readline().strip() == "ready"
         t0 = time.monotonic()
@@ -122,24 +125,41 @@ def settle() -> None:
 
 def paired(net: P2PHosts, src: Path, work: Path, reps: int) -> list[dict[str, float]]:
     """``reps`` pairs of (raw TCP copy, P2P fetch) host1 -> host2, back to back, the order
-    alternating, each copy from a clean page cache state; per pair: raw, raw_transfer, p2p,
-    p2p_transfer (seconds) and ratio (raw / p2p, from starting each copy)."""
+    alternating. Each copy starts from the same state: the last copy's file deleted (the
+    fetched object removed first, so that the store closes it) and every dirty page written
+    back. Per pair: raw, raw_transfer, p2p, p2p_transfer (seconds), ratio (raw / p2p, from
+    starting each copy) and raw_first (1.0 when the raw copy went first)."""
     pairs = []
     for rep in range(reps):
-        republish(net, src.parent, work / "dst")
-        got: dict[str, float] = {}
+        got: dict[str, float] = {"raw_first": 1.0 if rep % 2 == 0 else 0.0}
         for what in (("raw", "p2p") if rep % 2 == 0 else ("p2p", "raw")):
-            settle()
             if what == "raw":
+                settle()
                 got["raw"], got["raw_transfer"] = raw_tcp_copy(net, src, work / "raw.bin")
             else:
+                republish(net, src.parent, work / "dst")
+                settle()
                 reports: list = []
                 got["p2p"] = asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports))
                 got["p2p_transfer"] = reports[0].transfer_s
+                net.cli(1, "rm", "obj")
+                shutil.rmtree(work / "dst", ignore_errors=True)
         got["ratio"] = got["raw"] / got["p2p"]
         print(f"pair {rep}: raw {got['raw']:.2f}s p2p {got['p2p']:.2f}s ratio {got['ratio']:.2f}", flush=True)
         pairs.append(got)
     return pairs
+
+
+def by_order(pairs: list[dict[str, float]]) -> str:
+    """Median raw / P2P over the pairs where the raw copy went first, and where it went second."""
+    out = []
+    for first, label in ((1.0, "raw first"), (0.0, "P2P first")):
+        sel = [p for p in pairs if p["raw_first"] == first]
+        if sel:
+            out.append(f"{label}: raw {statistics.median(p['raw'] for p in sel):.2f} s, P2P "
+                       f"{statistics.median(p['p2p'] for p in sel):.2f} s, "
+                       f"{statistics.median(p['ratio'] for p in sel):.2f}× ({len(sel)} pairs)")
+    return "; ".join(out)
 
 
 def main() -> None:
@@ -216,6 +236,7 @@ def main() -> None:
         "",
         f"Capped runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}.",
         f"Pairs, raw / P2P (s): plain {runs(plain)}; CURVE {runs(curve)}.",
+        f"By order, plain: {by_order(plain)}. CURVE: {by_order(curve)}.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -59,7 +59,7 @@ class StoreConfig(_Section):
     ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
     promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
     p2p_chunk_bytes: int = Field(16 * MiB, ge=64 * 1024, le=256 * MiB, description="Chunk size of the P2P objects this store publishes (each chunk checksummed, fetched from any holder).")
-    p2p_in_flight_per_peer: int = Field(2, ge=1, le=64, description="P2P chunk requests a fetch keeps in flight to one holder (4 steadies one uncapped fetch, but with egress capped, 3 fetchers and one seed it costs the distribution a third more time: BENCHMARKS.md section 14).")
+    p2p_in_flight_per_peer: int = Field(2, ge=1, le=64, description="P2P chunk requests a fetch keeps in flight to one holder, twice this to a holder that delivers 100 MB/s or more (there more requests let it read ahead; to a slow holder they would commit chunks another fetcher could soon serve: BENCHMARKS.md section 14).")
     p2p_stall_timeout_s: float = Field(30.0, gt=0, description="A P2P fetch that makes no progress this long (no live holder has what is missing) fails.")
 
 

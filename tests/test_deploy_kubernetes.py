@@ -172,7 +172,55 @@ def test_a_store_p2p_port_left_at_0_gets_a_fixed_default():
     assert _effective(objects, container).node.p2p_port == ports["p2p"] == 5580
 
 
+def _pod_spec(objects: list[dict], component: str) -> dict:
+    return next(o for o in objects if o["kind"] in ("Deployment", "StatefulSet")
+                and o["metadata"]["labels"].get("app.kubernetes.io/component") == component)["spec"]["template"]["spec"]
+
+
+def test_a_p2p_model_is_fetched_by_the_node_store_into_a_directory_its_workers_mount(tmp_path):
+    """``[model] p2p_name``: the store pod writes the model into the node's model directory
+    (hostPath), each worker mounts the same directory at the same path, read-only, runs only
+    beside a store, and its config points its model path there."""
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\np2p_name = "smollm2@v1"\npath = "/home/me/models/smol"\n')
+    out = tmp_path / "out"
+    write_manifests(load_config(path, env={}), Topology(store=2), out)
+    _validate(out)
+    objects = _objects(out)
+    store = _pod_spec(objects, "store")
+    host_dirs = {v["hostPath"]["path"] for v in store["volumes"] if "hostPath" in v}
+    assert len(host_dirs) == 1
+    mount = next(m for m in store["containers"][0]["volumeMounts"] if m["name"] == "models")
+    assert not mount.get("readOnly")
+    owner = store["initContainers"][0]  # the kubelet creates the directory as root
+    assert owner["command"][:2] == ["chown", f"{store['securityContext']['runAsUser']}:"
+                                    f"{store['securityContext']['runAsGroup']}"]
+    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    for role in ("prefill", "decode"):
+        spec = _pod_spec(objects, role)
+        assert {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v} == host_dirs
+        wmount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "models")
+        assert wmount["mountPath"] == mount["mountPath"] and wmount["readOnly"] is True
+        cfg = _effective(objects, spec["containers"][0])
+        assert cfg.model.p2p_name == "smollm2@v1"
+        assert Path(cfg.model.path).parent == Path(mount["mountPath"])  # under the shared directory
+        term = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        stores = next(o for o in objects if o["kind"] == "StatefulSet")
+        assert term["labelSelector"]["matchLabels"] == stores["spec"]["selector"]["matchLabels"]
+
+
+def test_without_a_p2p_model_no_pod_mounts_a_node_directory():
+    objects = [o for objs in render(load_config(ROOT / "config.example.toml", env={}), Topology()).values()
+               for o in objs]
+    for component in ("prefill", "decode", "store"):
+        spec = _pod_spec(objects, component)
+        assert not any("hostPath" in v for v in spec["volumes"]) and "initContainers" not in spec
+        assert "podAffinity" not in spec.get("affinity", {})
+
+
 @pytest.mark.parametrize("toml, topology, message", [
+    ('[model]\np2p_name = "m"\n', Topology(store=0), "through their node's store"),
     ('[conductor]\nendpoint = "ipc:///tmp/x"\n', Topology(), "tcp://HOST:PORT"),
     ('[conductor]\nendpoint = "tcp://10.0.0.1:*"\n', Topology(), "fixed port"),
     ("[conductor]\nport = 0\n", Topology(), "port is 0"),

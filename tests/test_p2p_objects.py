@@ -76,8 +76,8 @@ def test_chunks_verify_on_write_and_files_on_completion(tmp_path):
     dst.prepare()
     assert dst.done == set() and (tmp_path / "dst" / "sub" / "deeper" / "empty").exists()
     data = src.read_chunk(3)
-    assert not dst.write_chunk(3, bytes([data[0] ^ 1]) + data[1:])  # corrupt: refused, nothing written
     assert not dst.write_chunk(3, data[:-1])  # short: refused
+    assert not dst.write_chunk(3, bytes([data[0] ^ 1]) + data[1:])  # corrupt: not to be counted
     for i in range(len(m.checksums)):
         assert dst.write_chunk(i, memoryview(src.read_chunk(i)))
     dst.verify_files()
@@ -130,17 +130,28 @@ def with_fast_checksum_of(m, index: int, data: bytes):
     return msgspec.structs.replace(m, checksums=sums)
 
 
-def test_a_chunk_is_written_only_if_it_matches_its_digest(tmp_path):
+def test_a_chunk_counts_only_if_it_matches_its_digest(tmp_path, monkeypatch):
+    """A chunk is hashed as it is written (slice by slice): a forged one is refused, its good copy
+    overwrites it, and a fetch resumed before that does not count it."""
+    monkeypatch.setattr("mooncake.p2p.objects.WRITE_SLICE", 4096)  # several slices per chunk
     src_root, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
     src = LocalObject(m, src_root, set(range(len(m.checksums))))
-    forged = bytes(len(src.read_chunk(4)))
+    good = src.read_chunk(4)
+    forged = good[:-1] + bytes([good[-1] ^ 1])  # the last slice differs
     dst = LocalObject(with_fast_checksum_of(m, 4, forged), tmp_path / "dst")
     dst.prepare()
-    assert not dst.write_chunk(4, forged)  # passes the xxh3, not the BLAKE3: refused, nothing written
-    assert (tmp_path / "dst" / "weights.bin").read_bytes() == bytes(5 * CHUNK + 123)
-    assert dst.write_chunk(4, src.read_chunk(4))
-    src.close()
+    assert not dst.write_chunk(4, forged)  # passes the xxh3, not the BLAKE3: refused
     dst.close()
+    resumed = LocalObject(m, tmp_path / "dst")
+    resumed.prepare()
+    assert 4 not in resumed.done  # the forged bytes on disk do not count
+    assert resumed.write_chunk(4, memoryview(good))
+    span = resumed.spans[4]
+    with open(tmp_path / "dst" / "weights.bin", "rb") as f:
+        f.seek(span.offset)
+        assert f.read(span.length) == good  # overwritten by the good copy
+    src.close()
+    resumed.close()
 
 
 def test_a_file_that_changes_size_before_the_fetch_ends_is_an_error(tmp_path):

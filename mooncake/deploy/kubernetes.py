@@ -7,7 +7,9 @@ node name (so that a prefill pod's local store is the one on its machine), the
 pod name as the node id. Secrets (API key, CURVE keys) live in a Secret, never in
 the ConfigMap. Objects: Namespace, ConfigMap, Secret, conductor Deployment +
 Service, prefill and decode Deployments, store StatefulSet (a PersistentVolumeClaim
-per pod for the LMDB tier) + headless Service. Every port a role binds is fixed (0 in
+per pod for the LMDB tier) + headless Service. With ``[model] p2p_name`` the store fetches
+the model into a directory of its node (hostPath ``MODELS_DIR``) that the node's workers
+mount, and workers run only on nodes with a store. Every port a role binds is fixed (0 in
 the config becomes a default): a store's P2P port too, since peers fetch chunks from
 it at the pod's IP, which the store registers with the conductor.
 """
@@ -24,7 +26,8 @@ import yaml
 
 from mooncake.config import GiB, Config, dump_toml, env_name
 from mooncake.security import KINDS
-from mooncake.deploy.pods import CURVE_MOUNT, DATA_MOUNT, PodPorts, conductor_pod, store_volume_claim, worker_pod
+from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, store_volume_claim,
+                                  worker_pod)
 
 APP = "mooncake"
 DEFAULT_PORTS = {"kv_port": 5560, "store_port": 5570, "p2p_port": 5580, "health_port": 8081}
@@ -97,6 +100,8 @@ def pod_config(cfg: Config, ports: PodPorts) -> Config:
     c.node.p2p_port = ports.p2p_port  # peers fetch chunks from it (through the headless Service's pod IPs)
     c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
     c.store.data_dir = DATA_MOUNT
+    if cfg.model.p2p_name:  # fetched by the node's store into the node's model directory
+        c.model.path = f"{MODELS_DIR}/{cfg.model.p2p_name}"
     c.security.curve_keys_dir = CURVE_MOUNT if cfg.security.curve_keys_dir else ""
     return c
 
@@ -119,6 +124,9 @@ def curve_files(cfg: Config) -> dict[str, str]:
 def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     """File name -> the objects it holds."""
     topology.check()
+    if cfg.model.p2p_name and not topology.store:
+        raise DeployError("[model] p2p_name: workers fetch their model through their node's store; "
+                          "deploy at least one store (--store)")
     ports = pod_ports(cfg)
     ns = topology.namespace
     conductor_host = f"{APP}-conductor.{ns}.svc.cluster.local"
@@ -149,6 +157,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
         files["02-secrets.yaml"] = secrets
     pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
                     common_env=common_env)
+    p2p_model = bool(cfg.model.p2p_name)
 
     selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "conductor"}
     files["10-conductor.yaml"] = [
@@ -169,11 +178,13 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
             {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-{role}", **labels),
              "spec": {"replicas": getattr(topology, role), "selector": {"matchLabels": labels},
                       "template": {"metadata": {"labels": labels},
-                                   "spec": worker_pod(role, gpu=gpu, cpu=threads, memory=quantity(memory), **pod_args)}}}]
+                                   "spec": worker_pod(role, gpu=gpu, cpu=threads, memory=quantity(memory),
+                                                      p2p_model=p2p_model, **pod_args)}}}]
     if topology.store:
         labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "store"}
         pvc_bytes = max(GiB, int(cfg.store.lmdb_bytes * 1.25))
-        spec = worker_pod("store", gpu=False, cpu=1, memory=quantity(cfg.store.dram_bytes + GiB), **pod_args)
+        spec = worker_pod("store", gpu=False, cpu=1, memory=quantity(cfg.store.dram_bytes + GiB),
+                          p2p_model=p2p_model, **pod_args)
         spec["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
             {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
                                                 "topologyKey": "kubernetes.io/hostname"}}]}}

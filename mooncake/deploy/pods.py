@@ -10,6 +10,9 @@ from mooncake.security import KINDS, ROLE_KIND
 CONFIG_FILE = "/etc/mooncake/cluster.toml"
 CURVE_MOUNT = "/etc/mooncake/curve"
 DATA_MOUNT = "/var/lib/mooncake"
+# [model] p2p_name: a node's store fetches the model into this directory of the node (hostPath),
+# which its workers mount at the same path and load from.
+MODELS_DIR = "/var/lib/mooncake-models"
 USER_ID = 10001  # the non-root user of deploy/Dockerfile
 STARTUP_BUDGET_S = 600  # model load (and conversion) before the first probe must pass
 
@@ -84,9 +87,31 @@ def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: st
     return _pod(container, grace_s, curve_secret, [])
 
 
+def _models_volume() -> dict:
+    return {"name": "models", "hostPath": {"path": MODELS_DIR, "type": "DirectoryOrCreate"}}
+
+
+def _models_owner(image: str) -> dict:
+    """Init container of a store pod: the node's model directory, created by the kubelet as root,
+    made the store user's (the only root step, with CAP_CHOWN alone)."""
+    return {"name": "models-owner", "image": image, "command": ["chown", f"{USER_ID}:{USER_ID}", MODELS_DIR],
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}}
+
+
+def _beside_a_store() -> dict:
+    """A worker runs only on a node with a store pod: its model comes through that store."""
+    store = {"app.kubernetes.io/name": "mooncake", "app.kubernetes.io/component": "store"}
+    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": store}, "topologyKey": "kubernetes.io/hostname"}]}}
+
+
 def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
-               common_env: dict[str, str], gpu: bool, cpu: int, memory: str) -> dict:
-    """A prefill, decode or store pod; each serves /health/{live,ready} on the health port."""
+               common_env: dict[str, str], gpu: bool, cpu: int, memory: str, p2p_model: bool = False) -> dict:
+    """A prefill, decode or store pod; each serves /health/{live,ready} on the health port.
+    ``p2p_model`` ([model] p2p_name): the store pod fetches the model into the node's
+    ``MODELS_DIR``, which prefill and decode pods mount (read-only) beside a store."""
     container_ports = [{"name": "health", "containerPort": ports.health_port, "protocol": "TCP"}]
     if role == "decode":
         container_ports.append({"name": "kv", "containerPort": ports.kv_port, "protocol": "TCP"})
@@ -100,7 +125,16 @@ def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_se
                  "ports": container_ports, "resources": resources, **_probes("health")}
     if role == "store":  # the LMDB tier, on the pod's PersistentVolumeClaim
         container["volumeMounts"] = [{"name": "data", "mountPath": DATA_MOUNT}]
-    return _pod(container, grace_s, curve_secret, [])
+    if not p2p_model:
+        return _pod(container, grace_s, curve_secret, [])
+    container["volumeMounts"] = container.get("volumeMounts", []) + [
+        {"name": "models", "mountPath": MODELS_DIR, "readOnly": role != "store"}]
+    pod = _pod(container, grace_s, curve_secret, [_models_volume()])
+    if role == "store":
+        pod["initContainers"] = [_models_owner(image)]
+    else:
+        pod["affinity"] = _beside_a_store()
+    return pod
 
 
 def store_volume_claim(size: str) -> dict:

@@ -1,11 +1,16 @@
 """One fetch of an object into a store: chunks pulled from every holder at once.
 
-Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time; a
-free slot goes to the least-loaded holder first, and asks it for the rarest chunk it has
-(fewest holders; ties in an order random per fetch, so that concurrent fetchers start on
-different chunks and soon serve each other). Every chunk is checked against its BLAKE3
-before it is written (in a thread, so that hashing overlaps the transfer); a bad one is
-asked again from another holder, and so is one whose holder disconnects or stays silent.
+Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time, twice
+that once it delivers at ``FAST_HOLDER_BYTES_PER_S`` or more (on a fast link the holder's
+read of the next chunk takes about as long as the last one's transfer: with more requests
+queued it reads ahead and the link never waits; on a slow link more requests would only
+commit more chunks to that holder, where another could soon serve them); a free slot goes
+to the least-loaded holder first, and asks it for the rarest chunk it has (fewest holders;
+ties in an order random per fetch, so that concurrent fetchers start on different chunks
+and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
+in a thread, so that both overlap the transfer, and counted only if it matches its digest; a
+bad one is asked again from another holder (its good copy overwrites it), and so is one whose
+holder disconnects or stays silent.
 Each verified chunk is announced to the conductor at once,
 and the holder list is refreshed every ``refresh_s``: peers fetching the same object
 serve each other during the distribution, not only the seed.
@@ -30,6 +35,7 @@ from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
 
 log = logging.getLogger(__name__)
+FAST_HOLDER_BYTES_PER_S = 100e6  # a holder delivering this or more gets twice the requests in flight
 
 
 @dataclass(eq=False)
@@ -44,6 +50,20 @@ class Peer:
     bad: set[int] = field(default_factory=set)  # chunks that failed verification from this peer
     last_reply: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
+    rate: float = 0.0  # bytes/s this holder delivers (moving average; 0 until its first chunk)
+
+    def delivered(self, nbytes: int, sent_at: float, now: float) -> None:
+        """A chunk of ``nbytes`` asked at ``sent_at`` arrived ``now``: its link was busy with it
+        since the later of its request and the last reply (requests queue behind each other)."""
+        busy = max(now - max(sent_at, self.last_reply), 1e-6)
+        sample = nbytes / busy
+        self.rate = sample if self.rate == 0.0 else 0.5 * (self.rate + sample)
+        self.last_reply = now
+
+
+def in_flight_for(peer: Peer, base: int) -> int:
+    """Chunk requests to keep in flight to ``peer``: ``base``, twice that on a fast link."""
+    return 2 * base if peer.rate >= FAST_HOLDER_BYTES_PER_S else base
 
 
 class Fetch:
@@ -264,7 +284,7 @@ class Fetch:
                     holders[c] += 1
         wanted_set = set(wanted)
         while wanted_set:
-            free = [p for p in self.peers.values() if len(p.in_flight) < self.in_flight_per_peer]
+            free = [p for p in self.peers.values() if len(p.in_flight) < in_flight_for(p, self.in_flight_per_peer)]
             free.sort(key=lambda p: len(p.in_flight))
             for peer in free:
                 cands = [c for c in wanted_set if c in peer.chunks and c not in peer.bad]
@@ -296,13 +316,14 @@ class Fetch:
         if not isinstance(head, ChunkData) or head.req not in peer.in_flight:
             log.warning("p2p %s: unexpected reply from %s", self.obj.name, peer.name)
             return False
-        chunk, _ = peer.in_flight.pop(head.req)
-        peer.last_reply = time.monotonic()
+        chunk, sent_at = peer.in_flight.pop(head.req)
         if head.missing or len(frames) != 2:
+            peer.last_reply = time.monotonic()
             peer.chunks.discard(chunk)
             log.warning("p2p %s: %s does not serve chunk %d (%s)", self.obj.name, peer.name, chunk,
                         head.missing or "no data")
             return False
+        peer.delivered(len(frames[1].buffer), sent_at, time.monotonic())
         task = asyncio.create_task(self._write(peer, chunk, frames[1]))
         task.chunk = chunk  # type: ignore[attr-defined]
         self._writes.add(task)

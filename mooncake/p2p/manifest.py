@@ -52,9 +52,14 @@ def checksum(data: bytes | memoryview) -> int:
 
 
 def digest(data: bytes | memoryview) -> bytes:
-    """A chunk's BLAKE3 (256 bits): what a fetcher checks before writing it. A cryptographic hash
-    like SHA-256, at 2.5x its speed here (4.5 vs 1.7 GB/s on one core); it releases the GIL."""
+    """A chunk's BLAKE3 (256 bits): what a fetcher checks before it counts the chunk. A cryptographic
+    hash like SHA-256, at 2.5x its speed here (4.5 vs 1.7 GB/s on one core); it releases the GIL."""
     return blake3.blake3(data).digest()
+
+
+def digester() -> "blake3.blake3":
+    """An incremental ``digest``: ``update`` it slice by slice, then ``digest()``."""
+    return blake3.blake3()
 
 
 def source_files(path: Path) -> tuple[Path, list[str]]:

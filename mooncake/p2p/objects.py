@@ -6,12 +6,17 @@ An object's files stay where they are: a published object is served in place fro
 the published path, a fetched one from its destination directory. Objects are pinned:
 nothing evicts them; only ``forget`` (``mooncake p2p rm``) drops a record, never the files.
 
-A fetcher checks every chunk against its BLAKE3 digest (cryptographic) before writing it,
-and so every chunk it finds on disk when a fetch resumes. Each byte of a file lies in
-exactly one chunk, the files are created at their exact sizes, and the chunk digests are
-part of what the object's version (a SHA-256) covers: once every chunk is in, each file is
-the published one (its SHA-256 in the manifest) without reading it again, short of a
-collision in BLAKE3; the fetch ends with a check of the sizes. A holder checks each chunk
+A fetcher checks every chunk against its BLAKE3 digest (cryptographic) before it counts it
+(done, announced, served), and so every chunk it finds on disk when a fetch resumes. A
+received chunk is hashed and written in one pass, slice by slice (``WRITE_SLICE``): each
+slice is written while it is still in the CPU's cache, where hashing the whole chunk and then
+writing it read it from memory twice (the dearest step of a fetch after the socket: BENCHMARKS.md
+section 14). A chunk that fails its digest is not counted and is asked again, and its good copy
+overwrites it; a fetch that ends before it does leaves the chunk uncounted, and a resumed fetch
+checks it again. Each byte of a file lies in exactly one chunk, the files are created at their
+exact sizes, and the chunk digests are part of what the object's version (a SHA-256) covers:
+once every chunk is in, each file is the published one (its SHA-256 in the manifest) without
+reading it again, short of a collision in BLAKE3; the fetch ends with a check of the sizes. A holder checks each chunk
 against its xxh3 (far cheaper) before serving it, and when it reloads its records: that
 catches a file changed on its disk, and the fetcher's check catches anything else.
 """
@@ -29,10 +34,11 @@ from urllib.parse import quote
 
 import msgspec
 
-from mooncake.p2p.manifest import ObjectError, Span, checksum, digest, free_bytes, spans, validate
+from mooncake.p2p.manifest import ObjectError, Span, checksum, digest, digester, free_bytes, spans, validate
 from mooncake.p2p.messages import Manifest, bitmap, bits
 
 log = logging.getLogger(__name__)
+WRITE_SLICE = 1 << 20  # bytes hashed then written at a time: well within a core's cache
 
 
 class Record(msgspec.Struct):
@@ -113,20 +119,26 @@ class LocalObject:
         return data
 
     def write_chunk(self, index: int, data: memoryview | bytes) -> bool:
-        """Write a received chunk if it matches its BLAKE3 digest; False (nothing written) if it does not."""
+        """Write a received chunk, hashing it on the way; True if it matches its BLAKE3 digest.
+        False: a short chunk (nothing written) or a wrong one (written, but not to be counted: the
+        caller asks for it again, and the next copy overwrites it)."""
         s = self.spans[index]
-        if len(data) != s.length or digest(data) != self.manifest.digests[index]:
+        if len(data) != s.length:
             return False
+        view = memoryview(data).cast("B")
+        h = digester()
         try:
             with self._fd(s.file, True) as fd:
-                written = os.pwrite(fd, data, s.offset)
+                for start in range(0, s.length, WRITE_SLICE):
+                    part = view[start:start + WRITE_SLICE]
+                    h.update(part)
+                    if os.pwrite(fd, part, s.offset + start) != len(part):
+                        raise DiskFull(f"{self.name}: short write to {self.path(s.file)} (disk full?)")
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"{self.name}: disk full writing {self.path(s.file)}") from None
             raise
-        if written != s.length:
-            raise DiskFull(f"{self.name}: short write to {self.path(s.file)} (disk full?)")
-        return True
+        return h.digest() == self.manifest.digests[index]
 
     def prepare(self) -> None:
         """Create the destination files at full size (space reserved up front: a full disk is
