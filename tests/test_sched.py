@@ -209,7 +209,7 @@ def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
 
 def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
     """A request a second, each predicted to decode for 6.5 s, TBT SLO 41 ms (5 sequences of 40
-    tokens at the prior's 30 ms + 2 ms each + 2 ms per 1,000 KV tokens: 40.4 ms; 6: 42.5 ms):
+    tokens (every booked one alike) at the prior's 30 ms + 2 ms each + 2 ms per 1,000 KV tokens: 40.4 ms; 6: 42.5 ms):
     admission follows the batch predicted at first-token time exactly, and the decision flips
     only when that prediction crosses the SLO."""
     sched, _, _ = make()
@@ -291,3 +291,18 @@ def test_a_request_that_would_push_queued_ones_past_their_slo_is_refused():
     assert isinstance(r, Rejection) and r.reason == "ttft_slo" and "queued ahead" in r.message
     sched.prefill_finished("r1")  # its first token came: it no longer waits on the pack
     assert admission.check_plan(sched.plan(H[2:4], 40, 4, 16, now=0), now=0.0) is None
+
+
+def test_predicted_tbt_counts_the_kv_of_the_batch_it_joins():
+    """The decode step grows with the KV the batch holds: a short request joining long ones is
+    predicted a longer step than one joining short ones (the prior: 2 ms per 1,000 KV tokens)."""
+    def tbt_after(booked_tokens: int) -> float:
+        sched, _, _ = make()
+        for i in range(3):
+            sched.book(f"r{i}", sched.plan(H[:1], booked_tokens, 200, 16, now=0.0))
+        plan = sched.plan(H[:1], 40, 8, 16, now=0.0)
+        assert plan.decode_batch == 4 and plan.decode_kv_tokens == 40 + 4
+        return plan.est_tbt_s
+
+    short, long = tbt_after(100), tbt_after(8000)
+    assert long - short == pytest.approx(3 * (8000 - 100) * 0.002 / 1000, rel=1e-6)

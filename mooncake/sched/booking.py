@@ -51,8 +51,10 @@ class DecodeSlots:
     ends: list[float] = field(default_factory=list)  # the ends of ``by_end`` alone (bisected without a key)
     blocks: dict[str, int] = field(default_factory=dict)  # request -> KV blocks it will hold
     blocks_total: int = 0
+    kv_tokens: dict[str, int] = field(default_factory=dict)  # request -> KV tokens it holds halfway through
+    kv_tokens_total: int = 0
 
-    def add(self, req_id: str, expected_end: float, blocks: int = 0) -> None:
+    def add(self, req_id: str, expected_end: float, blocks: int = 0, kv_tokens: int = 0) -> None:
         self.remove(req_id)
         self.assigned[req_id] = expected_end
         j = bisect.bisect_right(self.by_end, (expected_end, req_id))
@@ -60,6 +62,8 @@ class DecodeSlots:
         self.ends.insert(j, expected_end)
         self.blocks[req_id] = blocks
         self.blocks_total += blocks
+        self.kv_tokens[req_id] = kv_tokens
+        self.kv_tokens_total += kv_tokens
 
     def remove(self, req_id: str) -> None:
         end = self.assigned.pop(req_id, None)
@@ -69,6 +73,7 @@ class DecodeSlots:
                 del self.by_end[j]
                 del self.ends[j]
             self.blocks_total -= self.blocks.pop(req_id, 0)
+            self.kv_tokens_total -= self.kv_tokens.pop(req_id, 0)
 
     def next_end_after(self, t: float) -> float:
         """When the first request still decoding at ``t`` is predicted to finish (``t`` if none)."""

@@ -55,6 +55,7 @@ class Plan:
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
     queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
+    decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
     stages: list[Node] = field(default_factory=list)  # a pipeline group, in stage order ([-1] is ``prefill``)
 
@@ -161,8 +162,11 @@ class Scheduler:
             first_token_at = now + est + max(0.0, wait - p_queue_s)
             options.append((wait > 0, slots.running_at(first_token_at) + 1, wait, len(options), first_token_at, need, d))
         _, batch, wait, _, first_token_at, need, decode = min(options)
-        # the batch's KV as if every sequence were this one halfway through its output
-        tbt = self.decode_cost.predict(batch, batch * (n_tokens + max_tokens // 2))
+        # the batch's KV: this request's halfway through its output, the others' as the average booked
+        kv_tokens = n_tokens + max_tokens // 2
+        slots = self._slots(decode.node_id)
+        others = slots.kv_tokens_total / len(slots.assigned) if slots.assigned else kv_tokens
+        tbt = self.decode_cost.predict(batch, int(kv_tokens + (batch - 1) * others))
         ttft = first_token_at - now
         if wait > 0:
             best = min(c[0] + max(0.0, wait - queue_s[c[4].node_id]) for c in candidates)
@@ -178,7 +182,7 @@ class Scheduler:
         return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
                     first_token_at + max_tokens * tbt, drain, fetch_hashes=list(map(bytes, hashes[dev:reusable])),
                     reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need,
+                    queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need, decode_kv_tokens=kv_tokens,
                     hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
@@ -227,7 +231,7 @@ class Scheduler:
         self.release(req_id)
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline)
-        self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks)
+        self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
         hashes = [bytes(h) for h in plan.hashes]
         if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
             self.pending.add(plan.prefill.node_id, hashes)
