@@ -84,6 +84,13 @@ class DecoderForward:
             torch.index_select(src, 0, table.view(-1), out=out.view(rows, *src.shape[1:]))
         return out.view(*table.shape, *src.shape[1:])
 
+    def _gather_layer(self, pool: torch.Tensor, table: torch.Tensor, li: int, wl: torch.Tensor) -> None:
+        """Layer ``li`` of the past blocks ``table`` ``[B, Mb]`` into its workspace ``wl`` ``[2, B, Hkv, K, D]``."""
+        B, mb = table.shape
+        T, Hkv, D = self.block_tokens, self.num_kv_heads, self.head_dim
+        past = pool[:, li].index_select(0, table.view(-1)).view(B, mb, 2, Hkv, T, D)
+        wl[:, :, :, : mb * T].view(2, B, Hkv, mb, T, D).copy_(past.permute(2, 0, 3, 1, 4, 5))
+
     def _decode_workspace(self, pool: torch.Tensor, b: Batch) -> torch.Tensor:
         """The decode workspace ``[L, 2, B, Hkv, Kcap, D]``. A row still holding the same
         sequence's past from the previous step is reused as is (the previous step wrote its
@@ -137,12 +144,16 @@ class DecoderForward:
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch,
                 on_layer: Callable[[int, torch.Tensor], None] | None = None,
-                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None,
+                past_ready: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None.
         ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV).
         A pipeline stage (``layers = (lo, hi)``) runs only those layers, on ``hidden`` (``[B*S,
         hidden]``, the previous stage's output) instead of the embeddings when ``lo > 0``, writes only
-        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer."""
+        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer.
+        ``past_ready(li)`` (a prefix loading layer by layer, see ``roles/prefix_stream.py``): blocks until
+        layer ``li``'s past KV is in the pool; the past is then gathered per layer, just before the layer
+        attends, instead of all layers up front."""
         spec = self.spec
         lo_layer, hi_layer = layers if layers is not None else (0, self.num_layers)
         B, S, T = b.B, b.S, self.block_tokens
@@ -153,7 +164,8 @@ class DecoderForward:
             ws = self._decode_workspace(pool, b)
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
-        if b.past_table is not None and b.rows is None:
+        per_layer = past_ready is not None and b.rows is None
+        if b.past_table is not None and b.rows is None and not per_layer:
             past = self._gather_past(pool, b.past_table, layers)  # [B, Mb, layers, 2, Hkv, T, D]
             ws[lo_layer:hi_layer, :, :, :, : mb * T].view(hi_layer - lo_layer, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
@@ -176,6 +188,11 @@ class DecoderForward:
             h = layer.attn_norm(x)
             q, kv = self._qkv(layer, h, *rope[layer.rope])
             wl = ws[li]  # [2, B, Hkv, K, D]
+            if per_layer:
+                assert past_ready is not None
+                past_ready(li)
+                if b.past_table is not None:
+                    self._gather_layer(pool, b.past_table, li, wl)
             if single:
                 wl[:, 0, :, c0:c0 + S] = kv.permute(1, 2, 0, 3)
             else:

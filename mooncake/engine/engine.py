@@ -207,10 +207,13 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None) -> PrefillStep:
+    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None,
+                past_ready: Callable[[int], None] | None = None) -> PrefillStep:
         """Compute the next chunk of the prompt; sample the first token after the last one.
         ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
-        as soon as the layer has computed them (``layerwise.py``; on this thread)."""
+        as soon as the layer has computed them (``layerwise.py``; on this thread). ``past_ready(layer)``:
+        blocks until that layer of the sequence's past is in the pool (a prefix loading layer by layer,
+        ``land_layers``); may raise, which abandons the chunk with nothing written."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         t0 = time.perf_counter()
@@ -218,7 +221,7 @@ class Engine:
         end = min(n, start + self.chunk_tokens)
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
-                                    hook)
+                                    hook, past_ready=past_ready)
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
@@ -417,6 +420,26 @@ class Engine:
             self.blocks.register(new, new_hashes)
         self.blocks.release(held)
         return len(held)
+
+    def land_layers(self, seq: Sequence, first_block: int, lo: int, kv: torch.Tensor) -> None:
+        """Write layers ``[lo, lo + kv.shape[1])`` of a loading prefix (``kv``: ``[n, layers, 2, Hkv, T,
+        D]``) into the sequence's blocks ``[first_block, first_block + n)``. The one engine call that may
+        run off the engine thread while a forward of ``seq`` runs: it touches only those blocks' pool
+        rows, which that forward reads only after ``past_ready`` let it (and no bookkeeping)."""
+        n, hi = len(kv), lo + kv.shape[1]
+        if first_block < 0 or first_block + n > len(seq.block_table) or not 0 <= lo < hi <= self.block_shape[0]:
+            raise ValueError("layers %d..%d of blocks %d..%d do not fit sequence %s of %d blocks"
+                             % (lo, hi, first_block, first_block + n, seq.req_id, len(seq.block_table)))
+        if tuple(kv.shape[2:]) != self.block_shape[1:]:
+            raise ValueError("kv layers have shape %s; expected [n, layers, %s]" % (tuple(kv.shape), self.block_shape[1:]))
+        idx = self._tensor(seq.block_table[first_block:first_block + n])
+        self.pool[idx, lo:hi] = kv.to(self.device, self.dtype)
+
+    def adopt_prefix(self, seq: Sequence, first_block: int, upto: int) -> None:
+        """The loaded prefix blocks ``[first_block, upto)`` of ``seq`` are verified and whole: key them in
+        the prefix cache (as if the sequence had computed them)."""
+        self.blocks.register(seq.block_table[first_block:upto], seq.hashes[first_block:upto])
+        seq.block_hashes = list(seq.hashes[:upto]) + seq.block_hashes[first_block:]
 
     def export_sequence(self, seq: Sequence, first_block: int = 0, last_block: int | None = None) -> torch.Tensor:
         """``[n, *block_shape]``: the sequence's computed blocks ``[first_block, last_block)``,
