@@ -54,6 +54,10 @@ class DecoderForward:
         # decode workspace: persists across steps; row r mirrors ``_rows[r] = (uid, valid_len)``
         self._dws = torch.zeros(0, dtype=self.dtype, device=self.device)
         self._rows: list[tuple[int, int] | None] = []
+        # rows filled ahead of a sequence's first step as its KV lands (``stage``):
+        # row -> ((uid, ctx), blocks in per layer)
+        self._staged: dict[int, tuple[tuple[int, int], list[int]]] = {}
+        self.row_gathers = 0  # decode rows gathered from the pool (a staged row is not)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -97,16 +101,14 @@ class DecoderForward:
         token there); other rows are gathered from the pool by block table."""
         assert b.rows is not None
         B, T = b.B, self.block_tokens
-        ws = self._dws
-        if ws.dim() != 6 or ws.shape[2] < B or ws.shape[4] < b.key_len:
-            kcap = -(-max(b.key_len + 256, b.key_len * 5 // 4) // T) * T
-            bcap = max(B, ws.shape[2] if ws.dim() == 6 else 0)
-            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
-                                         dtype=self.dtype, device=self.device)
-            self._rows = [None] * bcap
+        ws = self._grown(B, b.key_len)
         for r, (uid, ctx, blocks) in enumerate(b.rows):
             if self._rows[r] != (uid, ctx):
                 self._rows[r] = None
+                staged = self._staged.pop(r, None)
+                if staged is not None and staged[0] == (uid, ctx) and min(staged[1]) >= len(blocks):
+                    continue  # its KV was copied in as it landed
+                self.row_gathers += 1
                 if blocks:
                     table = torch.tensor(blocks, dtype=torch.long, device=self.device)[None]
                     past = self._gather_past(pool, table)[0]  # [mb, L, 2, Hkv, T, D]
@@ -114,6 +116,51 @@ class DecoderForward:
                         self.num_layers, 2, self.num_kv_heads, len(blocks), T, self.head_dim).copy_(
                         past.permute(1, 2, 3, 0, 4, 5))
         return ws[:, :, :B]
+
+    def _grown(self, rows: int, key_len: int) -> torch.Tensor:
+        """The decode workspace, reallocated if it has fewer than ``rows`` rows or ``key_len`` positions
+        (then every row is gathered again, and what was staged is gone)."""
+        ws, T = self._dws, self.block_tokens
+        if ws.dim() != 6 or ws.shape[2] < rows or ws.shape[4] < key_len:
+            kcap = -(-max(key_len + 256, key_len * 5 // 4) // T) * T
+            kcap = max(kcap, ws.shape[4] if ws.dim() == 6 else 0)
+            bcap = max(rows, ws.shape[2] if ws.dim() == 6 else 0)
+            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
+                                         dtype=self.dtype, device=self.device)
+            self._rows = [None] * bcap
+            self._staged.clear()
+        return ws
+
+    @torch.inference_mode()
+    def stage(self, row: int, uid: int, ctx: int, first_block: int, kv: torch.Tensor, layer: int | None) -> None:
+        """Copy KV landing for a sequence that will decode (``uid``, prompt of ``ctx`` tokens) into decode
+        workspace row ``row`` too, so that its first step need not gather its whole past from the pool:
+        ``kv`` is one layer ``[n, 2, Hkv, T, D]`` (``layer``) or whole blocks ``[n, L, 2, Hkv, T, D]`` of
+        blocks ``[first_block, first_block + n)``. The first step takes the row as it is only if it is that
+        sequence's row then and every layer of every block came in this way; otherwise it gathers, as
+        always. The caller names a row no other sequence of the next step takes before this one (decode:
+        the number of sequences running, below ``max_batch``). A workspace too small grows when the
+        sequence's first blocks land (so the first step need not grow it either)."""
+        T, L, Hkv, D = self.block_tokens, self.num_layers, self.num_kv_heads, self.head_dim
+        n = len(kv)
+        key_len = max((first_block + n) * T, ctx + 1)
+        if first_block == 0:
+            self._grown(row + 1, -(-key_len // T) * T)
+        ws = self._dws
+        if ws.dim() != 6 or row >= ws.shape[2] or ws.shape[4] < key_len:
+            return
+        staged = self._staged.get(row)
+        if staged is None or staged[0] != (uid, ctx):
+            staged = self._staged[row] = ((uid, ctx), [0] * L)
+        self._rows[row] = None
+        dst = ws[:, :, row, :, first_block * T:(first_block + n) * T]  # [L, 2, Hkv, n*T, D]
+        if layer is None:
+            dst.view(L, 2, Hkv, n, T, D).copy_(kv.permute(1, 2, 3, 0, 4, 5))
+        else:
+            dst[layer].view(2, Hkv, n, T, D).copy_(kv.permute(1, 2, 0, 3, 4))
+        for li in range(L) if layer is None else (layer,):
+            if staged[1][li] >= first_block:  # contiguous from block 0
+                staged[1][li] = max(staged[1][li], first_block + n)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim

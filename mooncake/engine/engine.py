@@ -149,9 +149,10 @@ class Engine:
                         seed=sequence_seed(sampling), hashes=list(hashes), uid=next(self._uids),
                         matcher=matcher)
 
-    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor) -> None:
+    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor, stage_row: int | None = None) -> None:
         """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;
-        blocks it shares from the cache are left as they are."""
+        blocks it shares from the cache are left as they are. ``stage_row``: the decode workspace row the
+        sequence will likely take at its first step; the KV is copied there too (``DecoderForward.stage``)."""
         n_blocks = len(seq.block_table)
         if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled:
             raise ValueError("blocks %d..%d do not fit sequence %s of %d blocks"
@@ -161,10 +162,14 @@ class Engine:
         if skip < len(kv):
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
+        if stage_row is not None:
+            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), None)
 
-    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor) -> None:
+    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor,
+                       stage_row: int | None = None) -> None:
         """Copy one layer of received blocks (``kv``: ``[n, 2, Hkv, T, D]``) into a reserved sequence's
-        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are."""
+        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are.
+        ``stage_row``: as ``write_kv``'s."""
         n_blocks = len(seq.block_table)
         if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled or not 0 <= layer < self.block_shape[0]:
             raise ValueError("layer %d of blocks %d..%d does not fit sequence %s of %d blocks"
@@ -175,6 +180,8 @@ class Engine:
         if skip < len(kv):
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool[idx, layer] = kv[skip:].to(self.device, self.dtype)
+        if stage_row is not None:
+            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), layer)
 
     def begin_decoding(self, seq: Sequence, next_token: int) -> None:
         """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
