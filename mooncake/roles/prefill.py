@@ -257,15 +257,20 @@ class PrefillWorker(EngineWorker):
             stream, fetch_s = await self._open_stream(req, hashes, have)
         elif req.fetch:
             fetched, fetch_s = await self._fetch_prefix(req, hashes, have)
-        while True:
-            releases = self._releases
-            seq: Sequence | None = await self.run_engine(
-                eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
-                BlockHash(req.root), req.stage.prefix_blocks if req.stage is not None else None)
-            if seq is not None or (not self._holding and releases == self._releases):
-                break
-            if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
-                await self._released.wait()
+        try:
+            while True:
+                releases = self._releases
+                seq: Sequence | None = await self.run_engine(
+                    eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
+                    BlockHash(req.root), req.stage.prefix_blocks if req.stage is not None else None)
+                if seq is not None or (not self._holding and releases == self._releases):
+                    break
+                if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
+                    await self._released.wait()
+        except BaseException:  # an invalid request, an abort: the stream goes too
+            if stream is not None:
+                await stream.close()
+            raise
         if seq is None:
             if stream is not None:
                 await stream.close()
