@@ -168,7 +168,7 @@ async def test_a_stream_of_absent_blocks_is_a_miss(tmp_path, monkeypatch, eng, c
             replies = client.get_layers(hashes[:3])
             assert await PrefixStream.open(endpoint, replies, hashes[:3], eng.block_shape, eng.dtype) is None
             # several layers per reply: one frame [n, layers, 2, Hkv, T, D] each, lowest first
-            await put_prefix(endpoint, eng, cold)
+            (await put_prefix(endpoint, eng, cold)).close()
             got = [(r.lo, r.hi, tuple(kv.shape), r.last) async for r, kv in client.get_layers(hashes[:2], 8)]
         finally:
             client.close()
