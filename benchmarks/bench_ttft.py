@@ -8,7 +8,12 @@ holds about 1.5 prompts (two fresh prompts flush it), a store DRAM tier that
 holds many prompts (phase 1) or about one (phase 2, so flushed blocks sit in
 LMDB). Each hit's source is checked in the store's tier counters.
 
-    .venv/bin/python benchmarks/bench_ttft.py [--reps 5] [--out FILE.md]
+``--kv-load layer,block`` runs the store cases once per way of loading a prefix from the store
+(``[engine] kv_load``: layer-wise just ahead of compute, or load-then-compute), each in its own
+cluster with its own cold baseline; ``--threads 1`` gives every process one torch thread (issue 12).
+
+    .venv/bin/python benchmarks/bench_ttft.py [--reps 5] [--threads N] [--kv-load layer,block]
+                                              [--where cold,device,dram,lmdb] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -85,10 +90,11 @@ async def scenario(url: str, prompts: Prompts, where: str, reps: int) -> tuple[l
     return times, cached
 
 
-def start(dram_bytes: int) -> tuple[DevCluster, float]:
+def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer") -> tuple[DevCluster, float]:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-bench-")))
     cfg.engine.kv_cache_bytes = 140 * MiB  # ~1.5 prompts of 2,048 tokens (46 KiB per token)
-    cfg.engine.threads = 0
+    cfg.engine.threads = threads
+    cfg.engine.kv_load = kv_load  # type: ignore[assignment]
     cfg.store.dram_bytes = dram_bytes
     cfg.store.lmdb_bytes = 4096 * MiB
     cluster = DevCluster(cfg)
@@ -100,31 +106,44 @@ def start(dram_bytes: int) -> tuple[DevCluster, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    ap.add_argument("--kv-load", default="layer", help="comma-separated: layer, block ([engine] kv_load)")
+    ap.add_argument("--where", default="cold,device,dram,lmdb", help="comma-separated cases")
     ap.add_argument("--out", help="write the markdown table here too")
     args = ap.parse_args()
-    results: dict[str, tuple[list[float], list[int]]] = {}
+    wanted = args.where.split(",")
+    rows: list[tuple[str, str, list[float], list[int], float]] = []  # load, where, times, cached, cold median
     prompts = Prompts()
-    cluster, ready_s = start(dram_bytes=2048 * MiB)
-    try:
-        asyncio.run(ttft(cluster.url, prompts.fresh(64)))  # warm-up
-        for where in ("cold", "device", "dram"):
-            results[where] = asyncio.run(scenario(cluster.url, prompts, where, args.reps))
-    finally:
-        cluster.stop()
-    cluster, _ = start(dram_bytes=110 * MiB)  # about one prompt: flushed blocks land in LMDB
-    try:
-        asyncio.run(ttft(cluster.url, prompts.fresh(64)))
-        results["lmdb"] = asyncio.run(scenario(cluster.url, prompts, "lmdb", args.reps))
-    finally:
-        cluster.stop()
+    ready_s = 0.0
+    for load in args.kv_load.split(","):
+        results: dict[str, tuple[list[float], list[int]]] = {}
+        first = [w for w in ("cold", "device", "dram") if w in wanted]
+        if first:
+            cluster, ready_s = start(2048 * MiB, args.threads, load)
+            try:
+                asyncio.run(ttft(cluster.url, prompts.fresh(64)))  # warm-up
+                for where in first:
+                    results[where] = asyncio.run(scenario(cluster.url, prompts, where, args.reps))
+            finally:
+                cluster.stop()
+        if "lmdb" in wanted:
+            cluster, _ = start(110 * MiB, args.threads, load)  # about one prompt: flushed blocks land in LMDB
+            try:
+                asyncio.run(ttft(cluster.url, prompts.fresh(64)))
+                results["lmdb"] = asyncio.run(scenario(cluster.url, prompts, "lmdb", args.reps))
+            finally:
+                cluster.stop()
+        cold = statistics.median(results["cold"][0]) if "cold" in results else float("nan")
+        rows += [(load, where, times, cached, cold) for where, (times, cached) in results.items()]
 
-    cold = statistics.median(results["cold"][0])
     lines = [f"Time from `mooncake serve --dev` start to ready (model already converted): {ready_s:.1f} s", "",
-             f"| {PREFIX}/{PROMPT} tokens cached in | median TTFT (ms) | vs cold | cached tokens (median) |",
-             "|---|---|---|---|"]
-    for where, (times, cached) in results.items():
+             f"| {PREFIX}/{PROMPT} tokens cached in | kv_load | median TTFT (ms) | vs cold (same cluster) "
+             "| per rep (ms) | cached tokens (median) |", "|---|---|---|---|---|---|"]
+    for load, where, times, cached, cold in rows:
         med = statistics.median(times)
-        lines.append(f"| {where} | {med * 1000:.0f} | {med / cold:.3f}x | {statistics.median(cached):.0f} |")
+        reps = ", ".join(f"{t * 1000:.0f}" for t in times)
+        lines.append(f"| {where} | {load} | {med * 1000:.0f} | {med / cold:.3f}x | {reps} "
+                     f"| {statistics.median(cached):.0f} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

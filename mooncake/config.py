@@ -46,6 +46,7 @@ class EngineConfig(_Section):
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
     profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")
+    kv_load: Literal["layer", "block"] = Field("layer", description="How a prefill loads a cached prefix from a store: layer (the store streams it layer by layer and the forward of the new tokens starts at once, each layer waiting only for its own past KV; checksums verified over the streamed slices) or block (fetch every block whole, then compute). Pipeline stages always load block-wise.")
     kv_transfer: Literal["layer", "block"] = Field("block", description="How a prefill ships new KV to decode: block (a chunk's blocks leave after all its layers; concurrent requests' chunks are packed into one forward) or layer (each layer's KV of a chunk leaves as soon as that layer is computed, so little is in flight when prefill ends; chunks are then computed one sequence at a time).")
 
 

@@ -145,7 +145,7 @@ def allowed(curve: Curve | None, frame: Any, kinds: tuple[str, ...]) -> bool:
 # Which key kinds may send which store request (stores put to each other when they replicate).
 STORE_ACCESS: dict[str, tuple[str, ...]] = {
     "Put": ("worker", "store"), "ShmPut": ("worker", "store"),
-    "Get": ("worker", "store"), "ShmGet": ("worker", "store"), "Release": ("worker", "store"),
+    "Get": ("worker", "store"), "GetLayers": ("worker", "store"), "ShmGet": ("worker", "store"), "Release": ("worker", "store"),
     "Exists": ("worker", "store", "conductor"), "PrefixQuery": ("worker", "store", "conductor"),
     "StatsQuery": ("worker", "store", "conductor"),
     "Remove": ("conductor",), "Replicate": ("conductor",),

@@ -40,21 +40,23 @@ def test_split_runs_keeps_frames_small():
     assert [f for f, _ in split_runs(0, kv, 0)] == list(range(7))  # at least one block per piece
 
 
-def _prefill_layerwise(src: Engine, dst: Engine, ids: list[int], cached_prefix: bool) -> tuple:
+def _prefill_layerwise(src: Engine, dst: Engine, ids: list[int], cached_prefix: bool,
+                       stage_row: int | None = None) -> tuple:
     """Prefill ``ids`` on ``src`` shipping layer by layer into a sequence reserved on ``dst``
     (as decode reserves it); the reused prefix travels as whole blocks. (src seq, dst seq, first token)."""
     hashes = src.hashes(ids)
     seq = src.add_sequence("a", ids, GREEDY, hashes=hashes)
     assert (seq.num_cached_tokens > 0) == cached_prefix
     into = dst.reserve("a", ids, hashes, src.root(), GREEDY)
+    assert into is not None
     T = src.block_tokens
     if seq.num_cached_tokens:
-        dst.write_kv(into, 0, src.export_sequence(seq, 0, seq.num_cached_tokens // T))
+        dst.write_kv(into, 0, src.export_sequence(seq, 0, seq.num_cached_tokens // T), stage_row)
     got: list[tuple[int, int, int]] = []
 
     def on_layer(layer: int, first: int, kv: torch.Tensor) -> None:
         got.append((layer, first, len(kv)))
-        dst.write_kv_layer(into, first, layer, kv.clone())
+        dst.write_kv_layer(into, first, layer, kv.clone(), stage_row)
 
     while True:
         step = src.prefill(seq, on_layer)
@@ -93,6 +95,24 @@ def test_layerwise_kv_equals_blockwise_kv_and_output(loaded_model, ids, cached_p
         b = dst.decode_step([into])[0].token
         assert a == b
     assert into.tokens == seq.tokens
+
+
+@pytest.mark.parametrize("row", [0, 1])
+def test_kv_staged_into_its_decode_row_as_it_lands_spares_the_first_step_its_gather(loaded_model, ids, row):
+    """Landing KV is copied into the decode workspace row the sequence takes at its first step; the
+    step then uses the row as it is (row 0: the sequence's row) or gathers as always (row 1: a wrong
+    guess); the tokens are the sender's either way."""
+    src, dst = engine(loaded_model), engine(loaded_model)
+    for turn in range(2):  # the first turn grows the workspace as its KV lands; the second has a cached prefix
+        seq, into, step = _prefill_layerwise(src, dst, ids, turn > 0, row)
+        gathers = dst.model.row_gathers
+        dst.begin_decoding(into, step.token)
+        for _ in range(4):
+            assert src.decode_step([seq])[0].token == dst.decode_step([into])[0].token
+        assert dst.model.row_gathers - gathers == (0 if row == 0 else 1)
+        assert into.tokens == seq.tokens
+        src.free(seq)
+        dst.free(into)
 
 
 def test_write_kv_layer_refuses_what_does_not_fit(loaded_model, ids):

@@ -54,6 +54,10 @@ class DecoderForward:
         # decode workspace: persists across steps; row r mirrors ``_rows[r] = (uid, valid_len)``
         self._dws = torch.zeros(0, dtype=self.dtype, device=self.device)
         self._rows: list[tuple[int, int] | None] = []
+        # rows filled ahead of a sequence's first step as its KV lands (``stage``):
+        # row -> ((uid, ctx), blocks in per layer)
+        self._staged: dict[int, tuple[tuple[int, int], list[int]]] = {}
+        self.row_gathers = 0  # decode rows gathered from the pool (a staged row is not)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -84,22 +88,27 @@ class DecoderForward:
             torch.index_select(src, 0, table.view(-1), out=out.view(rows, *src.shape[1:]))
         return out.view(*table.shape, *src.shape[1:])
 
+    def _gather_layer(self, pool: torch.Tensor, table: torch.Tensor, li: int, wl: torch.Tensor) -> None:
+        """Layer ``li`` of the past blocks ``table`` ``[B, Mb]`` into its workspace ``wl`` ``[2, B, Hkv, K, D]``."""
+        B, mb = table.shape
+        T, Hkv, D = self.block_tokens, self.num_kv_heads, self.head_dim
+        past = pool[:, li].index_select(0, table.view(-1)).view(B, mb, 2, Hkv, T, D)
+        wl[:, :, :, : mb * T].view(2, B, Hkv, mb, T, D).copy_(past.permute(2, 0, 3, 1, 4, 5))
+
     def _decode_workspace(self, pool: torch.Tensor, b: Batch) -> torch.Tensor:
         """The decode workspace ``[L, 2, B, Hkv, Kcap, D]``. A row still holding the same
         sequence's past from the previous step is reused as is (the previous step wrote its
         token there); other rows are gathered from the pool by block table."""
         assert b.rows is not None
         B, T = b.B, self.block_tokens
-        ws = self._dws
-        if ws.dim() != 6 or ws.shape[2] < B or ws.shape[4] < b.key_len:
-            kcap = -(-max(b.key_len + 256, b.key_len * 5 // 4) // T) * T
-            bcap = max(B, ws.shape[2] if ws.dim() == 6 else 0)
-            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
-                                         dtype=self.dtype, device=self.device)
-            self._rows = [None] * bcap
+        ws = self._grown(B, b.key_len)
         for r, (uid, ctx, blocks) in enumerate(b.rows):
             if self._rows[r] != (uid, ctx):
                 self._rows[r] = None
+                staged = self._staged.pop(r, None)
+                if staged is not None and staged[0] == (uid, ctx) and min(staged[1]) >= len(blocks):
+                    continue  # its KV was copied in as it landed
+                self.row_gathers += 1
                 if blocks:
                     table = torch.tensor(blocks, dtype=torch.long, device=self.device)[None]
                     past = self._gather_past(pool, table)[0]  # [mb, L, 2, Hkv, T, D]
@@ -107,6 +116,51 @@ class DecoderForward:
                         self.num_layers, 2, self.num_kv_heads, len(blocks), T, self.head_dim).copy_(
                         past.permute(1, 2, 3, 0, 4, 5))
         return ws[:, :, :B]
+
+    def _grown(self, rows: int, key_len: int) -> torch.Tensor:
+        """The decode workspace, reallocated if it has fewer than ``rows`` rows or ``key_len`` positions
+        (then every row is gathered again, and what was staged is gone)."""
+        ws, T = self._dws, self.block_tokens
+        if ws.dim() != 6 or ws.shape[2] < rows or ws.shape[4] < key_len:
+            kcap = -(-max(key_len + 256, key_len * 5 // 4) // T) * T
+            kcap = max(kcap, ws.shape[4] if ws.dim() == 6 else 0)
+            bcap = max(rows, ws.shape[2] if ws.dim() == 6 else 0)
+            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
+                                         dtype=self.dtype, device=self.device)
+            self._rows = [None] * bcap
+            self._staged.clear()
+        return ws
+
+    @torch.inference_mode()
+    def stage(self, row: int, uid: int, ctx: int, first_block: int, kv: torch.Tensor, layer: int | None) -> None:
+        """Copy KV landing for a sequence that will decode (``uid``, prompt of ``ctx`` tokens) into decode
+        workspace row ``row`` too, so that its first step need not gather its whole past from the pool:
+        ``kv`` is one layer ``[n, 2, Hkv, T, D]`` (``layer``) or whole blocks ``[n, L, 2, Hkv, T, D]`` of
+        blocks ``[first_block, first_block + n)``. The first step takes the row as it is only if it is that
+        sequence's row then and every layer of every block came in this way; otherwise it gathers, as
+        always. The caller names a row no other sequence of the next step takes before this one (decode:
+        the number of sequences running, below ``max_batch``). A workspace too small grows when the
+        sequence's first blocks land (so the first step need not grow it either)."""
+        T, L, Hkv, D = self.block_tokens, self.num_layers, self.num_kv_heads, self.head_dim
+        n = len(kv)
+        key_len = max((first_block + n) * T, ctx + 1)
+        if first_block == 0:
+            self._grown(row + 1, -(-key_len // T) * T)
+        ws = self._dws
+        if ws.dim() != 6 or row >= ws.shape[2] or ws.shape[4] < key_len:
+            return
+        staged = self._staged.get(row)
+        if staged is None or staged[0] != (uid, ctx):
+            staged = self._staged[row] = ((uid, ctx), [0] * L)
+        self._rows[row] = None
+        dst = ws[:, :, row, :, first_block * T:(first_block + n) * T]  # [L, 2, Hkv, n*T, D]
+        if layer is None:
+            dst.view(L, 2, Hkv, n, T, D).copy_(kv.permute(1, 2, 3, 0, 4, 5))
+        else:
+            dst[layer].view(2, Hkv, n, T, D).copy_(kv.permute(1, 2, 0, 3, 4))
+        for li in range(L) if layer is None else (layer,):
+            if staged[1][li] >= first_block:  # contiguous from block 0
+                staged[1][li] = max(staged[1][li], first_block + n)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
@@ -137,12 +191,16 @@ class DecoderForward:
     @torch.inference_mode()
     def forward(self, pool: torch.Tensor, b: Batch,
                 on_layer: Callable[[int, torch.Tensor], None] | None = None,
-                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None,
+                past_ready: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None.
         ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV).
         A pipeline stage (``layers = (lo, hi)``) runs only those layers, on ``hidden`` (``[B*S,
         hidden]``, the previous stage's output) instead of the embeddings when ``lo > 0``, writes only
-        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer."""
+        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer.
+        ``past_ready(li)`` (a prefix loading layer by layer, see ``roles/prefix_stream.py``): blocks until
+        layer ``li``'s past KV is in the pool; the past is then gathered per layer, just before the layer
+        attends, instead of all layers up front."""
         spec = self.spec
         lo_layer, hi_layer = layers if layers is not None else (0, self.num_layers)
         B, S, T = b.B, b.S, self.block_tokens
@@ -153,7 +211,8 @@ class DecoderForward:
             ws = self._decode_workspace(pool, b)
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
-        if b.past_table is not None and b.rows is None:
+        per_layer = past_ready is not None and b.rows is None
+        if b.past_table is not None and b.rows is None and not per_layer:
             past = self._gather_past(pool, b.past_table, layers)  # [B, Mb, layers, 2, Hkv, T, D]
             ws[lo_layer:hi_layer, :, :, :, : mb * T].view(hi_layer - lo_layer, 2, B, Hkv, mb, T, D).copy_(
                 past.permute(2, 3, 0, 4, 1, 5, 6))
@@ -176,6 +235,11 @@ class DecoderForward:
             h = layer.attn_norm(x)
             q, kv = self._qkv(layer, h, *rope[layer.rope])
             wl = ws[li]  # [2, B, Hkv, K, D]
+            if per_layer:
+                assert past_ready is not None
+                past_ready(li)
+                if b.past_table is not None:
+                    self._gather_layer(pool, b.past_table, li, wl)
             if single:
                 wl[:, 0, :, c0:c0 + S] = kv.permute(1, 2, 0, 3)
             else:

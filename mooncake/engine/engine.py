@@ -149,9 +149,10 @@ class Engine:
                         seed=sequence_seed(sampling), hashes=list(hashes), uid=next(self._uids),
                         matcher=matcher)
 
-    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor) -> None:
+    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor, stage_row: int | None = None) -> None:
         """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;
-        blocks it shares from the cache are left as they are."""
+        blocks it shares from the cache are left as they are. ``stage_row``: the decode workspace row the
+        sequence will likely take at its first step; the KV is copied there too (``DecoderForward.stage``)."""
         n_blocks = len(seq.block_table)
         if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled:
             raise ValueError("blocks %d..%d do not fit sequence %s of %d blocks"
@@ -161,10 +162,14 @@ class Engine:
         if skip < len(kv):
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
+        if stage_row is not None:
+            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), None)
 
-    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor) -> None:
+    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor,
+                       stage_row: int | None = None) -> None:
         """Copy one layer of received blocks (``kv``: ``[n, 2, Hkv, T, D]``) into a reserved sequence's
-        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are."""
+        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are.
+        ``stage_row``: as ``write_kv``'s."""
         n_blocks = len(seq.block_table)
         if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled or not 0 <= layer < self.block_shape[0]:
             raise ValueError("layer %d of blocks %d..%d does not fit sequence %s of %d blocks"
@@ -175,6 +180,8 @@ class Engine:
         if skip < len(kv):
             idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
             self.pool[idx, layer] = kv[skip:].to(self.device, self.dtype)
+        if stage_row is not None:
+            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), layer)
 
     def begin_decoding(self, seq: Sequence, next_token: int) -> None:
         """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
@@ -207,10 +214,13 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None) -> PrefillStep:
+    def prefill(self, seq: Sequence, on_layer: LayerFn | None = None,
+                past_ready: Callable[[int], None] | None = None) -> PrefillStep:
         """Compute the next chunk of the prompt; sample the first token after the last one.
         ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
-        as soon as the layer has computed them (``layerwise.py``; on this thread)."""
+        as soon as the layer has computed them (``layerwise.py``; on this thread). ``past_ready(layer)``:
+        blocks until that layer of the sequence's past is in the pool (a prefix loading layer by layer,
+        ``land_layers``); may raise, which abandons the chunk with nothing written."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         t0 = time.perf_counter()
@@ -218,7 +228,7 @@ class Engine:
         end = min(n, start + self.chunk_tokens)
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
-                                    hook)
+                                    hook, past_ready=past_ready)
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
@@ -417,6 +427,26 @@ class Engine:
             self.blocks.register(new, new_hashes)
         self.blocks.release(held)
         return len(held)
+
+    def land_layers(self, seq: Sequence, first_block: int, lo: int, kv: torch.Tensor) -> None:
+        """Write layers ``[lo, lo + kv.shape[1])`` of a loading prefix (``kv``: ``[n, layers, 2, Hkv, T,
+        D]``) into the sequence's blocks ``[first_block, first_block + n)``. The one engine call that may
+        run off the engine thread while a forward of ``seq`` runs: it touches only those blocks' pool
+        rows, which that forward reads only after ``past_ready`` let it (and no bookkeeping)."""
+        n, hi = len(kv), lo + kv.shape[1]
+        if first_block < 0 or first_block + n > len(seq.block_table) or not 0 <= lo < hi <= self.block_shape[0]:
+            raise ValueError("layers %d..%d of blocks %d..%d do not fit sequence %s of %d blocks"
+                             % (lo, hi, first_block, first_block + n, seq.req_id, len(seq.block_table)))
+        if tuple(kv.shape[2:]) != self.block_shape[1:]:
+            raise ValueError("kv layers have shape %s; expected [n, layers, %s]" % (tuple(kv.shape), self.block_shape[1:]))
+        idx = self._tensor(seq.block_table[first_block:first_block + n])
+        self.pool[idx, lo:hi] = kv.to(self.device, self.dtype)
+
+    def adopt_prefix(self, seq: Sequence, first_block: int, upto: int) -> None:
+        """The loaded prefix blocks ``[first_block, upto)`` of ``seq`` are verified and whole: key them in
+        the prefix cache (as if the sequence had computed them)."""
+        self.blocks.register(seq.block_table[first_block:upto], seq.hashes[first_block:upto])
+        seq.block_hashes = list(seq.hashes[:upto]) + seq.block_hashes[first_block:]
 
     def export_sequence(self, seq: Sequence, first_block: int = 0, last_block: int | None = None) -> torch.Tensor:
         """``[n, *block_shape]``: the sequence's computed blocks ``[first_block, last_block)``,

@@ -5,6 +5,12 @@ A block (``pool[i]``) is ``[layers, 2, kv_heads, block_tokens, head_dim]``: all 
 block_tokens, head_dim]`` (``pool[blocks, layer]``); it is what a ``KVLayer`` message carries.
 Positions past the prompt's end in its last, partial block are zeros.
 
+Loading a cached prefix from a store goes the other way, also layer by layer (``[engine] kv_load =
+"layer"``, ``roles/prefix_stream.py``): the store streams layers ``[lo, hi)`` of ``n`` blocks per
+reply as ``[n, hi - lo, 2, kv_heads, block_tokens, head_dim]`` (``LayerSlices``); block ``i``'s slice
+is the contiguous byte range of its ``[layers, ...]`` layout that holds those layers, so the block's
+checksum (xxh3_64 of the whole block, as put) is verified by streaming xxh3 over its slices in order.
+
 While the engine computes a chunk (positions ``[start, end)``), each layer's K/V are final as soon
 as that layer has written them into the forward's workspace; ``ChunkLayers`` cuts, per layer, the
 blocks this chunk completes out of the workspace (past positions of those blocks are there too,

@@ -13,7 +13,9 @@ ever travels on the wire: only MessagePack and raw tensor bytes.
 The store's object API addresses blocks by ``BlockHash``; one block is one
 payload frame in the engine's per-block layout ``[layers, 2, kv_heads,
 block_tokens, head_dim]`` (see ``mooncake.engine``). Layer-wise KV (``KVLayer``) carries one
-layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``. A pipeline
+layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``. A store's
+``GetLayers`` stream carries layers ``[lo, hi)`` of ``n`` blocks in one frame per reply
+(``LayerSlices``): ``[n, hi - lo, 2, kv_heads, block_tokens, head_dim]``. A pipeline
 stage's ``Activations`` carry a chunk's hidden states in one frame ``[tokens, hidden]``.
 """
 
@@ -30,7 +32,7 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         StageDone, StagePlan, TokenEvent)
-from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, Ok, Put, Remove,
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.p2p.messages import P2PMessage
 from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
@@ -51,9 +53,11 @@ __all__ = [
     "FinishReason",
     "FirstToken",
     "Get",
+    "GetLayers",
     "Heartbeat",
     "KVLayer",
     "KVTransfer",
+    "LayerSlices",
     "Leave",
     "Logprob",
     "Load",
@@ -94,8 +98,8 @@ __all__ = [
 
 Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
-    Put, Get, Exists, Remove, Replicate, StatsQuery,
-    Ok, Blocks, Error, BlockEvent,
+    Put, Get, GetLayers, Exists, Remove, Replicate, StatsQuery,
+    Ok, Blocks, LayerSlices, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, Abort, Failed,
     Activations, StageDone,
     ShmPut, ShmGet, ShmBlocks,

@@ -27,6 +27,30 @@ class Get(Msg, tag="get"):
     prefix: bool = False
 
 
+class GetLayers(Msg, tag="get_layers"):
+    """Fetch the leading run of present blocks layer by layer: the store answers with one
+    ``LayerSlices`` per ``layers_per_frame`` layers, lowest layers first (a stream of replies to
+    one request id), so that a reader can compute on early layers while later ones travel."""
+
+    hashes: list[bytes]
+    layers_per_frame: int = 1
+
+
+class LayerSlices(Msg, tag="layer_slices"):
+    """One reply of a ``GetLayers`` stream: layers ``[lo, hi)`` of the found blocks in one frame
+    ``[n, hi - lo, 2, kv_heads, block_tokens, head_dim]`` (block ``i``'s slice is the contiguous byte
+    range of block ``i``'s layout that holds those layers). ``checksums``: per whole block, as put,
+    in every reply; the reader verifies them over the slices of all replies (xxh3 streams over the
+    concatenated slices, which are the block's bytes in order). ``last``: the stream ends here."""
+
+    hashes: list[bytes]
+    lo: int
+    hi: int
+    tensors: list[TensorSpec] = []
+    checksums: list[int] = []
+    last: bool = False
+
+
 class Exists(Msg, tag="exists"):
     hashes: list[bytes]
 

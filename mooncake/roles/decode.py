@@ -227,11 +227,12 @@ class DecodeWorker(EngineWorker):
             await self._give_up(slot, "KV arrived out of order or oversized")
             return
         self._landing += 1
+        row = len(self.running) if len(self.running) < self.engine.max_batch else None  # its row at its first step
         try:
             if layer is not None:
-                await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0])
+                await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0], row)
             elif tensors:
-                await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors))
+                await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors), row)
         except Exception as e:  # this request's KV is unusable; the ingress goes on
             log.exception("writing KV of %s failed", msg.req_id)
             await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")

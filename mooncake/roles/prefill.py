@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import torch
 import zmq.asyncio
@@ -29,10 +30,12 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.engine.layerwise import split_runs
+from mooncake.engine.layerwise import LayerFn, split_runs
+from mooncake.engine.sequence import PrefillStep
 from mooncake.kv_integrity import checksums, leading_match, shape_problem
 from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
 from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.roles.prefix_stream import PrefixLoadFailed, PrefixStream
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
 from mooncake.sockets import recv_multipart
 from mooncake.kv_sender import KVSender
@@ -156,6 +159,56 @@ class PrefillWorker(EngineWorker):
                 break
         return got, time.perf_counter() - t0
 
+    async def _open_stream(self, req: P.PrefillRequest, hashes: list[BlockHash],
+                           have: int) -> tuple[PrefixStream | None, float]:
+        """Ask the store planned for the blocks after the ``have`` cached ones to stream them layer
+        by layer; the stream once its first layer is in (None: nothing to load), and the seconds that took."""
+        t0 = time.perf_counter()
+        plan = next((p for p in req.fetch if p.start <= have < p.end), None)
+        if plan is None:
+            return None, 0.0
+        asked = hashes[have:plan.end]
+        try:
+            replies = self.store(plan.endpoint).get_layers(asked)
+            stream = await PrefixStream.open(plan.endpoint, replies, asked, self.engine.block_shape, self.engine.dtype)
+        except StoreError as e:
+            log.warning("streaming from %s failed, recomputing instead: %s", plan.endpoint, e)
+            self.forget_store(plan.endpoint, e)
+            return None, time.perf_counter() - t0
+        return stream, time.perf_counter() - t0
+
+    def _start_stream(self, req: P.PrefillRequest, seq: Sequence, stream: PrefixStream, have: int,
+                      ship_prefix: Callable[[list[torch.Tensor]], None]) -> int:
+        """Start landing the streamed prefix into ``seq``'s blocks after its cached ones; how many
+        blocks it brings (0: none usable, e.g. the device cache changed meanwhile)."""
+        eng, T = self.engine, self.engine.block_tokens
+        first = seq.num_cached_tokens // T
+        n = min(stream.n, (len(req.tokens) - 1) // T - first) if first == have else 0
+        if n <= 0:
+            return 0
+        seq.num_cached_tokens = seq.num_computed = (first + n) * T
+        stream.start(lambda lo, kv: eng.land_layers(seq, first, lo, kv), n, ship_prefix, eng.block_shape, eng.dtype)
+        return n
+
+    async def _first_chunk_loading(self, req: P.PrefillRequest, seq: Sequence, stream: PrefixStream, first: int,
+                                   n: int, on_layer: LayerFn | None) -> tuple[PrefillStep, int]:
+        """The first chunk over a prefix still streaming in (each layer waits for its past); the step
+        and the blocks the stream brought. A failed load costs a recompute: the chunk is computed
+        again from the blocks before the stream, with nothing of it sent or kept."""
+        hook = stream.gate.hold(on_layer) if on_layer is not None else None
+        try:
+            step = await self.run_engine(self.engine.prefill, seq, hook, stream.gate.wait)
+        except PrefixLoadFailed as e:
+            await stream.close()
+            self.rejections.add("checksum" if "checksum" in str(e) else "stream", n)
+            if isinstance(stream.error, StoreError):
+                self.forget_store(stream.endpoint, stream.error)
+            log.warning("%s: recomputing %d blocks: %s", req.req_id, n, e)
+            seq.num_cached_tokens = seq.num_computed = first * self.engine.block_tokens
+            return await self._chunks.chunk(seq, on_layer), 0
+        await self.run_engine(self.engine.adopt_prefix, seq, first, first + n)
+        return step, n
+
     def _admit_fetched(self, endpoint: str, asked: list[BlockHash], found: list[BlockHash],
                        blocks: list[torch.Tensor]) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """The leading fetched blocks that are the ones asked for, as KV of this model; the rest is a miss."""
@@ -199,17 +252,28 @@ class PrefillWorker(EngineWorker):
         t_start = time.perf_counter()
         hashes = [BlockHash(h) for h in req.hashes]
         have = await self.run_engine(eng.cached_prefix, hashes)
-        fetched, fetch_s = await self._fetch_prefix(req, hashes, have) if req.fetch else (0, 0.0)
-        while True:
-            releases = self._releases
-            seq: Sequence | None = await self.run_engine(
-                eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
-                BlockHash(req.root), req.stage.prefix_blocks if req.stage is not None else None)
-            if seq is not None or (not self._holding and releases == self._releases):
-                break
-            if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
-                await self._released.wait()
+        stream, fetched, fetch_s = None, 0, 0.0
+        if req.fetch and req.stage is None and self.cfg.engine.kv_load == "layer":
+            stream, fetch_s = await self._open_stream(req, hashes, have)
+        elif req.fetch:
+            fetched, fetch_s = await self._fetch_prefix(req, hashes, have)
+        try:
+            while True:
+                releases = self._releases
+                seq: Sequence | None = await self.run_engine(
+                    eng.add_sequence, req.req_id, req.tokens, req.sampling, None, req.num_generated, hashes,
+                    BlockHash(req.root), req.stage.prefix_blocks if req.stage is not None else None)
+                if seq is not None or (not self._holding and releases == self._releases):
+                    break
+                if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
+                    await self._released.wait()
+        except BaseException:  # an invalid request, an abort: the stream goes too
+            if stream is not None:
+                await stream.close()
+            raise
         if seq is None:
+            if stream is not None:
+                await stream.close()
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
         self._holding += 1
@@ -218,8 +282,10 @@ class PrefillWorker(EngineWorker):
             if req.stage is not None:
                 await run_stage(self, req, seq, sender, fetched, fetch_s)
             else:
-                await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start)
+                await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start, stream, have)
         finally:
+            if stream is not None:
+                await stream.close()
             sender.cancel()
             await self.run_engine(eng.free, seq)
             self._holding -= 1
@@ -228,15 +294,16 @@ class PrefillWorker(EngineWorker):
             self._released = asyncio.Event()
 
     async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
-                                sender: KVSender, fetched: int, fetch_s: float, t_start: float) -> None:
+                                sender: KVSender, fetched: int, fetch_s: float, t_start: float,
+                                stream: PrefixStream | None = None, have: int = 0) -> None:
         """The chunk loop. KV leaves through ``sender`` while later work computes: the reused prefix
-        first (known before any compute), then each layer of each chunk as soon as it is computed
+        first (known before any compute; a prefix streaming from a store layer by layer once it is
+        verified, see ``prefix_stream.py``), then each layer of each chunk as soon as it is computed
         (``kv_transfer = "layer"``) or each chunk's blocks after the chunk. The blocks a chunk
         completes are written to the store after that chunk."""
         eng = self.engine
         T = eng.block_tokens
-        cached = seq.num_cached_tokens
-        sent = written = cached // T
+        sent = seq.num_cached_tokens // T
         if sent:
             kv = await self.run_engine(eng.export_sequence, seq, 0, sent)
             sender.put(P.KVTransfer(req.req_id, 0, token=req.kv_token), list(kv.unbind(0)))
@@ -247,10 +314,27 @@ class PrefillWorker(EngineWorker):
             for start, part in split_runs(first, kv, per_frame):  # frames well under the receiver's limit
                 loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
 
+        after_cached = sent
+
+        def ship_prefix(layers: list[torch.Tensor]) -> None:  # event loop: the streamed prefix, verified
+            for layer, kv in enumerate(layers):
+                for start, part in split_runs(after_cached, kv.contiguous(), per_frame):
+                    sender.put(P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+
         on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
+        loading = self._start_stream(req, seq, stream, have, ship_prefix) if stream is not None else 0
+        cached = seq.num_cached_tokens
+        written = cached // T
         compute_s = 0.0  # this request's own share of the forwards (a packed one is shared by tokens)
         while True:
-            step = await self._chunks.chunk(seq, on_layer)
+            if loading:
+                assert stream is not None
+                step, loading = await self._first_chunk_loading(req, seq, stream, sent, loading, on_layer)
+                fetched, cached, written = loading, seq.num_cached_tokens, seq.num_cached_tokens // T
+                sent += loading
+                loading = 0
+            else:
+                step = await self._chunks.chunk(seq, on_layer)
             compute_s += step.compute_s
             self.progress += 1
             if req.req_id in self.aborted:

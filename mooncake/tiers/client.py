@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 import zmq
@@ -30,7 +30,7 @@ from mooncake.kv_integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
-from ..protocol import (Blocks, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Remove,
+from ..protocol import (Blocks, Error, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
                         Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
@@ -74,6 +74,7 @@ class StoreClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._pending: dict[bytes, asyncio.Future] = {}
+        self._streams: dict[bytes, asyncio.Queue] = {}  # request id -> replies of a GetLayers stream
         self._ids = itertools.count(1)
         self._free_segs: list[ShmSegment] = []
         self._all_segs: list[ShmSegment] = []
@@ -106,6 +107,13 @@ class StoreClient:
     async def _read(self) -> None:
         while True:
             frames = await recv_multipart(self._sock)
+            stream = self._streams.get(frames[0].bytes)
+            if stream is not None:
+                try:
+                    stream.put_nowait(decode(frames[1:]))
+                except ProtocolError as e:
+                    stream.put_nowait(StoreError(f"malformed reply: {e}", "bad_reply"))
+                continue
             fut = self._pending.pop(frames[0].bytes, None)
             if fut is None or fut.done():
                 continue  # a reply that came after its timeout
@@ -246,6 +254,38 @@ class StoreClient:
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
         return self._verified(reply.hashes, tensors, reply.checksums)
 
+    async def get_layers(self, hashes: Sequence[BlockHash], layers_per_frame: int = 1
+                         ) -> AsyncIterator[tuple[LayerSlices, torch.Tensor | None]]:
+        """The leading run of present blocks, streamed layer by layer: ``(reply, kv)`` per
+        ``layers_per_frame`` layers, ``kv`` ``[n, hi - lo, 2, Hkv, T, D]`` (None when nothing was
+        found). Each reply waits at most ``timeout_s`` (then ``StoreUnavailable``); the caller
+        verifies the blocks' checksums over all slices (``mooncake.roles.prefix_stream``)."""
+        sock = self._ensure()
+        rid = next(self._ids).to_bytes(8, "little")
+        replies: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = replies
+        try:
+            await sock.send_multipart([rid, *encode(GetLayers([bytes(h) for h in hashes], layers_per_frame))],
+                                      copy=False)
+            while True:
+                try:
+                    item = await asyncio.wait_for(replies.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise StoreUnavailable(f"store {self.endpoint} stopped streaming layers "
+                                           f"(nothing within {self.timeout_s}s)") from None
+                if isinstance(item, Exception):
+                    raise item
+                reply, tensors = item
+                if isinstance(reply, Error):
+                    raise StoreError(reply.message, reply.code)
+                if not isinstance(reply, LayerSlices) or len(tensors) > 1:
+                    raise StoreError(f"unexpected reply {type(reply).__name__} in a layer stream", "bad_reply")
+                yield reply, (tensors[0] if tensors else None)
+                if reply.last:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+
     async def exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
 
@@ -266,6 +306,8 @@ class StoreClient:
                 fut.set_exception(StoreUnavailable("client closed"))
                 fut.exception()  # a caller may already have given up on it: not an unhandled error
         self._pending.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(StoreUnavailable("client closed"))
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:

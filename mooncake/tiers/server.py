@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import sys
 import time
@@ -37,14 +38,17 @@ from ..config import StoreConfig
 from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
-from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, Msg, Ok, ProtocolError, Put, Remove,
-                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
+from ..protocol import (Blocks, BlockEvent, Error, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put,
+                        Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
 
 log = logging.getLogger(__name__)
 MAX_RID = 64
+# Fault injection for tests, read once at start: "die:N" (the process exits after sending N replies
+# of its first layer stream) or "corrupt" (one byte of its first layer stream's first slice flips).
+STREAM_FAULT_ENV = "MOONCAKE_FAULT_LAYER_STREAM"
 
 
 class StoreServer:
@@ -69,6 +73,7 @@ class StoreServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recv_task: asyncio.Task | None = None
+        self._stream_fault = os.environ.get(STREAM_FAULT_ENV, "")
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -155,6 +160,9 @@ class StoreServer:
                 self.rejections.add("unauthorized")
                 log.warning("refused: %s", refused)
                 reply = encode(Error(refused, "unauthorized"))
+            elif isinstance(msg, GetLayers):
+                await self._stream_layers(ident, rid, msg)
+                return
             else:
                 reply = await self._dispatch(msg, tensors)
         except ProtocolError as e:
@@ -170,6 +178,39 @@ class StoreServer:
             await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
         except zmq.ZMQError as e:
             log.warning("reply not sent: %s", e)
+
+    async def _stream_layers(self, ident: bytes, rid: bytes, msg: GetLayers) -> None:
+        """Answer ``GetLayers`` with one ``LayerSlices`` per ``layers_per_frame`` layers of the leading
+        run of present blocks (of one shape and dtype), lowest layers first; each slice is copied out
+        of the stored blocks in a worker thread just before it is sent, so the first layers leave at
+        once. An error midway ends the stream with an ``Error`` reply."""
+        found = await self._run(self.store.get_many, msg.hashes, True)
+        if found:
+            first = found[0][1].tensor
+            n = next((i for i, (_, b) in enumerate(found)
+                      if b.tensor.shape != first.shape or b.tensor.dtype != first.dtype), len(found))
+            found = found[:n]
+        keys = [k for k, _ in found]
+        sums = self.sums.of(keys)
+        blocks = [b.tensor for _, b in found]
+        layers = blocks[0].shape[0] if blocks and blocks[0].dim() > 0 else 0
+        step = max(1, msg.layers_per_frame)
+        if not layers:
+            await send_multipart(self._sock, [ident, rid[:MAX_RID], *encode(LayerSlices(keys, 0, 0, last=True))])
+            return
+        for lo in range(0, layers, step):
+            hi = min(layers, lo + step)
+            part = await self._run(lambda lo=lo, hi=hi: torch.stack([b[lo:hi] for b in blocks]))
+            fault, self._stream_fault = self._stream_fault, ""
+            if fault == "corrupt":
+                part.view(-1).view(torch.uint8)[0] ^= 1
+            elif fault.startswith("die:") and lo // step >= int(fault[4:]):
+                log.error("fault injection: the store dies mid-stream")
+                os._exit(1)
+            else:
+                self._stream_fault = fault
+            reply = encode(LayerSlices(keys, lo, hi, checksums=sums, last=hi == layers), [part])
+            await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
 
     async def _run(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

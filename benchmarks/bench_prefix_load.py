@@ -1,0 +1,155 @@
+"""Where the time of a cached-prefix prefill goes: load-then-compute vs layer-wise loading (issue 12).
+
+One engine in this process (one torch thread), one store server process (its DRAM tier holds the
+prefix), the 1,792-of-2,048 case of BENCHMARKS.md §3: per rep a fresh 2,048-token prompt is
+prefilled cold (chunks of 512), its 1,792-token prefix put into the store with checksums and
+dropped from the engine, then the prompt is prefilled again loading the prefix from the store,
+both ways, phase by phase:
+
+- block (load-then-compute, ``kv_load = "block"``): ``get`` (shared memory, checksums verified),
+  ``import_blocks`` into the pool, ``add_sequence``, the export of the prefix for decode and its
+  checksums (what the worker queues before computing), then the forward of the 256 new tokens;
+- layer (``kv_load = "layer"``): the stream's first layer, ``add_sequence``, then the forward, which
+  waits per layer for its past (``wait`` sums those waits) while the stream lands the rest.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_prefix_load.py [--reps 5] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from clusters import start_store_process  # noqa: E402
+
+from mooncake.config import EngineConfig, ModelConfig  # noqa: E402
+from mooncake.engine import Engine, load_model  # noqa: E402
+from mooncake.kv_integrity import checksums, shape_problem  # noqa: E402
+from mooncake.protocol import Sampling  # noqa: E402
+from mooncake.roles.prefix_stream import PrefixStream  # noqa: E402
+from mooncake.tiers.client import StoreClient  # noqa: E402
+
+PROMPT, PREFIX = 2048, 1792
+GREEDY = Sampling(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+def cold(eng: Engine, ids: list[int]) -> tuple[float, int, torch.Tensor]:
+    hashes = eng.hashes(ids)
+    t0 = time.perf_counter()
+    seq = eng.add_sequence("cold", ids, GREEDY, hashes=hashes)
+    while not (step := eng.prefill(seq)).done:
+        pass
+    took = time.perf_counter() - t0
+    prefix = eng.export_sequence(seq, 0, PREFIX // eng.block_tokens).clone()
+    eng.free(seq)
+    eng.blocks.forget(hashes)
+    return took, step.token, prefix
+
+
+async def blockwise(eng: Engine, client: StoreClient, ids: list[int]) -> tuple[dict[str, float], int]:
+    hashes = eng.hashes(ids)
+    t = [time.perf_counter()]
+    found, blocks = await client.get(hashes[:PREFIX // eng.block_tokens])
+    assert shape_problem(blocks, eng.block_shape, eng.dtype) is None
+    t.append(time.perf_counter())
+    eng.import_blocks(found, torch.stack(blocks))
+    t.append(time.perf_counter())
+    seq = eng.add_sequence("block", ids, GREEDY, hashes=hashes)
+    kv = eng.export_sequence(seq, 0, seq.num_cached_tokens // eng.block_tokens)
+    await asyncio.to_thread(checksums, kv)
+    t.append(time.perf_counter())
+    step = eng.prefill(seq)
+    t.append(time.perf_counter())
+    eng.free(seq)
+    eng.blocks.forget(hashes)
+    phases = dict(zip(("get", "import", "export+sums", "forward"), (b - a for a, b in zip(t, t[1:]))))
+    phases["total"] = t[-1] - t[0]
+    return phases, step.token
+
+
+async def layerwise(eng: Engine, client: StoreClient, endpoint: str, ids: list[int]) -> tuple[dict[str, float], int]:
+    hashes = eng.hashes(ids)
+    asked = hashes[:PREFIX // eng.block_tokens]
+    t0 = time.perf_counter()
+    stream = await PrefixStream.open(endpoint, client.get_layers(asked), asked, eng.block_shape, eng.dtype)
+    assert stream is not None
+    t1 = time.perf_counter()
+    seq = eng.add_sequence("layer", ids, GREEDY, hashes=hashes)
+    seq.num_cached_tokens = seq.num_computed = stream.n * eng.block_tokens
+    stream.start(lambda lo, kv: eng.land_layers(seq, 0, lo, kv), stream.n, lambda layers: None,
+                 eng.block_shape, eng.dtype)
+    waited = [0.0]
+
+    def wait(layer: int) -> None:
+        w = time.perf_counter()
+        stream.gate.wait(layer)
+        waited[0] += time.perf_counter() - w
+
+    step = await asyncio.to_thread(eng.prefill, seq, None, wait)
+    t2 = time.perf_counter()
+    await stream.close()
+    eng.adopt_prefix(seq, 0, stream.n)
+    eng.free(seq)
+    eng.blocks.forget(hashes)
+    return {"first layer": t1 - t0, "forward": t2 - t1, "wait": waited[0], "total": t2 - t0}, step.token
+
+
+async def run(reps: int) -> dict[str, list[dict[str, float]]]:
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32"))
+    eng = Engine(loaded, EngineConfig(kv_cache_bytes=256 << 20, prefill_chunk_tokens=512, threads=1))
+    proc, endpoint = start_store_process(tempfile.mkdtemp(prefix="mooncake-bench-"), "--dram-bytes", str(2 << 30),
+                                         "--lmdb-bytes", "0")
+    client = StoreClient(endpoint, timeout_s=30)
+    out: dict[str, list[dict[str, float]]] = {"cold": [], "block": [], "layer": []}
+    try:
+        for rep in range(reps + 1):  # the first is a warm-up
+            ids = [(1000 + rep * 7919 + i * 13) % 40000 + 1000 for i in range(PROMPT)]
+            took, token, prefix = cold(eng, ids)
+            await client.put(eng.hashes(ids)[:len(prefix)], prefix, eng.model_id, checksums(prefix))
+            b, tb = await blockwise(eng, client, ids)
+            la, tl = await layerwise(eng, client, endpoint, ids)
+            assert token == tb == tl, (token, tb, tl)
+            if rep:
+                out["cold"].append({"total": took})
+                out["block"].append(b)
+                out["layer"].append(la)
+            print(f"rep {rep}: cold {took:.3f}s block {b} layer {la}", flush=True)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", help="write the markdown table here too")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    res = asyncio.run(run(args.reps))
+    cold_s = statistics.median(r["total"] for r in res["cold"])
+    lines = [f"| {PREFIX} of {PROMPT} tokens from the store's DRAM | phases, median ms | total (ms) | vs cold |",
+             "|---|---|---|---|", f"| cold (no prefix) | — | {cold_s * 1000:.0f} | 1.000x |"]
+    for mode in ("block", "layer"):
+        keys = [k for k in res[mode][0] if k != "total"]
+        phases = ", ".join(f"{k} {statistics.median(r[k] for r in res[mode]) * 1000:.0f}" for k in keys)
+        total = statistics.median(r["total"] for r in res[mode])
+        lines.append(f"| {mode} | {phases} | {total * 1000:.0f} | {total / cold_s:.3f}x |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
