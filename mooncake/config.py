@@ -31,7 +31,7 @@ class ModelConfig(_Section):
     block_hash: Literal["sha256", "xxh3_128"] = Field(
         "sha256", description="Chained hash keying KV blocks: sha256, or xxh3_128 (faster; part of the model id, so stores never mix schemes).")
     quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
+        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16; float32 runs too, slower): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 
