@@ -44,6 +44,7 @@ class EngineConfig(_Section):
     max_prefill_batch: int = Field(8, ge=1, le=256, description="Prompts a prefill instance computes at once: their chunks go in one forward, so a burst of short prompts is not serialized (1: one prompt at a time).")
     max_model_len: int = Field(0, ge=0, description="Context limit in tokens, prompt and output (--max-model-len); 0: the model's own (max_position_embeddings); larger than the model's own: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
+    native_kernels: bool = Field(True, description="The engine's own C kernels for decode at small batch (int8 matrix-vector products, one token's attention), built with the system C compiler on first use where the CPU has AVX-512 VNNI; off, or where they cannot be built: torch's kernels only.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
     profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")
     kv_transfer: Literal["layer", "block"] = Field("block", description="How a prefill ships new KV to decode: block (a chunk's blocks leave after all its layers; concurrent requests' chunks are packed into one forward) or layer (each layer's KV of a chunk leaves as soon as that layer is computed, so little is in flight when prefill ends; chunks are then computed one sequence at a time).")

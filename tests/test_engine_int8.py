@@ -11,7 +11,7 @@ import torch
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, ModelLoadError, load_model
 from mooncake.engine.int8 import INT8_MAX_ROWS, Int8Projection, quantize_rows
-from mooncake.engine.int8_kernel import load_kernel
+from mooncake.engine.native import load_kernel
 from mooncake.protocol import Sampling
 
 STEPS = 16

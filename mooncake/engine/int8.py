@@ -6,7 +6,7 @@ The model's own float weights are overwritten in place by their dequantized valu
 large-row matmuls compute with exactly the weights the int8 kernel represents: that model
 is the int8 engine's float reference. Calls with few rows (decode at small batch, where a
 matmul is bound by reading its weight) read the int8 weight (half the bytes of bf16) with the
-engine's own kernel (``int8_kernel.py``: float32-accurate sums, 2-3x torch's bandwidth here),
+engine's own kernel (``native.py``: float32-accurate sums, 2-3x torch's bandwidth here),
 else torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``); calls with more rows
 (prefill, large decode batches, where bf16 tiles win) use the dequantized weight. Serving
 dtype bfloat16, or float32 (slower; the float reference's own arithmetic, for exactness tests).
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.families.spec import Fused, Linear, ModelSpec, Separate
-from mooncake.engine.int8_kernel import MAX_K, Int8Gemv, load_kernel
+from mooncake.engine.native import MAX_K, Int8Gemv, load_kernel
 
 INT8_DTYPES = (torch.bfloat16, torch.float32)
 INT8_MAX_ROWS = 8  # measured on AVX-512 BF16 (2 threads): int8 wins below 8 rows, bf16 from 8 on

@@ -6,7 +6,7 @@
  * x: [M, K] bfloat16 or float32; w: [N, K] int8, row-major; scale: [N] float32;
  * out: [M, N] in x's dtype (bfloat16 rounded to nearest even, as torch rounds).
  * Each weight row is read once for all M rows of x: the call is bound by reading w.
- * Built and loaded by int8_kernel.py. */
+ * Built and loaded by native.py. */
 
 /* The dot products run on integers (AVX-512 VNNI ``vpdpwssd``: 32 int16 products per
  * instruction, no int8 -> float conversion per weight): each row of x is split exactly enough

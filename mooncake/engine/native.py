@@ -1,11 +1,14 @@
-"""The engine's own int8 matrix-vector kernel (``int8_gemv.c``), built on first use.
+"""The engine's own C kernels for decode at small batch, built on first use: the int8
+matrix-vector product (``int8_gemv.c``) and one token's attention (``decode_attention.c``).
 
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
 decode step at batch 1 is mostly those reads. ``int8_gemv.c`` reads each weight row once for
 all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to ~30 GB/s on
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
-float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic. It is compiled with the system C compiler into the
+float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic. torch's CPU flash
+attention costs ~100 µs per call for one query token, far above its work; the attention
+kernel does it in float32 over the bfloat16 workspace. Both are compiled with the system C compiler into the
 user's cache (once per source and flags; processes that race write the same file) and called
 through ctypes on tensors' memory. Where it cannot run (no C compiler, no AVX-512, another
 OS) ``load_kernel`` returns None and the engine keeps torch's kernel.
@@ -27,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int8_gemv.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("int8_gemv.c", "decode_attention.c")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
 MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
@@ -57,6 +60,35 @@ class Int8Gemv:
         return out
 
 
+class DecodeAttention:
+    """Attention of one token ``q [H, D]`` (bfloat16, contiguous) over keys and values ``k, v
+    [Hkv, K, D]`` (bfloat16; each head's keys contiguous, heads any stride apart), grouped
+    query (``H = Hkv * G``); returns ``[H, D]`` bfloat16."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.mooncake_decode_attention
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def serves(self, k: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether ``k``/``v`` of this layout and ``dtype`` can go to the kernel."""
+        D = k.shape[-1]
+        return dtype == torch.bfloat16 and D % 16 == 0 and D <= 256 and k.stride(-1) == 1 and k.stride(-2) == D
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        H, D = q.shape
+        Hkv, K = k.shape[0], k.shape[1]
+        assert k.stride() == v.stride() and q.is_contiguous()
+        out = torch.empty(H, D, dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), Hkv, H // Hkv, K, D, scale,
+                      out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"attention kernel cannot serve q {tuple(q.shape)}, k {tuple(k.shape)}")
+        return out
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -78,35 +110,47 @@ def build(cache_dir: Path | None = None) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"int8_gemv-{key}.so"
+    target = (cache_dir or _cache_dir()) / f"mooncake-kernels-{key}.so"
     if target.is_file():
         return target
+    tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a process that races us loads a whole file
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        log.warning("int8 kernel not built (%s %s); using torch's int8 kernel", e, err.decode(errors="replace")[-500:])
-        if "tmp" in locals() and os.path.exists(tmp):
+        log.warning("native kernels not built (%s %s); using torch's kernels", e, err.decode(errors="replace")[-500:])
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         return None
     return target
 
 
-def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
-    """The kernel, or None where it cannot run on this machine."""
+def _library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux") or not set(NEEDED_CPU_FLAGS) <= _cpu_flags():
         return None
     path = build(cache_dir)
     if path is None:
         return None
     try:
-        return Int8Gemv(ctypes.CDLL(str(path)))
+        return ctypes.CDLL(str(path))
     except OSError as e:
-        log.warning("int8 kernel not loaded (%s); using torch's int8 kernel", e)
+        log.warning("native kernels not loaded (%s); using torch's kernels", e)
         return None
+
+
+def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
+    """The int8 kernel, or None where it cannot run on this machine."""
+    lib = _library(cache_dir)
+    return Int8Gemv(lib) if lib is not None else None
+
+
+def load_attention(cache_dir: Path | None = None) -> DecodeAttention | None:
+    """The one-token attention kernel, or None where it cannot run on this machine."""
+    lib = _library(cache_dir)
+    return DecodeAttention(lib) if lib is not None else None
