@@ -141,3 +141,9 @@ def test_int8_engine_is_close_to_its_float_reference():
 def test_int8_needs_bfloat16_or_float32_on_cpu():
     with pytest.raises(ModelLoadError, match="quantization 'int8' runs on CPU in bfloat16 or float32"):
         load_model(ModelConfig(device="cpu", dtype="float16", quantization="int8"))
+
+
+def test_native_kernels_off_keeps_torchs_int8_kernel():
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="int8"))
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=8 << 20, native_kernels=False, profile_at_start=False))
+    assert all(layer.down.kernel is None for layer in engine.model.spec.layers)

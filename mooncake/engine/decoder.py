@@ -28,15 +28,14 @@ from mooncake.engine.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
 from mooncake.engine.families import model_spec
 from mooncake.engine.int8 import quantize_spec
-from mooncake.engine.native import load_attention
 from mooncake.engine.rope import tables_of
 
 
 class DecoderForward:
     def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none",
                  native: bool = True) -> None:
-        """``native``: the engine's own C kernels (``native.py``) where they run, for decode at
-        small batch (int8 matrix-vector products, one token's attention); else torch's only."""
+        """``native``: the engine's own int8 kernel (``native.py``) where it runs, for decode at
+        small batch; else torch's."""
         self.spec = spec = model_spec(hf_model)
         if quantization == "int8":
             quantize_spec(spec, native)
@@ -51,8 +50,6 @@ class DecoderForward:
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=self.dtype, device=self.device)
                             if spec.embed_scale is not None else None)
         self.windows = {layer.window for layer in spec.layers}
-        self.attend_one = (load_attention() if native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                           and spec.attn_softcap is None else None)
         self.rope = {key: tables_of(rp, self.rotary_dim, max_len, self.dtype, self.device)
                      for key, rp in spec.rope.items()}
         self._ws = torch.zeros(0, dtype=self.dtype, device=self.device)
@@ -191,10 +188,7 @@ class DecoderForward:
                 on_layer(li, ws[li])
             mask = masks[layer.window]
             lo = mask[2]
-            if single and S == 1 and mask[0] is None and self.attend_one is not None:
-                o = self.attend_one(q.view(H, D), kc[0, :, lo:K], vc[0, :, lo:K], scale or D ** -0.5)
-            else:
-                o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
+            o = attend(q, kc[:, :, lo:K], vc[:, :, lo:K], mask, B, S, scale, softcap)
             a = layer.o(o.reshape(N, H * D))
             x.add_(layer.post_attn_norm(a) if layer.post_attn_norm is not None else a)
             h = layer.mlp_norm(x)

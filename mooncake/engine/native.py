@@ -1,14 +1,14 @@
-"""The engine's own C kernels for decode at small batch, built on first use: the int8
-matrix-vector product (``int8_gemv.c``) and one token's attention (``decode_attention.c``).
+"""The engine's own C kernel for decode at small batch, built on first use: the int8
+matrix-vector product (``int8_gemv.c``).
 
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
 decode step at batch 1 is mostly those reads. ``int8_gemv.c`` reads each weight row once for
 all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to ~30 GB/s on
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
-float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic. torch's CPU flash
-attention costs ~100 µs per call for one query token, far above its work; the attention
-kernel does it in float32 over the bfloat16 workspace. Both are compiled with the system C compiler into the
+float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic, and each row
+independent of the others (a sequence computes the same in any batch of fewer than 8). It is
+compiled with the system C compiler into the
 user's cache (once per source and flags; processes that race write the same file) and called
 through ctypes on tensors' memory. Where it cannot run (no C compiler, no AVX-512, another
 OS) ``load_kernel`` returns None and the engine keeps torch's kernel.
@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("int8_gemv.c", "decode_attention.c")]
+SOURCES = [Path(__file__).with_name("int8_gemv.c")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
 MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
@@ -57,35 +57,6 @@ class Int8Gemv:
                       M, N, K, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"int8 kernel cannot compute [{M}, {K}] x [{N}, {K}] (K must be a multiple of 32, at most 8192)")
-        return out
-
-
-class DecodeAttention:
-    """Attention of one token ``q [H, D]`` (bfloat16, contiguous) over keys and values ``k, v
-    [Hkv, K, D]`` (bfloat16; each head's keys contiguous, heads any stride apart), grouped
-    query (``H = Hkv * G``); returns ``[H, D]`` bfloat16."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.mooncake_decode_attention
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-
-    def serves(self, k: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether ``k``/``v`` of this layout and ``dtype`` can go to the kernel."""
-        D = k.shape[-1]
-        return dtype == torch.bfloat16 and D % 16 == 0 and D <= 256 and k.stride(-1) == 1 and k.stride(-2) == D
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        H, D = q.shape
-        Hkv, K = k.shape[0], k.shape[1]
-        assert k.stride() == v.stride() and q.is_contiguous()
-        out = torch.empty(H, D, dtype=q.dtype)
-        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), Hkv, H // Hkv, K, D, scale,
-                      out.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"attention kernel cannot serve q {tuple(q.shape)}, k {tuple(k.shape)}")
         return out
 
 
@@ -149,8 +120,3 @@ def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
     lib = _library(cache_dir)
     return Int8Gemv(lib) if lib is not None else None
 
-
-def load_attention(cache_dir: Path | None = None) -> DecodeAttention | None:
-    """The one-token attention kernel, or None where it cannot run on this machine."""
-    lib = _library(cache_dir)
-    return DecodeAttention(lib) if lib is not None else None
