@@ -64,10 +64,17 @@ def test_own_kernel_computes_the_float_reference_to_float32_accuracy(rows):
 
 
 @needs_kernel
-def test_own_kernel_refuses_rows_it_cannot_sum():
+def test_own_kernel_refuses_what_it_cannot_compute():
     w8, scale = quantize_rows(torch.randn(8, 48))
     with pytest.raises(ValueError, match="multiple of 32"):
         KERNEL(torch.randn(1, 48), w8, scale)
+    w8, scale = quantize_rows(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int8 kernel takes"):
+        KERNEL(torch.randn(1, 64).half(), w8, scale)  # a dtype it would misread
+    with pytest.raises(ValueError, match="int8 kernel takes"):
+        KERNEL(torch.randn(64, 2).T, w8, scale)  # not contiguous
+    with pytest.raises(ValueError, match="int8 kernel takes"):
+        KERNEL(torch.randn(1, 64), w8, scale.bfloat16())
 
 
 @needs_kernel

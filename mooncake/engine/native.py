@@ -4,13 +4,12 @@ matrix-vector product (``int8_gemv.c``).
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
 decode step at batch 1 is mostly those reads. ``int8_gemv.c`` reads each weight row once for
-all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to ~30 GB/s on
+all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to 21-32 GB/s on
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
 float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
-compiled with the system C compiler into the
-user's cache (once per source and flags; processes that race write the same file) and called
-through ctypes on tensors' memory. Where it cannot run (no C compiler, no AVX-512, another
+compiled with the system C compiler into the user's cache (once per source and flags;
+processes that race write the same file) and called through ctypes on tensors' memory. Where it cannot run (no C compiler, no AVX-512, another
 OS) ``load_kernel`` returns None and the engine keeps torch's kernel.
 """
 
@@ -47,12 +46,16 @@ class Int8Gemv:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def __call__(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         M, K = x.shape
         N = w8.shape[0]
-        if out is None:
-            out = torch.empty(M, N, dtype=x.dtype)
+        if (x.dtype not in (torch.bfloat16, torch.float32) or w8.dtype != torch.int8 or scale.dtype != torch.float32
+                or w8.shape[1] != K or scale.shape != (N,) or x.device.type != "cpu"
+                or not (x.is_contiguous() and w8.is_contiguous() and scale.is_contiguous())):
+            raise ValueError(f"int8 kernel takes contiguous CPU x [M, K] bfloat16/float32, w8 [N, K] int8, scale [N] "
+                             f"float32; got {x.dtype} {tuple(x.shape)}, {w8.dtype} {tuple(w8.shape)}, "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        out = torch.empty(M, N, dtype=x.dtype)
         rc = self._fn(x.data_ptr(), x.dtype == torch.bfloat16, w8.data_ptr(), scale.data_ptr(), out.data_ptr(),
                       M, N, K, torch.get_num_threads())
         if rc != 0:
