@@ -31,7 +31,7 @@ class ModelConfig(_Section):
     block_hash: Literal["sha256", "xxh3_128"] = Field(
         "sha256", description="Chained hash keying KV blocks: sha256, or xxh3_128 (faster; part of the model id, so stores never mix schemes).")
     quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
+        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16; float32 runs too, slower): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 
@@ -44,6 +44,7 @@ class EngineConfig(_Section):
     max_prefill_batch: int = Field(8, ge=1, le=256, description="Prompts a prefill instance computes at once: their chunks go in one forward, so a burst of short prompts is not serialized (1: one prompt at a time).")
     max_model_len: int = Field(0, ge=0, description="Context limit in tokens, prompt and output (--max-model-len); 0: the model's own (max_position_embeddings); larger than the model's own: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
+    native_kernels: bool = Field(True, description="The engine's own C kernel for int8 decode at small batch (quantization = \"int8\"), built with the system C compiler on first use where the CPU has AVX-512 VNNI; off, or where it cannot be built: torch's int8 kernel.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
     profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")
     kv_load: Literal["layer", "block"] = Field("layer", description="How a prefill loads a cached prefix from a store: layer (the store streams it layer by layer and the forward of the new tokens starts at once, each layer waiting only for its own past KV; checksums verified over the streamed slices) or block (fetch every block whole, then compute). Pipeline stages always load block-wise.")

@@ -32,10 +32,13 @@ from mooncake.engine.rope import tables_of
 
 
 class DecoderForward:
-    def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none") -> None:
+    def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none",
+                 native: bool = True) -> None:
+        """``native``: the engine's own int8 kernel (``native.py``) where it runs, for decode at
+        small batch; else torch's."""
         self.spec = spec = model_spec(hf_model)
         if quantization == "int8":
-            quantize_spec(spec)
+            quantize_spec(spec, native)
         self.num_layers = len(spec.layers)
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads

@@ -5,9 +5,11 @@ The model's own float weights are overwritten in place by their dequantized valu
 (``int8 * scale``, in the serving dtype), so the transformers model and the engine's
 large-row matmuls compute with exactly the weights the int8 kernel represents: that model
 is the int8 engine's float reference. Calls with few rows (decode at small batch, where a
-matmul is bound by reading its weight) use torch's int8 weight-packed matmul
-(``aten._weight_int8pack_mm``: half the bytes of bf16); calls with more rows (prefill,
-large decode batches, where bf16 tiles win) use the dequantized weight.
+matmul is bound by reading its weight) read the int8 weight (half the bytes of bf16) with the
+engine's own kernel (``native.py``: float32-accurate sums, 2-3x torch's bandwidth here),
+else torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``); calls with more rows
+(prefill, large decode batches, where bf16 tiles win) use the dequantized weight. Serving
+dtype bfloat16, or float32 (slower; the float reference's own arithmetic, for exactness tests).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch.nn.functional as F
 
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.families.spec import Fused, Linear, ModelSpec, Separate
+from mooncake.engine.native import MAX_K, Int8Gemv, load_kernel
 
+INT8_DTYPES = (torch.bfloat16, torch.float32)
 INT8_MAX_ROWS = 8  # measured on AVX-512 BF16 (2 threads): int8 wins below 8 rows, bf16 from 8 on
 
 
@@ -32,12 +36,15 @@ class Int8Projection:
     """One or several fused projections over int8 weights; returns a tensor, or a tuple of
     views of ``sizes`` (as ``Fused``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None) -> None:
-        self.w8, scale = quantize_rows(weight)
-        self.scale = scale.to(weight.dtype)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None,
+                 kernel: Int8Gemv | None = None) -> None:
+        self.w8, self.scale32 = quantize_rows(weight)
+        self.scale = self.scale32.to(weight.dtype)
         with torch.no_grad():  # the float reference: the dequantized weight, in place
             weight.copy_(self.w8.to(weight.dtype) * self.scale[:, None])
         self.weight, self.bias, self.sizes = weight, bias, sizes
+        K = weight.shape[1]
+        self.kernel = kernel if kernel is not None and K % 32 == 0 and K <= MAX_K else None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         out = self.joint(h)
@@ -47,7 +54,11 @@ class Int8Projection:
         """The outputs side by side, unsplit (a fresh tensor the caller may write into)."""
         rows = h.numel() // h.shape[-1]
         if rows < INT8_MAX_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(h.reshape(rows, h.shape[-1]), self.w8, self.scale)
+            flat = h.reshape(rows, h.shape[-1])
+            if self.kernel is not None:
+                out = self.kernel(flat.contiguous(), self.w8, self.scale32)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(flat, self.w8, self.scale)
             out = out.view(*h.shape[:-1], -1)
             if self.bias is not None:
                 out = out + self.bias
@@ -56,26 +67,28 @@ class Int8Projection:
         return out
 
 
-def _int8(proj: object, where: str) -> Int8Projection:
+def _int8(proj: object, where: str, kernel: Int8Gemv | None) -> Int8Projection:
     if isinstance(proj, Fused):
-        return Int8Projection(proj.weight, proj.bias, proj.sizes)
+        return Int8Projection(proj.weight, proj.bias, proj.sizes, kernel)
     if isinstance(proj, Linear):
-        return Int8Projection(proj.weight, proj.bias)
+        return Int8Projection(proj.weight, proj.bias, kernel=kernel)
     if isinstance(proj, Separate):
         raise ModelLoadError(f"int8 quantization needs fused projections ({where} mixes biased and unbiased parts)")
     raise ModelLoadError(f"int8 quantization cannot handle {type(proj).__name__} at {where}")
 
 
-def quantize_spec(spec: ModelSpec) -> None:
-    """Every layer's projections and the lm_head to int8, in place (see the module doc)."""
+def quantize_spec(spec: ModelSpec, use_kernel: bool = True) -> None:
+    """Every layer's projections and the lm_head (the tied embedding's bytes, the largest single
+    matrix) to int8, in place (see the module doc). ``use_kernel=False``: torch's int8 kernel."""
     dtype, device = spec.embed.dtype, spec.embed.device
-    if dtype != torch.bfloat16 or device.type != "cpu":
-        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 (torch's int8 weight-packed matmul); "
-                             f"this model serves {str(dtype).removeprefix('torch.')} on {device.type}: "
+    if dtype not in INT8_DTYPES or device.type != "cpu":
+        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model serves "
+                             f"{str(dtype).removeprefix('torch.')} on {device.type}: "
                              f"set dtype = \"bfloat16\" on a CPU or quantization = \"none\"")
+    kernel = load_kernel() if use_kernel else None
     for i, layer in enumerate(spec.layers):
-        layer.qkv = _int8(layer.qkv, f"layer {i} qkv")
-        layer.o = _int8(layer.o, f"layer {i} o")
-        layer.gate_up = _int8(layer.gate_up, f"layer {i} gate_up")
-        layer.down = _int8(layer.down, f"layer {i} down")
-    spec.head = _int8(spec.head, "lm_head")
+        layer.qkv = _int8(layer.qkv, f"layer {i} qkv", kernel)
+        layer.o = _int8(layer.o, f"layer {i} o", kernel)
+        layer.gate_up = _int8(layer.gate_up, f"layer {i} gate_up", kernel)
+        layer.down = _int8(layer.down, f"layer {i} down", kernel)
+    spec.head = _int8(spec.head, "lm_head", kernel)

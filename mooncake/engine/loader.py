@@ -106,8 +106,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model_dir, name = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.quantization == "int8" and (dtype != torch.bfloat16 or device.type != "cpu"):
-        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16; this model would serve "
+    if cfg.quantization == "int8" and (dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu"):
+        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model would serve "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
                              f"on a CPU, or quantization = \"none\"")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,97 @@
+"""The engine's own int8 kernel (``mooncake/engine/native.py``) against torch's
+ ``aten._weight_int8pack_mm`` for one activation row through each projection shape of
+the bundled model (30 copies of each layer's weight, taken in turn, so reads come from memory
+as in a decode step, not from cache); then decode batch 1 (context 512) of the bf16 + int8
+engine with ``native_kernels`` on and off, taking turns over ``--rounds``.
+
+    .venv/bin/python benchmarks/bench_native_kernels.py [--threads N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.engine.native import load_kernel
+from mooncake.protocol import Sampling
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+
+
+def median_us(fn: Callable[[], object], n: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def shapes_table() -> list[str]:
+    kernel = load_kernel()
+    assert kernel is not None, "the engine's int8 kernel cannot run on this machine"
+    rows = ["| shape (N x K) | torch (µs) | own (µs) | torch GB/s | own GB/s | own / torch |", "|---|---|---|---|---|---|"]
+    for name, (N, K) in SHAPES.items():
+        copies = 1 if name == "lm_head" else 30
+        ws = [torch.randint(-127, 128, (N, K), dtype=torch.int8) for _ in range(copies)]
+        scale = torch.rand(N) / 100
+        scale_b = scale.bfloat16()
+        x = torch.randn(1, K).bfloat16()
+        turn = iter(range(1 << 62))
+        t_torch = median_us(lambda: torch.ops.aten._weight_int8pack_mm(x, ws[next(turn) % copies], scale_b), 200)
+        t_own = median_us(lambda: kernel(x, ws[next(turn) % copies], scale), 200)
+        rows.append(f"| {name} ({N} x {K}) | {t_torch:.1f} | {t_own:.1f} | {N * K / t_torch / 1e3:.1f} | "
+                    f"{N * K / t_own / 1e3:.1f} | {t_torch / t_own:.2f}x faster |")
+    return rows
+
+
+def decode_b1(eng: Engine, gen: torch.Generator, steps: int) -> float:
+    seq = eng.add_sequence("d", torch.randint(100, eng.vocab_size, (512,), generator=gen).tolist(), GREEDY)
+    assert seq is not None
+    while not seq.prefilled:
+        eng.prefill(seq)
+    eng.decode_step([seq])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.decode_step([seq])
+        times.append(time.perf_counter() - t)
+    eng.free(seq)
+    return 1 / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    print("\n".join(shapes_table()), flush=True)
+    engines = {}
+    for native in (False, True):
+        loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="int8"))
+        engines[f"{'own' if native else 'torch'} kernel"] = Engine(
+            loaded, EngineConfig(kv_cache_bytes=256 << 20, profile_at_start=False, native_kernels=native))
+    gen = torch.Generator().manual_seed(0)
+    rates: dict[str, list[float]] = {n: [] for n in engines}
+    for rnd in range(a.rounds):
+        for n, eng in engines.items():
+            rates[n].append(decode_b1(eng, gen, a.steps))
+        print(f"round {rnd + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    print(f"\ndecode batch 1, ctx 512, bf16 + int8 (tok/s, median of {a.rounds} rounds): torch kernel "
+          f"{med['torch kernel']:.1f}, own kernel {med['own kernel']:.1f} = {med['own kernel'] / med['torch kernel']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+/* Weight-only int8 matrix-vector products for a few rows of activations (decode at small
+ * batch), AVX-512, threads from OpenMP (the same libgomp torch runs on).
+ *
+ *   out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      (accumulated in float32)
+ *
+ * x: [M, K] bfloat16 or float32; w: [N, K] int8, row-major; scale: [N] float32;
+ * out: [M, N] in x's dtype (bfloat16 rounded to nearest even, as torch rounds).
+ * Each weight row is read once for all M rows of x: the call is bound by reading w.
+ * Built and loaded by native.py. */
+
+/* The dot products run on integers (AVX-512 VNNI ``vpdpwssd``: 32 int16 products per
+ * instruction, no int8 -> float conversion per weight): each row of x is split exactly enough
+ * into two int16 parts with power-of-two scales, x ~= hi * 2^e + lo * 2^(e - 15), whose
+ * error (|x|max * 2^-30) is below float32's own rounding of the sums, so the result is the
+ * float reference's to float32 accuracy. Each lane's sum stays inside int32 for K <= 8192. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 4    /* weight rows per block: independent loads in flight */
+#define MAX_M 2   /* activation rows per pass (accumulators: ROWS * MAX_M * 2 registers) */
+#define MAX_K 8192
+#ifndef PREFETCH
+#define PREFETCH 4096 /* bytes ahead of each weight row read: without it the reads ran at a third of the bandwidth */
+#endif
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The 16 int32 lanes summed in int64 (each lane fits int32; their sum may not). */
+static inline int64_t lane_sum(__m512i a) {
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+                                                    _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+}
+
+/* res[r][m] = dot(w row r, x row m) for the ROWS rows wr and MM rows of x (hi, lo parts). */
+#define DEFINE_BLOCK(MM)                                                                     \
+    static void block_##MM(const int8_t *const *wr, const int16_t *hi, const int16_t *lo,   \
+                           const float *sh, const float *sl, int K, float res[ROWS][MAX_M]) { \
+        __m512i ah[ROWS][MM], al[ROWS][MM];                                                  \
+        for (int r = 0; r < ROWS; r++)                                                       \
+            for (int m = 0; m < MM; m++) ah[r][m] = al[r][m] = _mm512_setzero_si512();       \
+        for (int k = 0; k < K; k += 32) {                                                    \
+            __m512i xh[MM], xl[MM];                                                          \
+            for (int m = 0; m < MM; m++) {                                                   \
+                xh[m] = _mm512_loadu_si512(hi + (size_t)m * K + k);                          \
+                xl[m] = _mm512_loadu_si512(lo + (size_t)m * K + k);                          \
+            }                                                                                \
+            for (int r = 0; r < ROWS; r++) {                                                 \
+                _mm_prefetch((const char *)(wr[r] + k + PREFETCH), _MM_HINT_T0);             \
+                __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr[r] + k))); \
+                for (int m = 0; m < MM; m++) {                                               \
+                    ah[r][m] = _mm512_dpwssd_epi32(ah[r][m], wv, xh[m]);                     \
+                    al[r][m] = _mm512_dpwssd_epi32(al[r][m], wv, xl[m]);                     \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < ROWS; r++)                                                       \
+            for (int m = 0; m < MM; m++)                                                     \
+                res[r][m] = (float)lane_sum(ah[r][m]) * sh[m] + (float)lane_sum(al[r][m]) * sl[m]; \
+    }
+
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+
+/* Row m of x as hi * sh + lo * sl (int16 parts, power-of-two scales). */
+static void split_row(const float *x, int K, int16_t *hi, int16_t *lo, float *sh, float *sl) {
+    float amax = 0.f;
+    for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+    int e;
+    frexpf(amax, &e);              /* amax < 2^e */
+    float s_hi = ldexpf(1.f, e - 14), s_lo = ldexpf(1.f, e - 29);   /* |hi| <= 2^14, |lo| <= 2^14 */
+    if (amax == 0.f || !isfinite(amax)) s_hi = s_lo = 0.f;
+    for (int k = 0; k < K; k++) {
+        float h = s_hi ? nearbyintf(x[k] / s_hi) : 0.f;
+        hi[k] = (int16_t)h;
+        lo[k] = s_lo ? (int16_t)nearbyintf((x[k] - h * s_hi) / s_lo) : 0;
+    }
+    *sh = s_hi;
+    *sl = s_lo;
+}
+
+/* Returns 0, or -1 when the shapes are not served (K a multiple of 32, at most MAX_K). */
+int mooncake_int8_gemv(const void *x, int x_is_bf16, const int8_t *w, const float *scale, void *out,
+                       int M, int N, int K, int threads) {
+    if (M < 1 || N < 1 || K < 32 || K % 32 || K > MAX_K) return -1;
+    size_t MK = (size_t)M * K;
+    float *xf = (float *)malloc(sizeof(float) * (MK + 2 * (size_t)M));
+    int16_t *parts = (int16_t *)malloc(sizeof(int16_t) * 2 * MK);
+    if (!xf || !parts) {
+        free(xf);
+        free(parts);
+        return -1;
+    }
+    float *sh = xf + MK, *sl = sh + M;
+    int16_t *hi = parts, *lo = parts + MK;
+    for (size_t i = 0; i < MK; i++)
+        xf[i] = x_is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    for (int m = 0; m < M; m++)
+        split_row(xf + (size_t)m * K, K, hi + (size_t)m * K, lo + (size_t)m * K, sh + m, sl + m);
+    int blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        int n0 = b * ROWS;
+        const int8_t *wr[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            int n = n0 + r < N ? n0 + r : N - 1;  /* past the last row: repeat it, discard the result */
+            wr[r] = w + (size_t)n * K;
+        }
+        for (int m0 = 0; m0 < M; m0 += MAX_M) {
+            int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
+            float res[ROWS][MAX_M];
+            size_t at = (size_t)m0 * K;
+            if (mm == 1)
+                block_1(wr, hi + at, lo + at, sh + m0, sl + m0, K, res);
+            else
+                block_2(wr, hi + at, lo + at, sh + m0, sl + m0, K, res);
+            for (int r = 0; r < ROWS && n0 + r < N; r++)
+                for (int m = 0; m < mm; m++) {
+                    float v = res[r][m] * scale[n0 + r];
+                    size_t o = (size_t)(m0 + m) * N + n0 + r;
+                    if (x_is_bf16)
+                        ((uint16_t *)out)[o] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[o] = v;
+                }
+        }
+    }
+    free(xf);
+    free(parts);
+    return 0;
+}
