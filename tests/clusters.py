@@ -88,6 +88,22 @@ def start_store_process(data_dir: Path | str, *args: str, timeout: float = 60.0)
     return proc, line[0].split()[1]
 
 
+@contextmanager
+def store_process(data_dir: Path | str, *args: str, timeout: float = 60.0) -> Iterator[str]:
+    """A standalone store server on a free port; yields its endpoint; always torn down."""
+    proc, endpoint = start_store_process(data_dir, *args, timeout=timeout)
+    try:
+        yield endpoint
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def sse_events(lines: Iterable[str]) -> list:
     """The events of an SSE body (its lines): parsed JSON objects, and "[DONE]"."""
     events: list = []

@@ -125,13 +125,7 @@ def test_int8_engine_is_close_to_its_float_reference():
     agreed = 0
     for text in ("The capital of France is", "def fibonacci(n):"):
         ids = tok(text)["input_ids"]
-        seq = engine.add_sequence("r", ids, GREEDY)
-        while not seq.prefilled:
-            engine.prefill(seq)
-        while not seq.finished:
-            engine.decode_step([seq])
-        engine.free(seq)
-        ours = seq.tokens[len(ids):]
+        ours = _greedy(engine, ids)
         with torch.no_grad():
             out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=2,

@@ -7,13 +7,12 @@ recompute then gives the cold output."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from clusters import start_store_process
+from clusters import store_process
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
 from mooncake.kv_integrity import checksums
@@ -33,18 +32,9 @@ PREFIX = 96  # tokens: 6 blocks in the store
 def store(tmp_path, monkeypatch, fault: str = ""):
     if fault:
         monkeypatch.setenv(STREAM_FAULT_ENV, fault)
-    proc, endpoint = start_store_process(tmp_path, "--dram-bytes", str(64 * MiB), "--lmdb-bytes", "0")
-    monkeypatch.delenv(STREAM_FAULT_ENV, raising=False)
-    try:
+    with store_process(tmp_path, "--dram-bytes", str(64 * MiB), "--lmdb-bytes", "0") as endpoint:
+        monkeypatch.delenv(STREAM_FAULT_ENV, raising=False)
         yield endpoint
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,28 +10,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from clusters import start_store_process
+from clusters import store_process
 from mooncake.protocol import Error, Get, Put, decode, encode
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-
-
-@contextmanager
-def store_process(data_dir: Path, *args: str, timeout: float = 60.0):
-    """A standalone store server on a free port; yields its endpoint; always torn down."""
-    proc, endpoint = start_store_process(data_dir, *args, timeout=timeout)
-    try:
-        yield endpoint
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def hashes(prefix: str, n: int) -> list[bytes]:
