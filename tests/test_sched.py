@@ -127,6 +127,28 @@ def test_store_blocks_are_fetched_from_the_readers_local_store_first():
     assert [(f.start, f.end, f.endpoint) for f in plan.fetch] == [(0, 6, "tcp://s1")]
 
 
+def test_the_stores_a_plan_uses_follow_membership_changes():
+    """The scheduler keeps its view of the stores between plans: a store that leaves, joins
+    or stops taking work is seen by the next plan."""
+    sched, cluster, idx = make()
+    idx.add("p1", "device", H[:6])  # p1 wins: its new blocks go to s1, its machine's store
+    plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
+    assert plan is not None and plan.prefill.node_id == "p1" and plan.store_endpoint == "tcp://s1"
+    cluster.remove("s1")
+    plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
+    assert plan is not None and plan.store_endpoint == "tcp://s0"  # no local store: any store
+    cluster.upsert(node("s2", "store", "n1", store="tcp://s2"))
+    idx.add("s2", "dram", H[:6])
+    idx.drop_node("p1")
+    plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
+    assert plan is not None and plan.store_endpoint in ("tcp://s0", "tcp://s2")
+    assert [f.endpoint for f in plan.fetch] == ["tcp://s2"]
+    cluster.nodes["s2"].draining = True
+    cluster.reindex()
+    plan = sched.plan(H[:6], n_tokens=6 * 16 + 1, max_tokens=4, block_tokens=16, now=0)
+    assert plan is not None and plan.store_endpoint == "tcp://s0" and not plan.fetch
+
+
 def test_at_least_one_prompt_token_is_left_to_compute():
     sched, _, idx = make()
     idx.add("p0", "device", H[:4])

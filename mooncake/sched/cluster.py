@@ -38,6 +38,7 @@ class Cluster:
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self._by_role: dict[str, list[Node]] = {}  # rebuilt on membership changes (rare)
+        self.version = 0  # bumped by every change of membership or of who takes work
 
     def reindex(self) -> None:
         """Call after changing a node's ``draining`` or ``stalled``."""
@@ -45,6 +46,7 @@ class Cluster:
         for n in self.nodes.values():
             if n.takes_work:
                 self._by_role.setdefault(n.role, []).append(n)
+        self.version += 1
 
     def upsert(self, node: Node) -> Node | None:
         """Register (or re-register) a node; returns the record it replaces, if any."""

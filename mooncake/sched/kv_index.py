@@ -6,7 +6,7 @@ walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 
 from __future__ import annotations
 
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import Container, Iterable, Sequence
 
 
@@ -74,7 +74,7 @@ class KVIndex:
         held = self._by_node.get(node_id)
         if not held:
             return 0
-        return len(list(takewhile(held.__contains__, hashes[start:])))
+        return len(list(takewhile(held.__contains__, islice(hashes, start, None) if start else hashes)))
 
     def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
                      prefer: Sequence[str] = (), runs: dict[str, int] | None = None) -> list[tuple[int, int, str]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -50,7 +51,6 @@ class Plan:
     est_tbt_s: float
     expected_end: float  # predicted time the request finishes decoding
     decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
-    fetch_hashes: list[bytes] = field(default_factory=list)
     reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
     queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
@@ -63,6 +63,9 @@ class Plan:
     def prefill_ids(self) -> list[str]:
         """The prefill instances the attempt runs on (every stage of a group)."""
         return [n.node_id for n in self.stages] or [self.prefill.node_id]
+
+
+_NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never written)
 
 
 @dataclass
@@ -93,75 +96,91 @@ class Scheduler:
         self.slots: dict[str, DecodeSlots] = {}
         self._booked: dict[str, _Booked] = {}
         self.pending = PendingBlocks()
+        self._stores_version = -1  # the cluster version ``_store_view``/``_local_view`` were built at
+        self._store_view: dict[str, Node] = {}
+        self._local_view: dict[str, tuple[list[str], str]] = {}
 
     # ------------------------------------------------------------ planning
 
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
              now: float, pipeline: PipelineShape | None = None) -> Plan | None:
         """The pair for a request of ``n_tokens`` (``hashes``: its full blocks); None when no
-        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too."""
+        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too.
+
+        It runs once per request on the conductor's event loop, over every instance: the loops
+        below avoid per-instance calls and allocations (BENCHMARKS.md section 5)."""
         prefills = self.cluster.of_role("prefill")
         decodes = self.cluster.of_role("decode")
         if not prefills or not decodes:
             return None
-        stores = {n.node_id: n for n in self.cluster.of_role("store")} if self.cfg.use_store else {}
+        stores = self._stores()
         # Blocks must leave at least one prompt token to compute (it yields the logits).
         usable = min(len(hashes), (n_tokens - 1) // block_tokens)
-        # One walk: each node's leading run, and how far the stores together cover the chain.
+        # One walk: each node's leading run (at most ``usable``), and how far the stores together cover the chain.
         runs, store_end = self.index.prefix_runs(hashes[:usable], stores)
         fetch_s = self.prefill_cost.fetch_block_s
         dispatch_s = self.prefill_cost.dispatch.value
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         queues = self.queues
-        queue_s = {p.node_id: (queues[p.node_id].total_s if p.node_id in queues else 0.0) for p in prefills}
         pending = self.pending.nodes()
-        candidates = []
+        candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
         for p in prefills:
             nid = p.node_id
-            dev = (self._resident_run(nid, hashes, runs.get(nid, 0), usable) if nid in pending
-                   else min(runs.get(nid, 0), usable))
-            reusable = max(dev, store_end)
+            q = queues[nid].total_s if nid in queues else 0.0
+            if nid in pending:
+                dev = self._resident_run(nid, hashes, runs.get(nid, 0), usable)
+            else:
+                dev = runs.get(nid, 0)
+            reusable = dev if dev > store_end else store_end
             prefill_s = prefill_time.get(reusable)
             if prefill_s is None:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
-            est = dispatch_s + queue_s[nid] + (reusable - dev) * fetch_s + prefill_s
-            candidates.append((est, prefill_s, dev, reusable, p))
+            candidates.append((dispatch_s + q + (reusable - dev) * fetch_s + prefill_s, prefill_s, dev, reusable, p, q))
 
         if self.cfg.policy == "random":
             chosen = candidates[self._rng.randrange(len(candidates))]
         elif self.cfg.policy == "round_robin":
             chosen = candidates[next(self._rr) % len(candidates)]
         elif self.cfg.policy == "least_loaded":
-            chosen = min(candidates, key=lambda c: (queue_s[c[4].node_id], self.queued(c[4].node_id)))
+            chosen = min(candidates, key=lambda c: (c[5], self.queued(c[4].node_id)))
         else:
-            chosen = min(candidates, key=lambda c: c[0])
-        est, prefill_s, dev, reusable, p = chosen
+            chosen = min(candidates, key=itemgetter(0))
+        est, prefill_s, dev, reusable, p, p_queue_s = chosen
         stages: list[Node] = []
         group = self._best_group(pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens) \
             if pipeline is not None and pipeline.group_size > 1 else None
         if group is not None and group[0] < min(c[0] for c in candidates):
             est, prefill_s, dev, reusable, stages = group
             p = stages[-1]
-            candidates.append((est, prefill_s, dev, reusable, p))
-        p_queue_s = queue_s[p.node_id]
+            p_queue_s = self.queue_s(p.node_id)
+            candidates.append((est, prefill_s, dev, reusable, p, p_queue_s))
 
         # The decode instance: one with room in its pool now, then the smallest batch when the
         # first token comes, then the shortest wait for room.
         full = min(len(hashes), n_tokens // block_tokens)
         total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
-        options = []
-        for d in decodes:
+        ready_at = now + est
+        all_slots = self.slots
+        best_key: tuple | None = None
+        for i, d in enumerate(decodes):
             nid = d.node_id
-            slots = self._slots(nid)
-            resident = (self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending
-                        else min(runs.get(nid, 0), full))
+            slots = all_slots[nid] if nid in all_slots else _NO_SLOTS
+            resident = self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending else runs.get(nid, 0)
             need = total_blocks - resident
-            wait = slots.room_at(need, d.info.num_blocks, now) - now
-            first_token_at = now + est + max(0.0, wait - p_queue_s)
-            options.append((wait > 0, slots.running_at(first_token_at) + 1, wait, len(options), first_token_at, need, d))
-        _, batch, wait, _, first_token_at, need, decode = min(options)
+            capacity = d.info.num_blocks
+            if capacity <= 0 or slots.blocks_total + need <= capacity:  # room now
+                wait, first_token_at = 0.0, ready_at
+            else:
+                wait = slots.room_at(need, capacity, now) - now
+                first_token_at = ready_at + max(0.0, wait - p_queue_s)
+            key = (wait > 0, slots.running_at(first_token_at) + 1, wait, i)
+            if best_key is None or key < best_key:
+                best_key, best = key, (first_token_at, need, d)
+        assert best_key is not None
+        _, batch, wait, _ = best_key
+        first_token_at, need, decode = best
         # the batch's KV: this request's halfway through its output, the others' as the average booked
         kv_tokens = n_tokens + max_tokens // 2
         slots = self._slots(decode.node_id)
@@ -169,21 +188,21 @@ class Scheduler:
         tbt = self.decode_cost.predict(batch, int(kv_tokens + (batch - 1) * others))
         ttft = first_token_at - now
         if wait > 0:
-            best = min(c[0] + max(0.0, wait - queue_s[c[4].node_id]) for c in candidates)
+            best_ttft = min(c[0] + max(0.0, wait - c[5]) for c in candidates)
         else:
-            best = min(c[0] for c in candidates)
+            best_ttft = min(c[0] for c in candidates)
 
-        segs: list[tuple[int, int, str]] = []
+        local, write_to = self._local_stores(p)
+        fetch: list[FetchPlan] = []
         if reusable > dev:  # read from the stores local to the chosen instance first
-            local = [s.node_id for s in stores.values() if s.name == p.name]
-            segs = self.index.covering_run(hashes[:reusable], dev, set(stores), local, runs)
-        fetch = [FetchPlan(s, e, stores[node].endpoints["store"]) for s, e, node in segs]
-        drain = self._slots(decode.node_id).next_end_after(first_token_at) - first_token_at
-        return Plan(p, decode, fetch, self._store_for(p, stores), dev, reusable, prefill_s, ttft, best, batch, tbt,
-                    first_token_at + max_tokens * tbt, drain, fetch_hashes=list(map(bytes, hashes[dev:reusable])),
+            fetch = [FetchPlan(s, e, stores[node].endpoints["store"])
+                     for s, e, node in self.index.covering_run(hashes[:reusable], dev, stores, local, runs)]
+        queue = queues.get(p.node_id)
+        return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
+                    first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
                     reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=self._queue(p.node_id).earliest_deadline() - now, decode_blocks=need, decode_kv_tokens=kv_tokens,
-                    hashes=hashes[:full], stages=stages)
+                    queue_slack_s=(queue.earliest_deadline() if queue is not None else math.inf) - now,
+                    decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
                     usable: int, store_end: int, n_tokens: int,
@@ -215,13 +234,25 @@ class Scheduler:
             run += 1
         return run
 
-    @staticmethod
-    def _store_for(prefill: Node, stores: dict[str, Node]) -> str:
-        """New blocks go to the store on the prefill instance's machine, else to any store."""
-        if not stores:
-            return ""
-        local = [s for s in stores.values() if s.name == prefill.name] or list(stores.values())
-        return min(local, key=lambda s: s.node_id).endpoints["store"]
+    def _stores(self) -> dict[str, Node]:
+        """The stores plans may read and write (none with ``use_store`` off), kept until the
+        cluster's membership changes."""
+        if self._stores_version != self.cluster.version:
+            self._store_view = {n.node_id: n for n in self.cluster.of_role("store")} if self.cfg.use_store else {}
+            self._local_view = {}
+            self._stores_version = self.cluster.version
+        return self._store_view
+
+    def _local_stores(self, prefill: Node) -> tuple[list[str], str]:
+        """The stores on ``prefill``'s machine, and the store its new blocks go to: a local
+        one, else any ("" for none)."""
+        view = self._local_view.get(prefill.name)
+        if view is None:
+            stores = list(self._store_view.values())
+            local = [s for s in stores if s.name == prefill.name]
+            write_to = min(local or stores, key=lambda s: s.node_id).endpoints["store"] if stores else ""
+            view = self._local_view[prefill.name] = ([s.node_id for s in local], write_to)
+        return view
 
     # ------------------------------------------------------------ booking
 
@@ -232,7 +263,7 @@ class Scheduler:
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline)
         self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
-        hashes = [bytes(h) for h in plan.hashes]
+        hashes = list(plan.hashes)
         if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
             self.pending.add(plan.prefill.node_id, hashes)
         self.pending.add(plan.decode.node_id, hashes)
