@@ -19,7 +19,8 @@ the median over the pairs of raw / P2P (this machine's other load changes from m
 minute, not within a pair), also given per order (raw first, P2P first).
 A fetch's time runs from the request to the store's report that it is complete (every chunk
 checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
-request to its last chunk written, is reported too.
+request to its last chunk written, is reported too. On the plain-TCP cluster the chunk bytes go
+over the holders' bulk ports (mooncake/p2p/bulk.py; the share is reported), under CURVE over ZeroMQ.
 
     flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] \
         [--reps 3] [--uncapped-only] [--in-flight N] [--out FILE]
@@ -142,6 +143,7 @@ def paired(net: P2PHosts, src: Path, work: Path, reps: int) -> list[dict[str, fl
                 reports: list = []
                 got["p2p"] = asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports))
                 got["p2p_transfer"] = reports[0].transfer_s
+                got["p2p_bulk"] = reports[0].bulk_bytes / src.stat().st_size
                 net.cli(1, "rm", "obj")
                 shutil.rmtree(work / "dst", ignore_errors=True)
         got["ratio"] = got["raw"] / got["p2p"]
@@ -237,6 +239,9 @@ def main() -> None:
         f"Capped runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}.",
         f"Pairs, raw / P2P (s): plain {runs(plain)}; CURVE {runs(curve)}.",
         f"By order, plain: {by_order(plain)}. CURVE: {by_order(curve)}.",
+        f"Share of the bytes on the holder's bulk port (mooncake/p2p/bulk.py): plain "
+        f"{min(p['p2p_bulk'] for p in plain):.0%}-{max(p['p2p_bulk'] for p in plain):.0%}, CURVE "
+        f"{max(p['p2p_bulk'] for p in curve):.0%} (never under CURVE).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

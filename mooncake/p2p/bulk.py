@@ -19,7 +19,9 @@ chunk received over ZeroMQ. A stream that ends early or stalls (a holder dead or
 truncated) raises ``BulkLost``: the fetch asks another holder (mooncake/p2p/fetch.py).
 Blocking I/O runs in threads (``sendfile`` of a whole chunk is one system call), separate
 pools for sending and receiving so that a store that serves and fetches at once never
-waits on itself.
+waits on itself. The same I/O on the event loop (``loop.sock_sendfile``, ``sock_recv_into``)
+moved 1 GB no faster (benchmarks/bench_p2p_bulk_io.py, BENCHMARKS.md section 14), and would
+hash and write on the loop that answers the control socket.
 """
 
 from __future__ import annotations
@@ -280,7 +282,7 @@ class BulkPool:
             got = 0
             while got < want:
                 try:
-                    k = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
+                    k = sock.recv_into(view[got:want], want - got)  # what is there (MSG_WAITALL: no faster)
                 except OSError as e:  # reset, or EAGAIN after the receive timeout
                     raise BulkLost(f"cut off {length - left + got} bytes into a {length}-byte chunk: {e}") from None
                 if k == 0:
