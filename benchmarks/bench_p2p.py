@@ -3,7 +3,8 @@
 Four hosts on a bridge, a conductor on host1 and a store on each (tests/p2p_hosts.py),
 CURVE on every link. One object of ``--size-mb`` MB (one file) is published on host1.
 
-Capped (every host's egress at ``--rate``, tc tbf), ``--reps`` rounds of:
+Capped (every host's egress at ``--rate``, tc tbf; on the CURVE cluster, or with ``--capped-plain``
+on the plain-TCP one, where chunks go over the bulk ports), ``--reps`` rounds of:
   single   host2 fetches the object alone from the seed;
   seed     hosts 2, 3, 4 fetch at the same time, each only from the seed (``--from host1``);
   p2p      hosts 2, 3, 4 fetch at the same time from every holder (fetchers serve each other).
@@ -23,7 +24,7 @@ request to its last chunk written, is reported too. On the plain-TCP cluster the
 over the holders' bulk ports (mooncake/p2p/bulk.py; the share is reported), under CURVE over ZeroMQ.
 
     flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] \
-        [--reps 3] [--uncapped-only] [--in-flight N] [--out FILE]
+        [--reps 3] [--uncapped-only] [--capped-plain] [--in-flight N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--in-flight", type=int, help="[store] p2p_in_flight_per_peer (default: the config's)")
     ap.add_argument("--uncapped-only", action="store_true", help="only the uncapped fetch vs. raw TCP copy")
+    ap.add_argument("--capped-plain", action="store_true",
+                    help="the capped rounds on the plain-TCP cluster (chunks on the bulk ports), not under CURVE")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
     size = args.size_mb * 1000 * 1000
@@ -180,7 +183,7 @@ def main() -> None:
     settle()
     rows: dict[str, list[float]] = {"single": [], "seed": [], "p2p": []}
     try:
-        with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
+        def capped(net: P2PHosts) -> None:
             for i in range(1, 5):
                 net.set_rate(i, None if args.uncapped_only else args.rate)
             for rep in range(0 if args.uncapped_only else args.reps):
@@ -190,8 +193,14 @@ def main() -> None:
                     print(f"rep {rep} {mode}: {rows[mode][-1]:.2f}s", flush=True)
             for i in range(1, 5):
                 net.set_rate(i, None)
+
+        with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
+            if not args.capped_plain:
+                capped(net)
             curve = paired(net, src, work, args.reps)
         with P2PHosts(work / "plain", curve=False, in_flight_per_peer=args.in_flight) as net:
+            if args.capped_plain:
+                capped(net)
             plain = paired(net, src, work, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -210,7 +219,7 @@ def main() -> None:
     lines = [
         f"{args.size_mb} MB object, 16 MiB chunks, 4 hosts (network namespaces), median of {args.reps}.",
         "",
-        f"Egress of every host capped at {args.rate} (CURVE):",
+        f"Egress of every host capped at {args.rate} ({'plain TCP, bulk ports' if args.capped_plain else 'CURVE'}):",
         "",
         "| fetch | time (s) | vs. 3 fetches from the seed | vs. single fetch |",
         "|---|---|---|---|",
