@@ -71,6 +71,7 @@ class LocalObject:
         self._io = threading.Condition()  # guards the fds; close() waits for reads and writes under way
         self._active = 0
         self._closed = False
+        self._writing = threading.Lock()  # one pwrite at a time (see write_slices)
 
     @property
     def name(self) -> str:
@@ -149,7 +150,9 @@ class LocalObject:
                     if pos + len(part) > s.length:
                         return False
                     h.update(part)
-                    if os.pwrite(fd, part, s.offset + pos) != len(part):
+                    with self._writing:  # the kernel serializes writes to a file anyway (its inode lock),
+                        n = os.pwrite(fd, part, s.offset + pos)  # but its waiters spin: here they sleep
+                    if n != len(part):
                         raise DiskFull(f"{self.name}: short write to {self.path(s.file)} (disk full?)")
                     pos += len(part)
         except OSError as e:
