@@ -45,7 +45,7 @@ TOKEN_BYTES = 16
 HEADER = struct.Struct("!Q")  # the chunk's length, then its bytes
 GRANT_TTL_S = 30.0
 MAX_GRANTS = 4096  # tokens outstanding at a holder; the oldest go first
-MAX_CONNECTIONS_PER_PEER = 16  # bulk connections a holder accepts from one address
+MAX_CONNECTIONS_PER_PEER = 128  # bulk connections a holder accepts from one address (2 x the most in flight)
 SENDERS = 8  # chunks a holder sends at once
 # Fault injection for tests: this store cuts every bulk stream off halfway (a holder dying mid-stream).
 CUT_ENV = "MOONCAKE_FAULT_P2P_BULK_CUT"
