@@ -3,7 +3,8 @@
 Four hosts on a bridge, a conductor on host1 and a store on each (tests/p2p_hosts.py),
 CURVE on every link. One object of ``--size-mb`` MB (one file) is published on host1.
 
-Capped (every host's egress at ``--rate``, tc tbf), ``--reps`` rounds of:
+Capped (every host's egress at ``--rate``, tc tbf; on the CURVE cluster, or with ``--capped-plain``
+on the plain-TCP one, where chunks go over the bulk ports), ``--reps`` rounds of:
   single   host2 fetches the object alone from the seed;
   seed     hosts 2, 3, 4 fetch at the same time, each only from the seed (``--from host1``);
   p2p      hosts 2, 3, 4 fetch at the same time from every holder (fetchers serve each other).
@@ -19,10 +20,11 @@ the median over the pairs of raw / P2P (this machine's other load changes from m
 minute, not within a pair), also given per order (raw first, P2P first).
 A fetch's time runs from the request to the store's report that it is complete (every chunk
 checked against its BLAKE3 digest, the files' sizes at the end); its transfer, from its first chunk
-request to its last chunk written, is reported too.
+request to its last chunk written, is reported too. On the plain-TCP cluster the chunk bytes go
+over the holders' bulk ports (mooncake/p2p/bulk.py; the share is reported), under CURVE over ZeroMQ.
 
     flock /tmp/mooncake-cpu.lock .venv/bin/python benchmarks/bench_p2p.py [--size-mb 300] [--rate 200mbit] \
-        [--reps 3] [--uncapped-only] [--in-flight N] [--out FILE]
+        [--reps 3] [--uncapped-only] [--capped-plain] [--in-flight N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def paired(net: P2PHosts, src: Path, work: Path, reps: int) -> list[dict[str, fl
                 reports: list = []
                 got["p2p"] = asyncio.run(fetch(net, [2], work / "dst", only_seed=True, reports=reports))
                 got["p2p_transfer"] = reports[0].transfer_s
+                got["p2p_bulk"] = reports[0].bulk_bytes / src.stat().st_size
                 net.cli(1, "rm", "obj")
                 shutil.rmtree(work / "dst", ignore_errors=True)
         got["ratio"] = got["raw"] / got["p2p"]
@@ -169,6 +172,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--in-flight", type=int, help="[store] p2p_in_flight_per_peer (default: the config's)")
     ap.add_argument("--uncapped-only", action="store_true", help="only the uncapped fetch vs. raw TCP copy")
+    ap.add_argument("--capped-plain", action="store_true",
+                    help="the capped rounds on the plain-TCP cluster (chunks on the bulk ports), not under CURVE")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
     size = args.size_mb * 1000 * 1000
@@ -178,7 +183,7 @@ def main() -> None:
     settle()
     rows: dict[str, list[float]] = {"single": [], "seed": [], "p2p": []}
     try:
-        with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
+        def capped(net: P2PHosts) -> None:
             for i in range(1, 5):
                 net.set_rate(i, None if args.uncapped_only else args.rate)
             for rep in range(0 if args.uncapped_only else args.reps):
@@ -188,8 +193,14 @@ def main() -> None:
                     print(f"rep {rep} {mode}: {rows[mode][-1]:.2f}s", flush=True)
             for i in range(1, 5):
                 net.set_rate(i, None)
+
+        with P2PHosts(work / "curve", curve=True, in_flight_per_peer=args.in_flight) as net:
+            if not args.capped_plain:
+                capped(net)
             curve = paired(net, src, work, args.reps)
         with P2PHosts(work / "plain", curve=False, in_flight_per_peer=args.in_flight) as net:
+            if args.capped_plain:
+                capped(net)
             plain = paired(net, src, work, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -208,7 +219,7 @@ def main() -> None:
     lines = [
         f"{args.size_mb} MB object, 16 MiB chunks, 4 hosts (network namespaces), median of {args.reps}.",
         "",
-        f"Egress of every host capped at {args.rate} (CURVE):",
+        f"Egress of every host capped at {args.rate} ({'plain TCP, bulk ports' if args.capped_plain else 'CURVE'}):",
         "",
         "| fetch | time (s) | vs. 3 fetches from the seed | vs. single fetch |",
         "|---|---|---|---|",
@@ -237,6 +248,9 @@ def main() -> None:
         f"Capped runs (s): {', '.join(f'{k} {[round(x, 2) for x in v]}' for k, v in rows.items())}.",
         f"Pairs, raw / P2P (s): plain {runs(plain)}; CURVE {runs(curve)}.",
         f"By order, plain: {by_order(plain)}. CURVE: {by_order(curve)}.",
+        f"Share of the bytes on the holder's bulk port (mooncake/p2p/bulk.py): plain "
+        f"{min(p['p2p_bulk'] for p in plain):.0%}-{max(p['p2p_bulk'] for p in plain):.0%}, CURVE "
+        f"{max(p['p2p_bulk'] for p in curve):.0%} (never under CURVE).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

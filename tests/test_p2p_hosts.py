@@ -56,6 +56,7 @@ def test_a_300mb_object_spreads_to_three_hosts_and_survives_a_holder_dying(tmp_p
         reports = asyncio.run(fetch_all(net, [2, 3, 4], dests))
         for i in (2, 3, 4):
             assert sha256(dests[i] / "blob.bin") == want, f"host{i}"
+        assert all(r.bulk_bytes == 0 for r in reports.values())  # CURVE: every byte over ZeroMQ
         from_peers = sum(b for r in reports.values() for name, b in r.peers.items() if name != "host1")
         assert from_peers > 0, {i: r.peers for i, r in reports.items()}  # fetchers served each other
         listing = net.cli(2, "ls")

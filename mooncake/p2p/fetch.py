@@ -14,6 +14,11 @@ holder disconnects or stays silent.
 Each verified chunk is announced to the conductor at once,
 and the holder list is refreshed every ``refresh_s``: peers fetching the same object
 serve each other during the distribution, not only the seed.
+
+Without CURVE each request asks for the bytes on the holder's bulk port (mooncake/p2p/bulk.py):
+the reply is a token, the chunk is received, hashed and written in a thread, and stays in
+flight to that holder until then. A bulk stream cut off (the holder died, its file shrank, a
+timeout) is a lost chunk: asked again, from another holder if one has it.
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ import asyncio
 import logging
 import random
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from mooncake.p2p.bulk import BulkLost, BulkPool
 from mooncake.p2p.manifest import ObjectError
-from mooncake.p2p.messages import ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
+from mooncake.p2p.messages import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
@@ -51,6 +58,7 @@ class Peer:
     last_reply: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
     rate: float = 0.0  # bytes/s this holder delivers (moving average; 0 until its first chunk)
+    bulk: BulkPool | None = None  # connections to its bulk port, once it has granted one
 
     def delivered(self, nbytes: int, sent_at: float, now: float) -> None:
         """A chunk of ``nbytes`` asked at ``sent_at`` arrived ``now``: its link was busy with it
@@ -69,9 +77,11 @@ def in_flight_for(peer: Peer, base: int) -> int:
 class Fetch:
     def __init__(self, ctx: zmq.asyncio.Context, curve: object | None, meta: Rpc, node_id: str, obj: LocalObject,
                  save: object, in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0,
-                 chunk_timeout_s: float = 20.0, refresh_s: float = 0.25, only_from: list[str] | None = None) -> None:
+                 chunk_timeout_s: float = 20.0, refresh_s: float = 0.25, only_from: list[str] | None = None,
+                 bulk_receivers: Executor | None = None) -> None:
         """``save(obj)``: persist the object's record; ``meta``: the conductor; ``only_from``: node
-        names to fetch from (default: every holder)."""
+        names to fetch from (default: every holder); ``bulk_receivers``: threads for bulk
+        transfers (None, or under CURVE: every chunk over ZeroMQ)."""
         self.ctx, self.curve, self.meta, self.node_id, self.obj = ctx, curve, meta, node_id, obj
         self.save = save
         self.in_flight_per_peer = in_flight_per_peer
@@ -96,11 +106,13 @@ class Fetch:
         self._fatal: Exception | None = None  # a write that cannot go on (disk full)
         self.task: asyncio.Task | None = None  # running ``run`` (set by whoever starts it)
         self.removed = False
+        self.bulk_receivers = bulk_receivers if curve is None else None
+        self.bulk_bytes = 0
 
     def progress(self) -> ProgressReport:
         return ProgressReport(self.obj.name, self.obj.manifest.version, self.obj.done_bytes,
                               self.obj.manifest.total_bytes, self.state, self.error, dict(self.bytes_by_peer),
-                              self.verify_s, self.transfer_s)
+                              self.verify_s, self.transfer_s, self.bulk_bytes)
 
     def remove(self) -> None:
         """The object was removed cluster-wide: stop now, and leave no record of it behind."""
@@ -175,8 +187,8 @@ class Fetch:
             try:
                 peer, frames = await asyncio.wait_for(self.events.get(), self.refresh_s)
             except asyncio.TimeoutError:
-                peer = None
-            if peer is not None and self._on_reply(peer, frames):
+                peer, frames = None, None
+            if peer is not None and self._on_reply(peer, frames) or frames is True:  # True: a bulk chunk verified
                 last_progress = time.monotonic()
             if self._writes and not any(p.in_flight for p in self.peers.values()):
                 await asyncio.wait(set(self._writes), timeout=self.refresh_s)
@@ -251,6 +263,8 @@ class Fetch:
         for t in peer.tasks:
             t.cancel()
         peer.in_flight.clear()
+        if peer.bulk is not None:
+            peer.bulk.close()  # transfers under way end with BulkLost
         peer.monitor.close(0)
         peer.sock.close(0)
         if self.peers.get(peer.node_id) is peer:
@@ -300,7 +314,7 @@ class Fetch:
         self._first_request = self._first_request or time.monotonic()
         self._req += 1
         peer.in_flight[self._req] = (chunk, time.monotonic())
-        msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk)
+        msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk, bulk=self.bulk_receivers is not None)
         asyncio.create_task(send_multipart(peer.sock, [encoder.encode(msg)]))
 
     def _on_reply(self, peer: Peer, frames: list | None) -> bool:
@@ -316,6 +330,9 @@ class Fetch:
         if not isinstance(head, ChunkData) or head.req not in peer.in_flight:
             log.warning("p2p %s: unexpected reply from %s", self.obj.name, peer.name)
             return False
+        if head.token and not head.missing and self.bulk_receivers is not None:
+            self._start_bulk(peer, head, peer.in_flight[head.req][0])  # in flight until it is written
+            return False
         chunk, sent_at = peer.in_flight.pop(head.req)
         if head.missing or len(frames) != 2:
             peer.last_reply = time.monotonic()
@@ -324,11 +341,50 @@ class Fetch:
                         head.missing or "no data")
             return False
         peer.delivered(len(frames[1].buffer), sent_at, time.monotonic())
-        task = asyncio.create_task(self._write(peer, chunk, frames[1]))
+        self._track(asyncio.create_task(self._write(peer, chunk, frames[1])), chunk)
+        return True
+
+    def _track(self, task: asyncio.Task, chunk: int) -> None:
+        """A task writing ``chunk``: the chunk is not asked again until it ends."""
         task.chunk = chunk  # type: ignore[attr-defined]
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-        return True
+
+    def _start_bulk(self, peer: Peer, head: ChunkData, chunk: int) -> None:
+        if peer.bulk is None or peer.bulk.port != head.bulk_port:
+            if peer.bulk is not None:
+                peer.bulk.close()
+            host = peer.endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+            peer.bulk = BulkPool(host, head.bulk_port, self.chunk_timeout_s)
+        self._track(asyncio.create_task(self._bulk(peer, peer.bulk, head.req, chunk, head.token)), chunk)
+
+    async def _bulk(self, peer: Peer, pool: BulkPool, req: int, chunk: int, token: bytes) -> None:
+        """Receive a granted chunk on the holder's bulk port (hashed and written in a thread)."""
+        loop = asyncio.get_running_loop()
+        ok: bool | None = None
+        try:
+            ok = await loop.run_in_executor(self.bulk_receivers, pool.fetch, token, self.obj, chunk)
+        except BulkLost as e:
+            lost = str(e)
+        except (ObjectError, OSError) as e:
+            self._fatal = e
+            return
+        finally:
+            entry = peer.in_flight.pop(req, None) if self.peers.get(peer.node_id) is peer else None
+        if ok is None:
+            if entry is not None:
+                peer.chunks.discard(chunk)  # until the next refresh: another holder first
+                log.warning("p2p %s: chunk %d from %s lost (%s); asking again", self.obj.name, chunk, peer.name, lost)
+            self.events.put_nowait((None, None))
+            return
+        if entry is not None:
+            peer.delivered(self.obj.spans[chunk].length, entry[1], time.monotonic())
+        if ok:
+            self.bulk_bytes += self.obj.spans[chunk].length
+        elif entry is not None:
+            bad = ChunkBad(self.obj.name, self.obj.manifest.version, chunk)  # the holder checks its copy
+            asyncio.create_task(send_multipart(peer.sock, [encoder.encode(bad)]))
+        await self._written(peer, chunk, ok, wake=True)
 
     async def _write(self, peer: Peer, chunk: int, frame: zmq.Frame) -> None:
         try:
@@ -336,16 +392,25 @@ class Fetch:
         except (ObjectError, OSError) as e:
             self._fatal = e
             return
+        await self._written(peer, chunk, ok)
+
+    async def _written(self, peer: Peer, chunk: int, ok: bool, wake: bool = False) -> None:
+        """A chunk was written: count and announce it if it matched its digest, else ask another
+        holder. ``wake``: tell the receive loop (a bulk transfer's slot is free)."""
         if not ok:
             self.bad_chunks += 1
             peer.bad.add(chunk)
             log.warning("p2p %s: chunk %d from %s failed verification; asking another holder", self.obj.name,
                         chunk, peer.name)
+            if wake:
+                self.events.put_nowait((None, None))
             return
         self.obj.done.add(chunk)
         length = self.obj.spans[chunk].length
         self.bytes_by_peer[peer.name] = self.bytes_by_peer.get(peer.name, 0) + length
         self.save(self.obj)
+        if wake:
+            self.events.put_nowait((None, True))
         try:
             await self.meta.call(Have(self.node_id, self.obj.name, self.obj.manifest.version, [chunk]))
         except P2PError as e:

@@ -176,28 +176,45 @@ class ProgressReport(P2PMsg, tag="p2p_progress_report"):
     peers: dict[str, int] = {}  # holder node name -> bytes fetched from it
     verify_s: float = 0.0  # of the fetch's time: the final check of the files (sizes) once every chunk is in
     transfer_s: float = 0.0  # of the fetch's time: from its first chunk request to its last chunk written
+    bulk_bytes: int = 0  # of done_bytes: received on holders' bulk ports (the rest over ZeroMQ)
 
 
 # ---- peer -> peer (P2P socket)
 
 
 class ChunkGet(P2PMsg, tag="p2p_chunk_get"):
+    """``bulk``: the asker would take the bytes on the holder's bulk port (clusters without CURVE)."""
+
     req: int
+    name: str
+    version: str
+    index: int
+    bulk: bool = False
+
+
+class ChunkData(P2PMsg, tag="p2p_chunk"):
+    """Reply to ChunkGet: the chunk's bytes follow as one frame; ``missing`` (no frame): not served
+    here; ``token`` (no frame): fetch them from the holder's bulk port ``bulk_port`` with this
+    one-time token (mooncake/p2p/bulk.py)."""
+
+    req: int
+    index: int
+    missing: str = ""
+    token: bytes = b""
+    bulk_port: int = 0
+
+
+class ChunkBad(P2PMsg, tag="p2p_chunk_bad"):
+    """Peer -> holder, no reply: a chunk it sent on its bulk port failed its digest (the holder,
+    which sent it without reading it, checks its copy on disk)."""
+
     name: str
     version: str
     index: int
 
 
-class ChunkData(P2PMsg, tag="p2p_chunk"):
-    """Reply to ChunkGet: the chunk's bytes follow as one frame; ``missing`` (no frame): not served here."""
-
-    req: int
-    index: int
-    missing: str = ""
-
-
 P2PMessage = (Publish | Have | Fetching | Locate | Located | ListObjects | Listing | RemoveObject | FindStore | StoreAt
-              | Done | Failure | Forget | PutObject | GetObject | Progress | ProgressReport | ChunkGet | ChunkData)
+              | Done | Failure | Forget | PutObject | GetObject | Progress | ProgressReport | ChunkGet | ChunkData | ChunkBad)
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(P2PMessage)

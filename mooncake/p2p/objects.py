@@ -29,7 +29,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 from urllib.parse import quote
 
 import msgspec
@@ -71,6 +71,7 @@ class LocalObject:
         self._io = threading.Condition()  # guards the fds; close() waits for reads and writes under way
         self._active = 0
         self._closed = False
+        self._writing = threading.Lock()  # one pwrite at a time (see write_slices)
 
     @property
     def name(self) -> str:
@@ -118,6 +119,14 @@ class LocalObject:
             raise ChunkCorrupt(f"{self.name}: chunk {index} of {self.manifest.files[s.file].path} is corrupt on disk")
         return data
 
+    @contextmanager
+    def span_fd(self, index: int) -> Iterator[tuple[int, Span]]:
+        """A descriptor of the file chunk ``index`` lies in, and its span (to serve it with
+        ``sendfile``: mooncake/p2p/bulk.py); NotHeld once the object is dropped."""
+        s = self.spans[index]
+        with self._fd(s.file, False) as fd:
+            yield fd, s
+
     def write_chunk(self, index: int, data: memoryview | bytes) -> bool:
         """Write a received chunk, hashing it on the way; True if it matches its BLAKE3 digest.
         False: a short chunk (nothing written) or a wrong one (written, but not to be counted: the
@@ -126,19 +135,31 @@ class LocalObject:
         if len(data) != s.length:
             return False
         view = memoryview(data).cast("B")
+        return self.write_slices(index, (view[start:start + WRITE_SLICE] for start in range(0, s.length, WRITE_SLICE)))
+
+    def write_slices(self, index: int, slices: Iterable[memoryview]) -> bool:
+        """Write chunk ``index`` from consecutive ``slices`` (each hashed, then written while it is
+        still in cache); True if they make up the whole chunk and match its BLAKE3 digest. An
+        exception from ``slices`` (a stream cut off) propagates; what was written stays uncounted."""
+        s = self.spans[index]
         h = digester()
+        pos = 0
         try:
             with self._fd(s.file, True) as fd:
-                for start in range(0, s.length, WRITE_SLICE):
-                    part = view[start:start + WRITE_SLICE]
+                for part in slices:
+                    if pos + len(part) > s.length:
+                        return False
                     h.update(part)
-                    if os.pwrite(fd, part, s.offset + start) != len(part):
+                    with self._writing:  # the kernel serializes writes to a file anyway (its inode lock),
+                        n = os.pwrite(fd, part, s.offset + pos)  # but its waiters spin: here they sleep
+                    if n != len(part):
                         raise DiskFull(f"{self.name}: short write to {self.path(s.file)} (disk full?)")
+                    pos += len(part)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"{self.name}: disk full writing {self.path(s.file)}") from None
             raise
-        return h.digest() == self.manifest.digests[index]
+        return pos == s.length and h.digest() == self.manifest.digests[index]
 
     def prepare(self) -> None:
         """Create the destination files at full size (space reserved up front: a full disk is

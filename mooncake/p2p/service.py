@@ -7,6 +7,12 @@ CLI and workers send ``PutObject`` / ``GetObject`` / ``Progress`` (store or work
 Chunks are read and checked in a thread, at most ``READERS`` at a time, and leave as one
 zero-copy frame each. A chunk that no longer verifies on disk is not served: it is
 dropped from this store's holdings (announced) and the asker goes to another holder.
+
+Without CURVE a peer may ask for a chunk's bytes on the bulk port instead (``ChunkGet.bulk``,
+mooncake/p2p/bulk.py): the reply is a one-time token, and the chunk leaves by ``sendfile``,
+unread here; a fetcher whose copy fails its digest says so (``ChunkBad``), and this store
+then checks its own (as it does when a chunk's file ends early). Under CURVE there is no
+bulk port: every byte stays on the encrypted, authenticated socket.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +28,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from mooncake.p2p.bulk import BulkServer
 from mooncake.p2p.fetch import Fetch
 from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
-from mooncake.p2p.messages import (ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
+from mooncake.p2p.messages import (ChunkBad, ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
                                    Progress, ProgressReport, Publish, PutObject, decoder, encoder)
 from mooncake.p2p.objects import ChunkCorrupt, LocalObject, NotHeld, ObjectStore
 from mooncake.p2p.rpc import P2PError, Rpc
@@ -32,9 +40,10 @@ from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
 
 log = logging.getLogger(__name__)
 READERS = 4
+BULK_RECEIVERS = 16  # chunks this store's fetches receive on bulk ports at once (threads)
 # Fault injection for tests: this store corrupts every chunk it serves (after reading it).
 CORRUPT_ENV = "MOONCAKE_FAULT_P2P_CORRUPT_SERVE"
-ACCESS = {ChunkGet: ("store",), PutObject: ("store", "worker"), GetObject: ("store", "worker"),
+ACCESS = {ChunkGet: ("store",), ChunkBad: ("store",), PutObject: ("store", "worker"), GetObject: ("store", "worker"),
           Progress: ("store", "worker")}
 
 
@@ -58,12 +67,21 @@ class P2PService:
         self._readers = asyncio.Semaphore(READERS)
         self._tasks: set[asyncio.Task] = set()
         self._corrupt = os.environ.get(CORRUPT_ENV) == "1"
+        self.bulk: BulkServer | None = None  # never under CURVE
+        self._bulk_receivers: ThreadPoolExecutor | None = None
+        if curve is None:
+            host = bind.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+            self.bulk = BulkServer("0.0.0.0" if host == "*" else host, on_short=self._on_short,
+                                   corrupt=self._corrupt)
+            self._bulk_receivers = ThreadPoolExecutor(BULK_RECEIVERS, thread_name_prefix="p2p-bulk-recv")
 
     def start(self) -> None:
         loaded = self.objects.load()
         if loaded:
             log.info("p2p: %d objects on disk (%d complete)", len(loaded), sum(o.complete for o in loaded))
         self._spawn(self._serve())
+        if self.bulk is not None:
+            self.bulk.start()
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -97,6 +115,10 @@ class P2PService:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # fetches close their peers' sockets
+        if self.bulk is not None:
+            await self.bulk.close()
+        if self._bulk_receivers is not None:
+            self._bulk_receivers.shutdown(wait=False, cancel_futures=True)
         self.sock.close(0)
         self.meta.close()
         self.objects.close()
@@ -115,6 +137,12 @@ class P2PService:
             kinds = ACCESS.get(type(msg))
             if kinds is None or (self.curve is not None and kind_of(peer_of(frames[1])) not in kinds):
                 await self._reply(ident, Failure(f"{type(msg).__name__} not accepted here", "forbidden"))
+                continue
+            if isinstance(msg, ChunkBad):  # no reply
+                self._spawn(self._complaint(msg))
+                continue
+            if isinstance(msg, ChunkGet) and msg.bulk and self.bulk is not None:
+                self._spawn(self._grant(ident, msg, _peer_address(frames[1])))
                 continue
             self._spawn(self._handle(ident, msg))
 
@@ -140,9 +168,53 @@ class P2PService:
             reply = Failure(f"{type(e).__name__}: {e}")
         await self._reply(ident, reply)
 
-    async def _chunk(self, ident: bytes, msg: ChunkGet) -> None:
+    def _held(self, msg: ChunkGet | ChunkBad) -> LocalObject | None:
         obj = self.objects.objects.get(msg.name)
         if obj is None or obj.manifest.version != msg.version or msg.index not in obj.done:
+            return None
+        return obj
+
+    async def _grant(self, ident: bytes, msg: ChunkGet, peer: str) -> None:
+        """A bulk request: a one-time token for the chunk, if held (its bytes are not read here)."""
+        obj = self._held(msg)
+        if obj is None:
+            await self._reply(ident, ChunkData(msg.req, msg.index, "not held"))
+            return
+        assert self.bulk is not None
+        token = self.bulk.grant(obj, msg.index, peer)
+        await self._reply(ident, ChunkData(msg.req, msg.index, token=token, bulk_port=self.bulk.port))
+
+    async def _complaint(self, msg: ChunkBad) -> None:
+        obj = self._held(msg)
+        if obj is not None:
+            await self._check(obj, msg.index)
+
+    def _on_short(self, obj: LocalObject, index: int) -> None:
+        self._spawn(self._check(obj, index))
+
+    async def _check(self, obj: LocalObject, index: int) -> None:
+        """Check a chunk on disk (its BLAKE3) after a bulk copy of it went wrong; drop it if it fails."""
+        try:
+            async with self._readers:
+                await asyncio.to_thread(obj.read_chunk, index, True)
+        except NotHeld:
+            return
+        except (ChunkCorrupt, OSError) as e:
+            await self._lose(obj, index, e)
+
+    async def _lose(self, obj: LocalObject, index: int, why: Exception) -> None:
+        """A chunk no longer verifies on disk: stop serving it and tell the conductor."""
+        log.error("p2p: %s; no longer serving it", why)
+        obj.done.discard(index)
+        self.objects.save(obj)
+        try:
+            await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
+        except P2PError as err:
+            log.warning("p2p: announcing the loss failed: %s", err)
+
+    async def _chunk(self, ident: bytes, msg: ChunkGet) -> None:
+        obj = self._held(msg)
+        if obj is None:
             await self._reply(ident, ChunkData(msg.req, msg.index, "not held"))
             return
         try:
@@ -152,14 +224,8 @@ class P2PService:
             await self._reply(ident, ChunkData(msg.req, msg.index, "not held"))
             return
         except (ChunkCorrupt, OSError) as e:
-            log.error("p2p: %s; no longer serving it", e)
-            obj.done.discard(msg.index)
-            self.objects.save(obj)
             await self._reply(ident, ChunkData(msg.req, msg.index, "corrupt on this holder"))
-            try:
-                await self.meta.call(Have(self.node_id, obj.name, obj.manifest.version, sorted(obj.done), replace=True))
-            except P2PError as err:
-                log.warning("p2p: announcing the loss failed: %s", err)
+            await self._lose(obj, msg.index, e)
             return
         if self._corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -195,7 +261,8 @@ class P2PService:
         obj = LocalObject(manifest, Path(msg.dest))
         self.objects.add(obj)
         fetch = Fetch(self.ctx, self.curve, self.meta, self.node_id, obj, self.objects.save,
-                      self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from)
+                      self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from,
+                      bulk_receivers=self._bulk_receivers)
         self.fetches[msg.name] = fetch
         fetch.task = self._spawn(fetch.run())
         return Done("fetching")
@@ -215,3 +282,11 @@ class P2PService:
             return Failure(f"{name} is not being fetched by this store", "unknown")
         return ProgressReport(name, obj.manifest.version, obj.done_bytes, obj.manifest.total_bytes,
                               "complete" if obj.complete else "failed", "" if obj.complete else "interrupted")
+
+
+def _peer_address(frame: Any) -> str:
+    """The IP address a received frame came from ("" if libzmq does not say)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""

@@ -1,0 +1,219 @@
+"""The bulk data path for chunk bytes (mooncake/p2p/bulk.py): in process (tokens, cut, stalled,
+truncated and corrupt streams), through a store's P2P socket (a token under plain TCP, never
+under CURVE), and end to end between real stores on loopback and across network namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from hosts import unavailable_reason
+from mooncake.p2p.bulk import CUT_ENV, HEADER, BulkLost, BulkPool, BulkServer
+from mooncake.p2p.manifest import build_manifest
+from mooncake.p2p.messages import ChunkData, ChunkGet, decoder, encoder
+from mooncake.p2p.objects import LocalObject
+from mooncake.p2p.service import P2PService
+from mooncake.security import Curve, generate_keys
+
+pytestmark = pytest.mark.timeout(180)
+CHUNK = 256 * 1024
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def published(tmp_path: Path, size: int = 5 * CHUNK + 777) -> tuple[LocalObject, LocalObject]:
+    """(a holder of a one-file object, a fresh destination for it, its files reserved)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "blob.bin").write_bytes(os.urandom(size))
+    root, m = build_manifest("blob", tmp_path / "src", CHUNK)
+    dst = LocalObject(m, tmp_path / "dst")
+    dst.prepare()
+    return LocalObject(m, root, set(range(len(m.checksums)))), dst
+
+
+async def fetch(pool: BulkPool, token: bytes, dst: LocalObject, index: int) -> bool:
+    with ThreadPoolExecutor(1) as ex:
+        return await asyncio.get_running_loop().run_in_executor(ex, pool.fetch, token, dst, index)
+
+
+async def test_granted_chunks_arrive_byte_identical_over_one_reused_connection(tmp_path):
+    holder, dst = published(tmp_path)
+    server = BulkServer("127.0.0.1")
+    server.start()
+    pool = BulkPool("127.0.0.1", server.port)
+    try:
+        for i in range(len(dst.spans)):
+            assert await fetch(pool, server.grant(holder, i, "127.0.0.1"), dst, i)
+        assert len(pool._idle) == 1  # one connection, reused
+    finally:
+        pool.close()
+        await server.close()
+        dst.close()
+    assert sha(tmp_path / "dst" / "blob.bin") == sha(tmp_path / "src" / "blob.bin")
+
+
+async def test_unknown_replayed_expired_and_foreign_tokens_are_refused(tmp_path):
+    holder, dst = published(tmp_path)
+    server, stale = BulkServer("127.0.0.1"), BulkServer("127.0.0.1", ttl_s=0.0)
+    server.start()
+    stale.start()
+    try:
+        with pytest.raises(BulkLost, match="closed the connection"):
+            await fetch(BulkPool("127.0.0.1", server.port), os.urandom(16), dst, 0)
+        token = server.grant(holder, 0, "127.0.0.1")
+        assert await fetch(BulkPool("127.0.0.1", server.port), token, dst, 0)
+        with pytest.raises(BulkLost, match="closed the connection"):  # a token serves once
+            await fetch(BulkPool("127.0.0.1", server.port), token, dst, 0)
+        with pytest.raises(BulkLost, match="closed the connection"):
+            await fetch(BulkPool("127.0.0.1", stale.port), stale.grant(holder, 1, "127.0.0.1"), dst, 1)
+        with pytest.raises(BulkLost, match="closed the connection"):  # granted to another address
+            await fetch(BulkPool("127.0.0.1", server.port, source="127.0.0.2"), server.grant(holder, 1, "127.0.0.1"),
+                        dst, 1)
+    finally:
+        await server.close()
+        await stale.close()
+        dst.close()
+
+
+async def test_cut_truncated_and_corrupt_streams_never_count(tmp_path, monkeypatch):
+    holder, dst = published(tmp_path)
+    monkeypatch.setenv(CUT_ENV, "1")
+    cut = BulkServer("127.0.0.1")  # a holder that dies halfway through every chunk
+    monkeypatch.delenv(CUT_ENV)
+    shorts: asyncio.Queue = asyncio.Queue()
+    truncated = BulkServer("127.0.0.1", on_short=lambda obj, i: shorts.put_nowait(i))
+    corrupt = BulkServer("127.0.0.1", corrupt=True)
+    for s in (cut, truncated, corrupt):
+        s.start()
+    try:
+        with pytest.raises(BulkLost, match="cut off"):
+            await fetch(BulkPool("127.0.0.1", cut.port), cut.grant(holder, 0, "127.0.0.1"), dst, 0)
+        assert not await fetch(BulkPool("127.0.0.1", corrupt.port), corrupt.grant(holder, 1, "127.0.0.1"), dst, 1)
+        last = len(dst.spans) - 1
+        token = truncated.grant(holder, last, "127.0.0.1")
+        os.truncate(tmp_path / "src" / "blob.bin", holder.spans[last].offset + 100)  # shrank under the holder
+        with pytest.raises(BulkLost, match="cut off 100 bytes"):
+            await fetch(BulkPool("127.0.0.1", truncated.port), token, dst, last)
+        assert await asyncio.wait_for(shorts.get(), 10) == last  # the holder checks its copy
+    finally:
+        for s in (cut, truncated, corrupt):
+            await s.close()
+        dst.close()
+
+
+async def test_a_silent_holder_times_out(tmp_path):
+    _, dst = published(tmp_path)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:  # reads the token, sends the header, then nothing
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(16)
+        conn.sendall(HEADER.pack(dst.spans[0].length) + b"x" * 10)
+
+    loop = asyncio.get_running_loop()
+    server = loop.run_in_executor(None, serve)
+    try:
+        with pytest.raises(BulkLost, match="cut off 10 bytes"):
+            await fetch(BulkPool("127.0.0.1", listener.getsockname()[1], timeout_s=0.5), os.urandom(16), dst, 0)
+        await server
+    finally:
+        for c in accepted:
+            c.close()
+        listener.close()
+        dst.close()
+
+
+async def chunk_get(service: P2PService, sock: zmq.asyncio.Socket, bulk: bool) -> list:
+    await sock.send(encoder.encode(ChunkGet(1, "blob", service.objects.objects["blob"].manifest.version, 0, bulk=bulk)))
+    return await asyncio.wait_for(sock.recv_multipart(), 10)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+async def test_a_store_grants_bulk_tokens_without_curve_and_never_under_curve(tmp_path, secure):
+    holder, dst = published(tmp_path)
+    dst.close()
+    curve = client_curve = None
+    if secure:
+        generate_keys(tmp_path / "keys")
+        curve, client_curve = Curve(tmp_path / "keys", "store"), Curve(tmp_path / "keys", "store")
+    ctx = zmq.asyncio.Context()
+    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", curve)
+    service.start()
+    service.objects.add(holder)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if client_curve is not None:
+        client_curve.client(sock, "store")
+    sock.connect(service.endpoint)
+    try:
+        frames = await chunk_get(service, sock, bulk=True)
+        head = decoder.decode(frames[0])
+        assert isinstance(head, ChunkData) and not head.missing
+        if secure:  # the bytes stay on the encrypted socket
+            assert service.bulk is None and not head.token and frames[1] == (tmp_path / "src" / "blob.bin").read_bytes()[:CHUNK]
+        else:
+            assert len(frames) == 1 and len(head.token) == 16 and head.bulk_port == service.bulk.port
+            assert len((await chunk_get(service, sock, bulk=False))[1]) == CHUNK  # the old path still serves
+    finally:
+        sock.close(0)
+        await service.close()
+        if curve is not None:
+            curve.stop()
+        ctx.term()
+
+
+# ---- real stores
+
+
+def test_fetches_go_over_bulk_ports_and_a_holder_cutting_streams_is_left_for_another(tmp_path):
+    from p2p_nodes import P2PNodes
+    from test_p2p_cluster import ok, same_tree, tree
+
+    src = tree(tmp_path / "src", 1, mib=6)
+    with P2PNodes(tmp_path / "nodes", ["n1", "cut", "n3"], store_env={"cut": {CUT_ENV: "1"}}, stall_timeout_s=4.0) as nodes:
+        ok(nodes.cli("cut", "put", "model", str(src)))
+        r = nodes.cli("n3", "get", "model", str(tmp_path / "none"))  # every stream of the only holder cut off
+        assert r.returncode == 1 and "no progress" in r.stderr, r.stderr
+        ok(nodes.cli("n1", "put", "model", str(src)))
+        out = ok(nodes.cli("n3", "get", "model", str(tmp_path / "dst")))
+        assert "from: n1" in out and "cut" not in out.split("from:")[1], out
+        assert same_tree(src, tmp_path / "dst")
+        assert "cut off" in (tmp_path / "nodes" / "n3.log").read_text()  # it went over the bulk port
+
+
+UNAVAILABLE = unavailable_reason()
+
+
+@pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
+def test_a_fetch_between_namespaces_without_curve_goes_over_the_bulk_port(tmp_path):
+    from p2p_hosts import P2PHosts
+    from test_p2p_hosts import sha256, write_random
+
+    size = 40 * 1000 * 1000
+    write_random(tmp_path / "src" / "blob.bin", size)
+    with P2PHosts(tmp_path / "hosts", n=2, curve=False) as net:
+        r = net.cli(1, "put", "blob", str(tmp_path / "src"))
+        assert r.returncode == 0, r.stderr
+
+        async def get() -> object:
+            client = net.client(2)
+            try:
+                return await client.get("blob", tmp_path / "dst")
+            finally:
+                client.close()
+
+        report = asyncio.run(get())
+    assert report.bulk_bytes == size and report.peers == {"host1": size}
+    assert sha256(tmp_path / "dst" / "blob.bin") == sha256(tmp_path / "src" / "blob.bin")
