@@ -10,10 +10,10 @@ LMDB). Each hit's source is checked in the store's tier counters.
 
 ``--kv-load layer,block`` runs the store cases once per way of loading a prefix from the store
 (``[engine] kv_load``: layer-wise just ahead of compute, or load-then-compute), each in its own
-cluster with its own cold baseline; ``--threads 1`` gives every process one torch thread (issue 12).
+cluster with its own cold baseline; ``--threads 1`` gives every process one torch thread (issue 12); ``--dtype`` the model's dtype (float32 by default).
 
     .venv/bin/python benchmarks/bench_ttft.py [--reps 5] [--threads N] [--kv-load layer,block]
-                                              [--where cold,device,dram,lmdb] [--out FILE.md]
+                                              [--where cold,device,dram,lmdb] [--dtype float32] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -90,12 +90,14 @@ async def scenario(url: str, prompts: Prompts, where: str, reps: int) -> tuple[l
     return times, cached
 
 
-def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer") -> tuple[DevCluster, float]:
+def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer", dtype: str = "float32") -> tuple[DevCluster, float]:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-bench-")))
-    cfg.engine.kv_cache_bytes = 140 * MiB  # ~1.5 prompts of 2,048 tokens (46 KiB per token)
+    cfg.model.dtype = dtype  # type: ignore[assignment]
+    half = 1 if dtype == "float32" else 2  # 16-bit KV takes half the bytes: the same sizes in prompts
+    cfg.engine.kv_cache_bytes = 140 * MiB // half  # ~1.5 prompts of 2,048 tokens (46 KiB per token in float32)
     cfg.engine.threads = threads
     cfg.engine.kv_load = kv_load  # type: ignore[assignment]
-    cfg.store.dram_bytes = dram_bytes
+    cfg.store.dram_bytes = dram_bytes // half
     cfg.store.lmdb_bytes = 4096 * MiB
     cluster = DevCluster(cfg)
     t0 = time.perf_counter()
@@ -109,6 +111,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     ap.add_argument("--kv-load", default="layer", help="comma-separated: layer, block ([engine] kv_load)")
     ap.add_argument("--where", default="cold,device,dram,lmdb", help="comma-separated cases")
+    ap.add_argument("--dtype", default="float32", help="[model] dtype: float32, bfloat16 or auto")
     ap.add_argument("--out", help="write the markdown table here too")
     args = ap.parse_args()
     wanted = args.where.split(",")
@@ -119,7 +122,7 @@ def main() -> int:
         results: dict[str, tuple[list[float], list[int]]] = {}
         first = [w for w in ("cold", "device", "dram") if w in wanted]
         if first:
-            cluster, ready_s = start(2048 * MiB, args.threads, load)
+            cluster, ready_s = start(2048 * MiB, args.threads, load, args.dtype)
             try:
                 asyncio.run(ttft(cluster.url, prompts.fresh(64)))  # warm-up
                 for where in first:
@@ -127,7 +130,7 @@ def main() -> int:
             finally:
                 cluster.stop()
         if "lmdb" in wanted:
-            cluster, _ = start(110 * MiB, args.threads, load)  # about one prompt: flushed blocks land in LMDB
+            cluster, _ = start(110 * MiB, args.threads, load, args.dtype)  # about one prompt: flushed blocks land in LMDB
             try:
                 asyncio.run(ttft(cluster.url, prompts.fresh(64)))
                 results["lmdb"] = asyncio.run(scenario(cluster.url, prompts, "lmdb", args.reps))

@@ -11,8 +11,7 @@ from mooncake.protocol import NodeInfo
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.pipeline import PipelineShape, pipeline_groups, pipeline_prefill_s
-from mooncake.roles.prefill_stage import first_chunk_tokens
+from mooncake.sched.pipeline import PipelineShape, group_chunk_tokens, pipeline_groups, pipeline_prefill_s
 from mooncake.sched.scheduler import Scheduler
 
 H = [bytes([i % 256, i // 256]) * 16 for i in range(400)]
@@ -44,12 +43,12 @@ def test_groups_are_live_instances_with_an_activation_ingress_in_node_order():
 
 
 def test_pipeline_estimate_is_fill_plus_chunks_of_the_slowest_stage():
-    # 12 chunks of a 12 s prefill, 2 even stages: a half-step fill + 12 steps of 0.5 s + 0.01 s hand-over
-    assert pipeline_prefill_s(12.0, 6000, 512, [(0, 15), (15, 30)], 0.01) == pytest.approx(12.5 * 0.51)
+    # 24 chunks of a 12 s prefill, 2 even stages: a one-step fill + 24 steps of 0.25 s + 0.01 s hand-over
+    assert pipeline_prefill_s(12.0, 6000, 256, [(0, 15), (15, 30)], 0.01) == pytest.approx(25 * 0.26)
     # uneven stages: the slowest (20 of 30 layers) sets the pace
-    assert pipeline_prefill_s(12.0, 6000, 512, [(0, 10), (10, 30)], 0.0) == pytest.approx(12.5 * 1.0 * 20 / 30)
-    assert first_chunk_tokens(512, 2, 16) == 256 and first_chunk_tokens(512, 3, 16) == 170
-    assert first_chunk_tokens(20, 3, 16) == 16
+    assert pipeline_prefill_s(12.0, 6000, 512, [(0, 10), (10, 30)], 0.0) == pytest.approx(13 * 1.0 * 20 / 30)
+    assert group_chunk_tokens(512, 2, 16) == 256 and group_chunk_tokens(512, 3, 16) == 170
+    assert group_chunk_tokens(20, 3, 16) == 16 and group_chunk_tokens(512, 1) == 512
 
 
 def test_a_long_prompt_goes_to_a_group_and_is_booked_on_every_stage():

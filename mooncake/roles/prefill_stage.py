@@ -1,8 +1,9 @@
 """A prefill instance acting as one stage of a pipeline group (chunked pipeline parallelism).
 
 The request's ``StagePlan`` says which layers this stage computes. Stage 0 cuts the prompt into
-chunks (``prefill_chunk_tokens``; the first one ``1/stages`` of that, as every later stage waits
-for it) and computes its layers of each; every later stage waits for a
+chunks of ``1/stages`` of ``prefill_chunk_tokens`` (``sched.pipeline.group_chunk_tokens``: the later
+stages wait for the first chunk, the last stage drains the last ones alone) and computes its layers
+of each; every later stage waits for a
 chunk's hidden states from the stage before (``Activations`` on its activation ingress, which
 binds only when ``[conductor] cpp_group_size`` > 1), computes its layers and hands its output on,
 so stage ``i`` works on chunk ``c`` while stage ``i-1`` works on chunk ``c+1``. Every stage ships
@@ -30,6 +31,7 @@ from mooncake.engine import Sequence
 from mooncake.engine.layerwise import split_runs
 from mooncake.kv_integrity import first_corrupt
 from mooncake.kv_sender import KVSender
+from mooncake.sched.pipeline import group_chunk_tokens
 from mooncake.security import allowed
 
 if TYPE_CHECKING:
@@ -37,12 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ACTIVATION_TIMEOUT_S = 60.0  # a stage that hears nothing from the one before for this long gives up
-
-
-def first_chunk_tokens(chunk_tokens: int, stages: int, block_tokens: int) -> int:
-    """Tokens of a group's first chunk: ``1/stages`` of a chunk (at least a block), so that the
-    pipeline fills in about one chunk's time of one stage."""
-    return max(block_tokens, chunk_tokens // stages)
 
 
 class StageError(RuntimeError):
@@ -132,10 +128,8 @@ async def run_stage(w: "PrefillWorker", req: P.PrefillRequest, seq: Sequence, se
         while True:
             start = seq.num_computed
             hidden = None
-            if st.index == 0:  # the first chunk is short: the later stages wait for it (the pipeline's fill)
-                size = eng.chunk_tokens if start > seq.num_cached_tokens else first_chunk_tokens(eng.chunk_tokens,
-                                                                                               st.stages, T)
-                end = min(n, start + size)
+            if st.index == 0:  # the group's chunks: the pipeline's fill and drain shrink with them
+                end = min(n, start + group_chunk_tokens(eng.chunk_tokens, st.stages, T))
             else:
                 t0 = time.perf_counter()
                 hidden = await w.inbox.get(req.req_id, req.kv_token, start, lambda: req.req_id in w.aborted)
