@@ -87,7 +87,7 @@ class ConductorConfig(_Section):
     stall_after_s: float = Field(60.0, gt=0, description="An engine instance with work but no engine progress this long is unhealthy: its requests move elsewhere.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, a role lets its in-flight requests finish for up to this long.")
     max_migrations: int = Field(2, ge=0, description="Times a request may move after its worker fails, dies or stalls.")
-    cpp_group_size: int = Field(1, ge=1, le=16, description="Chunked pipeline parallelism: prefill instances form pipeline groups of this many stages (each a range of layers; a long prompt's chunks flow through them). 1: off, every prefill alone.")
+    cpp_group_size: int = Field(1, ge=1, le=16, description="Chunked pipeline parallelism: prefill instances form pipeline groups of this many stages (each a range of layers; a long prompt's chunks, 1/stages of [engine] prefill_chunk_tokens each, flow through them). 1: off, every prefill alone.")
     cpp_min_tokens: int = Field(2048, ge=1, description="Prompts with at least this many tokens to compute may use a pipeline group (when its predicted TTFT beats the best single instance); shorter ones never do.")
     hot_block_hits: int = Field(4, ge=1, description="Hits in the window that make a block hot.")
     hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
