@@ -19,6 +19,7 @@
 
 #define MAX_D 256  /* head dimension: at most 16 vectors of 16 floats */
 #define MAX_G 16   /* query heads per kv head */
+#define PREFETCH 4096  /* bytes ahead of the keys and values read (as int8_gemv.c: reads wait on memory otherwise) */
 
 static inline __m512 load16(const void *p, int bf16) {
     if (bf16)
@@ -87,10 +88,49 @@ static void rotate(const char *x, const char *cs, const char *sn, int D, int bf1
     }
 }
 
-/* One (sequence, kv head): rotate and store k, store v at position pos, attend keys [lo, pos]. */
-static void attend_one(const char *qkv, int H, int Hkv, int D, int kvh, int bf16, const char *cs, const char *sn,
-                       char *kc, char *vc, int64_t pos, int64_t lo, float scale, char *out, float *scores) {
-    int es = bf16 ? 2 : 4, G = H / Hkv, C = D / 16;
+/* Whether the CPU has AVX-512 BF16 (bfloat16 pair dot products, ``vdpbf16ps``). */
+static int has_dpbf16(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+    return known;
+}
+
+/* scores[g][j] = q_g . k_j * scale for bfloat16 keys, with ``vdpbf16ps`` on the keys as stored (no
+ * conversion); q: [G][MAX_D / 16] float32 vectors holding bfloat16 values. */
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) static void scores_dpbf16(
+        const __m512 *q, int G, int C, const char *k0, int n, int n8, size_t row, const char *kend, float scale,
+        float *scores) {
+    __m512i q16[MAX_G][MAX_D / 32];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C / 2; c++)
+            q16[g][c] = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(q[g * (MAX_D / 16) + 2 * c])),
+                                           to_bf16(q[g * (MAX_D / 16) + 2 * c + 1]), 1);
+    for (int j0 = 0; j0 < n8; j0 += 8) {
+        const char *kb = k0 + (size_t)j0 * row;
+        for (size_t off = 0; off < 8 * row; off += 64)
+            if (kb + PREFETCH + off < kend) _mm_prefetch(kb + PREFETCH + off, _MM_HINT_T0);
+        for (int g = 0; g < G; g++) {
+            __m512 acc[8];
+            for (int t = 0; t < 8; t++) {
+                const char *k = k0 + (size_t)(j0 + t < n ? j0 + t : n - 1) * row;
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < C / 2; c++)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)q16[g][c], (__m512bh)_mm512_loadu_si512(k + (size_t)c * 64));
+                acc[t] = a;
+            }
+            _mm256_storeu_ps(scores + (size_t)g * n8 + j0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+}
+
+/* One (sequence, kv head): rotate and store k, store v at position pos, attend keys [lo, pos].
+ * Inlined with C = D / 16 a constant (see attend_row), so its loops unroll and the accumulators of
+ * the value pass stay in registers. */
+static inline __attribute__((always_inline)) void attend_one(
+        const char *qkv, int H, int Hkv, const int C, int kvh, int bf16, const char *cs, const char *sn, char *kc,
+        char *vc, int64_t pos, int64_t lo, float scale, char *out, float *scores) {
+    const int D = C * 16, GB = C <= 4 ? 4 : C <= 8 ? 2 : 1;  /* query heads per value pass: GB * C registers */
+    int es = bf16 ? 2 : 4, G = H / Hkv;
     size_t row = (size_t)D * es;
     __m512 kr[MAX_D / 16], q[MAX_G][MAX_D / 16];
     rotate(qkv + (size_t)(H + kvh) * row, cs, sn, D, bf16, kr);
@@ -98,23 +138,34 @@ static void attend_one(const char *qkv, int H, int Hkv, int D, int kvh, int bf16
     memcpy(vc + (size_t)pos * row, qkv + (size_t)(H + Hkv + kvh) * row, row);
     for (int g = 0; g < G; g++) {
         rotate(qkv + (size_t)(kvh * G + g) * row, cs, sn, D, bf16, q[g]);
-        for (int c = 0; c < C; c++) q[g][c] = _mm512_mul_ps(round_to(q[g][c], bf16), _mm512_set1_ps(scale));
+        for (int c = 0; c < C; c++) q[g][c] = round_to(q[g][c], bf16);
     }
     int n = (int)(pos + 1 - lo);
     int n8 = (n + 7) & ~7;
-    for (int g = 0; g < G; g++) {  /* scores[g][j] = q_g . k_j * scale */
-        for (int j0 = 0; j0 < n8; j0 += 8) {
-            __m512 acc[8];
+    const char *k0 = kc + (size_t)lo * row, *v0 = vc + (size_t)lo * row, *kend = kc + (size_t)(pos + 1) * row;
+    if (bf16 && has_dpbf16())
+        scores_dpbf16(&q[0][0], G, C, k0, n, n8, row, kend, scale, scores);
+    else
+        for (int j0 = 0; j0 < n8; j0 += 8) {  /* scores[g][j] = q_g . k_j * scale, 8 keys at a time */
+            const char *kb = k0 + (size_t)j0 * row;
+            for (size_t off = 0; off < 8 * row; off += 64)
+                if (kb + PREFETCH + off < kend) _mm_prefetch(kb + PREFETCH + off, _MM_HINT_T0);
+            __m512 kf[8][MAX_D / 16];  /* each key converted once, for all G query heads */
             for (int t = 0; t < 8; t++) {
-                int j = j0 + t < n ? j0 + t : n - 1;
-                const char *k = kc + (size_t)(lo + j) * row;
-                __m512 a = _mm512_mul_ps(q[g][0], load16(k, bf16));
-                for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(q[g][c], load16(k + (size_t)c * 16 * es, bf16), a);
-                acc[t] = a;
+                const char *k = k0 + (size_t)(j0 + t < n ? j0 + t : n - 1) * row;
+                for (int c = 0; c < C; c++) kf[t][c] = load16(k + (size_t)c * 16 * es, bf16);
             }
-            _mm256_storeu_ps(scores + (size_t)g * n8 + j0, sum8(acc));
+            for (int g = 0; g < G; g++) {
+                __m512 acc[8];
+                for (int t = 0; t < 8; t++) {
+                    __m512 a = _mm512_mul_ps(q[g][0], kf[t][0]);
+                    for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(q[g][c], kf[t][c], a);
+                    acc[t] = a;
+                }
+                _mm256_storeu_ps(scores + (size_t)g * n8 + j0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+            }
         }
-    }
+    for (size_t off = 0; off < PREFETCH && off < (size_t)n * row; off += 64) _mm_prefetch(v0 + off, _MM_HINT_T0);
     for (int g = 0; g < G; g++) {  /* softmax over [0, n) */
         float *s = scores + (size_t)g * n8;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -137,18 +188,39 @@ static void attend_one(const char *qkv, int H, int Hkv, int D, int kvh, int bf16
         float inv = 1.f / _mm512_reduce_add_ps(sum);
         for (j = 0; j < n; j++) s[j] *= inv;
     }
-    __m512 acc[MAX_G][MAX_D / 16];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {  /* out_g = sum_j p[g][j] v_j */
-        const char *v = vc + (size_t)(lo + j) * row;
-        for (int c = 0; c < C; c++) {
-            __m512 vv = load16(v + (size_t)c * 16 * es, bf16);
-            for (int g = 0; g < G; g++) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)g * n8 + j]), vv, acc[g][c]);
+    const char *vend = vc + (size_t)(pos + 1) * row;
+    for (int g0 = 0; g0 < G; g0 += GB) {  /* out_g = sum_j p[g][j] v_j */
+        __m512 acc[GB][MAX_D / 16];
+        for (int gi = 0; gi < GB; gi++)
+            for (int c = 0; c < C; c++) acc[gi][c] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const char *v = v0 + (size_t)j * row;
+            if (g0 == 0)
+                for (size_t off = 0; off < row; off += 64)
+                    if (v + PREFETCH + off < vend) _mm_prefetch(v + PREFETCH + off, _MM_HINT_T0);
+            __m512 vv[MAX_D / 16];
+            for (int c = 0; c < C; c++) vv[c] = load16(v + (size_t)c * 16 * es, bf16);
+            for (int gi = 0; gi < GB; gi++)
+                if (g0 + gi < G) {
+                    __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + gi) * n8 + j]);
+                    for (int c = 0; c < C; c++) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
+                }
         }
+        for (int gi = 0; gi < GB && g0 + gi < G; gi++)
+            for (int c = 0; c < C; c++)
+                store16(out + (size_t)(kvh * G + g0 + gi) * row + (size_t)c * 16 * es, acc[gi][c], bf16);
     }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) store16(out + (size_t)(kvh * G + g) * row + (size_t)c * 16 * es, acc[g][c], bf16);
+}
+
+#define ATTEND_CASE(CC) \
+    case CC: attend_one(qkv, H, Hkv, CC, kvh, bf16, cs, sn, kc, vc, pos, lo, scale, out, scores); break;
+
+static void attend_row(const char *qkv, int H, int Hkv, int D, int kvh, int bf16, const char *cs, const char *sn,
+                       char *kc, char *vc, int64_t pos, int64_t lo, float scale, char *out, float *scores) {
+    switch (D / 16) {
+        ATTEND_CASE(2) ATTEND_CASE(4) ATTEND_CASE(6) ATTEND_CASE(8)
+        ATTEND_CASE(10) ATTEND_CASE(12) ATTEND_CASE(14) ATTEND_CASE(16)
+    }
 }
 
 /* qkv: [B, (H + 2 Hkv) * D] rows ``qkv_stride`` elements apart; cos, sin: [*, D] tables (row = position);
@@ -179,7 +251,7 @@ int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, con
             if (!scores) continue;
             int b = t / Hkv, h = t % Hkv;
             int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            attend_one((const char *)qkv + (size_t)b * qkv_stride * es, H, Hkv, D, h, bf16,
+            attend_row((const char *)qkv + (size_t)b * qkv_stride * es, H, Hkv, D, h, bf16,
                        (const char *)cos + (size_t)p * D * es, (const char *)sin + (size_t)p * D * es,
                        (char *)kc + ((size_t)b * ws_row + (size_t)h * ws_head) * es,
                        (char *)vc + ((size_t)b * ws_row + (size_t)h * ws_head) * es, p, lo, scale,
