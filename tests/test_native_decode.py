@@ -135,3 +135,33 @@ def test_add_rmsnorm_rejects_bad_calls():
         KERNELS.add_rmsnorm(x, torch.randn(2, 64).bfloat16(), torch.ones(64), 1e-5)
     with pytest.raises(ValueError, match="cannot take"):
         KERNELS.add_rmsnorm(torch.randn(2, 63), None, torch.ones(63), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_writes_the_new_kv_into_the_pool_too(dtype):
+    H, Hkv, D, T = 9, 3, 64, 16
+    pos = torch.tensor([7, 40, 16], dtype=torch.int64)
+    qkv, kv, cos, sin = case(dtype, 3, H, Hkv, D, 64)
+    pool = torch.zeros(6, 2, 2, Hkv, T, D, dtype=dtype)  # [blocks, L, 2, Hkv, T, D]
+    blocks, offsets = torch.tensor([4, 1, 2]), pos % T
+    KERNELS.attention(qkv, cos, sin, kv, pos, H, None, 0.125, (pool[:, 1], blocks, offsets))
+    for b in range(3):
+        assert torch.equal(pool[blocks[b], 1, :, :, offsets[b]], kv[:, b, :, pos[b]])
+    written = torch.zeros(6, 2, Hkv, T, D, dtype=torch.bool)
+    for b in range(3):
+        written[blocks[b], :, :, offsets[b]] = True
+    assert not pool[:, 1][~written].any()  # nothing else written
+    assert not pool[:, 0].any()
+    with pytest.raises(ValueError, match="out of range"):
+        KERNELS.attention(qkv, cos, sin, kv, pos, H, None, 0.125, (pool[:, 1], torch.tensor([4, 1, 6]), offsets))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(3, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = gu.split(1536, -1)
+    torch.testing.assert_close(KERNELS.silu_mul(gu), F.silu(gate).mul_(up), **TOL[dtype])
+    assert torch.equal(KERNELS.silu_mul(gu[1:2].clone())[0], KERNELS.silu_mul(gu)[1])
+    with pytest.raises(ValueError, match="cannot take"):
+        KERNELS.silu_mul(gu[:, :100].contiguous())

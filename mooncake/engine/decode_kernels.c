@@ -50,9 +50,9 @@ static inline __m512 round_to(__m512 v, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max), Cephes' polynomial, ~2 ulp. */
-static inline __m512 exp_le0(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+/* exp(x), Cephes' polynomial, ~2 ulp; inf above 88.7, 0 below -103. */
+static inline __m512 exp_any(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -175,13 +175,13 @@ static inline __attribute__((always_inline)) void attend_one(
         for (; j < n; j++) m = fmaxf(m, s[j]);
         __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
         for (j = 0; j + 16 <= n; j += 16) {
-            __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+            __m512 e = exp_any(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
             _mm512_storeu_ps(s + j, e);
             sum = _mm512_add_ps(sum, e);
         }
         if (j < n) {
             __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(k, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
+            __m512 e = _mm512_maskz_mov_ps(k, exp_any(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv)));
             _mm512_mask_storeu_ps(s + j, k, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -227,16 +227,24 @@ static void attend_row(const char *qkv, int H, int Hkv, int D, int kvh, int bf16
  * kc, vc: the layer's workspace [B, Hkv, Kcap, D] (``ws_row``, ``ws_head`` elements between rows and heads);
  * pos: [B] int64 position of each row's new token; window: keys (pos - window, pos], 0: all from 0;
  * out: [B, H * D]. Returns 0; -1 for a shape not served (D a multiple of 32 up to 256, G up to 16), -2 for
- * a position outside [0, limit), -3 when out of memory. */
+ * a position outside [0, limit), -3 when out of memory. pool (or NULL): the layer of the paged KV pool
+ * [blocks, 2, Hkv, T, D] with element strides pool_strides[4]; each row's new k and v are copied to its
+ * block slot_block[b], offset slot_offset[b] there too; pool_strides[4], [5]: its blocks and T (-4: a slot
+ * outside them). */
 int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, const void *cos, const void *sin,
                               void *kc, void *vc, int64_t ws_row, int64_t ws_head, const int64_t *pos, int B, int H,
-                              int Hkv, int D, int64_t window, float scale, void *out, int64_t limit, int threads) {
+                              int Hkv, int D, int64_t window, float scale, void *out, int64_t limit, void *pool,
+                              const int64_t *pool_strides, const int64_t *slot_block, const int64_t *slot_offset,
+                              int threads) {
     if (B < 1 || D % 32 || D > MAX_D || Hkv < 1 || H % Hkv || H / Hkv > MAX_G) return -1;
     int es = bf16 ? 2 : 4, G = H / Hkv;
     int64_t maxn = 1;
     for (int b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= limit) return -2;
         maxn = pos[b] + 1 > maxn ? pos[b] + 1 : maxn;
+        if (pool && (slot_block[b] < 0 || slot_block[b] >= pool_strides[4] || slot_offset[b] < 0 ||
+                     slot_offset[b] >= pool_strides[5]))
+            return -4;
     }
     int err = 0;
 #pragma omp parallel num_threads(threads)
@@ -256,6 +264,13 @@ int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, con
                        (char *)kc + ((size_t)b * ws_row + (size_t)h * ws_head) * es,
                        (char *)vc + ((size_t)b * ws_row + (size_t)h * ws_head) * es, p, lo, scale,
                        (char *)out + (size_t)b * H * D * es, scores);
+            if (pool) {
+                const int64_t *ps = pool_strides;
+                char *dst = (char *)pool + (size_t)(slot_block[b] * ps[0] + h * ps[2] + slot_offset[b] * ps[3]) * es;
+                const char *src = (const char *)kc + ((size_t)b * ws_row + (size_t)h * ws_head + (size_t)p * D) * es;
+                memcpy(dst, src, (size_t)D * es);
+                memcpy(dst + (size_t)ps[1] * es, (const char *)vc + (src - (const char *)kc), (size_t)D * es);
+            }
         }
         free(scores);
     }
@@ -284,6 +299,24 @@ int mooncake_add_rmsnorm(void *x, const void *a, const void *w, void *h, int N, 
             store16(hr + (size_t)c * es,
                     _mm512_mul_ps(round_to(_mm512_mul_ps(load16(xr + (size_t)c * es, bf16), r), bf16),
                                   load16((const char *)w + (size_t)c * es, bf16)), bf16);
+    }
+    return 0;
+}
+
+/* out = silu(g) * u for gu: [N, 2 I] (gate then up, as the fused projection's output); out: [N, I].
+ * silu(g) is rounded to the dtype before the product, as torch's two ops round. I a multiple of 16. */
+int mooncake_silu_mul(const void *gu, void *out, int N, int I, int bf16) {
+    if (N < 1 || I < 16 || I % 16) return -1;
+    int es = bf16 ? 2 : 4;
+    for (int n = 0; n < N; n++) {
+        const char *g = (const char *)gu + (size_t)n * 2 * I * es, *u = g + (size_t)I * es;
+        char *o = (char *)out + (size_t)n * I * es;
+        for (int i = 0; i < I; i += 16) {
+            __m512 x = load16(g + (size_t)i * es, bf16);
+            __m512 e = exp_any(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 sx = round_to(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), bf16);
+            store16(o + (size_t)i * es, _mm512_mul_ps(sx, load16(u + (size_t)i * es, bf16)), bf16);
+        }
     }
     return 0;
 }

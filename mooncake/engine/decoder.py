@@ -215,9 +215,9 @@ class DecoderForward:
         if b.rows is not None:
             ws = self._decode_workspace(pool, b)
             if self.fast is not None and layers is None and on_layer is None and hidden is None:
-                x = self.fast.layers(F.embedding(b.ids, self.embed), ws, b.col)  # final-normed
-                self._store_new_kv(pool, b, ws, lo_layer, hi_layer)
-                return self._logits(x)
+                x = self.fast.layers(F.embedding(b.ids, self.embed), ws, b.col, pool, b.slot_block, b.slot_offset)
+                self._rows_advanced(b)  # the kernels wrote the new K/V into the pool too
+                return self._logits(x)  # x: final-normed
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
         per_layer = past_ready is not None and b.rows is None
@@ -279,6 +279,9 @@ class DecoderForward:
             pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, b.row, :, b.col]
         else:
             pool[b.slot_block, lo:hi, :, :, b.slot_offset] = ws[lo:hi, :, b.row, :, b.col]
+        self._rows_advanced(b)
+
+    def _rows_advanced(self, b: Batch) -> None:
         if b.rows is not None:
             for r, (uid, ctx, _) in enumerate(b.rows):
                 self._rows[r] = (uid, ctx + 1)

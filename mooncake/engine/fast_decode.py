@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mooncake.engine.families.spec import ModelSpec, RMSNorm
 from mooncake.engine.native_decode import DTYPES, MAX_GROUP, MAX_HEAD_DIM, DecodeKernels, load_decode_kernels
@@ -21,6 +22,13 @@ from mooncake.engine.native_decode import DTYPES, MAX_GROUP, MAX_HEAD_DIM, Decod
 def _plain_norm(norm: RMSNorm | None, dtype: torch.dtype) -> bool:
     return (norm is not None and not norm.upcast and norm.weight.dtype == dtype and norm.dim % 16 == 0
             and norm.weight.is_contiguous())
+
+
+def _halves(gate_up: Any) -> bool:
+    """Whether the gate/up projection is fused into two equal halves (``silu_mul``'s input)."""
+    sizes = getattr(gate_up, "sizes", None)
+    return (getattr(gate_up, "joint", None) is not None and sizes is not None and len(sizes) == 2
+            and sizes[0] == sizes[1] and sizes[0] % 16 == 0)
 
 
 def eligible(spec: ModelSpec, rotary_dim: int) -> bool:
@@ -41,6 +49,7 @@ class FastDecode:
     def __init__(self, spec: ModelSpec, rope: dict[Any, tuple[torch.Tensor, torch.Tensor]], kernels: DecodeKernels) -> None:
         self.spec, self.rope, self.k = spec, rope, kernels
         self.scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim ** -0.5
+        self.silu = spec.act is F.silu and all(_halves(layer.gate_up) for layer in spec.layers)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, rope: dict[Any, tuple[torch.Tensor, torch.Tensor]], rotary_dim: int,
@@ -54,9 +63,11 @@ class FastDecode:
     def _norm(self, x: torch.Tensor, a: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
         return self.k.add_rmsnorm(x, a, norm.weight, norm.eps)
 
-    def layers(self, x: torch.Tensor, ws: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def layers(self, x: torch.Tensor, ws: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor,
+               slot_block: torch.Tensor, slot_offset: torch.Tensor) -> torch.Tensor:
         """All layers for ``x [B, hidden]`` (one new token per row, at positions ``pos [B]``, int64),
-        each layer's new K/V written into the decode workspace ``ws [L, 2, >=B, Hkv, Kcap, D]``;
+        each layer's new K/V written into the decode workspace ``ws [L, 2, >=B, Hkv, Kcap, D]`` and
+        into the paged ``pool`` (``[blocks, L, 2, Hkv, T, D]``, at ``slot_block``/``slot_offset``);
         returns the final-normed hidden states (``x`` holds the residual stream)."""
         spec, k = self.spec, self.k
         layers = spec.layers
@@ -65,9 +76,12 @@ class FastDecode:
         for li, layer in enumerate(layers):
             cos, sin = self.rope[layer.rope]
             qkv = layer.qkv.joint(h)
-            o = k.attention(qkv, cos, sin, ws[li], pos, H, layer.window, self.scale)
+            o = k.attention(qkv, cos, sin, ws[li], pos, H, layer.window, self.scale, (pool[:, li], slot_block, slot_offset))
             h = self._norm(x, layer.o(o), layer.mlp_norm)
-            g, u = layer.gate_up(h)
-            m = layer.down(spec.act(g).mul_(u))
+            if self.silu:
+                m = layer.down(k.silu_mul(layer.gate_up.joint(h)))
+            else:
+                g, u = layer.gate_up(h)
+                m = layer.down(spec.act(g).mul_(u))
             h = self._norm(x, m, layers[li + 1].attn_norm if li + 1 < len(layers) else spec.final_norm)
         return h
