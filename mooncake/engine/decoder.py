@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from mooncake.engine.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
 from mooncake.engine.families import model_spec
+from mooncake.engine.fast_decode import FastDecode
 from mooncake.engine.int8 import quantize_spec
 from mooncake.engine.rope import tables_of
 
@@ -34,8 +35,8 @@ from mooncake.engine.rope import tables_of
 class DecoderForward:
     def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none",
                  native: bool = True) -> None:
-        """``native``: the engine's own int8 kernel (``native.py``) where it runs, for decode at
-        small batch; else torch's."""
+        """``native``: the engine's own kernels where they run (``native.py``: int8 at small batch;
+        ``fast_decode.py``: every decode step of a Llama-style model); else torch's."""
         self.spec = spec = model_spec(hf_model)
         if quantization == "int8":
             quantize_spec(spec, native)
@@ -52,6 +53,7 @@ class DecoderForward:
         self.windows = {layer.window for layer in spec.layers}
         self.rope = {key: tables_of(rp, self.rotary_dim, max_len, self.dtype, self.device)
                      for key, rp in spec.rope.items()}
+        self.fast = FastDecode.for_model(spec, self.rope, self.rotary_dim, native)
         self._ws = torch.zeros(0, dtype=self.dtype, device=self.device)
         self._gather = torch.empty(0, dtype=self.dtype, device=self.device)
         # decode workspace: persists across steps; row r mirrors ``_rows[r] = (uid, valid_len)``
@@ -212,6 +214,10 @@ class DecoderForward:
         mb = b.past_table.shape[1] if b.past_table is not None else 0
         if b.rows is not None:
             ws = self._decode_workspace(pool, b)
+            if self.fast is not None and layers is None and on_layer is None and hidden is None:
+                x = self.fast.layers(F.embedding(b.ids, self.embed), ws, b.col, pool, b.slot_block, b.slot_offset)
+                self._rows_advanced(b)  # the kernels wrote the new K/V into the pool too
+                return self._logits(x)  # x: final-normed
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
         per_layer = past_ready is not None and b.rows is None
@@ -259,19 +265,31 @@ class DecoderForward:
             g, u = layer.gate_up(h)
             m = layer.down(act(g).mul_(u))
             x.add_(layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
-        # new K/V of all layers into the pool, one scatter: [N, L, 2, Hkv, D]
-        if layers is None:
-            pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, row, :, col]
-        else:
-            pool[b.slot_block, lo_layer:hi_layer, :, :, b.slot_offset] = ws[lo_layer:hi_layer, :, row, :, col]
-        if b.rows is not None:
-            for r, (uid, ctx, _) in enumerate(b.rows):
-                self._rows[r] = (uid, ctx + 1)
+        self._store_new_kv(pool, b, ws, lo_layer, hi_layer)
         if hi_layer < self.num_layers:
             return x
         if b.logit_rows is None:
             return None
-        logits = spec.head(spec.final_norm(x[b.logit_rows])).float()
+        return self._logits(spec.final_norm(x[b.logit_rows]))
+
+    def _store_new_kv(self, pool: torch.Tensor, b: Batch, ws: torch.Tensor, lo: int, hi: int) -> None:
+        """The new K/V of layers ``[lo, hi)`` into the pool, one scatter (``[N, layers, 2, Hkv, D]``); decode
+        rows now hold their sequence's past one token longer."""
+        if lo == 0 and hi == self.num_layers:
+            pool[b.slot_block, :, :, :, b.slot_offset] = ws[:, :, b.row, :, b.col]
+        else:
+            pool[b.slot_block, lo:hi, :, :, b.slot_offset] = ws[lo:hi, :, b.row, :, b.col]
+        self._rows_advanced(b)
+
+    def _rows_advanced(self, b: Batch) -> None:
+        if b.rows is not None:
+            for r, (uid, ctx, _) in enumerate(b.rows):
+                self._rows[r] = (uid, ctx + 1)
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states."""
+        spec = self.spec
+        logits = spec.head(normed).float()
         if spec.logit_softcap is not None:
             logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
         return logits

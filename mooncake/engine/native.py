@@ -1,5 +1,6 @@
-"""The engine's own C kernel for decode at small batch, built on first use: the int8
-matrix-vector product (``int8_gemv.c``).
+"""The engine's own C kernels for decode, built on first use: the int8 matrix-vector product
+for small batches (``int8_gemv.c``, here) and the decode step's attention and RMSNorm
+(``decode_kernels.c``, called through ``native_decode.py``).
 
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
@@ -16,6 +17,7 @@ OS) ``load_kernel`` returns None and the engine keeps torch's kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("int8_gemv.c")]
+SOURCES = [Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("decode_kernels.c")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
 MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
@@ -105,7 +107,9 @@ def build(cache_dir: Path | None = None) -> Path | None:
     return target
 
 
-def _library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+@functools.lru_cache(maxsize=None)
+def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The kernels' library (built if missing, loaded once per process), or None where it cannot run."""
     if not sys.platform.startswith("linux") or not set(NEEDED_CPU_FLAGS) <= _cpu_flags():
         return None
     path = build(cache_dir)
@@ -120,6 +124,6 @@ def _library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
 
 def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
     """The int8 kernel, or None where it cannot run on this machine."""
-    lib = _library(cache_dir)
+    lib = library(cache_dir)
     return Int8Gemv(lib) if lib is not None else None
 

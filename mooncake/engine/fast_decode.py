@@ -1,0 +1,87 @@
+"""A decode step's layers on the engine's own kernels (``native_decode.py``), for Llama-style
+models: per layer, one call for RMSNorm with the residual add before it (twice), one for
+rotary + KV write + attention, and the projections; about 8 calls instead of ~25 torch ops.
+
+Used for every decode step of an eligible model, whatever its batch size, so a sequence's
+numbers do not depend on the batch it runs in (the kernels compute each row alone). Models
+with what these kernels do not do (soft-capped attention, q/k norms, partial rotary, Gemma's
+upcast or extra norms, unfused q/k/v) keep the general path of ``DecoderForward.forward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mooncake.engine.families.spec import ModelSpec, RMSNorm
+from mooncake.engine.native_decode import DTYPES, MAX_GROUP, MAX_HEAD_DIM, DecodeKernels, load_decode_kernels
+
+
+def _plain_norm(norm: RMSNorm | None, dtype: torch.dtype) -> bool:
+    return (norm is not None and not norm.upcast and norm.weight.dtype == dtype and norm.dim % 16 == 0
+            and norm.weight.is_contiguous())
+
+
+def _halves(gate_up: Any) -> bool:
+    """Whether the gate/up projection is fused into two equal halves (``silu_mul``'s input)."""
+    sizes = getattr(gate_up, "sizes", None)
+    return (getattr(gate_up, "joint", None) is not None and sizes is not None and len(sizes) == 2
+            and sizes[0] == sizes[1] and sizes[0] % 16 == 0)
+
+
+def eligible(spec: ModelSpec, rotary_dim: int) -> bool:
+    """Whether ``FastDecode`` computes this model's decode steps exactly as the general path does."""
+    D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    dtype = spec.embed.dtype
+    if (spec.embed.device.type != "cpu" or dtype not in DTYPES or spec.attn_softcap is not None
+            or rotary_dim != D or D % 32 or D > MAX_HEAD_DIM or H % Hkv or H // Hkv > MAX_GROUP
+            or spec.embed_scale is not None or not _plain_norm(spec.final_norm, dtype)):
+        return False
+    return all(getattr(layer.qkv, "joint", None) is not None and layer.q_norm is None and layer.k_norm is None
+               and layer.post_attn_norm is None and layer.post_mlp_norm is None
+               and _plain_norm(layer.attn_norm, dtype) and _plain_norm(layer.mlp_norm, dtype)
+               for layer in spec.layers)
+
+
+class FastDecode:
+    def __init__(self, spec: ModelSpec, rope: dict[Any, tuple[torch.Tensor, torch.Tensor]], kernels: DecodeKernels) -> None:
+        self.spec, self.rope, self.k = spec, rope, kernels
+        self.scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim ** -0.5
+        self.silu = spec.act is F.silu and all(_halves(layer.gate_up) for layer in spec.layers)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, rope: dict[Any, tuple[torch.Tensor, torch.Tensor]], rotary_dim: int,
+                  native: bool) -> "FastDecode | None":
+        """The fast path where the model is eligible and the kernels run here (``native``), else None."""
+        if not native or not eligible(spec, rotary_dim):
+            return None
+        kernels = load_decode_kernels()
+        return cls(spec, rope, kernels) if kernels is not None else None
+
+    def _norm(self, x: torch.Tensor, a: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
+        return self.k.add_rmsnorm(x, a, norm.weight, norm.eps)
+
+    def layers(self, x: torch.Tensor, ws: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor,
+               slot_block: torch.Tensor, slot_offset: torch.Tensor) -> torch.Tensor:
+        """All layers for ``x [B, hidden]`` (one new token per row, at positions ``pos [B]``, int64),
+        each layer's new K/V written into the decode workspace ``ws [L, 2, >=B, Hkv, Kcap, D]`` and
+        into the paged ``pool`` (``[blocks, L, 2, Hkv, T, D]``, at ``slot_block``/``slot_offset``);
+        returns the final-normed hidden states (``x`` holds the residual stream)."""
+        spec, k = self.spec, self.k
+        layers = spec.layers
+        H = spec.num_heads
+        h = self._norm(x, None, layers[0].attn_norm)
+        for li, layer in enumerate(layers):
+            cos, sin = self.rope[layer.rope]
+            qkv = layer.qkv.joint(h)
+            o = k.attention(qkv, cos, sin, ws[li], pos, H, layer.window, self.scale, (pool[:, li], slot_block, slot_offset))
+            h = self._norm(x, layer.o(o), layer.mlp_norm)
+            if self.silu:
+                m = layer.down(k.silu_mul(layer.gate_up.joint(h)))
+            else:
+                g, u = layer.gate_up(h)
+                m = layer.down(spec.act(g).mul_(u))
+            h = self._norm(x, m, layers[li + 1].attn_norm if li + 1 < len(layers) else spec.final_norm)
+        return h
