@@ -100,3 +100,48 @@ def test_attainment_counts_failed_requests() -> None:
     assert attainment({"requests": 10, "good_requests": 9}) == 0.9
     assert attainment({"requests": 0, "good_requests": None}) == 0.0
     assert attainment({"requests": 4, "good_requests": None}) == 0.0
+
+
+def _e2e_capacity():
+    import importlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        return importlib.import_module("e2e_capacity")
+    finally:
+        sys.path.pop(0)
+
+
+def test_benchmark_glue_salts_every_replay_and_reports_every_rate() -> None:
+    """bench_e2e --capacity's driver with a fake system: every replay gets a fresh salt, the
+    report scales missed by the search are run after it, the tables name every rate."""
+    from mooncake.bench import ArrivalSpec, SharedPrefixSpec
+
+    mod = _e2e_capacity()
+    salts_seen: list[int] = []
+
+    def make(scale: float, salt: int) -> dict:
+        return dict(workload="shared-prefix", shared_prefix=SharedPrefixSpec(turns=2, seed=salt),
+                    arrival=ArrivalSpec(kind="poisson", rate=0.5 * scale, seed=0))
+
+    def run_one(kw: dict, tag: str) -> dict:
+        salts_seen.append(kw["shared_prefix"].seed)
+        rate = kw["arrival"].rate
+        good = 10 if rate <= 0.75 else 3  # the fake system keeps up to 1.5x
+        stats = {"median": 1.0, "p99": 2.0}
+        return {"requests": 10, "good_requests": good, "goodput": good / 10, "request_throughput": 1.0,
+                "ttft_ms": stats, "tpot_ms": stats, "itl_ms": stats}
+
+    import itertools
+    res = mod.capacity_of("cache_aware", "shared-prefix", make, run_one,
+                          CapacityPlan(bisect_steps=1), [1.0, 2.0, 4.0], itertools.count(1))
+    assert res["own_rate"] == 1.0  # 0.5 conversations/s x 2 turns
+    assert res["order"] == [1.0, 2.0, math.sqrt(2.0)]
+    assert sorted(res["runs"]) == [1.0, math.sqrt(2.0), 2.0, 4.0]  # 4x run after the search
+    assert salts_seen == [1, 2, 3, 4]  # a fresh salt per replay
+    assert res["capacity"] == pytest.approx(math.sqrt(2.0)) and res["first_fail"] == 2.0
+    peer = dict(res, system="llama_server", capacity=math.sqrt(2.0) / 2)
+    table = mod.capacity_table([res, peer], [1.0, 2.0, 4.0])
+    assert "| shared-prefix | cache_aware | 1.000 | 1.41 | 1.414 | 2.00 | 1.000 | 0.300 | 0.300 | 2.00x |" in table
+    assert mod.runs_table(res).count("\n| ") == 5  # header + 4 rates
