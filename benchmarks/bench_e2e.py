@@ -22,12 +22,14 @@ Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
   ``make bench``'s set-up (``benchmarks/peers/build_llama_server.sh``); ``--llama-server``
   names another one.
 
-    .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--dtype D] [--rate-scale R]
-                                             [--out RESULTS.md]
+    .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--workloads ...] [--dtype D]
+                                             [--rate-scale R | --capacity] [--out RESULTS.md]
 
 ``--dtype`` is mooncake's serving dtype (default ``auto``, as ``mooncake serve``: bfloat16
 on CPUs with AMX or AVX-512 BF16); ``--rate-scale R`` multiplies both workloads' arrival
-rates (the trace's timestamps are divided by R).
+rates (the trace's timestamps are divided by R). ``--capacity`` instead searches each
+system's capacity, the highest rate scale at which >= 90% of requests meet the SLO
+(``benchmarks/e2e_capacity.py``; ``--max-scale``, ``--max-rates``, ``--bisect-steps``).
 
 JSON reports go to --json-dir (default /tmp/mooncake-e2e).
 """
@@ -59,6 +61,7 @@ from mooncake.dev import DevCluster  # noqa: E402
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve", "llama_server"]
+WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
@@ -137,13 +140,15 @@ class LlamaServer(PeerServer):
                           "-t", "2", "-np", "4"], port)
 
 
-def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0) -> dict[str, dict]:
+def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0, salt: int = 0) -> dict[str, dict]:
+    """BenchConfig arguments of both workloads; ``salt`` != 0 draws other prompt tokens (same
+    sharing structure), so that a replay finds nothing cached by an earlier one."""
     n_trace = 24 if quick else 69
     trace = dict(workload="trace", trace_path=TRACE, max_requests=n_trace,
                  scaling=TraceScaling(block_tokens=16, time_scale=0.1 / rate_scale, max_input_tokens=1500,
-                                      max_output_tokens=32, max_requests=n_trace, prefix_groups=3))
+                                      max_output_tokens=32, max_requests=n_trace, prefix_groups=3, salt=salt))
     sp = SharedPrefixSpec(groups=2 if quick else 3, sessions_per_group=2 if quick else 4,
-                          prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16)
+                          prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16, seed=salt)
     shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,
                   arrival=ArrivalSpec(kind="poisson", rate=1.0 * rate_scale, seed=0))
     return {"trace": trace, "shared-prefix": shared}
@@ -158,46 +163,62 @@ async def warm(url: str, model: str | None, text: bool) -> None:
         r.raise_for_status()
 
 
-def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str,
-               dtype: str = "auto", llama_server: Path = LLAMA_SERVER) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+def start_system(system: str, model_dir: str, dtype: str = "auto",
+                 llama_server: Path = LLAMA_SERVER) -> tuple[PeerServer | DevCluster, dict]:
+    """Start ``system`` and send it one warm-up request; returns the server (the caller stops
+    it) and the BenchConfig arguments that point at it."""
     t0 = time.perf_counter()
     server: PeerServer | DevCluster
     if system == "hf_serve":
         from clusters import free_port
         server = HFServe(model_dir, free_port())
         server.start()
-        url, extra, model = server.url, {"prompt_mode": "text", "model": model_dir}, model_dir
+        target = {"base_url": server.url, "prompt_mode": "text", "model": model_dir}
     elif system == "llama_server":
         from clusters import free_port
         server = LlamaServer(llama_server, default_model_path(), free_port())
         server.start()
-        url, extra, model = server.url, {"ignore_eos": True}, None
+        target = {"base_url": server.url, "ignore_eos": True}
     else:
         server = start_mooncake(system, dtype)
-        url, extra, model = server.url, {"ignore_eos": True}, None
+        target = {"base_url": server.url, "ignore_eos": True}
     print(f"[{system}] up in {time.perf_counter() - t0:.0f} s", flush=True)
     try:
-        asyncio.run(warm(url, model, system == "hf_serve"))
-        for name, kw in wl.items():
-            kw = dict(kw)
-            if system == "hf_serve" and "tokenizer" in kw:
-                kw.pop("tokenizer")  # text prompts: the answers are appended as text
-            cfg = BenchConfig(base_url=url, goodput_slos_ms=SLOS, label=f"{system}/{name}", progress=False,
-                              timeout_s=300, **kw, **extra)
-            t1 = time.perf_counter()
-            report = asyncio.run(run_benchmark(cfg))
-            path = json_dir / f"{system}-{name}.json"
-            report.save(path)
-            s = report.summary
-            out[name] = s
-            print(f"[{system}/{name}] {s['completed']}/{s['requests']} ok, goodput {s['goodput']:.3f} req/s, "
-                  f"throughput {s['request_throughput']:.3f} req/s, hit {s['prefix_hit_rate']}, "
-                  f"ttft p50 {s['ttft_ms']['median']} ms, tpot p50 {s['tpot_ms']['median']} ms "
-                  f"({time.perf_counter() - t1:.0f} s) -> {path}", flush=True)
+        asyncio.run(warm(target["base_url"], target.get("model"), system == "hf_serve"))
+    except BaseException:
+        server.stop()
+        raise
+    return server, target
+
+
+def run_workload(system: str, name: str, kw: dict, target: dict, json_dir: Path, tag: str = "") -> dict:
+    """One replay of workload ``name`` against a started system; prints and returns its summary."""
+    kw = dict(kw)
+    if target.get("prompt_mode") == "text":
+        kw.pop("tokenizer", None)  # text prompts: the answers are appended as text
+    cfg = BenchConfig(goodput_slos_ms=SLOS, label=f"{system}/{name}{tag}", progress=False, timeout_s=300,
+                      **kw, **target)
+    t1 = time.perf_counter()
+    report = asyncio.run(run_benchmark(cfg))
+    path = json_dir / f"{system}-{name}{tag}.json"
+    report.save(path)
+    s = report.summary
+    itl = s.get("itl_ms") or {}
+    print(f"[{system}/{name}{tag}] {s['completed']}/{s['requests']} ok, {s['good_requests']} in SLO, "
+          f"goodput {s['goodput']:.3f} req/s, throughput {s['request_throughput']:.3f} req/s, "
+          f"hit {s['prefix_hit_rate']}, ttft p50 {s['ttft_ms']['median']} ms, tpot p50 {s['tpot_ms']['median']} ms, "
+          f"itl p50/p99 {itl.get('median')}/{itl.get('p99')} ms ({time.perf_counter() - t1:.0f} s) -> {path}",
+          flush=True)
+    return s
+
+
+def run_system(system: str, wl: dict[str, dict], json_dir: Path, model_dir: str,
+               dtype: str = "auto", llama_server: Path = LLAMA_SERVER) -> dict[str, dict]:
+    server, target = start_system(system, model_dir, dtype, llama_server)
+    try:
+        return {name: run_workload(system, name, kw, target, json_dir) for name, kw in wl.items()}
     finally:
         server.stop()
-    return out
 
 
 def fmt(x, d=2) -> str:
@@ -226,36 +247,48 @@ def table(results: dict[str, dict[str, dict]], wl_name: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller workloads (16 trace requests, 2x2x2 sessions)")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (24 trace requests, 2x2x2 sessions)")
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--json-dir", default="/tmp/mooncake-e2e")
     ap.add_argument("--out", help="also write the markdown tables here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="mooncake's dtype")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rates by this")
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
+    cap = ap.add_argument_group("capacity search (--capacity; rates in multiples of the workload's own)")
+    cap.add_argument("--capacity", action="store_true", help="search each system's capacity (e2e_capacity.py)")
+    cap.add_argument("--max-scale", type=float, default=16.0, help="highest rate scale tried")
+    cap.add_argument("--min-scale", type=float, default=0.25, help="lowest rate scale tried (when 1x fails)")
+    cap.add_argument("--max-rates", type=int, default=8, help="rates searched per system and workload")
+    cap.add_argument("--bisect-steps", type=int, default=2)
+    cap.add_argument("--report-scales", type=float, nargs="*", default=[1.0, 2.0, 4.0],
+                     help="also measured after the search if not tried (goodput at these rates)")
     args = ap.parse_args()
     json_dir = Path(args.json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
     model_dir = str(resolve_model_dir(ModelConfig(dtype="float32"))[0])  # transformers serve runs float32
-    wl = workloads(args.quick, model_dir, args.rate_scale)
-    results: dict[str, dict[str, dict]] = {}
-    failed = []
-    for system in args.systems:
-        try:
-            results[system] = run_system(system, wl, json_dir, model_dir, args.dtype, args.llama_server)
-        except Exception as exc:  # report the others; exit non-zero at the end
-            print(f"[{system}] FAILED: {type(exc).__name__}: {exc}", flush=True)
-            results[system] = {}
-            failed.append(system)
-    text = [f"SLOs for goodput: TTFT <= {SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms; mooncake dtype "
-            f"{args.dtype}; arrival rates x{args.rate_scale:g}."]
-    for name in wl:
-        text += ["", f"### {name}", "", table(results, name)]
-    out = "\n".join(text)
+    if args.capacity:
+        from e2e_capacity import run_capacity
+        out, results, failed = run_capacity(args, model_dir, json_dir)
+    else:
+        wl = {k: v for k, v in workloads(args.quick, model_dir, args.rate_scale).items() if k in args.workloads}
+        results, failed = {}, []
+        for system in args.systems:
+            try:
+                results[system] = run_system(system, wl, json_dir, model_dir, args.dtype, args.llama_server)
+            except Exception as exc:  # report the others; exit non-zero at the end
+                print(f"[{system}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+                results[system] = {}
+                failed.append(system)
+        text = [f"SLOs for goodput: TTFT <= {SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms; mooncake dtype "
+                f"{args.dtype}; arrival rates x{args.rate_scale:g}."]
+        for name in wl:
+            text += ["", f"### {name}", "", table(results, name)]
+        out = "\n".join(text)
     print(out)
     if args.out:
         Path(args.out).write_text(out + "\n")
-    (json_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    (json_dir / ("capacity.json" if args.capacity else "summary.json")).write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
 
 

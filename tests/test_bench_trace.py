@@ -170,3 +170,14 @@ def test_prefix_groups_keep_the_largest_sharing_groups_at_their_times():
     assert [s.session_id for s in got] == ["trace-1", "trace-2", "trace-3", "trace-5", "trace-6"]
     assert [s.arrival_s for s in got] == [0.0, 0.01, 0.02, 0.04, 0.05]
     assert got[0].turns[0][:4] == got[2].turns[0][:4] != got[1].turns[0][:4]
+
+
+def test_salt_changes_every_block_but_keeps_the_sharing():
+    assert block_token_ids(42, 16, RANGE, salt=0) == block_token_ids(42, 16, RANGE)
+    a, b = expand_prompt(rec([5, 9]), 16, RANGE, salt=7), expand_prompt(rec([5, 11]), 16, RANGE, salt=7)
+    assert common_prefix(a, b) >= 16  # the shared block is still shared within one salt
+    plain = expand_prompt(rec([5, 9]), 16, RANGE)
+    assert common_prefix(a, plain) == 0  # nothing in common with another salt, first token included
+    assert all(RANGE.lo <= t < RANGE.hi for t in a)
+    sessions = trace_sessions([rec([5, 9])], TraceScaling(block_tokens=16, salt=3), RANGE)
+    assert list(sessions[0].turns[0]) == expand_prompt(rec([5, 9]), 16, RANGE, salt=3)

@@ -66,17 +66,20 @@ def seeded_token_ids(seed: tuple[int, ...], n: int, token_range: TokenRange) -> 
     return rng.integers(token_range.lo, token_range.hi, size=n).tolist()
 
 
-def block_token_ids(hash_id: int, n: int, token_range: TokenRange) -> list[int]:
+def block_token_ids(hash_id: int, n: int, token_range: TokenRange, salt: int = 0) -> list[int]:
     """The ``n`` tokens a trace hash id expands to.
 
     The first token encodes the id itself (modulo the range), so blocks with
     different ids never agree on their first token unless the ids are
     congruent modulo the range's span: shared prefixes end exactly at the
-    first differing block.
+    first differing block. A non-zero ``salt`` draws other tokens for every
+    block, the first shifted by the salt (same sharing structure within one salt, no
+    block in common with another salt's).
     """
-    ids = seeded_token_ids((0x6D6F6F6E, hash_id), n, token_range)
+    seed = (0x6D6F6F6E, hash_id) if salt == 0 else (0x6D6F6F6E, salt, hash_id)
+    ids = seeded_token_ids(seed, n, token_range)
     if ids:
-        ids[0] = token_range.lo + hash_id % token_range.span
+        ids[0] = token_range.lo + (hash_id + salt) % token_range.span
     return ids
 
 

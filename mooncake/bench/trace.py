@@ -65,6 +65,9 @@ class TraceScaling:
     """Keep only the requests of the N largest prefix groups (same first hash id), at their
     own times: a short replay that keeps the trace's long-range sharing, which a time
     slice of a few minutes mostly loses."""
+    salt: int = 0
+    """Non-zero: other tokens for every block (same reuse structure), so that repeated
+    runs against one server do not hit each other's cached prefixes."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -146,7 +149,7 @@ def scaled_input_length(record: TraceRecord, block_tokens: int) -> int:
 
 
 def expand_prompt(record: TraceRecord, block_tokens: int, token_range: TokenRange,
-                  cache: dict[int, list[int]] | None = None) -> list[int]:
+                  cache: dict[int, list[int]] | None = None, salt: int = 0) -> list[int]:
     """The token ids of a trace request: one deterministic block per hash id.
 
     ``cache`` (hash id -> block tokens) saves regenerating blocks shared by
@@ -157,7 +160,7 @@ def expand_prompt(record: TraceRecord, block_tokens: int, token_range: TokenRang
     for h in record.hash_ids:
         block = cache.get(h) if cache is not None else None
         if block is None:
-            block = block_token_ids(h, block_tokens, token_range)
+            block = block_token_ids(h, block_tokens, token_range, salt)
             if cache is not None:
                 cache[h] = block
         tokens.extend(block)
@@ -182,7 +185,7 @@ def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
         arrival = (rec.timestamp_ms - t0) / 1000.0 * scaling.time_scale
         if scaling.duration_s is not None and arrival > scaling.duration_s:
             break
-        prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache)
+        prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache, scaling.salt)
         if scaling.max_input_tokens is not None:
             prompt = prompt[:scaling.max_input_tokens]
         out = max(1, rec.output_length)
