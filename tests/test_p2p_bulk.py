@@ -184,6 +184,26 @@ async def test_a_configured_bulk_port_is_the_one_listened_on_and_a_taken_one_is_
         dst.close()
 
 
+def test_a_store_whose_bulk_port_is_taken_exits_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    from clusters import free_port
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env.update(MOONCAKE_NODE_P2P_BULK_PORT=str(port), MOONCAKE_STORE_DATA_DIR=str(tmp_path / "data"),
+               MOONCAKE_STORE_LMDB_BYTES="0", MOONCAKE_CONDUCTOR_ENDPOINT=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        r = subprocess.run([sys.executable, "-m", "mooncake.cli", "serve", "--role", "store"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode != 0
+    assert f"P2P bulk port 127.0.0.1:{port} ([node] p2p_bulk_port): Address already in use" in r.stderr, r.stderr
+
+
 async def chunk_get(service: P2PService, sock: zmq.asyncio.Socket, bulk: bool) -> list:
     await sock.send(encoder.encode(ChunkGet(1, "blob", service.objects.objects["blob"].manifest.version, 0, bulk=bulk)))
     return await asyncio.wait_for(sock.recv_multipart(), 10)

@@ -7,13 +7,12 @@ queued it reads ahead and the link never waits; on a slow link more requests wou
 commit more chunks to that holder, where another could soon serve them); a free slot goes
 to the least-loaded holder first, and asks it for the rarest chunk it has (fewest holders;
 ties in an order random per fetch, so that concurrent fetchers start on different chunks
-and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
-in a thread, so that both overlap the transfer, and counted only if it matches its digest; a
-bad one is asked again from another holder (its good copy overwrites it), and so is one whose
-holder disconnects or stays silent.
-Each verified chunk is announced to the conductor at once,
-and the holder list is refreshed every ``refresh_s``: peers fetching the same object
-serve each other during the distribution, not only the seed.
+and soon serve each other). Every chunk is hashed (BLAKE3) as it is written, in a thread, so
+that both overlap the transfer, and counted only if it matches its digest; a bad one is asked
+again from another holder (its good copy overwrites it), and so is one whose holder
+disconnects or stays silent. Each verified chunk is announced to the conductor at once, and
+the holder list is refreshed every ``refresh_s``: peers fetching the same object serve each
+other during the distribution, not only the seed.
 
 Without CURVE each request asks for the bytes on the holder's bulk port (mooncake/p2p/bulk.py):
 the reply is a token, the chunk is received, hashed and written in a thread, and stays in
@@ -365,7 +364,7 @@ class Fetch:
         try:
             ok = await link.receive(self.bulk_receivers, head.token, head.bulk_port, self.obj, chunk)  # type: ignore[arg-type]
         except BulkUnreachable:
-            pass  # nothing arrived: asked again, over ZeroMQ (link.off)
+            pass  # nothing arrived: asked again over ZeroMQ (link.off); kept in peer.chunks
         except BulkLost as e:
             if self.peers.get(peer.node_id) is peer:
                 peer.chunks.discard(chunk)  # until the next refresh: another holder first
