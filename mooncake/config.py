@@ -121,7 +121,8 @@ class NodeConfig(_Section):
     host: str = Field("127.0.0.1", description="Address this node's roles bind and advertise.")
     kv_port: int = Field(0, ge=0, le=65535, description="Decode KV ingress port; 0: any free port.")
     store_port: int = Field(0, ge=0, le=65535, description="Store object-API port; 0: any free port.")
-    p2p_port: int = Field(0, ge=0, le=65535, description="Store P2P object port (chunks between peers, mooncake p2p); 0: any free port. Without CURVE, chunk bytes go on a second TCP port of the store, any free one (mooncake/p2p/bulk.py).")
+    p2p_port: int = Field(0, ge=0, le=65535, description="Store P2P object port (chunk requests between peers, mooncake p2p; under CURVE the chunk bytes too); 0: any free port.")
+    p2p_bulk_port: int = Field(0, ge=0, le=65535, description="Store P2P bulk port: without CURVE, chunk bytes go on this second TCP port (sendfile; never under CURVE); 0: any free port. A firewall between nodes must open it as well as p2p_port: where it cannot be reached, fetches from that store fall back to p2p_port (ZeroMQ), slower.")
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
     health_port: int = Field(0, ge=0, le=65535, description="Worker/store HTTP port for /health/live and /health/ready; 0: off.")
 

@@ -1,6 +1,8 @@
 """The bulk data path for chunk bytes (mooncake/p2p/bulk.py): in process (tokens, cut, stalled,
-truncated and corrupt streams), through a store's P2P socket (a token under plain TCP, never
-under CURVE), and end to end between real stores on loopback and across network namespaces."""
+truncated and corrupt streams, a port refusing or ignoring connections, a configured port),
+through a store's P2P socket (a token under plain TCP, never under CURVE), and end to end
+between real stores on loopback (a holder whose bulk port is closed served over ZeroMQ) and
+across network namespaces."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from hosts import unavailable_reason
-from mooncake.p2p.bulk import CUT_ENV, HEADER, BulkLost, BulkPool, BulkServer
+from mooncake.p2p.bulk import CLOSED_ENV, CUT_ENV, HEADER, BulkLost, BulkPool, BulkServer, BulkUnreachable
 from mooncake.p2p.manifest import build_manifest
 from mooncake.p2p.messages import ChunkData, ChunkGet, decoder, encoder
 from mooncake.p2p.objects import LocalObject
@@ -135,6 +137,73 @@ async def test_a_silent_holder_times_out(tmp_path):
         dst.close()
 
 
+async def test_a_bulk_port_refusing_or_ignoring_connections_is_unreachable(tmp_path):
+    _, dst = published(tmp_path)
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # refused
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # one pending connection fills its queue: the next SYNs are dropped, as by a firewall
+    waiting = socket.create_connection(full.getsockname())
+    try:
+        with pytest.raises(BulkUnreachable, match="cannot connect"):
+            await fetch(BulkPool("127.0.0.1", port), os.urandom(16), dst, 0)
+        with pytest.raises(BulkUnreachable, match="timed out"):
+            await fetch(BulkPool("127.0.0.1", full.getsockname()[1], connect_timeout_s=0.5), os.urandom(16), dst, 0)
+        assert issubclass(BulkUnreachable, BulkLost)  # a fetch that knows only BulkLost still asks again
+    finally:
+        waiting.close()
+        full.close()
+        dst.close()
+
+
+async def test_a_configured_bulk_port_is_the_one_listened_on_and_a_taken_one_is_a_clear_error(tmp_path):
+    from clusters import free_port
+
+    holder, dst = published(tmp_path)
+    port = free_port()
+    ctx = zmq.asyncio.Context()
+    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", bulk_port=port)
+    service.start()
+    service.objects.add(holder)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        assert service.bulk is not None and service.bulk.port == port
+        head = decoder.decode((await chunk_get(service, sock, bulk=True))[0])
+        assert head.bulk_port == port  # what fetchers are told to connect to
+        assert await fetch(BulkPool("127.0.0.1", port), head.token, dst, 0)
+        with pytest.raises(OSError, match=rf"P2P bulk port 127.0.0.1:{port} \(\[node\] p2p_bulk_port\)"):
+            BulkServer("127.0.0.1", port)
+    finally:
+        sock.close(0)
+        await service.close()
+        ctx.term()
+        dst.close()
+
+
+def test_a_store_whose_bulk_port_is_taken_exits_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    from clusters import free_port
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env.update(MOONCAKE_NODE_P2P_BULK_PORT=str(port), MOONCAKE_STORE_DATA_DIR=str(tmp_path / "data"),
+               MOONCAKE_STORE_LMDB_BYTES="0", MOONCAKE_CONDUCTOR_ENDPOINT=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        r = subprocess.run([sys.executable, "-m", "mooncake.cli", "serve", "--role", "store"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode != 0
+    assert f"P2P bulk port 127.0.0.1:{port} ([node] p2p_bulk_port): Address already in use" in r.stderr, r.stderr
+
+
 async def chunk_get(service: P2PService, sock: zmq.asyncio.Socket, bulk: bool) -> list:
     await sock.send(encoder.encode(ChunkGet(1, "blob", service.objects.objects["blob"].manifest.version, 0, bulk=bulk)))
     return await asyncio.wait_for(sock.recv_multipart(), 10)
@@ -191,6 +260,42 @@ def test_fetches_go_over_bulk_ports_and_a_holder_cutting_streams_is_left_for_ano
         assert "from: n1" in out and "cut" not in out.split("from:")[1], out
         assert same_tree(src, tmp_path / "dst")
         assert "cut off" in (tmp_path / "nodes" / "n3.log").read_text()  # it went over the bulk port
+
+
+def test_a_holder_whose_bulk_port_is_closed_serves_over_zeromq_and_a_configured_port_serves_bulk(tmp_path):
+    from clusters import free_port
+    from p2p_nodes import P2PNodes
+    from test_p2p_cluster import same_tree, tree
+
+    from mooncake.config import load_config
+    from mooncake.p2p.client import P2PClient
+
+    src = tree(tmp_path / "src", 1, mib=6)
+    size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    port = free_port()
+    env = {"closed": {CLOSED_ENV: "1"}, "fixed": {"MOONCAKE_NODE_P2P_BULK_PORT": str(port)}}
+    with P2PNodes(tmp_path / "nodes", ["closed", "fixed", "n3"], store_env=env) as nodes:
+
+        async def get(name: str, dest: Path, holder: str) -> object:
+            publisher, client = (P2PClient(load_config(nodes.config(n), env={})) for n in (holder, "n3"))
+            try:
+                assert "published" in await publisher.put(name, src)
+                return await client.get(name, dest, only_from=[holder])
+            finally:
+                publisher.close()
+                client.close()
+
+        report = asyncio.run(get("model", tmp_path / "dst", "closed"))  # every bulk connection refused
+        assert report.bulk_bytes == 0 and report.peers == {"closed": size} and report.done_bytes == size
+        assert same_tree(src, tmp_path / "dst")
+        log = (tmp_path / "nodes" / "n3.log").read_text()
+        assert log.count("takes no connection") == 1, log  # said once for that holder
+        assert " lost (" not in log, log  # no chunk counted as lost: asked again over ZeroMQ
+
+        report = asyncio.run(get("other", tmp_path / "dst2", "fixed"))
+        assert report.bulk_bytes == size and report.peers == {"fixed": size}
+        assert same_tree(src, tmp_path / "dst2")
+        socket.create_connection(("127.0.0.1", port), 5).close()  # the configured port is the one listened on
 
 
 UNAVAILABLE = unavailable_reason()

@@ -16,7 +16,10 @@ socket would bypass its encryption and authentication (mooncake/p2p/service.py).
 
 The fetcher checks every chunk against its BLAKE3 digest (the manifest's), exactly as a
 chunk received over ZeroMQ. A stream that ends early or stalls (a holder dead or its file
-truncated) raises ``BulkLost``: the fetch asks another holder (mooncake/p2p/fetch.py).
+truncated) raises ``BulkLost``: the fetch asks another holder (mooncake/p2p/fetch.py). A bulk
+port that takes no connection (refused, or silent past ``CONNECT_TIMEOUT_S``: a firewall that
+opens only the ZeroMQ port) raises ``BulkUnreachable``: the fetch takes that holder's chunks
+over ZeroMQ from then on.
 Blocking I/O runs in threads (``sendfile`` of a whole chunk is one system call), separate
 pools for sending and receiving so that a store that serves and fetches at once never
 waits on itself. The same I/O on the event loop (``loop.sock_sendfile``, ``sock_recv_into``)
@@ -34,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -47,12 +50,19 @@ GRANT_TTL_S = 30.0
 MAX_GRANTS = 4096  # tokens outstanding at a holder; the oldest go first
 MAX_CONNECTIONS_PER_PEER = 128  # bulk connections a holder accepts from one address (2 x the most in flight)
 SENDERS = 8  # chunks a holder sends at once
+CONNECT_TIMEOUT_S = 5.0  # a bulk port silent this long is taken as firewalled (a LAN connects in ms)
 # Fault injection for tests: this store cuts every bulk stream off halfway (a holder dying mid-stream).
 CUT_ENV = "MOONCAKE_FAULT_P2P_BULK_CUT"
+# Fault injection for tests: this store grants tokens but refuses every bulk connection (its port closed).
+CLOSED_ENV = "MOONCAKE_FAULT_P2P_BULK_CLOSED"
 
 
 class BulkLost(Exception):
     """A bulk transfer that did not deliver its chunk: refused, cut off, or silent past the timeout."""
+
+
+class BulkUnreachable(BulkLost):
+    """The holder's bulk port takes no connection (refused, or silent: a firewall); nothing was sent."""
 
 
 def _timeouts(sock: socket.socket, timeout_s: float) -> None:
@@ -73,15 +83,20 @@ class Grant:
 class BulkServer:
     """A holder's bulk port: serves granted chunks with ``sendfile``."""
 
-    def __init__(self, host: str, timeout_s: float = 20.0, ttl_s: float = GRANT_TTL_S,
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 20.0, ttl_s: float = GRANT_TTL_S,
                  on_short: Callable[[LocalObject, int], None] | None = None, corrupt: bool = False) -> None:
-        """``on_short(obj, index)``: called on the event loop when a chunk's file ended before the
-        chunk did (truncated under the holder); ``corrupt``: fault injection, every chunk's first
-        byte flipped on the way."""
+        """``port``: 0 for any free one; ``on_short(obj, index)``: called on the event loop when a
+        chunk's file ended before the chunk did (truncated under the holder); ``corrupt``: fault
+        injection, every chunk's first byte flipped on the way."""
         self.timeout_s, self.ttl_s, self.on_short = timeout_s, ttl_s, on_short
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listen.bind((host, 0))
+        try:
+            self._listen.bind((host, port))
+        except OSError as e:
+            self._listen.close()
+            raise OSError(e.errno, f"cannot listen on the P2P bulk port {host}:{port} "
+                                   f"([node] p2p_bulk_port): {e.strerror}") from None
         self._listen.listen(64)
         self._listen.setblocking(False)
         self.port: int = self._listen.getsockname()[1]
@@ -92,8 +107,12 @@ class BulkServer:
         self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="p2p-bulk-send")
         self._cut = os.environ.get(CUT_ENV) == "1"
         self._corrupt = corrupt
+        self._closed_port = os.environ.get(CLOSED_ENV) == "1"
 
     def start(self) -> None:
+        if self._closed_port:
+            self._listen.close()  # connections to the advertised port are refused
+            return
         self._spawn(self._accept())
 
     def grant(self, obj: LocalObject, index: int, peer: str = "") -> bytes:
@@ -211,9 +230,11 @@ class BulkPool:
     """A fetcher's connections to one holder's bulk port, reused from chunk to chunk (at most one
     per chunk in flight to that holder: the fetch's bound)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float = 20.0, source: str | None = None) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float = 20.0, source: str | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """``source``: the local address to connect from (tests)."""
         self.host, self.port, self.timeout_s, self.source = host, port, timeout_s, source
+        self.connect_timeout_s = min(connect_timeout_s, timeout_s)
         self._idle: list[socket.socket] = []
         self._busy: set[socket.socket] = set()
         self._lock = threading.Lock()  # fetches of several chunks share the pool, each in its thread
@@ -226,10 +247,10 @@ class BulkPool:
             sock = self._idle.pop() if self._idle else None
         if sock is None:
             try:
-                sock = socket.create_connection((self.host, self.port), self.timeout_s,
+                sock = socket.create_connection((self.host, self.port), self.connect_timeout_s,
                                                 (self.source, 0) if self.source else None)
-            except OSError as e:
-                raise BulkLost(f"cannot connect to {self.host}:{self.port}: {e}") from None
+            except OSError as e:  # refused, unreachable, or timed out (a firewall dropping it)
+                raise BulkUnreachable(f"cannot connect to {self.host}:{self.port}: {e or 'timed out'}") from None
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _timeouts(sock, self.timeout_s)
@@ -304,3 +325,37 @@ class BulkPool:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class BulkLink:
+    """A fetch's bulk path to one holder: a pool for the port its grants name, or, once that port
+    took no connection, the reason its chunks go over ZeroMQ instead (``off``)."""
+
+    def __init__(self, endpoint: str, timeout_s: float, label: str) -> None:
+        """``endpoint``: the holder's ZeroMQ endpoint (its bulk port is on the same host);
+        ``label``: what the log calls the holder."""
+        self.host = endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        self.timeout_s, self.label = timeout_s, label
+        self.pool: BulkPool | None = None
+        self.off = ""  # "": bulk in use
+
+    async def receive(self, executor: Executor, token: bytes, port: int, obj: LocalObject, index: int) -> bool:
+        """Receive granted chunk ``index`` in a thread of ``executor`` and write it: True if it
+        matches its digest, False if not (written, not to be counted); BulkLost if it did not
+        arrive whole (BulkUnreachable: nothing sent, and this link is off from now on)."""
+        if self.pool is None or self.pool.port != port:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = BulkPool(self.host, port, self.timeout_s)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, self.pool.fetch, token, obj, index)
+        except BulkUnreachable as e:
+            if not self.off:
+                self.off = str(e)
+                log.warning("p2p %s: %s's bulk port %s:%d takes no connection (%s); its chunks go over ZeroMQ "
+                            "(slower; open [node] p2p_bulk_port on it)", obj.name, self.label, self.host, port, e)
+            raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()  # transfers under way end with BulkLost

@@ -7,18 +7,19 @@ queued it reads ahead and the link never waits; on a slow link more requests wou
 commit more chunks to that holder, where another could soon serve them); a free slot goes
 to the least-loaded holder first, and asks it for the rarest chunk it has (fewest holders;
 ties in an order random per fetch, so that concurrent fetchers start on different chunks
-and soon serve each other). Every chunk is hashed (BLAKE3) as it is written,
-in a thread, so that both overlap the transfer, and counted only if it matches its digest; a
-bad one is asked again from another holder (its good copy overwrites it), and so is one whose
-holder disconnects or stays silent.
-Each verified chunk is announced to the conductor at once,
-and the holder list is refreshed every ``refresh_s``: peers fetching the same object
-serve each other during the distribution, not only the seed.
+and soon serve each other). Every chunk is hashed (BLAKE3) as it is written, in a thread, so
+that both overlap the transfer, and counted only if it matches its digest; a bad one is asked
+again from another holder (its good copy overwrites it), and so is one whose holder
+disconnects or stays silent. Each verified chunk is announced to the conductor at once, and
+the holder list is refreshed every ``refresh_s``: peers fetching the same object serve each
+other during the distribution, not only the seed.
 
 Without CURVE each request asks for the bytes on the holder's bulk port (mooncake/p2p/bulk.py):
 the reply is a token, the chunk is received, hashed and written in a thread, and stays in
 flight to that holder until then. A bulk stream cut off (the holder died, its file shrank, a
-timeout) is a lost chunk: asked again, from another holder if one has it.
+timeout) is a lost chunk: asked again, from another holder if one has it. A bulk port that
+takes no connection (a firewall that opens only the ZeroMQ port) turns bulk off for that
+holder: the chunk, and every later one from it, is asked again over ZeroMQ.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mooncake.p2p.bulk import BulkLost, BulkPool
+from mooncake.p2p.bulk import BulkLink, BulkLost, BulkUnreachable
 from mooncake.p2p.manifest import ObjectError
 from mooncake.p2p.messages import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
 from mooncake.p2p.objects import LocalObject
@@ -58,7 +59,7 @@ class Peer:
     last_reply: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
     rate: float = 0.0  # bytes/s this holder delivers (moving average; 0 until its first chunk)
-    bulk: BulkPool | None = None  # connections to its bulk port, once it has granted one
+    bulk: BulkLink | None = None  # its bulk port (None: every chunk over ZeroMQ)
 
     def delivered(self, nbytes: int, sent_at: float, now: float) -> None:
         """A chunk of ``nbytes`` asked at ``sent_at`` arrived ``now``: its link was busy with it
@@ -246,6 +247,8 @@ class Fetch:
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(endpoint)
         peer = Peer(node_id, name, endpoint, sock, monitor, last_reply=time.monotonic())
+        if self.bulk_receivers is not None:
+            peer.bulk = BulkLink(endpoint, self.chunk_timeout_s, name)
         peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer))]
         return peer
 
@@ -264,7 +267,7 @@ class Fetch:
             t.cancel()
         peer.in_flight.clear()
         if peer.bulk is not None:
-            peer.bulk.close()  # transfers under way end with BulkLost
+            peer.bulk.close()
         peer.monitor.close(0)
         peer.sock.close(0)
         if self.peers.get(peer.node_id) is peer:
@@ -314,7 +317,8 @@ class Fetch:
         self._first_request = self._first_request or time.monotonic()
         self._req += 1
         peer.in_flight[self._req] = (chunk, time.monotonic())
-        msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk, bulk=self.bulk_receivers is not None)
+        bulk = peer.bulk is not None and not peer.bulk.off
+        msg = ChunkGet(self._req, self.obj.name, self.obj.manifest.version, chunk, bulk=bulk)
         asyncio.create_task(send_multipart(peer.sock, [encoder.encode(msg)]))
 
     def _on_reply(self, peer: Peer, frames: list | None) -> bool:
@@ -330,8 +334,12 @@ class Fetch:
         if not isinstance(head, ChunkData) or head.req not in peer.in_flight:
             log.warning("p2p %s: unexpected reply from %s", self.obj.name, peer.name)
             return False
-        if head.token and not head.missing and self.bulk_receivers is not None:
-            self._start_bulk(peer, head, peer.in_flight[head.req][0])  # in flight until it is written
+        if head.token and not head.missing:
+            if peer.bulk is None or peer.bulk.off:  # asked before bulk went off for it: ask again over ZeroMQ
+                peer.in_flight.pop(head.req)
+                return False
+            chunk = peer.in_flight[head.req][0]  # in flight until it is written
+            self._track(asyncio.create_task(self._bulk(peer, peer.bulk, head, chunk)), chunk)
             return False
         chunk, sent_at = peer.in_flight.pop(head.req)
         if head.missing or len(frames) != 2:
@@ -350,31 +358,23 @@ class Fetch:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    def _start_bulk(self, peer: Peer, head: ChunkData, chunk: int) -> None:
-        if peer.bulk is None or peer.bulk.port != head.bulk_port:
-            if peer.bulk is not None:
-                peer.bulk.close()
-            host = peer.endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
-            peer.bulk = BulkPool(host, head.bulk_port, self.chunk_timeout_s)
-        self._track(asyncio.create_task(self._bulk(peer, peer.bulk, head.req, chunk, head.token)), chunk)
-
-    async def _bulk(self, peer: Peer, pool: BulkPool, req: int, chunk: int, token: bytes) -> None:
+    async def _bulk(self, peer: Peer, link: BulkLink, head: ChunkData, chunk: int) -> None:
         """Receive a granted chunk on the holder's bulk port (hashed and written in a thread)."""
-        loop = asyncio.get_running_loop()
         ok: bool | None = None
         try:
-            ok = await loop.run_in_executor(self.bulk_receivers, pool.fetch, token, self.obj, chunk)
+            ok = await link.receive(self.bulk_receivers, head.token, head.bulk_port, self.obj, chunk)  # type: ignore[arg-type]
+        except BulkUnreachable:
+            pass  # nothing arrived: asked again over ZeroMQ (link.off); kept in peer.chunks
         except BulkLost as e:
-            lost = str(e)
+            if self.peers.get(peer.node_id) is peer:
+                peer.chunks.discard(chunk)  # until the next refresh: another holder first
+                log.warning("p2p %s: chunk %d from %s lost (%s); asking again", self.obj.name, chunk, peer.name, e)
         except (ObjectError, OSError) as e:
             self._fatal = e
             return
         finally:
-            entry = peer.in_flight.pop(req, None) if self.peers.get(peer.node_id) is peer else None
+            entry = peer.in_flight.pop(head.req, None) if self.peers.get(peer.node_id) is peer else None
         if ok is None:
-            if entry is not None:
-                peer.chunks.discard(chunk)  # until the next refresh: another holder first
-                log.warning("p2p %s: chunk %d from %s lost (%s); asking again", self.obj.name, chunk, peer.name, lost)
             self.events.put_nowait((None, None))
             return
         if entry is not None:

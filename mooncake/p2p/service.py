@@ -9,7 +9,7 @@ zero-copy frame each. A chunk that no longer verifies on disk is not served: it 
 dropped from this store's holdings (announced) and the asker goes to another holder.
 
 Without CURVE a peer may ask for a chunk's bytes on the bulk port instead (``ChunkGet.bulk``,
-mooncake/p2p/bulk.py): the reply is a one-time token, and the chunk leaves by ``sendfile``,
+mooncake/p2p/bulk.py; ``[node] p2p_bulk_port``, else any free port): the reply is a one-time token, and the chunk leaves by ``sendfile``,
 unread here; a fetcher whose copy fails its digest says so (``ChunkBad``), and this store
 then checks its own (as it does when a chunk's file ends early). Under CURVE there is no
 bulk port: every byte stays on the encrypted, authenticated socket.
@@ -50,7 +50,8 @@ ACCESS = {ChunkGet: ("store",), ChunkBad: ("store",), PutObject: ("store", "work
 class P2PService:
     def __init__(self, ctx: zmq.asyncio.Context, node_id: str, directory: Path, bind: str,
                  conductor_endpoint: str, curve: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0) -> None:
+                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0, bulk_port: int = 0) -> None:
+        """``bulk_port``: the TCP port chunk bytes leave on without CURVE (0: any free one)."""
         self.ctx, self.node_id, self.curve = ctx, node_id, curve
         self.chunk_bytes, self.in_flight_per_peer, self.stall_timeout_s = chunk_bytes, in_flight_per_peer, stall_timeout_s
         self.objects = ObjectStore(directory)
@@ -71,7 +72,7 @@ class P2PService:
         self._bulk_receivers: ThreadPoolExecutor | None = None
         if curve is None:
             host = bind.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
-            self.bulk = BulkServer("0.0.0.0" if host == "*" else host, on_short=self._on_short,
+            self.bulk = BulkServer("0.0.0.0" if host == "*" else host, bulk_port, on_short=self._on_short,
                                    corrupt=self._corrupt)
             self._bulk_receivers = ThreadPoolExecutor(BULK_RECEIVERS, thread_name_prefix="p2p-bulk-recv")
 

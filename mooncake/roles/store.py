@@ -63,9 +63,13 @@ async def run_store(cfg: Config) -> None:
                          node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
     endpoint = await server.start()
     p2p_port = cfg.node.p2p_port
-    p2p = P2PService(ctx, node_id, Path(cfg.store.data_dir).expanduser() / f"{node_id}-p2p", f"tcp://{cfg.node.host}:{p2p_port or '*'}",
-                     cfg.conductor.endpoint, curve, cfg.store.p2p_chunk_bytes, cfg.store.p2p_in_flight_per_peer,
-                     cfg.store.p2p_stall_timeout_s)
+    try:
+        p2p = P2PService(ctx, node_id, Path(cfg.store.data_dir).expanduser() / f"{node_id}-p2p",
+                         f"tcp://{cfg.node.host}:{p2p_port or '*'}", cfg.conductor.endpoint, curve,
+                         cfg.store.p2p_chunk_bytes, cfg.store.p2p_in_flight_per_peer, cfg.store.p2p_stall_timeout_s,
+                         cfg.node.p2p_bulk_port)
+    except OSError as e:  # the bulk port taken
+        raise SystemExit(f"mooncake store {node_id}: {e.strerror or e}") from None
     p2p.start()
 
     async def announce() -> None:
