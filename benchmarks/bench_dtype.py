@@ -4,11 +4,12 @@ tok/s at 2,048 tokens, decode tok/s at batch 1 and batch 32 (context 512); and, 
 512 on the same GGUF and the same threads (its own ``predicted_per_second``).
 
     .venv/bin/python benchmarks/bench_dtype.py [--quick] [--threads N] [--rounds R] [--out FILE]
-                                               [--llama-server PATH]
+                                               [--llama-server PATH] [--device cpu|cuda]
 
 Medians of ``--reps`` prefills and of ``--steps`` decode steps per point, then medians over
 ``--rounds`` sweeps; the variants take turns point by point, so load changes on a shared
-machine hit them alike. Prompts are random token ids (no prefix hits).
+machine hit them alike. Prompts are random token ids (no prefix hits). On ``--device cuda``:
+float32 and bfloat16 (int8 is CPU-only), batch 128 too, no llama-server (a CPU build).
 """
 
 from __future__ import annotations
@@ -120,26 +121,30 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the markdown report here")
     ap.add_argument("--rounds", type=int, default=0, help="sweeps over all points, medians over them (default 3, quick 1)")
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="llama-server binary (skipped if absent)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
     a = ap.parse_args()
+    cuda = a.device == "cuda"
     if a.threads:
         torch.set_num_threads(a.threads)
     reps, steps = a.reps or (2 if a.quick else 5), a.steps or (6 if a.quick else 24)
     prefill_n = 512 if a.quick else 2048
     a.rounds = a.rounds or (1 if a.quick else 3)
+    variants = {n: v for n, v in VARIANTS.items() if not (cuda and v[1] == "int8")}
     engines = {}
-    for name, (dtype, quant) in VARIANTS.items():
-        loaded = load_model(ModelConfig(device="cpu", dtype=dtype, quantization=quant))
-        engines[name] = Engine(loaded, EngineConfig(kv_cache_bytes=(1 << 30) + (256 << 20), profile_at_start=False))
+    for name, (dtype, quant) in variants.items():
+        loaded = load_model(ModelConfig(device=a.device, dtype=dtype, quantization=quant))
+        kv_bytes = 6 << 30 if cuda else (1 << 30) + (256 << 20)
+        engines[name] = Engine(loaded, EngineConfig(kv_cache_bytes=kv_bytes, profile_at_start=False))
     gen = torch.Generator().manual_seed(0)
     points = [(f"prefill {prefill_n} tokens (tok/s)", lambda e: prefill_tok_s(e, prefill_n, reps, gen))]
-    for bs in (1, 32):
+    for bs in (1, 32, 128) if cuda else (1, 32):
         points.append((f"decode batch {bs}, ctx 512 (tok/s)", lambda e, bs=bs: decode_tok_s(e, bs, 512, steps, gen)))
-    names = list(VARIANTS)
+    names = list(variants)
     results: dict[str, dict[str, list[float]]] = {label: {n: [] for n in names} for label, _ in points}
     peer: list[float] = []
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(llama_server(a.llama_server, torch.get_num_threads(), 1024)) \
-            if a.llama_server.is_file() else None
+            if a.llama_server.is_file() and not cuda else None
         for rnd in range(a.rounds):  # every point of every variant, then again: load changes hit all alike
             for label, fn in points:
                 for n in names:
@@ -149,12 +154,13 @@ def main() -> None:
                 if url is not None and label.startswith("decode batch 1,"):
                     peer.append(llama_decode_tok_s(url, 512, max(steps, 32), 3, gen))
                     print(f"round {rnd + 1}: llama-server decode batch 1: {peer[-1]:.1f}", flush=True)
-    rows = ["| measurement | " + " | ".join(names) + " | bf16 / f32 | bf16+int8 / f32 |",
-            "|---" * (len(names) + 3) + "|"]
+    ratios = [n for n in names if n != "float32"]
+    rows = ["| measurement | " + " | ".join(names) + " | " + " | ".join(f"{n} / f32" for n in ratios) + " |",
+            "|---" * (len(names) + len(ratios) + 1) + "|"]
     for label, _ in points:
         r = {n: statistics.median(results[label][n]) for n in names}
-        rows.append(f"| {label} | " + " | ".join(f"{r[n]:.1f}" for n in names)
-                    + f" | {r['bfloat16'] / r['float32']:.2f}x | {r['bfloat16 + int8'] / r['float32']:.2f}x |")
+        rows.append(f"| {label} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " | "
+                    + " | ".join(f"{r[n] / r['float32']:.2f}x" for n in ratios) + " |")
     if peer:
         label = next(label for label, _ in points if label.startswith("decode batch 1,"))
         best = max(statistics.median(v) for v in results[label].values())
@@ -162,9 +168,10 @@ def main() -> None:
         rows.append(f"\nllama-server (same GGUF, Q4_1; 1 slot, same threads), decode batch 1, ctx 512: {rate:.1f} tok/s "
                     f"(median over rounds of the median of 3 requests of {max(steps, 32)} tokens); the engine's best "
                     f"variant: {best:.1f} tok/s = {best / rate:.2f}x")
-    else:
+    elif not cuda:
         rows.append(f"\nllama-server: not measured (no binary at {a.llama_server}; `make bench-setup` builds it)")
-    head = (f"{platform.processor() or platform.machine()}, bf16 natively: {cpu_has_fast_bf16()}, torch "
+    where = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    head = (f"{where}, CPU bf16 natively: {cpu_has_fast_bf16()}, torch "
             f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}, "
             f"medians over {a.rounds} rounds")
     report = head + "\n\n" + "\n".join(rows) + "\n"

@@ -204,7 +204,8 @@ def test_disconnected_stream_frees_kv_and_slots_everywhere(cluster):
 
 
 def test_non_streaming_client_that_gives_up_frees_the_request(cluster):
-    body = {"model": MODEL, "prompt": list(range(3000, 3100)), "max_tokens": 400, "temperature": 0,
+    # 2,000 tokens: far longer than the client's 3 s even on a GPU (~150 tokens/s at batch 1)
+    body = {"model": MODEL, "prompt": list(range(3000, 3100)), "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True}
     before = metric(metrics(cluster.url), "mooncake:requests_total", outcome="aborted")
     with pytest.raises(httpx.TimeoutException):

@@ -51,10 +51,11 @@ def test_dtype_flag_on_serve_overrides_the_config():
 
 def _greedy_with_logits(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = model.generate(torch.tensor([ids], device=model.device),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2,
                              output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(ids):].tolist(), [x[0].float() for x in out.logits]
+    return out.sequences[0, len(ids):].tolist(), [x[0].float().cpu() for x in out.logits]
 
 
 def _last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
@@ -63,18 +64,20 @@ def _last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
         step = engine.prefill(seq)
         if step.done:
             engine.free(seq)
-            return step.logits.float()
+            return step.logits.float().cpu()
 
 
-def test_bfloat16_engine_is_close_to_transformers_in_bfloat16(loaded_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_bfloat16_engine_is_close_to_transformers_in_bfloat16(device):
     """At every step until the first divergence, each side's greedy token is within the
     other's top 5; the sequences agree for a good stretch (a wrong forward would not)."""
     from transformers import AutoModelForCausalLM
 
-    bf16 = load_model(ModelConfig(device="cpu", dtype="bfloat16"))
+    bf16 = load_model(ModelConfig(device=device, dtype="bfloat16"))
     assert bf16.dtype == torch.bfloat16 and bf16.model_id.endswith("/bfloat16")
     engine = Engine(bf16, EngineConfig(kv_cache_bytes=32 << 20, threads=0))
-    ref = AutoModelForCausalLM.from_pretrained(bf16.model_dir, dtype=torch.bfloat16).eval()
+    ref = AutoModelForCausalLM.from_pretrained(bf16.model_dir, dtype=torch.bfloat16).to(device).eval()
     tok = bf16.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, return_dict=True)["input_ids"]

@@ -118,8 +118,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:  # transformers raises many types; the caller gets one
         raise ModelLoadError(f"cannot load model from {model_dir}: {type(e).__name__}: {e}") from e
     model.to(device).eval().requires_grad_(False)
+    if device.type == "cuda":
+        prefer_sdpa_kernels_without_planning()
     model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}{model_variant(cfg)}"
     return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization)
+
+
+def prefer_sdpa_kernels_without_planning() -> None:
+    """Leave cuDNN out of SDPA's choices (process-wide): it plans anew for every key length, and
+    a decode step's keys grow by one each step; on an H100 (torch 2.11) that planning took 1.35 ms
+    of CPU per layer, 90% of a step. The flash and memory-efficient kernels plan nothing."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def model_variant(cfg: ModelConfig) -> str:
