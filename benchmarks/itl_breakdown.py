@@ -30,7 +30,8 @@ def breakdown(path: Path) -> str:
     later = [x for r in records for x in r["itl_s"][1:]]
     slow_first = sum(1 for x in first if x > 0.3)
     slow = slow_first + sum(1 for x in later if x > 0.3)
-    return (f"| {path.parent.name}/{path.stem} | {s['good_requests']} / {s['requests']} | {s['goodput']:.3f} | "
+    name = f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
+    return (f"| {name} | {s['good_requests']} / {s['requests']} | {s['goodput']:.3f} | "
             f"{s['ttft_ms']['median']:.0f} / {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['median']:.0f} / "
             f"{s['itl_ms']['p99']:.0f} | {pct(first, .5):.0f} / {pct(first, .99):.0f} | {pct(later, .99):.0f} | "
             f"{slow_first} of {slow} |")
