@@ -66,6 +66,9 @@ def serve(args: argparse.Namespace) -> int:
         from mooncake.dev import run_dev
 
         return run_dev(cfg, args.prefill, args.decode, args.store, args.log_level)
+    from mooncake.cpu_priority import apply_role_priority
+
+    apply_role_priority(args.role, cfg.node.prefill_nice)  # before the engine starts any thread
     if args.role == "conductor":
         from mooncake.roles.conductor import run_conductor as main
     elif args.role == "store":

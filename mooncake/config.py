@@ -125,6 +125,7 @@ class NodeConfig(_Section):
     p2p_bulk_port: int = Field(0, ge=0, le=65535, description="Store P2P bulk port: without CURVE, chunk bytes go on this second TCP port (sendfile; never under CURVE); 0: any free port. A firewall between nodes must open it as well as p2p_port: where it cannot be reached, fetches from that store fall back to p2p_port (ZeroMQ), slower.")
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
     health_port: int = Field(0, ge=0, le=65535, description="Worker/store HTTP port for /health/live and /health/ready; 0: off.")
+    prefill_nice: int = Field(10, ge=0, le=19, description="Nice value (OS scheduling priority, 0-19: higher yields more) of prefill role processes, so that where prefill and decode share a machine's cores (mooncake serve --dev; any node running both) a decode step runs before a prefill chunk instead of waiting behind it; prefill gets the cores decode leaves (BENCHMARKS.md section 15). Set on every thread and, when the role leads its own session, on its autogroup (Linux). Alone on its cores a prefill loses nothing to it; 0: prefill at the same priority as decode. Negative values need privileges and are refused: lower a prefill's priority, not raise a decode's.")
 
 
 class SecurityConfig(_Section):

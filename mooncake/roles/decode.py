@@ -18,7 +18,10 @@ which is recomputed. Each refusal is counted by reason.
 
 KV arrives as whole blocks (``KVTransfer``: a reused prefix, or a block-wise prefill) or one
 layer at a time (``KVLayer``: layer-wise prefill); each layer lands straight in the reserved
-blocks, and a block counts as received once all its layers are in.
+blocks, and a block counts as received once all its layers are in. Messages of different
+requests land concurrently, one request's in the order they came (``Slot.kv_lock``): each
+write waits for the engine thread between decode steps, and handled one at a time a burst
+of requests would wait a step per message before its second token (BENCHMARKS.md section 15).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import hmac
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +48,7 @@ from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 STORE_RUN_BLOCKS = 32  # a pipeline group's prompt blocks go to the store in runs of this many
+KV_IN_FLIGHT = 64  # KV messages landing at once (received, not yet written); more wait in the socket
 
 
 @dataclass(eq=False)
@@ -58,6 +62,7 @@ class Slot:
     started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
     stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
+    kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one at a time, in order
 
     @property
     def next_block(self) -> int:
@@ -82,6 +87,7 @@ class DecodeWorker(EngineWorker):
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
         self._landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
+        self._kv_tasks: set[asyncio.Task] = set()  # KV messages landing
 
     async def start(self) -> None:
         self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
@@ -178,12 +184,24 @@ class DecodeWorker(EngineWorker):
     # ------------------------------------------------------------ KV from prefill
 
     async def _kv_loop(self) -> None:
+        room = asyncio.Semaphore(KV_IN_FLIGHT)
+
+        def landed(task: asyncio.Task) -> None:
+            self._kv_tasks.discard(task)
+            room.release()
+
         while True:
+            await room.acquire()
             frames = await recv_multipart(self.kv_sock)
-            try:
-                await self._on_kv(frames)
-            except Exception:  # one bad message never stops the ingress
-                log.exception("error handling a KV message")
+            task = asyncio.create_task(self._land(frames))
+            self._kv_tasks.add(task)
+            task.add_done_callback(landed)
+
+    async def _land(self, frames: list) -> None:
+        try:
+            await self._on_kv(frames)
+        except Exception:  # one bad message never stops the ingress
+            log.exception("error handling a KV message")
 
     async def _on_kv(self, frames: list) -> None:
         if not allowed(self.curve, frames[0], ("worker",)):
@@ -207,6 +225,14 @@ class DecodeWorker(EngineWorker):
             self.rejections.add("token", len(tensors))
             log.warning("KV of %s without the attempt's token (not from its prefill): dropped", msg.req_id)
             return
+        async with slot.kv_lock:  # taken in arrival order: nothing above awaits
+            if self.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
+                log.debug("KV of %s, no longer reserved here: dropped", msg.req_id)
+                return
+            await self._land_kv(slot, msg, tensors)
+
+    async def _land_kv(self, slot: Slot, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
+        """Check one KV message of ``slot`` and write it; start decoding once all KV is in."""
         layer = msg.layer if isinstance(msg, P.KVLayer) else None
         shape = self.engine.block_shape if layer is None else self.engine.block_shape[1:]
         problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors, shape, self.engine.dtype)
@@ -337,5 +363,7 @@ class DecodeWorker(EngineWorker):
         await self.run_engine(self.engine.free, seq)
 
     async def close(self) -> None:
+        for t in self._kv_tasks:
+            t.cancel()
         self.kv_sock.close(0)
         await super().close()

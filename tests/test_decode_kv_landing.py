@@ -1,0 +1,94 @@
+"""KV messages of different requests land on decode concurrently, through the real KV socket:
+a request whose KV is slow to check does not hold up another's, and one request's messages
+still land in the order they came."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from mooncake import protocol as P
+from mooncake.kv_integrity import checksums
+from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
+from mooncake.sockets import send_multipart
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    async def __call__(self, msg) -> None:
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def decode_worker():
+    from mooncake.config import Config, MiB
+    from mooncake.roles.decode import DecodeWorker
+
+    cfg = Config()
+    cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
+    cfg.engine.profile_at_start = False
+    w = DecodeWorker(cfg)
+    yield w
+    w._pool.shutdown(wait=False)
+    w.ctx.term()
+
+
+async def until(condition, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worker, monkeypatch):
+    import mooncake.roles.decode as decode_module
+
+    w = decode_worker
+    w.send = Recorder()
+    eng = w.engine
+    T, token = eng.block_tokens, b"k" * 16
+    kv = {"r1": torch.full((2, *eng.block_shape), 1.0, dtype=eng.dtype),
+          "r2": torch.full((2, *eng.block_shape), 2.0, dtype=eng.dtype)}
+    release, held = threading.Event(), threading.Event()
+    real_check = decode_module.first_corrupt
+
+    def check(tensors, sums):  # r1's first message waits here (a worker thread) until released
+        if float(tensors[0].flatten()[0]) == 1.0 and not release.is_set():
+            held.set()
+            release.wait(60)
+        return real_check(tensors, sums)
+
+    monkeypatch.setattr(decode_module, "first_corrupt", check)
+    for rid, first in (("r1", 100), ("r2", 500)):
+        tokens = list(range(first, first + 2 * T))
+        await w.handle(P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
+        await w.handle(P.FirstToken(rid, 7), [])
+    w.kv_sock, endpoint = bind_kv_ingress(w.ctx, None, "127.0.0.1", 0, w.max_message_bytes)
+    out = connect_kv_egress(w.ctx, None, endpoint)
+    loop = asyncio.create_task(w._kv_loop())
+    try:
+        def block(rid: str, first: int) -> list:
+            return P.encode(P.KVTransfer(rid, first, token=token, checksums=checksums(kv[rid][first:first + 1])),
+                            [kv[rid][first]])
+
+        for frames in (block("r1", 0), block("r1", 1), block("r2", 0), block("r2", 1)):
+            await send_multipart(out, frames)
+        await until(lambda: "r2" in w.running)  # r2 landed whole and started while r1 is held
+        assert held.is_set() and w.incoming["r1"].next_block == 0  # r1's second block waits behind its first
+        release.set()
+        await until(lambda: "r1" in w.running)
+        assert not [m for m in w.send.sent if isinstance(m, P.Failed)]  # r1's blocks landed in order
+        for rid in ("r1", "r2"):
+            assert torch.equal(eng.export_sequence(w.running[rid].seq, 0, 2), kv[rid])
+    finally:
+        release.set()
+        loop.cancel()
+        out.close(0)
+        await w.close()
