@@ -1,13 +1,11 @@
-"""The KV index's holder masks: one walk of the chain answers for every holder, and the masks
-follow every add, remove and node removal (checked against a plain model of who holds what)."""
+"""The KV index's runs: each holder's run from block 0, the stores' coverage taking turns, and
+the index following every add, remove and node removal (checked against a plain model of who
+holds what)."""
 
 from __future__ import annotations
 
 import random
 
-import pytest
-
-from mooncake.sched import kv_index
 from mooncake.sched.kv_index import KVIndex
 
 CHAIN = [bytes([i, 7]) * 16 for i in range(40)]
@@ -56,7 +54,7 @@ def test_stores_take_turns_and_covering_runs_follow_them():
     assert idx.prefix_runs(CHAIN, {"s1"}) == ({"s0": 8, "p0": 4}, 0)  # s1 has no block 0
 
 
-def test_removed_blocks_and_dropped_nodes_leave_no_bits_behind():
+def test_removed_blocks_and_dropped_nodes_leave_nothing_behind():
     idx = KVIndex()
     idx.add("a", "device", CHAIN[:6])
     idx.add("b", "dram", CHAIN[:6])
@@ -66,7 +64,7 @@ def test_removed_blocks_and_dropped_nodes_leave_no_bits_behind():
     assert idx.drop_node("b") == 6
     assert idx.prefix_runs(CHAIN, {"b"}) == ({"a": 2}, 0)
     assert idx.holders(CHAIN[2]) == {} and len(idx) == 5
-    idx.add("c", "dram", CHAIN[:4])  # takes b's freed bit: it must not inherit b's blocks
+    idx.add("c", "dram", CHAIN[:4])  # a node joining after b left must not inherit b's blocks
     assert idx.prefix_runs(CHAIN, {"c"}) == ({"a": 2, "c": 4}, 4)
     idx.remove("a", CHAIN[:6])
     idx.remove("c", CHAIN[:4])
@@ -84,11 +82,8 @@ def test_holder_order_and_tiers_are_kept():
     assert idx.covering_run(CHAIN[:2], 0, {"s0", "s1"}) == [(0, 2, "s1")]
 
 
-@pytest.mark.parametrize("max_masks", [2, 1 << 16])
-def test_random_events_agree_with_a_plain_model(monkeypatch, max_masks):
-    """Adds, removes and node removals in any order (bits freed and reused, the shared masks
-    cleared when over ``max_masks``): every walk agrees with the plain model."""
-    monkeypatch.setattr(kv_index, "_MAX_MASKS", max_masks)
+def test_random_events_agree_with_a_plain_model():
+    """Adds, removes and node removals in any order: every walk agrees with the plain model."""
     rng = random.Random(3)
     nodes = [f"n{i}" for i in range(12)]
     stores = {"n0", "n1", "n2", "n3"}
