@@ -101,9 +101,9 @@ def test_bad_prefill_nice_is_a_config_error_naming_the_key(value):
 def test_bad_prefill_nice_stops_the_role_before_it_starts(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[node]\nprefill_nice = 25\n")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, "-m", "mooncake.cli", "serve", "--role", "prefill", "--config", str(f)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": path})
     assert r.returncode == 2
     assert "node.prefill_nice" in r.stderr and "less than or equal to 19" in r.stderr
 

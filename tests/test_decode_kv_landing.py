@@ -15,29 +15,14 @@ from mooncake.kv_integrity import checksums
 from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
 from mooncake.sockets import send_multipart
 
+from decode_workers import Recorder, small_decode_worker
+
 pytestmark = pytest.mark.timeout(120)
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    async def __call__(self, msg) -> None:
-        self.sent.append(msg)
-
-
-@pytest.fixture
+@pytest.fixture()
 def decode_worker():
-    from mooncake.config import Config, MiB
-    from mooncake.roles.decode import DecodeWorker
-
-    cfg = Config()
-    cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
-    cfg.engine.profile_at_start = False
-    w = DecodeWorker(cfg)
-    yield w
-    w._pool.shutdown(wait=False)
-    w.ctx.term()
+    yield from small_decode_worker()
 
 
 async def until(condition, timeout_s: float = 30.0) -> None:

@@ -11,6 +11,8 @@ from mooncake.engine import Engine
 from mooncake.engine.layerwise import completed_blocks, split_runs
 from mooncake.protocol import Sampling
 
+from decode_workers import Recorder, small_decode_worker
+
 GREEDY = Sampling(max_tokens=8, temperature=0, ignore_eos=True)
 TEXT = "Each layer's keys and values leave as soon as that layer is computed. " * 12
 BLOCK = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2 block, float32
@@ -127,26 +129,9 @@ def test_write_kv_layer_refuses_what_does_not_fit(loaded_model, ids):
         eng.write_kv_layer(seq, 0, 0, torch.zeros(2, *eng.block_shape))
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    async def __call__(self, msg) -> None:
-        self.sent.append(msg)
-
-
 @pytest.fixture(scope="module")
 def decode_worker():
-    from mooncake.config import Config, MiB
-    from mooncake.roles.decode import DecodeWorker
-
-    cfg = Config()
-    cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
-    cfg.engine.profile_at_start = False
-    w = DecodeWorker(cfg)
-    yield w
-    w._pool.shutdown(wait=False)
-    w.ctx.term()
+    yield from small_decode_worker()
 
 
 async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_worker):

@@ -1,0 +1,28 @@
+"""A decode worker in-process for tests that drive its KV ingress by hand: small pool, CPU,
+no start-up profile; and a stand-in for its ``send`` that records what it would send."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    async def __call__(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def small_decode_worker() -> Iterator:
+    """Yields a ``DecodeWorker`` (not started), then shuts its pool and context down."""
+    from mooncake.config import Config, MiB
+    from mooncake.roles.decode import DecodeWorker
+
+    cfg = Config()
+    cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
+    cfg.engine.profile_at_start = False
+    w = DecodeWorker(cfg)
+    yield w
+    w._pool.shutdown(wait=False)
+    w.ctx.term()
