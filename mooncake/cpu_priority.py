@@ -42,6 +42,18 @@ def thread_ids() -> list[int]:
         return [0]
 
 
+def autogroup_nice(pid: int | str = "self", proc: Path = Path("/proc")) -> int | None:
+    """The nice value of ``pid``'s autogroup, or None when it has none: a kernel without
+    autogroup scheduling has no file, and a process still in the boot session's default
+    group (a container's PID 1 and whatever never left its session) reads it empty."""
+    try:
+        text = (proc / str(pid) / "autogroup").read_text()
+    except OSError:
+        return None
+    _, sep, value = text.partition(" nice ")
+    return int(value) if sep else None
+
+
 def raise_nice(nice: int) -> None:
     """Make every thread of this process, and its session's autogroup if it leads one, at
     least ``nice`` (0-19). A failure is logged, never fatal: the role still serves."""
@@ -53,13 +65,14 @@ def raise_nice(nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError as e:  # a thread that just exited, or a sandbox that forbids it
             log.warning("could not set the nice value of thread %d to %d: %s", tid, nice, e)
-    if os.getsid(0) != os.getpid() or not AUTOGROUP.exists():
+    if os.getsid(0) != os.getpid():
         return  # the autogroup is shared with the rest of the session (decode, maybe): leave it
+    current = autogroup_nice()
+    if current is None or current >= nice:
+        return
     try:
-        current = int(AUTOGROUP.read_text().split("nice")[1])
-        if current < nice:
-            AUTOGROUP.write_text(str(nice))
-    except (OSError, ValueError, IndexError) as e:
+        AUTOGROUP.write_text(str(nice))
+    except OSError as e:
         log.warning("could not set this session's autogroup nice value to %d: %s", nice, e)
 
 

@@ -13,10 +13,11 @@ import pytest
 
 from clusters import start_cluster
 from mooncake.config import Config, ConfigError, load_config
+from mooncake.cpu_priority import autogroup_nice
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
-HAS_AUTOGROUP = Path("/proc/self/autogroup").exists()
+HAS_AUTOGROUP = Path("/proc/self/autogroup").exists()  # the kernel's; this process may still have none
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -27,10 +28,6 @@ def thread_nices(pid: int) -> dict[int, int]:
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; field 3 is fields[0]
         out[int(task.name)] = int(fields[16])
     return out
-
-
-def autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
 
 
 def test_dev_cluster_prefill_threads_and_autogroup_yield_decode_keeps_priority(tmp_path):
@@ -55,8 +52,9 @@ def test_dev_cluster_prefill_threads_and_autogroup_yield_decode_keeps_priority(t
 
 def run_child(body: str, start_nice: int = 0, new_session: bool = True) -> str:
     """Run ``body`` in a fresh Python process (its own session, like a role of --dev)."""
-    code = ("import os, threading\nfrom pathlib import Path\nfrom mooncake.cpu_priority import apply_role_priority\n"
-            + inspect.getsource(thread_nices) + inspect.getsource(autogroup_nice) + body)
+    code = ("import os, threading\nfrom pathlib import Path\n"
+            "from mooncake.cpu_priority import apply_role_priority, autogroup_nice\n"
+            + inspect.getsource(thread_nices) + body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                           start_new_session=new_session, preexec_fn=lambda: os.nice(start_nice),
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60).stdout
@@ -88,8 +86,18 @@ def test_who_yields_and_by_how_much(role, nice, start, want):
 def test_autogroup_set_only_by_a_session_leader():
     body = "apply_role_priority('prefill', 9)\nprint(autogroup_nice(os.getpid()))"
     assert run_child(body).strip() == "9"
-    # In the caller's session the autogroup is shared (with decode, maybe): left alone.
-    assert run_child(body, new_session=False).strip() == str(autogroup_nice(os.getpid()))
+    # In the caller's session the autogroup is shared (with decode, maybe): left alone. The
+    # caller may have none (still in the boot session's group, as under a container's PID 1).
+    assert run_child(body, new_session=False).strip() == str(autogroup_nice())
+
+
+def test_autogroup_file_read_as_the_kernel_writes_it(tmp_path):
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "autogroup").write_text("/autogroup-4866 nice -3\n")
+    assert autogroup_nice(7, proc=tmp_path) == -3
+    (tmp_path / "7" / "autogroup").write_text("")  # in the boot session's default group
+    assert autogroup_nice(7, proc=tmp_path) is None
+    assert autogroup_nice(8, proc=tmp_path) is None  # no file: no autogroup scheduling
 
 
 @pytest.mark.parametrize("value", ["20", "-5", "high"])
