@@ -6,7 +6,7 @@ walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 
 from __future__ import annotations
 
-from itertools import islice, takewhile
+from itertools import chain, islice, takewhile
 from typing import Container, Iterable, Sequence
 
 
@@ -90,9 +90,10 @@ class KVIndex:
             locs = self._where.get(hashes[i])
             if not locs:
                 break
-            node = next((p for p in prefer if p in locs and p in nodes), None) or next(
-                (p for p in locs if p in nodes), None)
-            if node is None:
+            for node in chain(prefer, locs):  # the first preferred holder, else the first holder
+                if node in locs and node in nodes:
+                    break
+            else:
                 break
             known = runs.get(node, 0) if runs is not None else 0
             run = min(known, n) - i if known > i else self._run(node, hashes, i)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from bisect import bisect_right
 from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -127,7 +128,8 @@ class Scheduler:
         candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
         for p in prefills:
             nid = p.node_id
-            q = queues[nid].total_s if nid in queues else 0.0
+            queue = queues.get(nid)
+            q = queue.total_s if queue is not None else 0.0
             if nid in pending:
                 dev = self._resident_run(nid, hashes, runs.get(nid, 0), usable)
             else:
@@ -164,9 +166,9 @@ class Scheduler:
         ready_at = now + est
         all_slots = self.slots
         best_key: tuple | None = None
-        for i, d in enumerate(decodes):
+        for d in decodes:
             nid = d.node_id
-            slots = all_slots[nid] if nid in all_slots else _NO_SLOTS
+            slots = all_slots.get(nid, _NO_SLOTS)
             resident = self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending else runs.get(nid, 0)
             need = total_blocks - resident
             capacity = d.info.num_blocks
@@ -175,22 +177,23 @@ class Scheduler:
             else:
                 wait = slots.room_at(need, capacity, now) - now
                 first_token_at = ready_at + max(0.0, wait - p_queue_s)
-            key = (wait > 0, slots.running_at(first_token_at) + 1, wait, i)
-            if best_key is None or key < best_key:
+            ends = slots.ends  # the batch it joins: those still decoding then, and itself (``running_at``)
+            key = (wait > 0, len(ends) - bisect_right(ends, first_token_at) + 1, wait)
+            if best_key is None or key < best_key:  # the first of equals: in instance order
                 best_key, best = key, (first_token_at, need, d)
         assert best_key is not None
-        _, batch, wait, _ = best_key
+        _, batch, wait = best_key
         first_token_at, need, decode = best
         # the batch's KV: this request's halfway through its output, the others' as the average booked
         kv_tokens = n_tokens + max_tokens // 2
-        slots = self._slots(decode.node_id)
+        slots = all_slots.get(decode.node_id, _NO_SLOTS)  # read only: planning books nothing
         others = slots.kv_tokens_total / len(slots.assigned) if slots.assigned else kv_tokens
         tbt = self.decode_cost.predict(batch, int(kv_tokens + (batch - 1) * others))
         ttft = first_token_at - now
         if wait > 0:
             best_ttft = min(c[0] + max(0.0, wait - c[5]) for c in candidates)
         else:
-            best_ttft = min(c[0] for c in candidates)
+            best_ttft = min(map(itemgetter(0), candidates))
 
         local, write_to = self._local_stores(p)
         fetch: list[FetchPlan] = []
