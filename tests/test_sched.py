@@ -276,8 +276,9 @@ def test_a_full_decode_pool_delays_the_predicted_first_token_until_room_frees():
     plan = sched.plan(H[:2], 40, 24, 16, now=0)  # 40 + 24 tokens: 4 blocks + 1 of headroom
     assert plan.reserve_wait_s == 0 and plan.decode_blocks == 5
     free_ttft = plan.est_ttft_s
+    assert "d0" not in sched.slots  # planning books nothing
     for i, end in enumerate((10.0, 20.0, 30.0, 40.0)):  # four others fill the pool until they end
-        sched.slots["d0"].add(f"r{i}", end, 5)
+        sched.slots.setdefault("d0", DecodeSlots()).add(f"r{i}", end, 5)
     plan = sched.plan(H[2:4], 40, 24, 16, now=0)
     assert plan.reserve_wait_s == pytest.approx(10.0)  # room once the first of them ends
     assert plan.est_ttft_s == pytest.approx(10.0 + free_ttft, rel=0.01)
