@@ -52,6 +52,7 @@ import logging
 import math
 import statistics
 from collections import deque
+from operator import mul
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -80,7 +81,7 @@ def solve_box_qp(A: list[list[float]], b: list[float], lo: Sequence[float], hi: 
 
 
 def _dot(w: Sequence[float], x: Sequence[float]) -> float:
-    return sum(a * b for a, b in zip(w, x))
+    return sum(map(mul, w, x))  # the same sum, in order, without a Python step per term
 
 
 class BoundedLinearModel:
