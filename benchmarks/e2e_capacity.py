@@ -79,9 +79,9 @@ def runs_table(res: dict) -> str:
 
 def capacity_table(results: list[dict], report_scales: list[float]) -> str:
     """Capacity per system and workload, goodput at the report scales, ratio to llama_server."""
-    head = " | ".join(f"goodput {s:g}x" for s in report_scales)
+    head = "".join(f"goodput {s:g}x | " for s in report_scales)
     rows = [f"| workload | system | own rate (req/s) | capacity (x) | capacity (req/s) | first failing (x) | "
-            f"{head} | capacity vs llama_server |", "|---" * (7 + len(report_scales)) + "|"]
+            f"{head}capacity vs llama_server |", "|---" * (7 + len(report_scales)) + "|"]
     peer = {r["workload"]: r for r in results if r["system"] == "llama_server"}
     for r in results:
         cap = r["capacity"]
@@ -89,10 +89,10 @@ def capacity_table(results: list[dict], report_scales: list[float]) -> str:
         ref = peer.get(r["workload"])
         ratio = (f"{ge}{cap / ref['capacity']:.2f}x" if cap is not None and ref and ref["capacity"]
                  and not ref["capped"] else "-")
-        goods = " | ".join(_f((r["runs"].get(s) or {}).get("goodput"), 3) for s in report_scales)
+        goods = "".join(_f((r["runs"].get(s) or {}).get("goodput"), 3) + " | " for s in report_scales)
         rows.append(f"| {r['workload']} | {r['system']} | {_f(r['own_rate'], 3)} | "
                     f"{ge}{_f(cap)} | {ge}{_f(None if cap is None else cap * r['own_rate'], 3)} | "
-                    f"{_f(r['first_fail'])} | {goods} | {ratio} |")
+                    f"{_f(r['first_fail'])} | {goods}{ratio} |")
     return "\n".join(rows)
 
 
