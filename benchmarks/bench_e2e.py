@@ -34,7 +34,7 @@ within the SLO; attainment is over the whole replay. Unset: one replay, as befor
 on CPUs with AMX or AVX-512 BF16); ``--rate-scale R`` multiplies both workloads' arrival
 rates (the trace's timestamps are divided by R). ``--capacity`` instead searches each
 system's capacity, the highest rate scale at which >= 90% of requests meet the SLO
-(``benchmarks/e2e_capacity.py``; ``--max-scale``, ``--max-rates``, ``--bisect-steps``).
+(``benchmarks/e2e_capacity.py``; ``--start-scale``, ``--max-scale``, ``--max-rates``, ``--bisect-steps``).
 
 JSON reports go to --json-dir (default /tmp/mooncake-e2e).
 """
@@ -275,6 +275,7 @@ def main() -> int:
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
     cap = ap.add_argument_group("capacity search (--capacity; rates in multiples of the workload's own)")
     cap.add_argument("--capacity", action="store_true", help="search each system's capacity (e2e_capacity.py)")
+    cap.add_argument("--start-scale", type=float, default=1.0, help="first rate scale tried")
     cap.add_argument("--max-scale", type=float, default=16.0, help="highest rate scale tried")
     cap.add_argument("--min-scale", type=float, default=0.25, help="lowest rate scale tried (when 1x fails)")
     cap.add_argument("--max-rates", type=int, default=8, help="rates searched per system and workload")

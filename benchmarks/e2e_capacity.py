@@ -100,7 +100,7 @@ def run_capacity(args, model_dir: str, json_dir: Path) -> tuple[str, list[dict],
     """Every chosen system, started once, through every chosen workload's capacity search."""
     from bench_e2e import SLOS, run_workload, start_system, workloads
 
-    plan = CapacityPlan(start=1.0, growth=2.0, target=0.9, max_scale=args.max_scale,
+    plan = CapacityPlan(start=args.start_scale, growth=2.0, target=0.9, max_scale=args.max_scale,
                         min_scale=args.min_scale, max_rates=args.max_rates, bisect_steps=args.bisect_steps)
     results: list[dict] = []
     failed: list[str] = []

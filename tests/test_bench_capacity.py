@@ -255,3 +255,21 @@ def test_bench_e2e_workloads_are_unchanged_by_default_and_sustained_on_request()
     assert sus["trace"]["scaling"].min_span_s == 120.0 and sus["trace"]["scaling"].max_requests == 69
     sp = sus["shared-prefix"]
     assert sp["shared_prefix"].repeats == copies_to_span(sp["arrival"], 12, 120.0) > 1
+
+
+def test_slo_misses_names_each_cause_and_the_queue_growth(tmp_path) -> None:
+    import json
+
+    mod = _e2e_capacity("slo_misses")
+
+    def rec(start: float, ttft: float, e2e: float, tokens: int, ok: bool = True) -> dict:
+        return {"start_s": start, "ok": ok, "ttft_s": ttft if ok else None, "e2e_s": e2e if ok else None,
+                "completion_tokens": tokens}
+
+    records = [rec(0, 0.1, 1.0, 10), rec(1, 0.2, 5.2, 11),   # good; TPOT 0.5 s
+               rec(2, 4.0, 4.5, 6), rec(3, 5.0, 9.0, 5),     # TTFT only; both (TPOT 1 s)
+               rec(4, 0, 0, 0, ok=False), rec(5, 2.0, 2.0, 1),  # failed; one token: TPOT counts as 0
+               rec(6, 2.5, 3.0, 2), rec(7, 2.9, 3.0, 2)]     # good, good
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"records": records}))
+    assert mod.row(path, 3000.0, 300.0) == f"| {tmp_path.name}/run | 4 / 8 | 1 | 1 | 1 | 1 | 150 / 2700 |"
