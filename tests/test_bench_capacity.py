@@ -269,7 +269,7 @@ def test_slo_misses_names_each_cause_and_the_queue_growth(tmp_path) -> None:
     records = [rec(0, 0.1, 1.0, 10), rec(1, 0.2, 5.2, 11),   # good; TPOT 0.5 s
                rec(2, 4.0, 4.5, 6), rec(3, 5.0, 9.0, 5),     # TTFT only; both (TPOT 1 s)
                rec(4, 0, 0, 0, ok=False), rec(5, 2.0, 2.0, 1),  # failed; one token: TPOT counts as 0
-               rec(6, 2.5, 3.0, 2), rec(7, 2.9, 3.0, 2)]     # good, good
+               rec(6, 2.5, 2.7, 2), rec(7, 2.9, 3.0, 2)]     # good, good
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"records": records}))
     assert mod.row(path, 3000.0, 300.0) == f"| {tmp_path.name}/run | 4 / 8 | 1 | 1 | 1 | 1 | 150 / 2700 |"
