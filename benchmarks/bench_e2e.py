@@ -25,11 +25,16 @@ Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
     .venv/bin/python benchmarks/bench_e2e.py [--quick] [--systems ...] [--workloads ...] [--dtype D]
                                              [--rate-scale R | --capacity] [--out RESULTS.md]
 
+``--min-arrival-s S`` (with ``--capacity``) repeats each workload at every rate until its
+arrivals span at least S seconds, each repetition on prefixes of its own (see ``workloads``),
+so that capacity is a rate sustained for S seconds, not a burst of one replay absorbed
+within the SLO; attainment is over the whole replay. Unset: one replay, as before.
+
 ``--dtype`` is mooncake's serving dtype (default ``auto``, as ``mooncake serve``: bfloat16
 on CPUs with AMX or AVX-512 BF16); ``--rate-scale R`` multiplies both workloads' arrival
 rates (the trace's timestamps are divided by R). ``--capacity`` instead searches each
 system's capacity, the highest rate scale at which >= 90% of requests meet the SLO
-(``benchmarks/e2e_capacity.py``; ``--max-scale``, ``--max-rates``, ``--bisect-steps``).
+(``benchmarks/e2e_capacity.py``; ``--start-scale``, ``--max-scale``, ``--max-rates``, ``--bisect-steps``).
 
 JSON reports go to --json-dir (default /tmp/mooncake-e2e).
 """
@@ -54,6 +59,7 @@ from clusters import small_config  # noqa: E402
 
 from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceScaling,  # noqa: E402
                             run_benchmark)
+from mooncake.bench.arrivals import copies_to_span  # noqa: E402
 from mooncake.config import MiB, ModelConfig  # noqa: E402
 from mooncake.engine.loader import default_model_path, resolve_model_dir  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
@@ -140,17 +146,29 @@ class LlamaServer(PeerServer):
                           "-t", "2", "-np", "4"], port)
 
 
-def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0, salt: int = 0) -> dict[str, dict]:
+def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0, salt: int = 0,
+              min_arrival_s: float | None = None) -> dict[str, dict]:
     """BenchConfig arguments of both workloads; ``salt`` != 0 draws other prompt tokens (same
-    sharing structure), so that a replay finds nothing cached by an earlier one."""
+    sharing structure), so that a replay finds nothing cached by an earlier one.
+
+    ``min_arrival_s``: at this rate, repeat each workload until its arrivals span at least
+    this long (a sustained rate, not one burst): the trace's selection repetition after
+    repetition at its own mean rate, each on hash ids of its own; shared-prefix: copies of
+    its conversations, each copy on groups (prefixes) of its own, on the same Poisson
+    process. Within a repetition the sharing is the workload's; across repetitions none."""
     n_trace = 24 if quick else 69
-    trace = dict(workload="trace", trace_path=TRACE, max_requests=n_trace,
-                 scaling=TraceScaling(block_tokens=16, time_scale=0.1 / rate_scale, max_input_tokens=1500,
-                                      max_output_tokens=32, max_requests=n_trace, prefix_groups=3, salt=salt))
-    sp = SharedPrefixSpec(groups=2 if quick else 3, sessions_per_group=2 if quick else 4,
-                          prefix_tokens=1024, suffix_tokens=32, turns=2, output_tokens=16, seed=salt)
-    shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir,
-                  arrival=ArrivalSpec(kind="poisson", rate=1.0 * rate_scale, seed=0))
+    scaling = TraceScaling(block_tokens=16, time_scale=0.1 / rate_scale, max_input_tokens=1500,
+                           max_output_tokens=32, max_requests=n_trace, prefix_groups=3, salt=salt,
+                           min_span_s=min_arrival_s)
+    # the selection is bounded by scaling.max_requests; a repetition must not be cut by the runner's cap
+    trace = dict(workload="trace", trace_path=TRACE, max_requests=None if min_arrival_s else n_trace,
+                 scaling=scaling)
+    arrival = ArrivalSpec(kind="poisson", rate=1.0 * rate_scale, seed=0)
+    groups, per_group = (2, 2) if quick else (3, 4)
+    copies = copies_to_span(arrival, groups * per_group, min_arrival_s) if min_arrival_s else 1
+    sp = SharedPrefixSpec(groups=groups, sessions_per_group=per_group, prefix_tokens=1024, suffix_tokens=32,
+                          turns=2, output_tokens=16, seed=salt, repeats=copies)
+    shared = dict(workload="shared-prefix", shared_prefix=sp, tokenizer=model_dir, arrival=arrival)
     return {"trace": trace, "shared-prefix": shared}
 
 
@@ -257,10 +275,14 @@ def main() -> int:
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
     cap = ap.add_argument_group("capacity search (--capacity; rates in multiples of the workload's own)")
     cap.add_argument("--capacity", action="store_true", help="search each system's capacity (e2e_capacity.py)")
+    cap.add_argument("--start-scale", type=float, default=1.0, help="first rate scale tried")
     cap.add_argument("--max-scale", type=float, default=16.0, help="highest rate scale tried")
     cap.add_argument("--min-scale", type=float, default=0.25, help="lowest rate scale tried (when 1x fails)")
     cap.add_argument("--max-rates", type=int, default=8, help="rates searched per system and workload")
     cap.add_argument("--bisect-steps", type=int, default=2)
+    cap.add_argument("--min-arrival-s", type=float, default=None,
+                     help="at every rate, repeat the workload (fresh prefixes per repetition) until its "
+                          "arrivals span at least this many seconds: capacity at a sustained rate, not a burst")
     cap.add_argument("--report-scales", type=float, nargs="*", default=[1.0, 2.0, 4.0],
                      help="also measured after the search if not tried (goodput at these rates)")
     args = ap.parse_args()
@@ -271,7 +293,8 @@ def main() -> int:
         from e2e_capacity import run_capacity
         out, results, failed = run_capacity(args, model_dir, json_dir)
     else:
-        wl = {k: v for k, v in workloads(args.quick, model_dir, args.rate_scale).items() if k in args.workloads}
+        every = workloads(args.quick, model_dir, args.rate_scale, min_arrival_s=args.min_arrival_s)
+        wl = {k: v for k, v in every.items() if k in args.workloads}
         results, failed = {}, []
         for system in args.systems:
             try:

@@ -7,6 +7,9 @@ is started once and serves every rate of every workload; each replay draws fresh
 tokens (a new trace salt / shared-prefix seed, same sharing structure), so no replay
 hits prefixes cached by an earlier one. What does carry over is occupancy: the caches
 the earlier replays filled must be evicted (LRU) as a long-running server would.
+With ``min_arrival_s`` (``--min-arrival-s``) every replay is the workload repeated until its
+arrivals span that long, each repetition on prefixes of its own (``bench_e2e.workloads``):
+the same for every system, and attainment is over the whole replay.
 After the search, the rates in ``report_scales`` (1x, 2x, 4x) not yet measured are run
 too, for the goodput at those rates.
 """
@@ -76,9 +79,9 @@ def runs_table(res: dict) -> str:
 
 def capacity_table(results: list[dict], report_scales: list[float]) -> str:
     """Capacity per system and workload, goodput at the report scales, ratio to llama_server."""
-    head = " | ".join(f"goodput {s:g}x" for s in report_scales)
+    head = "".join(f"goodput {s:g}x | " for s in report_scales)
     rows = [f"| workload | system | own rate (req/s) | capacity (x) | capacity (req/s) | first failing (x) | "
-            f"{head} | capacity vs llama_server |", "|---" * (7 + len(report_scales)) + "|"]
+            f"{head}capacity vs llama_server |", "|---" * (7 + len(report_scales)) + "|"]
     peer = {r["workload"]: r for r in results if r["system"] == "llama_server"}
     for r in results:
         cap = r["capacity"]
@@ -86,10 +89,10 @@ def capacity_table(results: list[dict], report_scales: list[float]) -> str:
         ref = peer.get(r["workload"])
         ratio = (f"{ge}{cap / ref['capacity']:.2f}x" if cap is not None and ref and ref["capacity"]
                  and not ref["capped"] else "-")
-        goods = " | ".join(_f((r["runs"].get(s) or {}).get("goodput"), 3) for s in report_scales)
+        goods = "".join(_f((r["runs"].get(s) or {}).get("goodput"), 3) + " | " for s in report_scales)
         rows.append(f"| {r['workload']} | {r['system']} | {_f(r['own_rate'], 3)} | "
                     f"{ge}{_f(cap)} | {ge}{_f(None if cap is None else cap * r['own_rate'], 3)} | "
-                    f"{_f(r['first_fail'])} | {goods} | {ratio} |")
+                    f"{_f(r['first_fail'])} | {goods}{ratio} |")
     return "\n".join(rows)
 
 
@@ -97,7 +100,7 @@ def run_capacity(args, model_dir: str, json_dir: Path) -> tuple[str, list[dict],
     """Every chosen system, started once, through every chosen workload's capacity search."""
     from bench_e2e import SLOS, run_workload, start_system, workloads
 
-    plan = CapacityPlan(start=1.0, growth=2.0, target=0.9, max_scale=args.max_scale,
+    plan = CapacityPlan(start=args.start_scale, growth=2.0, target=0.9, max_scale=args.max_scale,
                         min_scale=args.min_scale, max_rates=args.max_rates, bisect_steps=args.bisect_steps)
     results: list[dict] = []
     failed: list[str] = []
@@ -111,7 +114,8 @@ def run_capacity(args, model_dir: str, json_dir: Path) -> tuple[str, list[dict],
         salts = itertools.count(1)
         try:
             for name in args.workloads:
-                make = lambda scale, salt, name=name: workloads(args.quick, model_dir, scale, salt)[name]  # noqa: E731
+                make = lambda scale, salt, name=name: workloads(  # noqa: E731
+                    args.quick, model_dir, scale, salt, args.min_arrival_s)[name]
                 run = lambda kw, tag, name=name: run_workload(system, name, kw, target, json_dir, tag)  # noqa: E731
                 res = capacity_of(system, name, make, run, plan, args.report_scales, salts)
                 print(f"[{system}/{name}] capacity {'>= ' if res['capped'] else ''}{res['capacity']}x "
@@ -122,10 +126,14 @@ def run_capacity(args, model_dir: str, json_dir: Path) -> tuple[str, list[dict],
             failed.append(system)
         finally:
             server.stop()
+    also = ", ".join(f"{s:g}x" for s in args.report_scales) or "no other rate"
     text = [f"Capacity: highest arrival rate with >= {plan.target:.0%} of requests within TTFT <= "
             f"{SLOS['ttft']:.0f} ms and TPOT <= {SLOS['tpot']:.0f} ms; mooncake dtype {args.dtype}; search: x{plan.growth:g} "
             f"from {plan.start:g}x (cap {plan.max_scale:g}x, floor {plan.min_scale:g}x), {plan.bisect_steps} bisection "
-            f"steps, <= {plan.max_rates} rates, then {', '.join(f'{s:g}x' for s in args.report_scales)} if not tried.",
+            f"steps, <= {plan.max_rates} rates, then {also} if not tried."
+            + (f" Sustained: at every rate the workload repeats (fresh prefixes per repetition) until its "
+               f"arrivals span >= {args.min_arrival_s:g} s; attainment over the whole replay."
+               if args.min_arrival_s else ""),
             "", capacity_table(results, args.report_scales)]
     for res in results:
         text += ["", runs_table(res)]

@@ -51,9 +51,32 @@ def arrival_times(spec: ArrivalSpec, sessions: list[Session]) -> list[float]:
         return [float(s.arrival_s) for s in sessions]  # type: ignore[arg-type]
     if spec.kind == "concurrency":
         return [0.0] * n
+    return _generated_times(spec, n)
+
+
+def _generated_times(spec: ArrivalSpec, n: int) -> list[float]:
+    """``rate`` / ``poisson`` start offsets of ``n`` sessions."""
     assert spec.rate is not None
     if spec.kind == "rate":
         return [i / spec.rate for i in range(n)]
     gaps = np.random.default_rng(spec.seed).exponential(1.0 / spec.rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def copies_to_span(spec: ArrivalSpec, sessions_per_copy: int, min_span_s: float, limit: int = 100_000) -> int:
+    """The fewest copies of a workload of ``sessions_per_copy`` sessions whose generated
+    arrivals (``rate`` or ``poisson``; the same seed, so the times of ``k`` copies are those
+    the runner will draw) span at least ``min_span_s`` seconds."""
+    if spec.kind not in ("rate", "poisson"):
+        raise ValueError(f"a span needs generated arrivals ('rate' or 'poisson'), not {spec.kind!r}")
+    if sessions_per_copy < 1 or not min_span_s > 0:
+        raise ValueError("need sessions_per_copy >= 1 and min_span_s > 0")
+    copies = 1
+    while True:
+        n = copies * sessions_per_copy
+        if _generated_times(spec, n)[-1] >= min_span_s:
+            return copies
+        if n >= limit:
+            raise ValueError(f"{min_span_s} s of arrivals needs more than {limit} sessions")
+        copies += 1

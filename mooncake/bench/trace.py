@@ -9,6 +9,12 @@ Scaling keeps the reuse structure: each hash id expands to ``block_tokens``
 token ids that depend on the id only, the partial last block scales
 proportionally, so two requests sharing ``k`` leading ids share exactly
 ``k * block_tokens`` leading tokens.
+
+``min_span_s`` turns a short selection into a sustained one: the selected requests
+are repeated, repetition after repetition at the selection's own mean rate, each
+repetition on hash ids of its own (every id offset by ``r * (max id + 1)``), so a
+repetition shares within itself exactly what the selection shares, and nothing with
+another repetition (no cache a repetition filled can serve the next one).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mooncake.bench.prompts import TokenRange, block_token_ids
@@ -68,6 +74,9 @@ class TraceScaling:
     salt: int = 0
     """Non-zero: other tokens for every block (same reuse structure), so that repeated
     runs against one server do not hit each other's cached prefixes."""
+    min_span_s: float | None = None
+    """Repeat the selected requests (each repetition on hash ids of its own, arrivals at
+    the selection's mean rate) until the scaled arrivals span at least this many seconds."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -80,6 +89,8 @@ class TraceScaling:
                 raise ValueError(f"{name} must be >= 1")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError("duration_s must be > 0")
+        if self.min_span_s is not None and not self.min_span_s > 0:
+            raise ValueError("min_span_s must be > 0")
 
 
 def _int_field(obj: dict, key: str, path: str, line_no: int) -> int:
@@ -167,9 +178,8 @@ def expand_prompt(record: TraceRecord, block_tokens: int, token_range: TokenRang
     return tokens[:length]
 
 
-def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
-                   token_range: TokenRange) -> list[Session]:
-    """Scaled single-turn sessions, with arrival offsets (s) from the first timestamp."""
+def _select(records: list[TraceRecord], scaling: TraceScaling) -> list[tuple[TraceRecord, float]]:
+    """The requests a scaling keeps, in arrival order, with their scaled arrival offsets (s)."""
     if scaling.prefix_groups is not None:
         sizes = Counter(r.hash_ids[0] for r in records if r.hash_ids)
         keep = {h for h, _ in sizes.most_common(scaling.prefix_groups)}
@@ -177,20 +187,50 @@ def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
     if not records:
         return []
     t0 = min(r.timestamp_ms for r in records)
-    sessions = []
-    cache: dict[int, list[int]] = {}
+    chosen = []
     for i, rec in enumerate(sorted(records, key=lambda r: (r.timestamp_ms, r.line_no))):
         if scaling.max_requests is not None and i >= scaling.max_requests:
             break
         arrival = (rec.timestamp_ms - t0) / 1000.0 * scaling.time_scale
         if scaling.duration_s is not None and arrival > scaling.duration_s:
             break
-        prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache, scaling.salt)
-        if scaling.max_input_tokens is not None:
-            prompt = prompt[:scaling.max_input_tokens]
-        out = max(1, rec.output_length)
-        if scaling.max_output_tokens is not None:
-            out = min(out, scaling.max_output_tokens)
-        sessions.append(Session(session_id=f"trace-{rec.line_no}", turns=(tuple(prompt),),
-                                max_tokens=(out,), arrival_s=arrival))
+        chosen.append((rec, arrival))
+    return chosen
+
+
+def repetitions(arrivals: list[float], min_span_s: float | None) -> tuple[int, float]:
+    """How many repetitions of ``arrivals`` (sorted offsets, s) span at least ``min_span_s``,
+    and the period between repetitions: the span plus one mean gap, so that the repeated
+    arrivals keep the selection's mean rate, ``(n - 1) / span``."""
+    if min_span_s is None or not arrivals:
+        return 1, 0.0
+    n, span = len(arrivals), arrivals[-1] - arrivals[0]
+    if span >= min_span_s:
+        return 1, 0.0
+    if n < 2 or span <= 0:
+        raise ValueError("min_span_s needs a selection whose arrivals span some time (>= 2 distinct times)")
+    period = span * n / (n - 1)
+    return 1 + math.ceil((min_span_s - span) / period - 1e-9), period
+
+
+def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
+                   token_range: TokenRange) -> list[Session]:
+    """Scaled single-turn sessions, with arrival offsets (s) from the first timestamp."""
+    chosen = _select(records, scaling)
+    reps, period = repetitions([a for _, a in chosen], scaling.min_span_s)
+    stride = 1 + max((h for rec, _ in chosen for h in rec.hash_ids), default=0)
+    sessions = []
+    for r in range(reps):
+        cache: dict[int, list[int]] = {}
+        for rec, arrival in chosen:
+            if r:  # a repetition of its own: every hash id moved past all of the previous ones
+                rec = replace(rec, hash_ids=tuple(h + r * stride for h in rec.hash_ids))
+            prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache, scaling.salt)
+            if scaling.max_input_tokens is not None:
+                prompt = prompt[:scaling.max_input_tokens]
+            out = max(1, rec.output_length)
+            if scaling.max_output_tokens is not None:
+                out = min(out, scaling.max_output_tokens)
+            sessions.append(Session(session_id=f"trace-{rec.line_no}" + (f"-r{r}" if r else ""),
+                                    turns=(tuple(prompt),), max_tokens=(out,), arrival_s=arrival + r * period))
     return sessions

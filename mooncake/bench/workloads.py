@@ -47,9 +47,13 @@ class SharedPrefixSpec:
     turns: int = 1
     output_tokens: int = 32
     seed: int = 0
+    repeats: int = 1
+    """Copies of the whole workload, one after the other, each on groups of its own (copy
+    ``r`` draws the prefixes of groups ``r * groups ...``): a copy shares within itself what
+    the workload shares, and nothing with another copy."""
 
     def __post_init__(self) -> None:
-        for name in ("groups", "sessions_per_group", "turns", "output_tokens"):
+        for name in ("groups", "sessions_per_group", "turns", "output_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.prefix_tokens < 0 or self.suffix_tokens < 0:
@@ -61,21 +65,24 @@ class SharedPrefixSpec:
 
 
 def shared_prefix_sessions(spec: SharedPrefixSpec, token_range: TokenRange) -> list[Session]:
-    """Build the sessions, interleaved across groups (g0s0, g1s0, ..., g0s1, ...).
+    """Build the sessions, interleaved across groups (g0s0, g1s0, ..., g0s1, ...), copy after
+    copy when ``spec.repeats`` > 1.
 
     Later turns carry only their new user tokens; the runner prepends the
     history (previous prompts and answers).
     """
-    prefixes = [seeded_token_ids((spec.seed, _PREFIX_SEED, g), spec.prefix_tokens, token_range)
-                for g in range(spec.groups)]
     sessions = []
-    for s in range(spec.sessions_per_group):
-        for g in range(spec.groups):
-            turns = []
-            for t in range(spec.turns):
-                suffix = seeded_token_ids((spec.seed, _SUFFIX_SEED, g, s, t), spec.suffix_tokens,
-                                          token_range)
-                turns.append(tuple((prefixes[g] if t == 0 else []) + suffix))
-            sessions.append(Session(session_id=f"g{g}-s{s}", turns=tuple(turns),
-                                    max_tokens=(spec.output_tokens,) * spec.turns))
+    for r in range(spec.repeats):
+        groups = range(r * spec.groups, (r + 1) * spec.groups)
+        prefixes = {g: seeded_token_ids((spec.seed, _PREFIX_SEED, g), spec.prefix_tokens, token_range)
+                    for g in groups}
+        for s in range(spec.sessions_per_group):
+            for g in groups:
+                turns = []
+                for t in range(spec.turns):
+                    suffix = seeded_token_ids((spec.seed, _SUFFIX_SEED, g, s, t), spec.suffix_tokens,
+                                              token_range)
+                    turns.append(tuple((prefixes[g] if t == 0 else []) + suffix))
+                sessions.append(Session(session_id=f"g{g}-s{s}", turns=tuple(turns),
+                                        max_tokens=(spec.output_tokens,) * spec.turns))
     return sessions
