@@ -15,6 +15,9 @@ Systems (all 2 prefill + 1 decode + 1 store processes, one torch thread each):
 * ``cache_off``: ``conductor.use_store = false`` and ``engine.prefix_caching =
   false``: the same processes, but every prompt is computed in full;
 * ``round_robin``: mooncake, ``conductor.policy = round_robin``, store on;
+* ``cache_aware_slo``: ``cache_aware`` with the benchmark's SLOs set on the conductor
+  (``ttft_slo_ms``, ``tbt_slo_ms``): requests it predicts would miss them are refused early
+  (429) instead of queued; off by default, so not among the default systems;
 * ``hf_serve``: ``transformers serve --continuous-batching`` on the same
   converted model (text prompts: it does not take token-id prompts);
 * ``llama_server``: llama.cpp's ``llama-server`` on the same GGUF file, default settings
@@ -67,6 +70,7 @@ from mooncake.dev import DevCluster  # noqa: E402
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve", "llama_server"]
+OPTIONAL_SYSTEMS = ["cache_aware_slo"]  # run only when named
 WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
@@ -80,6 +84,8 @@ def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
         cfg.engine.prefix_caching = False
     if system == "round_robin":
         cfg.conductor.policy = "round_robin"
+    if system == "cache_aware_slo":
+        cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
     cluster = DevCluster(cfg, prefill=2, decode=1, store=1)
     try:
         cluster.start(timeout_s=300)
@@ -266,7 +272,7 @@ def table(results: dict[str, dict[str, dict]], wl_name: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (24 trace requests, 2x2x2 sessions)")
-    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + OPTIONAL_SYSTEMS)
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--json-dir", default="/tmp/mooncake-e2e")
     ap.add_argument("--out", help="also write the markdown tables here")
