@@ -1,4 +1,4 @@
-"""The bulk path's I/O in threads (mooncake/p2p/bulk.py) against the same I/O on the event loop
+"""The bulk path's I/O in threads (mooncake/p2p/bulk.py, bulk_server.py) against the same I/O on the event loop
 (``loop.sock_sendfile`` on the holder, ``loop.sock_recv_into`` on the fetcher, hashing and
 writing each 1 MiB slice on the loop; in a thread, ``recv_into`` with or without ``MSG_WAITALL``), over loopback in one process pair: a holder process
 serving one file of ``--size-mb`` MB in 16 MiB chunks, one connection, chunk after chunk, and

@@ -10,6 +10,7 @@ from typing import Awaitable, Callable
 import torch
 
 from mooncake import protocol as P
+from mooncake.engine.layerwise import split_runs
 
 ShipFn = Callable[[P.Msg, list[torch.Tensor]], Awaitable[None]]
 
@@ -26,6 +27,22 @@ class KVSender:
         """Queue a message (event loop thread; from another thread use ``loop.call_soon_threadsafe``)."""
         self.pending_bytes += sum(t.nbytes for t in tensors)
         self._queue.put_nowait((msg, tensors))
+
+    def put_blocks(self, req: P.PrefillRequest, first: int, kv: torch.Tensor) -> None:
+        """Queue ``req``'s whole blocks ``[first, first + len(kv))`` as one ``KVTransfer``."""
+        self.put(P.KVTransfer(req.req_id, first, token=req.kv_token), list(kv.unbind(0)))
+
+    def put_layer(self, req: P.PrefillRequest, layer: int, first: int, kv: torch.Tensor, per_frame: int,
+                  loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Queue one layer of ``req``'s blocks from ``first`` as ``KVLayer`` messages of at most
+        ``per_frame`` blocks (well under the receiver's message limit). From the engine thread, pass
+        the event ``loop``: each message is queued there."""
+        for start, part in split_runs(first, kv, per_frame):
+            msg = P.KVLayer(req.req_id, start, layer, token=req.kv_token)
+            if loop is None:
+                self.put(msg, [part])
+            else:
+                loop.call_soon_threadsafe(self.put, msg, [part])
 
     def check(self) -> None:
         """Raise what stopped the sender early (a send that timed out, an abort)."""

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
-from mooncake.engine import Engine, load_model
+from mooncake.engine import Engine, Sequence, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.kv_integrity import Rejections, checksums
@@ -131,6 +131,11 @@ class EngineWorker(ABC):
             client = self._stores.pop(endpoint, None)
             if client is not None:
                 client.close()
+
+    async def store_blocks(self, endpoint: str, seq: Sequence, hashes: list[bytes], first: int, end: int) -> None:
+        """Write ``seq``'s blocks ``[first, end)`` (keyed by ``hashes``) to a store (``write_back``)."""
+        kv = await self.run_engine(self.engine.export_sequence, seq, first, end)
+        self.write_back(endpoint, hashes, kv)
 
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
         """Put blocks into a store in the background; a failed write only costs reuse, and so does

@@ -33,7 +33,7 @@ async def until(condition, timeout_s: float = 30.0) -> None:
 
 
 async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worker, monkeypatch):
-    import mooncake.roles.decode as decode_module
+    import mooncake.roles.decode_kv as decode_kv
 
     w = decode_worker
     w.send = Recorder()
@@ -42,7 +42,7 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
     kv = {"r1": torch.full((2, *eng.block_shape), 1.0, dtype=eng.dtype),
           "r2": torch.full((2, *eng.block_shape), 2.0, dtype=eng.dtype)}
     release, held = threading.Event(), threading.Event()
-    real_check = decode_module.first_corrupt
+    real_check = decode_kv.first_corrupt
 
     def check(tensors, sums):  # r1's first message waits here (a worker thread) until released
         if float(tensors[0].flatten()[0]) == 1.0 and not release.is_set():
@@ -50,7 +50,7 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
             release.wait(60)
         return real_check(tensors, sums)
 
-    monkeypatch.setattr(decode_module, "first_corrupt", check)
+    monkeypatch.setattr(decode_kv, "first_corrupt", check)
     for rid, first in (("r1", 100), ("r2", 500)):
         tokens = list(range(first, first + 2 * T))
         await w.handle(P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])

@@ -12,7 +12,7 @@ import torch
 from mooncake.api.structured import schema_grammar
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine, InvalidRequestError
-from mooncake.engine import engine as engine_module
+from mooncake.engine import token_picker
 from mooncake.engine.sampler import Row, sample
 from mooncake.protocol import Sampling
 
@@ -88,7 +88,7 @@ def test_seeded_sequence_draws_the_same_in_any_batch(eng, ids, monkeypatch):
         seen.append((logits.clone(), rows, out.tokens))
         return out
 
-    monkeypatch.setattr(engine_module, "sample", recording)
+    monkeypatch.setattr(token_picker, "sample", recording)
     a = eng.add_sequence("a", ids, Sampling(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True))
     b = eng.add_sequence("b", ids[:5], Sampling(max_tokens=8, temperature=0.7, ignore_eos=True, presence_penalty=1))
     toks = [eng.prefill(a).token]

@@ -1,4 +1,4 @@
-"""The bulk data path for chunk bytes (mooncake/p2p/bulk.py): in process (tokens, cut, stalled,
+"""The bulk data path for chunk bytes (mooncake/p2p/bulk.py, bulk_server.py): in process (tokens, cut, stalled,
 truncated and corrupt streams, a port refusing or ignoring connections, a configured port),
 through a store's P2P socket (a token under plain TCP, never under CURVE), and end to end
 between real stores on loopback (a holder whose bulk port is closed served over ZeroMQ) and
@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from hosts import unavailable_reason
-from mooncake.p2p.bulk import CLOSED_ENV, CUT_ENV, HEADER, BulkLost, BulkPool, BulkServer, BulkUnreachable
+from mooncake.p2p.bulk import HEADER, BulkLost, BulkPool, BulkUnreachable
+from mooncake.p2p.bulk_server import CLOSED_ENV, CUT_ENV, BulkServer
 from mooncake.p2p.manifest import build_manifest
 from mooncake.p2p.messages import ChunkData, ChunkGet, decoder, encoder
 from mooncake.p2p.objects import LocalObject

@@ -3,7 +3,7 @@ egress cap), twice that once the holder delivers fast. Timestamps are given, not
 
 from __future__ import annotations
 
-from mooncake.p2p.fetch import FAST_HOLDER_BYTES_PER_S, Peer, in_flight_for
+from mooncake.p2p.holders import FAST_HOLDER_BYTES_PER_S, Peer, in_flight_for
 
 CHUNK = 16 << 20
 

@@ -1,4 +1,5 @@
-"""The engine: paged KV cache + own forward + sampling, for prefill and decode roles.
+"""The engine: sequences over a paged KV cache, computed by its own forward, for prefill and
+decode roles. KV import / export is ``kv_transfer``; choosing next tokens, ``token_picker``.
 
 Not thread-safe: the roles call one Engine from a single worker thread. Compute
 is synchronous.
@@ -16,32 +17,21 @@ import torch
 from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill_batch
-from mooncake.engine.constraints import Grammars, consume
+from mooncake.engine.constraints import consume
 from mooncake.engine.decoder import DecoderForward
-from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
+from mooncake.engine.kv_transfer import KVTransfer
 from mooncake.engine.layerwise import ChunkLayers, LayerFn
 from mooncake.engine.loader import LoadedModel
-from mooncake.engine.sampler import Row, Sampled, sample, sequence_seed
-from mooncake.engine.sampling_checks import check_sampling
+from mooncake.engine.request_checks import check_request
+from mooncake.engine.sampler import sequence_seed
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
+from mooncake.engine.token_picker import TokenPicker
 from mooncake.protocol import Sampling
 
 
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    ids: set[int] = set()
-    gc = getattr(loaded.hf_model, "generation_config", None)
-    for src in (getattr(gc, "eos_token_id", None), loaded.hf_model.config.eos_token_id,
-                getattr(loaded.tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(int(i) for i in src)
-    return ids
-
-
-class Engine:
+class Engine(KVTransfer):
     """One model on one device with a paged KV pool. Not thread-safe."""
 
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
@@ -64,9 +54,8 @@ class Engine:
         self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
         self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
         self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
-        self.eos_token_ids = _eos_ids(loaded)
         self.vocab_size = int(self.model.embed.shape[0])
-        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_token_ids, cfg.threads or 1)
+        self.picker = TokenPicker(loaded, self.vocab_size, self.max_model_len, cfg.threads or 1)
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.prefix_caching = cfg.prefix_caching
         self.max_batch = cfg.max_batch
@@ -84,24 +73,7 @@ class Engine:
 
     def validate(self, tokens: list[int], sampling: Sampling) -> None:
         """Raise InvalidRequestError (user-facing message, ``param``) for a request we cannot serve."""
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(tokens) > self.max_model_len - 1:
-            raise InvalidRequestError(
-                "the prompt has %d tokens but the context limit is %d tokens (at most %d prompt "
-                "tokens, to leave room for one generated token)"
-                % (len(tokens), self.max_model_len, self.max_model_len - 1), "prompt")
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise InvalidRequestError("prompt token ids must be in [0, %d)" % self.vocab_size, "prompt")
-        if sampling.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
-        if not sampling.temperature >= 0:
-            raise InvalidRequestError("temperature must be >= 0", "temperature")
-        if not 0 < sampling.top_p <= 1:
-            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
-        if sampling.top_k < 0:
-            raise InvalidRequestError("top_k must be >= 0 (0: disabled)", "top_k")
-        check_sampling(sampling, self.vocab_size)
+        check_request(tokens, sampling, self.max_model_len, self.vocab_size)
 
     def cached_prefix(self, hashes: list[BlockHash]) -> int:
         return self.blocks.cached_prefix(hashes) if self.prefix_caching else 0
@@ -113,22 +85,11 @@ class Engine:
         other blocks; None if the pool cannot hold it (nothing is leaked). ``hashes``/``root``: the
         prompt's chain, when the caller has it (else computed from ``cache_salt``)."""
         self.validate(tokens, sampling)
-        matcher = self._matcher(tokens, sampling, num_generated)
-        T = self.block_tokens
         root = self.root(cache_salt) if root is None else root
         hashes = self.hashes(tokens, cache_salt) if hashes is None else list(hashes)
-        n_hit = min(self.blocks.cached_prefix(hashes), (len(tokens) - 1) // T) if self.prefix_caching else 0
-        if max_cached_blocks is not None:
-            n_hit = min(n_hit, max_cached_blocks)
-        held = self.blocks.acquire(hashes[:n_hit])
-        new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
-        if new is None:
-            self.blocks.release(held)
-            return None
-        self._num_seqs += 1
-        return Sequence(req_id, list(tokens), sampling, root, n_hit * T, n_hit * T, num_generated,
-                        held + new, list(hashes[:n_hit]), seed=sequence_seed(sampling),
-                        hashes=hashes, uid=next(self._uids), matcher=matcher)
+        n_hit = min(self.cached_prefix(hashes), (len(tokens) - 1) // self.block_tokens,
+                    len(hashes) if max_cached_blocks is None else max_cached_blocks)
+        return self._new_sequence(req_id, tokens, sampling, num_generated, hashes, root, n_hit, True)
 
     def reserve(self, req_id: str, tokens: list[int], hashes: list[BlockHash], root: BlockHash,
                 sampling: Sampling, num_generated: int = 0) -> Sequence | None:
@@ -136,52 +97,25 @@ class Engine:
         ``write_kv``; leading blocks already cached are shared (their KV need not come).
         None if the pool cannot hold it now (nothing is leaked)."""
         self.validate(tokens, sampling)
-        matcher = self._matcher(tokens, sampling, num_generated)
-        T = self.block_tokens
-        n_hit = self.blocks.cached_prefix(hashes)
+        return self._new_sequence(req_id, tokens, sampling, num_generated, list(hashes), root,
+                                  self.blocks.cached_prefix(hashes), False)
+
+    def _new_sequence(self, req_id: str, tokens: list[int], sampling: Sampling, num_generated: int,
+                      hashes: list[BlockHash], root: BlockHash, n_hit: int, computes: bool) -> Sequence | None:
+        """A sequence sharing the cached blocks ``hashes[:n_hit]`` and holding new ones for the rest of
+        ``tokens``; None if the pool cannot hold it (nothing is leaked). ``computes``: the engine computes
+        the rest (the shared prefix counts as computed); else the KV of all ``tokens`` will be written in."""
+        matcher = self.picker.matcher(tokens, sampling, num_generated)
         held = self.blocks.acquire(hashes[:n_hit])
-        new = self.blocks.allocate(-(-len(tokens) // T) - n_hit)
+        new = self.blocks.allocate(-(-len(tokens) // self.block_tokens) - n_hit)
         if new is None:
             self.blocks.release(held)
             return None
         self._num_seqs += 1
-        return Sequence(req_id, list(tokens), sampling, root, n_hit * T, 0, num_generated, held + new,
-                        seed=sequence_seed(sampling), hashes=list(hashes), uid=next(self._uids),
-                        matcher=matcher)
-
-    def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor, stage_row: int | None = None) -> None:
-        """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;
-        blocks it shares from the cache are left as they are. ``stage_row``: the decode workspace row the
-        sequence will likely take at its first step; the KV is copied there too (``DecoderForward.stage``)."""
-        n_blocks = len(seq.block_table)
-        if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled:
-            raise ValueError("blocks %d..%d do not fit sequence %s of %d blocks"
-                             % (first_block, first_block + len(kv), seq.req_id, n_blocks))
-        self._check_kv(kv, 0)
-        skip = max(0, seq.num_cached_tokens // self.block_tokens - first_block)
-        if skip < len(kv):
-            idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
-            self.pool.index_copy_(0, idx, kv[skip:].to(self.device, self.dtype))
-        if stage_row is not None:
-            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), None)
-
-    def write_kv_layer(self, seq: Sequence, first_block: int, layer: int, kv: torch.Tensor,
-                       stage_row: int | None = None) -> None:
-        """Copy one layer of received blocks (``kv``: ``[n, 2, Hkv, T, D]``) into a reserved sequence's
-        blocks ``[first_block, first_block + n)``; blocks it shares from the cache are left as they are.
-        ``stage_row``: as ``write_kv``'s."""
-        n_blocks = len(seq.block_table)
-        if first_block < 0 or first_block + len(kv) > n_blocks or seq.prefilled or not 0 <= layer < self.block_shape[0]:
-            raise ValueError("layer %d of blocks %d..%d does not fit sequence %s of %d blocks"
-                             % (layer, first_block, first_block + len(kv), seq.req_id, n_blocks))
-        if kv.dim() != len(self.block_shape) or tuple(kv.shape[1:]) != self.block_shape[1:]:
-            raise ValueError("kv layer has shape %s; expected [n, %s]" % (tuple(kv.shape), self.block_shape[1:]))
-        skip = max(0, seq.num_cached_tokens // self.block_tokens - first_block)
-        if skip < len(kv):
-            idx = self._tensor(seq.block_table[first_block + skip: first_block + len(kv)])
-            self.pool[idx, layer] = kv[skip:].to(self.device, self.dtype)
-        if stage_row is not None:
-            self.model.stage(stage_row, seq.uid, len(seq.tokens), first_block, kv.to(self.device, self.dtype), layer)
+        cached = n_hit * self.block_tokens
+        return Sequence(req_id, list(tokens), sampling, root, cached, cached if computes else 0, num_generated,
+                        held + new, list(hashes[:n_hit]) if computes else [], seed=sequence_seed(sampling),
+                        hashes=hashes, uid=next(self._uids), matcher=matcher)
 
     def begin_decoding(self, seq: Sequence, next_token: int) -> None:
         """All of a reserved sequence's KV is in: it decodes ``next_token`` next."""
@@ -235,9 +169,9 @@ class Engine:
             return PrefillStep(full, False, compute_s=time.perf_counter() - t0)
         seq.prefilled = True
         assert logits is not None
-        picked = self._sample(logits, [seq])
+        picked = self.picker.sample(logits, [seq])
         token = picked.tokens[0]
-        return PrefillStep(full, True, token, self._append(seq, token), logits[0], picked.logprobs[0],
+        return PrefillStep(full, True, token, self.picker.append(seq, token), logits[0], picked.logprobs[0],
                            compute_s=time.perf_counter() - t0)
 
     def prefill_stage(self, seq: Sequence, layers: tuple[int, int], end: int, hidden: torch.Tensor | None = None,
@@ -269,9 +203,9 @@ class Engine:
             return PrefillStep([], False), None
         seq.prefilled = True
         assert out is not None
-        picked = self._sample(out, [seq])
+        picked = self.picker.sample(out, [seq])
         token = picked.tokens[0]
-        return PrefillStep([], True, token, self._append(seq, token), out[0], picked.logprobs[0]), None
+        return PrefillStep([], True, token, self.picker.append(seq, token), out[0], picked.logprobs[0]), None
 
     def prefill_many(self, seqs: list[Sequence], hooks: list[LayerFn | None] | None = None) -> list[PrefillStep]:
         """``prefill`` for several sequences in one forward: the chunk budget
@@ -308,11 +242,11 @@ class Engine:
                 finishing.append(s)
         if finishing:
             assert logits is not None
-            picked = self._sample(logits, finishing)
+            picked = self.picker.sample(logits, finishing)
             for i, (s, tok) in enumerate(zip(finishing, picked.tokens)):
                 s.prefilled = True
                 full = steps[id(s)].new_full_blocks
-                steps[id(s)] = PrefillStep(full, True, tok, self._append(s, tok), logits[i], picked.logprobs[i])
+                steps[id(s)] = PrefillStep(full, True, tok, self.picker.append(s, tok), logits[i], picked.logprobs[i])
         per_token = (time.perf_counter() - t0) / sum(end - start for _, start, end, _ in parts)
         for s, start, end, _ in parts:  # each sequence's share of the forward, by its tokens
             steps[id(s)].compute_s = per_token * (end - start)
@@ -339,39 +273,13 @@ class Engine:
             part = ready[i: i + self.max_batch]
             logits = self.model.forward(self.pool, decode_batch(part, self.block_tokens, self.device))
             assert logits is not None
-            picked = self._sample(logits, part)
+            picked = self.picker.sample(logits, part)
             for s, tok, lp in zip(part, picked.tokens, picked.logprobs):
                 s.num_computed += 1
                 if s.num_computed % T == 0:
                     self._register_full(s, s.num_computed - 1, s.num_computed)
-                out[id(s)] = StepOutput(s, tok, self._append(s, tok), lp)
+                out[id(s)] = StepOutput(s, tok, self.picker.append(s, tok), lp)
         return [out[id(s)] for s in seqs]
-
-    def _matcher(self, tokens: list[int], sampling: Sampling, num_generated: int) -> object:
-        if not sampling.grammar:
-            return None
-        return self.grammars.matcher(sampling.grammar, tokens[len(tokens) - num_generated:])
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-        rows = []
-        for s in seqs:
-            sp = s.sampling
-            banned = (list(self.eos_token_ids) + sp.stop_token_ids) if s.num_generated < sp.min_tokens else ()
-            rows.append(Row(sp, s.seed, s.tokens, s.num_generated, banned))
-        matchers = [s.matcher for s in seqs]
-        mask = self.grammars.mask(matchers) if any(m is not None for m in matchers) else None
-        return sample(logits, rows, mask)
-
-    def _append(self, seq: Sequence, token: int) -> str:
-        seq.tokens.append(token)
-        seq.num_generated += 1
-        s = seq.sampling
-        done_grammar = seq.matcher is not None and consume(seq.matcher, token)
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids) or done_grammar:
-            seq.finished = "stop"
-        elif seq.num_generated >= s.max_tokens or len(seq.tokens) >= self.max_model_len:
-            seq.finished = "length"
-        return seq.finished
 
     def _register_full(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Key the blocks that became full while computing positions [start, end)."""
@@ -386,73 +294,6 @@ class Engine:
         seq.block_hashes.extend(hs)
         self.blocks.register([seq.block_table[j] for j in idx], hs)
         return idx
-
-    # ------------------------------------------------------------ KV transfer
-
-    def _check_kv(self, kv: torch.Tensor, n: int) -> None:
-        if kv.dim() != len(self.block_shape) + 1 or tuple(kv.shape[1:]) != self.block_shape or kv.shape[0] < n:
-            raise ValueError("kv has shape %s; expected [>=%d, %s]" % (tuple(kv.shape), n, self.block_shape))
-
-    def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
-
-    def export_blocks(self, hashes: list[BlockHash]) -> torch.Tensor:
-        """``[n, *block_shape]``: the leading blocks of ``hashes`` present in the device cache."""
-        blocks = [self.blocks.cached[h] for h in hashes[: self.blocks.cached_prefix(hashes)]]
-        self.blocks.touch(blocks)
-        return self.pool[self._tensor(blocks)]
-
-    def import_blocks(self, hashes: list[BlockHash], kv: torch.Tensor) -> int:
-        """Store blocks as unreferenced cached blocks; already present ones count as stored.
-        Stops at the first block that finds no free or evictable slot; returns how many."""
-        self._check_kv(kv, len(hashes))
-        held: list[int] = []
-        new: list[int] = []
-        new_hashes: list[BlockHash] = []
-        src: list[int] = []
-        for i, h in enumerate(hashes):
-            if h in self.blocks.cached:
-                held.extend(self.blocks.acquire([h]))
-                continue
-            got = self.blocks.allocate(1)
-            if got is None:
-                break
-            held.extend(got)
-            new.extend(got)
-            new_hashes.append(h)
-            src.append(i)
-        if new:
-            rows = kv[torch.tensor(src, device=kv.device)].to(self.device, self.dtype)
-            self.pool.index_copy_(0, self._tensor(new), rows)
-            self.blocks.register(new, new_hashes)
-        self.blocks.release(held)
-        return len(held)
-
-    def land_layers(self, seq: Sequence, first_block: int, lo: int, kv: torch.Tensor) -> None:
-        """Write layers ``[lo, lo + kv.shape[1])`` of a loading prefix (``kv``: ``[n, layers, 2, Hkv, T,
-        D]``) into the sequence's blocks ``[first_block, first_block + n)``. The one engine call that may
-        run off the engine thread while a forward of ``seq`` runs: it touches only those blocks' pool
-        rows, which that forward reads only after ``past_ready`` let it (and no bookkeeping)."""
-        n, hi = len(kv), lo + kv.shape[1]
-        if first_block < 0 or first_block + n > len(seq.block_table) or not 0 <= lo < hi <= self.block_shape[0]:
-            raise ValueError("layers %d..%d of blocks %d..%d do not fit sequence %s of %d blocks"
-                             % (lo, hi, first_block, first_block + n, seq.req_id, len(seq.block_table)))
-        if tuple(kv.shape[2:]) != self.block_shape[1:]:
-            raise ValueError("kv layers have shape %s; expected [n, layers, %s]" % (tuple(kv.shape), self.block_shape[1:]))
-        idx = self._tensor(seq.block_table[first_block:first_block + n])
-        self.pool[idx, lo:hi] = kv.to(self.device, self.dtype)
-
-    def adopt_prefix(self, seq: Sequence, first_block: int, upto: int) -> None:
-        """The loaded prefix blocks ``[first_block, upto)`` of ``seq`` are verified and whole: key them in
-        the prefix cache (as if the sequence had computed them)."""
-        self.blocks.register(seq.block_table[first_block:upto], seq.hashes[first_block:upto])
-        seq.block_hashes = list(seq.hashes[:upto]) + seq.block_hashes[first_block:]
-
-    def export_sequence(self, seq: Sequence, first_block: int = 0, last_block: int | None = None) -> torch.Tensor:
-        """``[n, *block_shape]``: the sequence's computed blocks ``[first_block, last_block)``,
-        the partial tail included."""
-        end = -(-seq.num_computed // self.block_tokens) if last_block is None else last_block
-        return self.pool[self._tensor(seq.block_table[first_block:end])]
 
     def stats(self) -> dict:
         """cached_blocks: unreferenced, evictable cached blocks; used_blocks: referenced ones

@@ -1,18 +1,12 @@
 """One fetch of an object into a store: chunks pulled from every holder at once.
 
-Scheduling: each holder gets at most ``in_flight_per_peer`` chunk requests at a time, twice
-that once it delivers at ``FAST_HOLDER_BYTES_PER_S`` or more (on a fast link the holder's
-read of the next chunk takes about as long as the last one's transfer: with more requests
-queued it reads ahead and the link never waits; on a slow link more requests would only
-commit more chunks to that holder, where another could soon serve them); a free slot goes
-to the least-loaded holder first, and asks it for the rarest chunk it has (fewest holders;
-ties in an order random per fetch, so that concurrent fetchers start on different chunks
-and soon serve each other). Every chunk is hashed (BLAKE3) as it is written, in a thread, so
-that both overlap the transfer, and counted only if it matches its digest; a bad one is asked
-again from another holder (its good copy overwrites it), and so is one whose holder
-disconnects or stays silent. Each verified chunk is announced to the conductor at once, and
-the holder list is refreshed every ``refresh_s``: peers fetching the same object serve each
-other during the distribution, not only the seed.
+Which chunk goes to which holder, and how many are in flight to each: mooncake/p2p/holders.py.
+Every chunk is hashed (BLAKE3) as it is written, in a thread, so that both overlap the
+transfer, and counted only if it matches its digest; a bad one is asked again from another
+holder (its good copy overwrites it), and so is one whose holder disconnects or stays silent.
+Each verified chunk is announced to the conductor at once, and the holder list is refreshed
+every ``refresh_s``: peers fetching the same object serve each other during the distribution,
+not only the seed.
 
 Without CURVE each request asks for the bytes on the holder's bulk port (mooncake/p2p/bulk.py):
 the reply is a token, the chunk is received, hashed and written in a thread, and stays in
@@ -29,50 +23,20 @@ import logging
 import random
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from mooncake.p2p.bulk import BulkLink, BulkLost, BulkUnreachable
+from mooncake.p2p.holders import Holders, Peer, choose_requests
 from mooncake.p2p.manifest import ObjectError
-from mooncake.p2p.messages import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, bits, decoder, encoder
+from mooncake.p2p.messages import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.rpc import P2PError, Rpc
-from mooncake.sockets import limit_message_size, recv_multipart, send_multipart
+from mooncake.sockets import send_multipart
 
 log = logging.getLogger(__name__)
-FAST_HOLDER_BYTES_PER_S = 100e6  # a holder delivering this or more gets twice the requests in flight
-
-
-@dataclass(eq=False)
-class Peer:
-    node_id: str
-    name: str
-    endpoint: str
-    sock: zmq.asyncio.Socket
-    monitor: zmq.asyncio.Socket
-    chunks: set[int] = field(default_factory=set)
-    in_flight: dict[int, tuple[int, float]] = field(default_factory=dict)  # req -> (chunk, sent at)
-    bad: set[int] = field(default_factory=set)  # chunks that failed verification from this peer
-    last_reply: float = 0.0
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    rate: float = 0.0  # bytes/s this holder delivers (moving average; 0 until its first chunk)
-    bulk: BulkLink | None = None  # its bulk port (None: every chunk over ZeroMQ)
-
-    def delivered(self, nbytes: int, sent_at: float, now: float) -> None:
-        """A chunk of ``nbytes`` asked at ``sent_at`` arrived ``now``: its link was busy with it
-        since the later of its request and the last reply (requests queue behind each other)."""
-        busy = max(now - max(sent_at, self.last_reply), 1e-6)
-        sample = nbytes / busy
-        self.rate = sample if self.rate == 0.0 else 0.5 * (self.rate + sample)
-        self.last_reply = now
-
-
-def in_flight_for(peer: Peer, base: int) -> int:
-    """Chunk requests to keep in flight to ``peer``: ``base``, twice that on a fast link."""
-    return 2 * base if peer.rate >= FAST_HOLDER_BYTES_PER_S else base
 
 
 class Fetch:
@@ -92,10 +56,11 @@ class Fetch:
         self.verify_s = 0.0
         self._first_request = 0.0
         self.transfer_s = 0.0
-        self.peers: dict[str, Peer] = {}
-        self.banned: dict[str, float] = {}  # node id -> until when (disconnected or silent)
-        self.bytes_by_peer: dict[str, int] = {}
         self.events: asyncio.Queue = asyncio.Queue()
+        self.bulk_receivers = bulk_receivers if curve is None else None
+        self.holders = Holders(ctx, curve, obj.manifest.chunk_bytes + (1 << 16), self.events,
+                               chunk_timeout_s if self.bulk_receivers is not None else None)
+        self.bytes_by_peer: dict[str, int] = {}
         self._req = 0
         self._order = list(range(len(obj.spans)))
         random.shuffle(self._order)
@@ -107,7 +72,6 @@ class Fetch:
         self._fatal: Exception | None = None  # a write that cannot go on (disk full)
         self.task: asyncio.Task | None = None  # running ``run`` (set by whoever starts it)
         self.removed = False
-        self.bulk_receivers = bulk_receivers if curve is None else None
         self.bulk_bytes = 0
 
     def progress(self) -> ProgressReport:
@@ -132,8 +96,7 @@ class Fetch:
         finally:
             for t in list(self._writes):
                 t.cancel()
-            for p in list(self.peers.values()):
-                self._drop_peer(p)
+            self.holders.close()
             if not self.removed:
                 self.save(self.obj)
             self.finished.set()
@@ -191,7 +154,7 @@ class Fetch:
                 peer, frames = None, None
             if peer is not None and self._on_reply(peer, frames) or frames is True:  # True: a bulk chunk verified
                 last_progress = time.monotonic()
-            if self._writes and not any(p.in_flight for p in self.peers.values()):
+            if self._writes and not any(p.in_flight for p in self.holders.peers.values()):
                 await asyncio.wait(set(self._writes), timeout=self.refresh_s)
                 last_progress = time.monotonic() if obj.done else last_progress
             if self._fatal is not None:
@@ -201,14 +164,14 @@ class Fetch:
 
     def _stall_reason(self) -> str:
         missing = sorted(set(range(len(self.obj.spans))) - self.obj.done)
-        holders = [p.name for p in self.peers.values()]
-        bad = sorted({c for p in self.peers.values() for c in p.bad} & set(missing))
+        holders = [p.name for p in self.holders.peers.values()]
+        bad = sorted({c for p in self.holders.peers.values() for c in p.bad} & set(missing))
         why = f"; chunks {bad[:5]} failed verification from every holder" if bad else ""
         return (f"{self.obj.name}: no progress for {self.stall_timeout_s:.0f}s with {len(missing)} of "
                 f"{len(self.obj.spans)} chunks missing (holders: {', '.join(holders) or 'none alive'}){why}")
 
     async def _refresh(self) -> None:
-        mine = sorted({c for p in self.peers.values() for c, _ in p.in_flight.values()})
+        mine = sorted(self.holders.in_flight())
         try:
             await self.meta.call(Fetching(self.node_id, self.obj.name, mine))
             loc = await self.meta.call(Locate(self.obj.name))
@@ -220,98 +183,28 @@ class Fetch:
         if loc.manifest.version != self.obj.manifest.version:
             raise ObjectError(f"{self.obj.name} changed while fetching (now version {loc.manifest.version[:12]})")
         self._others_fetching = [max(0, k - (i in mine)) for i, k in enumerate(loc.fetching)]
-        now = time.monotonic()
-        seen = set()
-        for h in loc.holders:
-            if h.node_id == self.node_id or self.banned.get(h.node_id, 0) > now or \
-                    (self.only_from and h.node_name not in self.only_from):
-                continue
-            seen.add(h.node_id)
-            peer = self.peers.get(h.node_id)
-            if peer is not None and peer.endpoint != h.endpoint:  # restarted elsewhere
-                self._drop_peer(peer, requeue=True)
-                peer = None
-            if peer is None:
-                peer = self.peers[h.node_id] = self._open_peer(h.node_id, h.node_name, h.endpoint)
-            peer.chunks = set(bits(h.chunks))
-        for node_id in set(self.peers) - seen:
-            self._drop_peer(self.peers[node_id], requeue=True)
-
-    def _open_peer(self, node_id: str, name: str, endpoint: str) -> Peer:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        limit_message_size(sock, self.obj.manifest.chunk_bytes + (1 << 16))
-        if self.curve is not None:
-            self.curve.client(sock, "store")  # type: ignore[attr-defined]
-        # a connection refused (the holder's process is gone) or lost: its chunks go elsewhere at once
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        sock.connect(endpoint)
-        peer = Peer(node_id, name, endpoint, sock, monitor, last_reply=time.monotonic())
-        if self.bulk_receivers is not None:
-            peer.bulk = BulkLink(endpoint, self.chunk_timeout_s, name)
-        peer.tasks = [asyncio.create_task(self._read(peer)), asyncio.create_task(self._watch(peer))]
-        return peer
-
-    async def _read(self, peer: Peer) -> None:
-        while True:
-            frames = await recv_multipart(peer.sock)
-            self.events.put_nowait((peer, frames))
-
-    async def _watch(self, peer: Peer) -> None:
-        await recv_multipart(peer.monitor)  # disconnected, or a connection attempt failed
-        self.events.put_nowait((peer, None))
-
-    def _drop_peer(self, peer: Peer, requeue: bool = False) -> None:
-        """Close a holder's socket; its chunks in flight become wanted again."""
-        for t in peer.tasks:
-            t.cancel()
-        peer.in_flight.clear()
-        if peer.bulk is not None:
-            peer.bulk.close()
-        peer.monitor.close(0)
-        peer.sock.close(0)
-        if self.peers.get(peer.node_id) is peer:
-            del self.peers[peer.node_id]
+        self.holders.update(loc.holders, self.node_id, self.only_from)
 
     def _ban(self, peer: Peer, why: str) -> None:
         log.warning("p2p %s: dropping holder %s (%s); its %d chunks in flight go to others", self.obj.name,
                     peer.name, why, len(peer.in_flight))
-        self.banned[peer.node_id] = time.monotonic() + max(5.0, 4 * self.refresh_s)
-        self._drop_peer(peer)
+        self.holders.ban(peer, max(5.0, 4 * self.refresh_s))
 
     def _expire(self, now: float) -> None:
-        for peer in list(self.peers.values()):
+        for peer in list(self.holders.peers.values()):
             silent = now - peer.last_reply > self.chunk_timeout_s
             if silent and any(now - sent > self.chunk_timeout_s for _, sent in peer.in_flight.values()):
                 self._ban(peer, f"no chunk for {self.chunk_timeout_s:.0f}s")
 
     def _assign(self) -> None:
-        """Fill free request slots: least-loaded holder first, rarest chunk it has first (a chunk
-    other stores are fetching counts as held by them: it soon is)."""
-        taken = {c for p in self.peers.values() for c, _ in p.in_flight.values()}
+        """Fill the holders' free request slots (``choose_requests``)."""
+        taken = self.holders.in_flight()
         taken |= {t.chunk for t in self._writes}  # type: ignore[attr-defined]
         wanted = [c for c in self._order if c not in self.obj.done and c not in taken]
-        if not wanted:
-            return
-        others = self._others_fetching
-        holders = {c: others[c] if c < len(others) else 0 for c in wanted}  # being fetched: held soon
-        for p in self.peers.values():
-            for c in p.chunks:
-                if c in holders:
-                    holders[c] += 1
-        wanted_set = set(wanted)
-        while wanted_set:
-            free = [p for p in self.peers.values() if len(p.in_flight) < in_flight_for(p, self.in_flight_per_peer)]
-            free.sort(key=lambda p: len(p.in_flight))
-            for peer in free:
-                cands = [c for c in wanted_set if c in peer.chunks and c not in peer.bad]
-                if cands:
-                    chunk = min(cands, key=lambda c: (holders[c], self._rank[c]))
-                    self._request(peer, chunk)
-                    wanted_set.discard(chunk)
-                    break
-            else:
-                return
+        if wanted:
+            for peer, chunk in choose_requests(list(self.holders.peers.values()), wanted, self._others_fetching, self._rank,
+                                               self.in_flight_per_peer):
+                self._request(peer, chunk)
 
     def _request(self, peer: Peer, chunk: int) -> None:
         self._first_request = self._first_request or time.monotonic()
@@ -322,7 +215,7 @@ class Fetch:
         asyncio.create_task(send_multipart(peer.sock, [encoder.encode(msg)]))
 
     def _on_reply(self, peer: Peer, frames: list | None) -> bool:
-        if self.peers.get(peer.node_id) is not peer:
+        if not self.holders.current(peer):
             return False  # from a holder already dropped
         if frames is None:
             self._ban(peer, "disconnected or refused")
@@ -366,14 +259,14 @@ class Fetch:
         except BulkUnreachable:
             pass  # nothing arrived: asked again over ZeroMQ (link.off); kept in peer.chunks
         except BulkLost as e:
-            if self.peers.get(peer.node_id) is peer:
+            if self.holders.current(peer):
                 peer.chunks.discard(chunk)  # until the next refresh: another holder first
                 log.warning("p2p %s: chunk %d from %s lost (%s); asking again", self.obj.name, chunk, peer.name, e)
         except (ObjectError, OSError) as e:
             self._fatal = e
             return
         finally:
-            entry = peer.in_flight.pop(head.req, None) if self.peers.get(peer.node_id) is peer else None
+            entry = peer.in_flight.pop(head.req, None) if self.holders.current(peer) else None
         if ok is None:
             self.events.put_nowait((None, None))
             return

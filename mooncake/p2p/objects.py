@@ -122,7 +122,7 @@ class LocalObject:
     @contextmanager
     def span_fd(self, index: int) -> Iterator[tuple[int, Span]]:
         """A descriptor of the file chunk ``index`` lies in, and its span (to serve it with
-        ``sendfile``: mooncake/p2p/bulk.py); NotHeld once the object is dropped."""
+        ``sendfile``: mooncake/p2p/bulk_server.py); NotHeld once the object is dropped."""
         s = self.spans[index]
         with self._fd(s.file, False) as fd:
             yield fd, s

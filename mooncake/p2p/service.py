@@ -9,7 +9,7 @@ zero-copy frame each. A chunk that no longer verifies on disk is not served: it 
 dropped from this store's holdings (announced) and the asker goes to another holder.
 
 Without CURVE a peer may ask for a chunk's bytes on the bulk port instead (``ChunkGet.bulk``,
-mooncake/p2p/bulk.py; ``[node] p2p_bulk_port``, else any free port): the reply is a one-time token, and the chunk leaves by ``sendfile``,
+mooncake/p2p/bulk_server.py; ``[node] p2p_bulk_port``, else any free port): the reply is a one-time token, and the chunk leaves by ``sendfile``,
 unread here; a fetcher whose copy fails its digest says so (``ChunkBad``), and this store
 then checks its own (as it does when a chunk's file ends early). Under CURVE there is no
 bulk port: every byte stays on the encrypted, authenticated socket.
@@ -28,7 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mooncake.p2p.bulk import BulkServer
+from mooncake.p2p.bulk_server import BulkServer
 from mooncake.p2p.fetch import Fetch
 from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
 from mooncake.p2p.messages import (ChunkBad, ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,

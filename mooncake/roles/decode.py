@@ -10,71 +10,31 @@ step streams one token per sequence. When a step needs blocks the pool no longer
 has, the newest sequences are preempted: their full blocks go to the store and
 the conductor gives them a new attempt, which resumes where they were.
 
-Trust: the KV ingress admits only KV from worker keys (under CURVE) that carries the
-attempt's token (the conductor gave it to this decode and to the prefill it chose)
-and whose blocks match their checksums and the model's block shape and dtype.
-Forged KV (wrong token, unknown sender) is dropped; corrupt KV fails the attempt,
-which is recomputed. Each refusal is counted by reason.
-
-KV arrives as whole blocks (``KVTransfer``: a reused prefix, or a block-wise prefill) or one
-layer at a time (``KVLayer``: layer-wise prefill); each layer lands straight in the reserved
-blocks, and a block counts as received once all its layers are in. Messages of different
-requests land concurrently, one request's in the order they came (``Slot.kv_lock``): each
-write waits for the engine thread between decode steps, and handled one at a time a burst
-of requests would wait a step per message before its second token (BENCHMARKS.md section 15).
+KV from prefill lands through the KV ingress (``decode_kv.py``): only the attempt's, checked,
+straight into the reserved blocks, as whole blocks or one layer at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
-from mooncake.engine import Sequence
 from mooncake.engine.errors import InvalidRequestError
-from mooncake.kv_integrity import first_corrupt, shape_problem
 from mooncake.kv_link import bind_kv_ingress
-from mooncake.security import allowed
-from mooncake.sockets import recv_multipart
+from mooncake.roles.decode_kv import KVIngress, Slot
 from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
-STORE_RUN_BLOCKS = 32  # a pipeline group's prompt blocks go to the store in runs of this many
-KV_IN_FLIGHT = 64  # KV messages landing at once (received, not yet written); more wait in the socket
 
 
-@dataclass(eq=False)
-class Slot:
-    """A request decode holds: reserved (KV arriving), then running."""
-
-    msg: P.DecodeRequest
-    seq: Sequence
-    layers_in: list[int]  # per layer: KV blocks received so far (in order); whole blocks count for all
-    first_token: int | None = None
-    started: bool = False  # decoding has begun (or is beginning)
-    next_index: int = 0  # index of the next token among the request's generated tokens
-    stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
-    kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one at a time, in order
-
-    @property
-    def next_block(self) -> int:
-        """Blocks whose every layer is in (a block is used only once it is whole)."""
-        return min(self.layers_in)
-
-    @property
-    def kv_complete(self) -> bool:
-        return self.next_block >= len(self.seq.block_table)
-
-
-class DecodeWorker(EngineWorker):
+class DecodeWorker(KVIngress, EngineWorker):
     role = "decode"
 
     def __init__(self, cfg: Config) -> None:
@@ -181,109 +141,6 @@ class DecodeWorker(EngineWorker):
             self.running[rid] = slot
             self._wake.set()
 
-    # ------------------------------------------------------------ KV from prefill
-
-    async def _kv_loop(self) -> None:
-        room = asyncio.Semaphore(KV_IN_FLIGHT)
-
-        def landed(task: asyncio.Task) -> None:
-            self._kv_tasks.discard(task)
-            room.release()
-
-        while True:
-            await room.acquire()
-            frames = await recv_multipart(self.kv_sock)
-            task = asyncio.create_task(self._land(frames))
-            self._kv_tasks.add(task)
-            task.add_done_callback(landed)
-
-    async def _land(self, frames: list) -> None:
-        try:
-            await self._on_kv(frames)
-        except Exception:  # one bad message never stops the ingress
-            log.exception("error handling a KV message")
-
-    async def _on_kv(self, frames: list) -> None:
-        if not allowed(self.curve, frames[0], ("worker",)):
-            self.rejections.add("unauthorized")
-            log.warning("dropping KV from a non-worker key")
-            return
-        try:
-            msg, tensors = P.decode(frames, block_shape=self.engine.block_shape)
-            if not isinstance(msg, (P.KVTransfer, P.KVLayer)):
-                raise P.ProtocolError(f"expected KV, got {type(msg).__name__}")
-            if isinstance(msg, P.KVLayer) and (len(tensors) != 1 or len(tensors[0]) < 1):
-                raise P.ProtocolError("a KV layer transfer carries one tensor of at least one block")
-        except P.ProtocolError as e:
-            log.warning("dropping malformed KV message: %s", e)
-            return
-        slot = self.incoming.get(msg.req_id)
-        if slot is None:
-            log.debug("KV of %s, which is not reserved here: dropped", msg.req_id)
-            return
-        if not hmac.compare_digest(msg.token, slot.msg.kv_token):
-            self.rejections.add("token", len(tensors))
-            log.warning("KV of %s without the attempt's token (not from its prefill): dropped", msg.req_id)
-            return
-        async with slot.kv_lock:  # taken in arrival order: nothing above awaits
-            if self.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
-                log.debug("KV of %s, no longer reserved here: dropped", msg.req_id)
-                return
-            await self._land_kv(slot, msg, tensors)
-
-    async def _land_kv(self, slot: Slot, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
-        """Check one KV message of ``slot`` and write it; start decoding once all KV is in."""
-        layer = msg.layer if isinstance(msg, P.KVLayer) else None
-        shape = self.engine.block_shape if layer is None else self.engine.block_shape[1:]
-        problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors, shape, self.engine.dtype)
-        bad = None if problem else await asyncio.to_thread(first_corrupt, tensors, msg.checksums)
-        if problem or bad is not None:
-            self.rejections.add("shape" if problem else "checksum", len(tensors))
-            await self._give_up(slot, f"its KV is corrupt ({problem or f'transfer {bad} fails its checksum'}): "
-                                      "recomputed elsewhere")
-            return
-        n = len(tensors[0]) if layer is not None else len(tensors)
-        if layer is None:  # whole blocks continue where every layer is
-            expected = slot.next_block if max(slot.layers_in) == slot.next_block else -1
-        else:
-            expected = slot.layers_in[layer] if 0 <= layer < len(slot.layers_in) else -1
-        if msg.first_block != expected or msg.first_block + n > len(slot.seq.block_table):
-            log.warning("KV of %s (layer %s): blocks %d..%d do not continue the %d received of %d: request failed",
-                        msg.req_id, layer, msg.first_block, msg.first_block + n, expected, len(slot.seq.block_table))
-            await self._give_up(slot, "KV arrived out of order or oversized")
-            return
-        self._landing += 1
-        row = len(self.running) if len(self.running) < self.engine.max_batch else None  # its row at its first step
-        try:
-            if layer is not None:
-                await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0], row)
-            elif tensors:
-                await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors), row)
-        except Exception as e:  # this request's KV is unusable; the ingress goes on
-            log.exception("writing KV of %s failed", msg.req_id)
-            await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
-            return
-        finally:
-            self._landing -= 1
-        self.progress += 1  # landing KV is engine progress (layer-wise: one write per layer and chunk)
-        if layer is not None:
-            slot.layers_in[layer] += n
-        else:
-            slot.layers_in = [b + n for b in slot.layers_in]
-        await self._store_whole_blocks(slot)
-        await self._maybe_start(slot)
-
-    async def _store_whole_blocks(self, slot: Slot) -> None:
-        """A pipeline group's prompt (no stage holds whole blocks): write its full blocks to the store
-        as they become whole here, a prefill chunk's worth at a time, the rest once all KV is in."""
-        full = min(slot.next_block, len(slot.msg.tokens) // self.engine.block_tokens)
-        if slot.stored < 0 or not slot.msg.store_endpoint or full - slot.stored < (
-                1 if slot.kv_complete else STORE_RUN_BLOCKS):
-            return
-        kv = await self.run_engine(self.engine.export_sequence, slot.seq, slot.stored, full)
-        self.write_back(slot.msg.store_endpoint, [BlockHash(h) for h in slot.msg.hashes[slot.stored:full]], kv)
-        slot.stored = full
-
     async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
         """Free a reserved or running request and report it to the conductor."""
         rid = slot.msg.req_id
@@ -358,8 +215,7 @@ class DecodeWorker(EngineWorker):
         first_new = len(slot.msg.tokens) // self.engine.block_tokens
         hashes = list(seq.block_hashes)
         if write and slot.msg.store_endpoint and len(hashes) > first_new:
-            kv = await self.run_engine(self.engine.export_sequence, seq, first_new, len(hashes))
-            self.write_back(slot.msg.store_endpoint, hashes[first_new:], kv)
+            await self.store_blocks(slot.msg.store_endpoint, seq, hashes[first_new:], first_new, len(hashes))
         await self.run_engine(self.engine.free, seq)
 
     async def close(self) -> None:

@@ -9,8 +9,8 @@ later work computes. The first token goes to the conductor; each chunk's newly
 completed full blocks are written to the node's store in the background.
 
 Trust: blocks read from a store must be the ones asked for, in the model's block
-shape and dtype (else a miss, recomputed); every KV transfer to decode carries the
-attempt's token from the conductor and a checksum per block.
+shape and dtype (else a miss, recomputed: ``prefix_load.py``); every KV transfer to decode
+carries the attempt's token from the conductor and a checksum per block.
 
 A request with a ``StagePlan`` runs this instance as one stage of a pipeline group
 (``prefill_stage.py``): the same prefix handling and KV path, its own layers only.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
 
 import torch
 import zmq.asyncio
@@ -30,18 +29,15 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.engine.layerwise import LayerFn, split_runs
-from mooncake.engine.sequence import PrefillStep
-from mooncake.kv_integrity import checksums, leading_match, shape_problem
+from mooncake.kv_integrity import checksums
 from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
-from mooncake.roles.prefill_batcher import PrefillBatcher
-from mooncake.roles.prefix_stream import PrefixLoadFailed, PrefixStream
-from mooncake.roles.prefill_stage import ActivationInbox, run_stage
-from mooncake.sockets import recv_multipart
 from mooncake.kv_sender import KVSender
-from mooncake.sockets import send_multipart
+from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.roles.prefill_stage import ActivationInbox, run_stage
+from mooncake.roles.prefix_load import fetch_prefix, first_chunk_loading, open_stream, start_stream
+from mooncake.roles.prefix_stream import PrefixStream
+from mooncake.sockets import recv_multipart, send_multipart
 from mooncake.worker import EngineWorker
-from mooncake.tiers.client import StoreError
 
 log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 10.0
@@ -60,7 +56,7 @@ class PrefillWorker(EngineWorker):
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
-        self._chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
+        self.chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
         self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
         self._act_sock: zmq.asyncio.Socket | None = None
@@ -133,95 +129,9 @@ class PrefillWorker(EngineWorker):
             self.inbox.drop(req.req_id)
             self._slots.release()
 
-    async def _fetch_prefix(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int) -> tuple[int, float]:
-        """Import the planned store blocks that follow the ``have`` cached ones; (count, seconds)."""
-        t0 = time.perf_counter()
-        got = 0
-        for plan in req.fetch:
-            start = max(plan.start, have + got)
-            if start >= plan.end:
-                continue
-            if start != have + got:
-                break  # a gap: the rest would not be a prefix
-            try:
-                found, blocks = await self.store(plan.endpoint).get(hashes[start:plan.end], prefix=True)
-            except StoreError as e:
-                log.warning("fetch from %s failed, recomputing instead: %s", plan.endpoint, e)
-                self.forget_store(plan.endpoint, e)
-                break
-            found, blocks = self._admit_fetched(plan.endpoint, hashes[start:plan.end], found, blocks)
-            if found:
-                n = await self.run_engine(self.engine.import_blocks, found, torch.stack(blocks))
-                got += n
-                if n < plan.end - start:
-                    break
-            else:
-                break
-        return got, time.perf_counter() - t0
-
-    async def _open_stream(self, req: P.PrefillRequest, hashes: list[BlockHash],
-                           have: int) -> tuple[PrefixStream | None, float]:
-        """Ask the store planned for the blocks after the ``have`` cached ones to stream them layer
-        by layer; the stream once its first layer is in (None: nothing to load), and the seconds that took."""
-        t0 = time.perf_counter()
-        plan = next((p for p in req.fetch if p.start <= have < p.end), None)
-        if plan is None:
-            return None, 0.0
-        asked = hashes[have:plan.end]
-        try:
-            replies = self.store(plan.endpoint).get_layers(asked)
-            stream = await PrefixStream.open(plan.endpoint, replies, asked, self.engine.block_shape, self.engine.dtype)
-        except StoreError as e:
-            log.warning("streaming from %s failed, recomputing instead: %s", plan.endpoint, e)
-            self.forget_store(plan.endpoint, e)
-            return None, time.perf_counter() - t0
-        return stream, time.perf_counter() - t0
-
-    def _start_stream(self, req: P.PrefillRequest, seq: Sequence, stream: PrefixStream, have: int,
-                      ship_prefix: Callable[[list[torch.Tensor]], None]) -> int:
-        """Start landing the streamed prefix into ``seq``'s blocks after its cached ones; how many
-        blocks it brings (0: none usable, e.g. the device cache changed meanwhile)."""
-        eng, T = self.engine, self.engine.block_tokens
-        first = seq.num_cached_tokens // T
-        n = min(stream.n, (len(req.tokens) - 1) // T - first) if first == have else 0
-        if n <= 0:
-            return 0
-        seq.num_cached_tokens = seq.num_computed = (first + n) * T
-        stream.start(lambda lo, kv: eng.land_layers(seq, first, lo, kv), n, ship_prefix, eng.block_shape, eng.dtype)
-        return n
-
-    async def _first_chunk_loading(self, req: P.PrefillRequest, seq: Sequence, stream: PrefixStream, first: int,
-                                   n: int, on_layer: LayerFn | None) -> tuple[PrefillStep, int]:
-        """The first chunk over a prefix still streaming in (each layer waits for its past); the step
-        and the blocks the stream brought. A failed load costs a recompute: the chunk is computed
-        again from the blocks before the stream, with nothing of it sent or kept."""
-        hook = stream.gate.hold(on_layer) if on_layer is not None else None
-        try:
-            step = await self.run_engine(self.engine.prefill, seq, hook, stream.gate.wait)
-        except PrefixLoadFailed as e:
-            await stream.close()
-            self.rejections.add("checksum" if "checksum" in str(e) else "stream", n)
-            if isinstance(stream.error, StoreError):
-                self.forget_store(stream.endpoint, stream.error)
-            log.warning("%s: recomputing %d blocks: %s", req.req_id, n, e)
-            seq.num_cached_tokens = seq.num_computed = first * self.engine.block_tokens
-            return await self._chunks.chunk(seq, on_layer), 0
-        await self.run_engine(self.engine.adopt_prefix, seq, first, first + n)
-        return step, n
-
-    def _admit_fetched(self, endpoint: str, asked: list[BlockHash], found: list[BlockHash],
-                       blocks: list[torch.Tensor]) -> tuple[list[BlockHash], list[torch.Tensor]]:
-        """The leading fetched blocks that are the ones asked for, as KV of this model; the rest is a miss."""
-        n = leading_match(asked, found)
-        if n < len(found):
-            self.rejections.add("hash", len(found) - n)
-            log.warning("store %s returned blocks that were not asked for: %d of %d used", endpoint, n, len(found))
-        problem = shape_problem(blocks[:n], self.engine.block_shape, self.engine.dtype)
-        if problem is not None:
-            self.rejections.add("shape", n)
-            log.warning("store %s returned unusable KV (%s): recomputing", endpoint, problem)
-            n = 0
-        return found[:n], blocks[:n]
+    def layer_frame_blocks(self) -> int:
+        """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""
+        return self.max_message_bytes // 2 // (self.engine.block_bytes // self.engine.block_shape[0])
 
     def _kv_socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._kv_socks.get(endpoint)
@@ -254,9 +164,9 @@ class PrefillWorker(EngineWorker):
         have = await self.run_engine(eng.cached_prefix, hashes)
         stream, fetched, fetch_s = None, 0, 0.0
         if req.fetch and req.stage is None and self.cfg.engine.kv_load == "layer":
-            stream, fetch_s = await self._open_stream(req, hashes, have)
+            stream, fetch_s = await open_stream(self, req, hashes, have)
         elif req.fetch:
-            fetched, fetch_s = await self._fetch_prefix(req, hashes, have)
+            fetched, fetch_s = await fetch_prefix(self, req, hashes, have)
         try:
             while True:
                 releases = self._releases
@@ -305,36 +215,33 @@ class PrefillWorker(EngineWorker):
         T = eng.block_tokens
         sent = seq.num_cached_tokens // T
         if sent:
-            kv = await self.run_engine(eng.export_sequence, seq, 0, sent)
-            sender.put(P.KVTransfer(req.req_id, 0, token=req.kv_token), list(kv.unbind(0)))
+            sender.put_blocks(req, 0, await self.run_engine(eng.export_sequence, seq, 0, sent))
         loop = asyncio.get_running_loop()
-        per_frame = self.max_message_bytes // 2 // (eng.block_bytes // eng.block_shape[0])
+        per_frame = self.layer_frame_blocks()
 
         def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
-            for start, part in split_runs(first, kv, per_frame):  # frames well under the receiver's limit
-                loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+            sender.put_layer(req, layer, first, kv, per_frame, loop)
 
         after_cached = sent
 
         def ship_prefix(layers: list[torch.Tensor]) -> None:  # event loop: the streamed prefix, verified
             for layer, kv in enumerate(layers):
-                for start, part in split_runs(after_cached, kv.contiguous(), per_frame):
-                    sender.put(P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+                sender.put_layer(req, layer, after_cached, kv.contiguous(), per_frame)
 
         on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
-        loading = self._start_stream(req, seq, stream, have, ship_prefix) if stream is not None else 0
+        loading = start_stream(self, req, seq, stream, have, ship_prefix) if stream is not None else 0
         cached = seq.num_cached_tokens
         written = cached // T
         compute_s = 0.0  # this request's own share of the forwards (a packed one is shared by tokens)
         while True:
             if loading:
                 assert stream is not None
-                step, loading = await self._first_chunk_loading(req, seq, stream, sent, loading, on_layer)
+                step, loading = await first_chunk_loading(self, req, seq, stream, sent, loading, on_layer)
                 fetched, cached, written = loading, seq.num_cached_tokens, seq.num_cached_tokens // T
                 sent += loading
                 loading = 0
             else:
-                step = await self._chunks.chunk(seq, on_layer)
+                step = await self.chunks.chunk(seq, on_layer)
             compute_s += step.compute_s
             self.progress += 1
             if req.req_id in self.aborted:
@@ -347,8 +254,7 @@ class PrefillWorker(EngineWorker):
                 break
             written = await self._write_new_blocks(req, seq, hashes, written, full)
             if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
-                kv = await self.run_engine(eng.export_sequence, seq, sent, full)
-                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
+                sender.put_blocks(req, sent, await self.run_engine(eng.export_sequence, seq, sent, full))
                 sent = full
         token = int(step.token)  # type: ignore[arg-type]
         finished = P.FinishReason(step.finished) if step.finished else None
@@ -359,8 +265,7 @@ class PrefillWorker(EngineWorker):
             kv_pending_bytes=sender.pending_bytes + (len(seq.block_table) - sent) * eng.block_bytes))
         if finished is None:
             if sent < len(seq.block_table):
-                kv = await self.run_engine(eng.export_sequence, seq, sent, None)
-                sender.put(P.KVTransfer(req.req_id, sent, token=req.kv_token), list(kv.unbind(0)))
+                sender.put_blocks(req, sent, await self.run_engine(eng.export_sequence, seq, sent, None))
         await self._write_new_blocks(req, seq, hashes, written, len(hashes))
         if finished is None:
             await sender.finish()
@@ -373,8 +278,7 @@ class PrefillWorker(EngineWorker):
         full = min(full, len(hashes))
         if not req.store_endpoint or full <= written:
             return written
-        kv = await self.run_engine(self.engine.export_sequence, seq, written, full)
-        self.write_back(req.store_endpoint, hashes[written:full], kv)
+        await self.store_blocks(req.store_endpoint, seq, hashes[written:full], written, full)
         return full
 
     async def close(self) -> None:

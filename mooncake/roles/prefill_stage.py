@@ -28,7 +28,6 @@ import torch
 
 from mooncake import protocol as P
 from mooncake.engine import Sequence
-from mooncake.engine.layerwise import split_runs
 from mooncake.kv_integrity import first_corrupt
 from mooncake.kv_sender import KVSender
 from mooncake.sched.pipeline import group_chunk_tokens
@@ -109,17 +108,15 @@ async def run_stage(w: "PrefillWorker", req: P.PrefillRequest, seq: Sequence, se
     if seq.num_cached_tokens != st.prefix_blocks * T:
         raise StageError(f"holds {seq.num_cached_tokens // T} of the group's {st.prefix_blocks} prefix blocks")
     loop = asyncio.get_running_loop()
-    per_frame = w.max_message_bytes // 2 // (eng.block_bytes // eng.block_shape[0])
+    per_frame = w.layer_frame_blocks()
 
     def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
-        for start, part in split_runs(first, kv, per_frame):
-            loop.call_soon_threadsafe(sender.put, P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+        sender.put_layer(req, layer, first, kv, per_frame, loop)
 
     if st.prefix_blocks:  # this stage's layers of the reused prefix
         kv = await w.run_engine(eng.export_sequence, seq, 0, st.prefix_blocks)
         for layer in range(st.layer_lo, st.layer_hi):
-            for start, part in split_runs(0, kv[:, layer].contiguous(), per_frame):
-                sender.put(P.KVLayer(req.req_id, start, layer, token=req.kv_token), [part])
+            sender.put_layer(req, layer, 0, kv[:, layer].contiguous(), per_frame)
     nxt = KVSender(lambda m, t: w._ship(st.next_endpoint, m, t)) if st.next_endpoint else None
     compute_s = idle_s = 0.0
     act_bytes = 0

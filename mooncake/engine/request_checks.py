@@ -1,4 +1,4 @@
-"""Bounds of the sampling options beyond the basic ones, checked where a request enters an engine."""
+"""Bounds of a request's prompt and sampling options, checked where a request enters an engine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,25 @@ from mooncake.protocol import Sampling
 MAX_LOGPROBS = 20
 
 
-def check_sampling(s: Sampling, vocab_size: int) -> None:
-    """Raise InvalidRequestError (message, param) for an option out of its range."""
+def check_request(tokens: list[int], s: Sampling, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequestError (user-facing message, ``param``) for a request an engine cannot serve."""
+    if not tokens:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if len(tokens) > max_model_len - 1:
+        raise InvalidRequestError(
+            "the prompt has %d tokens but the context limit is %d tokens (at most %d prompt "
+            "tokens, to leave room for one generated token)"
+            % (len(tokens), max_model_len, max_model_len - 1), "prompt")
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
+        raise InvalidRequestError("prompt token ids must be in [0, %d)" % vocab_size, "prompt")
+    if s.max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
+    if not s.temperature >= 0:
+        raise InvalidRequestError("temperature must be >= 0", "temperature")
+    if not 0 < s.top_p <= 1:
+        raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+    if s.top_k < 0:
+        raise InvalidRequestError("top_k must be >= 0 (0: disabled)", "top_k")
     if not 0 <= s.min_p <= 1:
         raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
     for name in ("presence_penalty", "frequency_penalty"):
