@@ -1,14 +1,31 @@
 """The KV index's runs: each holder's run from block 0, the stores' coverage taking turns, and
 the index following every add, remove and node removal (checked against a plain model of who
-holds what)."""
+holds what). Every test runs on both walks: the C fingerprint table and the Python sets."""
 
 from __future__ import annotations
 
 import random
+import shutil
 
+import pytest
+
+from mooncake.sched.fingerprint_table import FingerprintTable
 from mooncake.sched.kv_index import KVIndex
 
 CHAIN = [bytes([i, 7]) * 16 for i in range(40)]
+
+
+@pytest.fixture(autouse=True, params=["c_table", "python_sets"])
+def walk(request, monkeypatch):
+    """``KVIndex()`` in this module is the index with that walk."""
+    native = request.param == "c_table"
+    if native and FingerprintTable.create() is None:
+        pytest.skip("no C compiler: the fingerprint table cannot be built")
+    monkeypatch.setitem(globals(), "KVIndex", lambda: _KVIndex(native=native))
+    return request.param
+
+
+_KVIndex = KVIndex
 
 
 def reference_runs(held: dict[str, set[bytes]], chain: list[bytes], stores: set[str]) -> tuple[dict[str, int], int]:
@@ -107,3 +124,82 @@ def test_random_events_agree_with_a_plain_model():
         for start in (0, 3, 17):
             chain = CHAIN[start:]
             assert idx.prefix_runs(chain, stores) == reference_runs(model, chain, stores), step
+
+
+def test_the_c_table_is_used_where_a_compiler_is(walk):
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert KVIndex().native == (walk == "c_table")
+
+
+def test_many_nodes_many_blocks_and_reused_bits_agree_with_a_plain_model():
+    """More than 64 nodes (masks wider than a word), thousands of blocks (the table grows, and
+    deletions shift probe runs back), nodes dropped and their bits reused by new ones."""
+    rng = random.Random(11)
+    chain = [rng.randbytes(32) for _ in range(3000)]
+    nodes = [f"n{i}" for i in range(150)]
+    stores = set(nodes[::7])
+    idx, model = KVIndex(), {}
+    for step in range(400):
+        node = rng.choice(nodes)
+        lo = rng.randrange(0, len(chain), 50)
+        blocks = chain[lo:lo + rng.randrange(1, 400)]
+        op = rng.random()
+        if op < 0.6:
+            idx.add(node, "t", blocks)
+            model.setdefault(node, set()).update(blocks)
+        elif op < 0.9:
+            idx.remove(node, blocks)
+            model.get(node, set()).difference_update(blocks)
+        else:
+            assert idx.drop_node(node) == len(model.pop(node, ()))
+        if step % 20 == 0:
+            assert len(idx) == len(set().union(*model.values())) if model else len(idx) == 0
+            for start in (0, 50, 1000, 2950):
+                sub = chain[start:start + 300]
+                assert idx.prefix_runs(sub, stores) == reference_runs(model, sub, stores), step
+
+
+def test_hashes_of_any_length_are_indexed():
+    """Fingerprints are a hash's first 8 bytes: shorter hashes and chains of mixed lengths still
+    walk right (only the conductor's own chains, of one scheme, take the fast path)."""
+    short = [bytes([i]) for i in range(5)]
+    mixed = [bytes([i, 3]) * 8 if i % 2 else bytes([i, 3]) * 16 for i in range(6)]
+    idx = KVIndex()
+    idx.add("a", "device", short[:4])
+    idx.add("b", "dram", mixed[:5])
+    idx.add("b", "dram", short[:2])
+    assert idx.prefix_runs(short, {"b"}) == ({"a": 4, "b": 2}, 2)
+    assert idx.prefix_runs(mixed, {"b"}) == ({"b": 5}, 5)
+    idx.remove("b", mixed[2:3])
+    assert idx.prefix_runs(mixed, {"b"}) == ({"b": 2}, 2)
+
+
+def test_fingerprint_table_deletes_inside_probe_runs(walk):
+    """Blocks whose fingerprints share a home slot (and wrap around the table's end) stay
+    findable whichever of them leaves first."""
+    if walk != "c_table":
+        pytest.skip("the C table only")
+    table = FingerprintTable.create()
+
+    def fp(v: int) -> bytes:
+        return v.to_bytes(8, "little") + b"tail"
+
+    same_home = [fp(1023 + k * 1024) for k in range(6)]  # home: the last slot of 1,024; the run wraps
+    neighbours = [fp(k) for k in range(1, 4)]  # homes inside the wrapped run
+    held = {0: set(same_home + neighbours), 1: set(same_home[::2])}
+    table.add(0, same_home + neighbours)
+    table.add(1, same_home[::2])
+
+    def check() -> None:
+        for h in same_home + neighbours:
+            assert table.walk([h], 0) == ([(b, 1) for b in (0, 1) if h in held[b]], 0)
+        assert len(table) == len(held[0] | held[1])
+
+    check()
+    for gone in (same_home[1], same_home[0], neighbours[0], same_home[5], neighbours[2]):
+        table.remove(0, [gone])
+        held[0].discard(gone)
+        check()
+    table.clear_bit(1)
+    held[1].clear()
+    check()

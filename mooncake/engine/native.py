@@ -9,30 +9,23 @@ all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
 float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
-compiled with the system C compiler into the user's cache (once per source and flags;
-processes that race write the same file) and called through ctypes on tensors' memory. Where it cannot run (no C compiler, no AVX-512, another
-OS) ``load_kernel`` returns None and the engine keeps torch's kernel.
+compiled by ``mooncake/native_build.py`` and called through ctypes on tensors' memory. Where
+it cannot run (no C compiler, no AVX-512, another OS) ``load_kernel`` returns None and the
+engine keeps torch's kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from mooncake import native_build
 
 SOURCES = [Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("decode_kernels.c")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp"]
 MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
 NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
 
@@ -76,50 +69,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mooncake" / "kernels"
-
-
-def build(cache_dir: Path | None = None) -> Path | None:
-    """The compiled library (built now if missing), or None where it cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    source = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"mooncake-kernels-{key}.so"
-    if target.is_file():
-        return target
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)  # atomic: a process that races us loads a whole file
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("native kernels not built (%s %s); using torch's kernels", e, err.decode(errors="replace")[-500:])
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        return None
-    return target
-
-
 @functools.lru_cache(maxsize=None)
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The kernels' library (built if missing, loaded once per process), or None where it cannot run."""
-    if not sys.platform.startswith("linux") or not set(NEEDED_CPU_FLAGS) <= _cpu_flags():
+    if not set(NEEDED_CPU_FLAGS) <= _cpu_flags():
         return None
-    path = build(cache_dir)
-    if path is None:
-        return None
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("native kernels not loaded (%s); using torch's kernels", e)
-        return None
+    return native_build.load("mooncake-kernels", SOURCES, FLAGS, cache_dir)
 
 
 def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:

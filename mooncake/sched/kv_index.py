@@ -2,39 +2,76 @@
 
 Fed by the stored/removed events of engines (device tier) and stores. Lookups
 walk a request's hash chain once; a node's dead-state removal is O(its blocks).
+The walk of ``prefix_runs`` runs in C over a flat copy of block -> holders
+(``fingerprint_table.py``, a bit per node) where that can be built, else over
+the nodes' Python sets; both give the same answer.
 """
 
 from __future__ import annotations
 
+import heapq
 from itertools import chain, islice, takewhile
-from typing import Container, Iterable, Sequence
+from typing import Collection, Iterable, Sequence
+
+from mooncake.sched.fingerprint_table import FingerprintTable
 
 
 class KVIndex:
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        """``native``: walk chains in C where it can be built (False: always the Python sets)."""
         self._where: dict[bytes, dict[str, str]] = {}  # hash -> {node_id: tier}
         self._by_node: dict[str, set[bytes]] = {}
+        self._table = FingerprintTable.create() if native else None
+        self._bit_of: dict[str, int] = {}  # node -> its bit in the table, from its first add to drop_node
+        self._node_at: list[str] = []  # bit -> node
+        self._free_bits: list[int] = []  # a heap: the lowest free bit is reused first
+
+    @property
+    def native(self) -> bool:
+        return self._table is not None
+
+    def _bit(self, node_id: str) -> int:
+        bit = self._bit_of.get(node_id)
+        if bit is None:
+            bit = heapq.heappop(self._free_bits) if self._free_bits else len(self._node_at)
+            if bit == len(self._node_at):
+                self._node_at.append(node_id)
+            self._node_at[bit] = node_id
+            self._bit_of[node_id] = bit
+        return bit
 
     def __len__(self) -> int:
         return len(self._where)
 
     def add(self, node_id: str, tier: str, hashes: Iterable[bytes]) -> None:
         mine = self._by_node.setdefault(node_id, set())
+        hashes = list(hashes)
         for h in hashes:
             self._where.setdefault(h, {})[node_id] = tier
             mine.add(h)
+        if self._table is not None and hashes:
+            self._table.add(self._bit(node_id), hashes)
 
     def remove(self, node_id: str, hashes: Iterable[bytes]) -> None:
         mine = self._by_node.get(node_id)
+        hashes = list(hashes)
         for h in hashes:
             locs = self._where.get(h)
             if locs is not None and locs.pop(node_id, None) is not None and not locs:
                 del self._where[h]
             if mine is not None:
                 mine.discard(h)
+        bit = self._bit_of.get(node_id)
+        if self._table is not None and bit is not None and hashes:
+            self._table.remove(bit, hashes)
 
     def drop_node(self, node_id: str) -> int:
         """Forget everything ``node_id`` held; returns how many blocks it held."""
+        bit = self._bit_of.pop(node_id, None)
+        if bit is not None:
+            if self._table is not None:
+                self._table.clear_bit(bit)
+            heapq.heappush(self._free_bits, bit)
         mine = self._by_node.pop(node_id, set())
         for h in mine:
             locs = self._where.get(h)
@@ -50,10 +87,19 @@ class KVIndex:
     def holders(self, h: bytes) -> dict[str, str]:
         return self._where.get(h, {})
 
-    def prefix_runs(self, hashes: Sequence[bytes], stores: Container[str] = ()) -> tuple[dict[str, int], int]:
+    def prefix_runs(self, hashes: Sequence[bytes], stores: Collection[str] = ()) -> tuple[dict[str, int], int]:
         """For each node, how many leading blocks of the chain it holds (runs from block 0);
-        and how many leading blocks the ``stores`` hold between them. Each run is counted
-        in C (``takewhile`` over the node's own set), not by a Python step per block."""
+        and how many leading blocks the ``stores`` hold between them. In C over the flat
+        table, or per holder over its own set (``takewhile``), never a Python step per block."""
+        if self._table is not None:
+            bit_of, mask = self._bit_of, 0
+            for s in stores:
+                bit = bit_of.get(s)
+                if bit is not None:
+                    mask |= 1 << bit
+            pairs, store_end = self._table.walk(hashes, mask)
+            node_at = self._node_at
+            return {node_at[bit]: run for bit, run in pairs}, store_end
         runs: dict[str, int] = {}
         locs = self._where.get(hashes[0]) if hashes else None
         if not locs:
