@@ -25,16 +25,16 @@ def cache_dir() -> Path:
 
 
 def build(name: str, sources: list[Path], flags: list[str], directory: Path | None = None) -> Path | None:
-    """The compiled shared library ``name`` (built now if missing), or None where it cannot be
-    built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
+    """The compiled shared library ``name`` (built now if missing), or None where it is not
+    built and cannot be built here."""
     source = b"".join(p.read_bytes() for p in sources)
     key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = (directory or cache_dir()) / f"{name}-{key}.so"
-    if target.is_file():
+    if target.is_file():  # built before (e.g. into a container image that has no compiler left)
         return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
