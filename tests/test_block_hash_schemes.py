@@ -61,3 +61,12 @@ def test_conductor_refuses_an_engine_of_another_scheme_or_quantization():
     plain = ExpectedModel("m@0123456789abcdef", "bfloat16", 16, shape)
     assert plain.problem(facts("m@0123456789abcdef/bfloat16")) is None
     assert "block hash" in plain.problem(facts("m@0123456789abcdef/bfloat16+xxh3_128"))
+
+
+def test_chains_are_pinned():
+    """The keys outlive processes (LMDB files, peers on other versions): a change in how a
+    chain is computed must show here, not as silent misses in every store."""
+    sha = hash_blocks(list(range(40)), 16, "SmolLM2-135M-Instruct")
+    xxh = hash_blocks(list(range(40)), 16, scheme_model_id("SmolLM2-135M-Instruct", "xxh3_128"), cache_salt="t")
+    assert [h.hex()[:16] for h in sha] == ["03cf2d8be14e235f", "1c25a1aab4c62804"]
+    assert [h.hex()[:16] for h in xxh] == ["ac3f8c934df3f3b1", "d78b38270e4864a8"]
