@@ -45,6 +45,18 @@ def reference_runs(held: dict[str, set[bytes]], chain: list[bytes], stores: set[
     return runs, store_end
 
 
+def apply_event(idx: KVIndex, model: dict[str, set[bytes]], node: str, blocks: list[bytes], op: str) -> None:
+    """One event on the index and on the plain model alike."""
+    if op == "add":
+        idx.add(node, "t", blocks)
+        model.setdefault(node, set()).update(blocks)
+    elif op == "remove":
+        idx.remove(node, blocks)
+        model.get(node, set()).difference_update(blocks)
+    else:
+        assert idx.drop_node(node) == len(model.pop(node, ()))
+
+
 def test_runs_end_where_each_holder_stops_and_at_gaps():
     idx = KVIndex()
     idx.add("p0", "device", CHAIN[:10])
@@ -110,14 +122,7 @@ def test_random_events_agree_with_a_plain_model():
         op = rng.random()
         lo = rng.choice([0, rng.randrange(len(CHAIN))])
         blocks = [h for h in CHAIN[lo:rng.randrange(lo, len(CHAIN) + 1)] if rng.random() < 0.9]
-        if op < 0.55:
-            idx.add(node, "t", blocks)
-            model.setdefault(node, set()).update(blocks)
-        elif op < 0.9:
-            idx.remove(node, blocks)
-            model.get(node, set()).difference_update(blocks)
-        else:
-            assert idx.drop_node(node) == len(model.pop(node, ()))
+        apply_event(idx, model, node, blocks, "add" if op < 0.55 else "remove" if op < 0.9 else "drop")
         for n in nodes:
             assert idx.blocks_of(n) == len(model.get(n, ()))
         assert len(idx) == len(set().union(*model.values())) if model else len(idx) == 0
@@ -144,14 +149,7 @@ def test_many_nodes_many_blocks_and_reused_bits_agree_with_a_plain_model():
         lo = rng.randrange(0, len(chain), 50)
         blocks = chain[lo:lo + rng.randrange(1, 400)]
         op = rng.random()
-        if op < 0.6:
-            idx.add(node, "t", blocks)
-            model.setdefault(node, set()).update(blocks)
-        elif op < 0.9:
-            idx.remove(node, blocks)
-            model.get(node, set()).difference_update(blocks)
-        else:
-            assert idx.drop_node(node) == len(model.pop(node, ()))
+        apply_event(idx, model, node, blocks, "add" if op < 0.6 else "remove" if op < 0.9 else "drop")
         if step % 20 == 0:
             assert len(idx) == len(set().union(*model.values())) if model else len(idx) == 0
             for start in (0, 50, 1000, 2950):
