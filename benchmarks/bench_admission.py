@@ -29,6 +29,7 @@ from clusters import running_cluster, small_config  # noqa: E402
 from mooncake.bench import ArrivalSpec, BenchConfig, SharedPrefixSpec, run_benchmark  # noqa: E402
 from mooncake.engine.loader import resolve_model_dir  # noqa: E402
 from mooncake.config import ModelConfig  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 300.0
 
@@ -80,9 +81,7 @@ def main() -> int:
                      f"{r['goodput']:.3f} | {r['ttft_p50'] or 0:.0f} / {r['ttft_p90'] or 0:.0f} | "
                      f"{r['pred_median']:.0%} / {r['pred_p90']:.0%} ({r['pred_n']}) |")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    publish(text, args.out)
     return 0
 
 

@@ -33,6 +33,7 @@ from mooncake.engine import Engine, load_model
 from mooncake.engine.profile import profile_engine
 from mooncake.protocol import Sampling
 from mooncake.sched.cost_model import PrefillCostModel
+from mooncake.bench.publish import publish
 
 GREEDY = Sampling(max_tokens=1, temperature=0.0)
 
@@ -124,10 +125,7 @@ def main() -> None:
              "requests (new, cached, s): " + ", ".join(f"({n}, {c}, {s:.2f})" for n, c, s in samples), ""]
     lines += summarize(errors, n_req // 2)
     report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    publish(report, args.out)
 
 
 if __name__ == "__main__":

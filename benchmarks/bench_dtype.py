@@ -33,6 +33,7 @@ from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
 from mooncake.engine.loader import cpu_has_fast_bf16, default_model_path
 from mooncake.protocol import Sampling
+from mooncake.bench.publish import publish
 
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
@@ -175,10 +176,8 @@ def main() -> None:
             f"{torch.__version__}, {torch.get_num_threads()} threads, prefill reps {reps}, decode steps {steps}, "
             f"medians over {a.rounds} rounds")
     report = head + "\n\n" + "\n".join(rows) + "\n"
-    print("\n" + report)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(report)
+    print()
+    publish(report, a.out)
 
 
 if __name__ == "__main__":

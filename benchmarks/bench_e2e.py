@@ -66,6 +66,7 @@ from mooncake.bench.arrivals import copies_to_span  # noqa: E402
 from mooncake.config import MiB, ModelConfig  # noqa: E402
 from mooncake.engine.loader import default_model_path, resolve_model_dir  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
@@ -314,9 +315,7 @@ def main() -> int:
         for name in wl:
             text += ["", f"### {name}", "", table(results, name)]
         out = "\n".join(text)
-    print(out)
-    if args.out:
-        Path(args.out).write_text(out + "\n")
+    publish(out, args.out)
     (json_dir / ("capacity.json" if args.capacity else "summary.json")).write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
 

@@ -21,6 +21,7 @@ import torch
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
 from mooncake.protocol import Sampling
+from mooncake.bench.publish import publish
 
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 
@@ -163,10 +164,8 @@ def main() -> None:
             % (loaded.model_id, loaded.dtype, where, torch.__version__, a.chunk_tokens, a.max_batch,
                torch.get_num_threads(), "quick" if a.quick else "full", reps, steps))
     report = head + "\n\n" + "\n".join(rows) + "\n"
-    print("\n" + report)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(report)
+    print()
+    publish(report, a.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from bench_engine import Bench  # noqa: E402
 from mooncake.config import EngineConfig, ModelConfig  # noqa: E402
 from mooncake.engine import Engine, load_model  # noqa: E402
 from mooncake.engine.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 
 def main() -> None:
@@ -57,9 +58,8 @@ def main() -> None:
             % (a.vocab or len(tokenizer), platform.processor() or platform.machine(), torch.__version__,
                torch.get_num_threads(), a.reps, a.steps))
     report = head + "\n\n" + "\n".join(rows) + "\n"
-    print("\n" + report)
-    if a.out:
-        Path(a.out).write_text(report)
+    print()
+    publish(report, a.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from clusters import MODEL, metric, metrics, small_config  # noqa: E402
 
 from mooncake.config import MiB  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 from one_request import fresh_prompt, stream_one  # noqa: E402
 
 
@@ -75,9 +76,7 @@ def main() -> int:
     lines.append(f"first -> second token, layer-wise vs block-wise: {med(lw['first_gap']) / med(b['first_gap']):.2f}x; "
                  f"TTFT layer-wise vs block-wise: {med(lw['ttft']) / med(b['ttft']):.2f}x")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
     return 0
 
 

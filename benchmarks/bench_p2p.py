@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from p2p_hosts import P2PHosts  # noqa: E402
 
+from mooncake.bench.publish import publish  # noqa: E402
+
 RECEIVER = """
 import os, socket, sys, time
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -253,9 +255,7 @@ def main() -> None:
         f"{max(p['p2p_bulk'] for p in curve):.0%} (never under CURVE).",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

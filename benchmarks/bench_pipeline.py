@@ -25,6 +25,7 @@ from clusters import MODEL, metric, metrics, small_config  # noqa: E402
 
 from mooncake.config import MiB  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 from one_request import fresh_prompt, stream_one  # noqa: E402
 
 
@@ -71,9 +72,7 @@ def main() -> int:
                      f"{med(r['ttft']) / base:.2f}x | {', '.join(f'{t:.2f}' for t in r['ttft'])} | "
                      f"{int(r['groups'])} of {args.reps} | {stage_cols} | {r['act_bytes'] / n / 1e6:.1f} |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
     return 0
 
 

@@ -38,6 +38,7 @@ from mooncake.kv_integrity import checksums, shape_problem  # noqa: E402
 from mooncake.protocol import Sampling  # noqa: E402
 from mooncake.roles.prefix_stream import PrefixStream  # noqa: E402
 from mooncake.tiers.client import StoreClient  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 PROMPT, PREFIX = 2048, 1792
 GREEDY = Sampling(max_tokens=2, temperature=0, ignore_eos=True)
@@ -163,9 +164,7 @@ def main() -> int:
         total = statistics.median(r["total"] for r in res[mode])
         lines.append(f"| {mode} | {phases} | {total * 1000:.0f} | {total / cold_s:.3f}x |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
     return 0
 
 

@@ -33,6 +33,7 @@ from mooncake.api.structured import schema_grammar  # noqa: E402
 from mooncake.config import EngineConfig, ModelConfig, MiB  # noqa: E402
 from mooncake.engine import Engine, load_model  # noqa: E402
 from mooncake.protocol import Sampling  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 from tests.clusters import MODEL, metric, running_cluster  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
@@ -132,9 +133,7 @@ def main() -> None:
             walls = {k: w for k, w, _ in rows}
             lines.append(f"| {prefill} | n=4 / 4 requests | {walls['n=4'] / walls['4 requests']:.2f} | |")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.scheduler import Plan, Scheduler
+from mooncake.bench.publish import publish
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 BLOCK = 16
@@ -243,9 +244,7 @@ def main() -> int:
                   f"p99 target {TARGET_P99_US:.0f} µs: {'met' if ok else 'MISSED'} "
                   f"(p99 {pct(pm_us, 99):.1f} µs own cost, {pct(p_us, 99):.1f} µs as first timed)"]
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
     if args.json:
         Path(args.json).write_text(json.dumps({name: {q: pct(xs, q) for q in (50, 90, 99)} for name, xs in rows}))
     return 0

@@ -29,6 +29,7 @@ from mooncake.bench import BenchConfig  # noqa: E402
 from mooncake.bench.trace import TraceScaling  # noqa: E402
 from mooncake.sim.setup import SimSetup  # noqa: E402
 from mooncake.sim.validate import validate  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 TOLERANCE = 0.30
@@ -65,9 +66,7 @@ def main() -> int:
         lines.append(f"| {point} | {hw.prefill_s(1000, 0) * 1000:.0f} | {hw.decode_step_s(8, 8 * 1024) * 1000:.1f} "
                      f"| {p50 * 1000:.0f} | {r50:.2f} | {p90 * 1000:.0f} | {r90:.2f} | {'yes' if ok else 'no'} |")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    publish(text, args.out)
     return 0
 
 

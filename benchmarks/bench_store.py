@@ -30,6 +30,7 @@ from mooncake.tiers.client import StoreClient  # noqa: E402
 from mooncake.tiers.device import DeviceTier  # noqa: E402
 from mooncake.tiers.dram import DramTier  # noqa: E402
 from mooncake.tiers.lmdb_tier import LmdbTier  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -203,9 +204,7 @@ def main() -> None:
     for c in cols:
         lines.append(f"| {c} | " + " | ".join(f"{r[c]:.2f}" for r in rows) + " |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from clusters import MODEL, small_config  # noqa: E402
 from mooncake.bench.client import RequestRecord, stream_request  # noqa: E402
 from mooncake.config import MiB  # noqa: E402
 from mooncake.dev import DevCluster  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 PROMPT, PREFIX = 2048, 1792
 
@@ -148,9 +149,7 @@ def main() -> int:
         lines.append(f"| {where} | {load} | {med * 1000:.0f} | {med / cold:.3f}x | {reps} "
                      f"| {statistics.median(cached):.0f} |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ from mooncake.tiers.client import StoreClient  # noqa: E402
 from mooncake.tiers.dram import DramTier  # noqa: E402
 from mooncake.tiers.lmdb_tier import LmdbTier  # noqa: E402
 from mooncake.tiers.tiered import TieredStore  # noqa: E402
+from mooncake.bench.publish import publish  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 BLOCK_SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head dim: 737,280 bytes in float32
@@ -125,9 +126,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['on_demotion']:.2f} | {r['write_through']:.2f} | "
                      f"{r['write_through'] / r['on_demotion']:.2f} |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(table, args.out)
 
 
 if __name__ == "__main__":
