@@ -18,7 +18,7 @@ that completes a request's KV also begins its decoding when the first token is k
 that the sequence joins the next decode step instead of waiting for one more engine call.
 
 ``KVIngress`` is a part of ``DecodeWorker`` (a mixin): it reads the worker's reserved requests
-(``incoming``, each a ``Slot``) and calls its ``_give_up`` and ``_maybe_start``.
+(``incoming``, each a ``Slot``) and calls its ``_give_up``, ``_maybe_start`` and ``_join``.
 """
 
 from __future__ import annotations
