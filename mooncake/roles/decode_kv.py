@@ -56,7 +56,8 @@ class Slot:
     next_index: int = 0  # index of the next token among the request's generated tokens
     stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one batch at a time, in order
-    inbox: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]] = field(default_factory=list)  # checked in, not landing yet
+    # its KV messages received and waiting to land (with the next batch of its messages)
+    inbox: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]] = field(default_factory=list)
 
     @property
     def next_block(self) -> int:
