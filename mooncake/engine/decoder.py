@@ -63,6 +63,7 @@ class DecoderForward:
         # row -> ((uid, ctx), blocks in per layer)
         self._staged: dict[int, tuple[tuple[int, int], list[int]]] = {}
         self.row_gathers = 0  # decode rows gathered from the pool (a staged row is not)
+        self.workspace_grows = 0  # decode workspace reallocations
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -123,17 +124,23 @@ class DecoderForward:
         return ws[:, :, :B]
 
     def _grown(self, rows: int, key_len: int) -> torch.Tensor:
-        """The decode workspace, reallocated if it has fewer than ``rows`` rows or ``key_len`` positions
-        (then every row is gathered again, and what was staged is gone)."""
+        """The decode workspace, reallocated if it has fewer than ``rows`` rows or ``key_len`` positions.
+        Rows grow to the next power of two (a batch growing one sequence at a time reallocates
+        log2(B) times, not B times) and what the rows held comes along: a sequence decoding while the
+        batch grows is not gathered again, and what was staged stays staged. A reallocation of a
+        workspace of B rows of K positions is a step's worth of copying (BENCHMARKS.md section 15)."""
         ws, T = self._dws, self.block_tokens
         if ws.dim() != 6 or ws.shape[2] < rows or ws.shape[4] < key_len:
-            kcap = -(-max(key_len + 256, key_len * 5 // 4) // T) * T
-            kcap = max(kcap, ws.shape[4] if ws.dim() == 6 else 0)
-            bcap = max(rows, ws.shape[2] if ws.dim() == 6 else 0)
-            ws = self._dws = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
-                                         dtype=self.dtype, device=self.device)
-            self._rows = [None] * bcap
-            self._staged.clear()
+            old_b, old_k = (ws.shape[2], ws.shape[4]) if ws.dim() == 6 else (0, 0)
+            kcap = max(-(-max(key_len + 256, key_len * 5 // 4) // T) * T, old_k)
+            bcap = max(1 << (rows - 1).bit_length(), old_b)
+            grown = torch.zeros((self.num_layers, 2, bcap, self.num_kv_heads, kcap, self.head_dim),
+                                dtype=self.dtype, device=self.device)
+            if old_b:
+                grown[:, :, :old_b, :, :old_k].copy_(ws)
+            ws = self._dws = grown
+            self._rows += [None] * (bcap - old_b)
+            self.workspace_grows += 1
         return ws
 
     @torch.inference_mode()

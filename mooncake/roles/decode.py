@@ -135,8 +135,12 @@ class DecodeWorker(KVIngress, EngineWorker):
         if slot.first_token is None or not slot.kv_complete or slot.started:
             return
         slot.started = True
-        rid = slot.msg.req_id
         await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
+        self._join(slot)
+
+    def _join(self, slot: Slot) -> None:
+        """A sequence whose decoding began joins the batch at the next step (unless dropped meanwhile)."""
+        rid = slot.msg.req_id
         if self.incoming.pop(rid, None) is slot:
             self.running[rid] = slot
             self._wake.set()

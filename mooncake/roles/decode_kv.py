@@ -12,9 +12,13 @@ blocks, and a block counts as received once all its layers are in. Messages of d
 requests land concurrently, one request's in the order they came (``Slot.kv_lock``): each
 write waits for the engine thread between decode steps, and handled one at a time a burst
 of requests would wait a step per message before its second token (BENCHMARKS.md section 15).
+For the same reason the messages of one request that arrive while its earlier ones land go
+together, in one engine call (a layer-wise prefix is one message per layer), and the call
+that completes a request's KV also begins its decoding when the first token is known, so
+that the sequence joins the next decode step instead of waiting for one more engine call.
 
 ``KVIngress`` is a part of ``DecodeWorker`` (a mixin): it reads the worker's reserved requests
-(``incoming``, each a ``Slot``) and calls its ``_give_up`` and ``_maybe_start``.
+(``incoming``, each a ``Slot``) and calls its ``_give_up``, ``_maybe_start`` and ``_join``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class Slot:
     started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
     stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
-    kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one at a time, in order
+    kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one batch at a time, in order
+    # its KV messages received and waiting to land (with the next batch of its messages)
+    inbox: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]] = field(default_factory=list)
 
     @property
     def next_block(self) -> int:
@@ -79,6 +85,7 @@ class KVIngress:
     store_blocks: Callable[..., Awaitable[None]]
     _give_up: Callable[..., Awaitable[None]]
     _maybe_start: Callable[[Slot], Awaitable[None]]
+    _join: Callable[[Slot], None]
 
     async def _kv_loop(self) -> None:
         room = asyncio.Semaphore(KV_IN_FLIGHT)
@@ -122,53 +129,74 @@ class KVIngress:
             self.rejections.add("token", len(tensors))
             log.warning("KV of %s without the attempt's token (not from its prefill): dropped", msg.req_id)
             return
+        slot.inbox.append((msg, tensors))
         async with slot.kv_lock:  # taken in arrival order: nothing above awaits
+            batch, slot.inbox = slot.inbox, []
+            if not batch:  # landed with an earlier message of its request
+                return
             if self.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
                 log.debug("KV of %s, no longer reserved here: dropped", msg.req_id)
                 return
-            await self._land_kv(slot, msg, tensors)
+            await self._land_kv(slot, batch)
 
-    async def _land_kv(self, slot: Slot, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
-        """Check one KV message of ``slot`` and write it; start decoding once all KV is in."""
-        layer = msg.layer if isinstance(msg, P.KVLayer) else None
-        shape = self.engine.block_shape if layer is None else self.engine.block_shape[1:]
-        problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors, shape, self.engine.dtype)
-        bad = None if problem else await asyncio.to_thread(first_corrupt, tensors, msg.checksums)
-        if problem or bad is not None:
-            self.rejections.add("shape" if problem else "checksum", len(tensors))
-            await self._give_up(slot, f"its KV is corrupt ({problem or f'transfer {bad} fails its checksum'}): "
-                                      "recomputed elsewhere")
+    async def _land_kv(self, slot: Slot, batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]]) -> None:
+        """Check KV messages of ``slot`` (in arrival order) and write them in one engine call, which
+        also begins decoding when they complete the KV and the first token is known."""
+        eng = self.engine
+        for msg, tensors in batch:
+            layer = msg.layer if isinstance(msg, P.KVLayer) else None
+            problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors,
+                                    eng.block_shape if layer is None else eng.block_shape[1:], eng.dtype)
+            if problem:
+                self.rejections.add("shape", len(tensors))
+                await self._give_up(slot, f"its KV is corrupt ({problem}): recomputed elsewhere")
+                return
+        bad = await asyncio.to_thread(_first_corrupt_of, batch)
+        if bad is not None:
+            self.rejections.add("checksum", len(batch[bad[0]][1]))
+            await self._give_up(slot, f"its KV is corrupt (transfer {bad[1]} fails its checksum): recomputed elsewhere")
             return
-        n = len(tensors[0]) if layer is not None else len(tensors)
-        if layer is None:  # whole blocks continue where every layer is
-            expected = slot.next_block if max(slot.layers_in) == slot.next_block else -1
-        else:
-            expected = slot.layers_in[layer] if 0 <= layer < len(slot.layers_in) else -1
-        if msg.first_block != expected or msg.first_block + n > len(slot.seq.block_table):
-            log.warning("KV of %s (layer %s): blocks %d..%d do not continue the %d received of %d: request failed",
-                        msg.req_id, layer, msg.first_block, msg.first_block + n, expected, len(slot.seq.block_table))
-            await self._give_up(slot, "KV arrived out of order or oversized")
-            return
-        self._landing += 1
-        row = len(self.running) if len(self.running) < self.engine.max_batch else None  # its row at its first step
-        try:
+        layers_in = list(slot.layers_in)
+        writes: list[tuple[int, int | None, list[torch.Tensor]]] = []
+        for msg, tensors in batch:
+            layer = msg.layer if isinstance(msg, P.KVLayer) else None
+            n = len(tensors[0]) if layer is not None else len(tensors)
+            if layer is None:  # whole blocks continue where every layer is
+                expected = min(layers_in) if max(layers_in) == min(layers_in) else -1
+            else:
+                expected = layers_in[layer] if 0 <= layer < len(layers_in) else -1
+            if msg.first_block != expected or msg.first_block + n > len(slot.seq.block_table):
+                log.warning("KV of %s (layer %s): blocks %d..%d do not continue the %d received of %d: request failed",
+                            msg.req_id, layer, msg.first_block, msg.first_block + n, expected,
+                            len(slot.seq.block_table))
+                await self._give_up(slot, "KV arrived out of order or oversized")
+                return
             if layer is not None:
-                await self.run_engine(self.engine.write_kv_layer, slot.seq, msg.first_block, layer, tensors[0], row)
-            elif tensors:
-                await self.run_engine(self.engine.write_kv, slot.seq, msg.first_block, torch.stack(tensors), row)
+                layers_in[layer] += n
+            else:
+                layers_in = [b + n for b in layers_in]
+            if n:
+                writes.append((msg.first_block, layer, tensors))
+        begin = (min(layers_in) >= len(slot.seq.block_table) and slot.first_token is not None
+                 and not slot.started)
+        slot.started |= begin
+        self._landing += 1
+        row = len(self.running) if len(self.running) < eng.max_batch else None  # its row at its first step
+        try:
+            await self.run_engine(_write_landed, eng, slot.seq, writes, row, slot.first_token if begin else None)
         except Exception as e:  # this request's KV is unusable; the ingress goes on
-            log.exception("writing KV of %s failed", msg.req_id)
+            log.exception("writing KV of %s failed", slot.msg.req_id)
             await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
             return
         finally:
             self._landing -= 1
-        self.progress += 1  # landing KV is engine progress (layer-wise: one write per layer and chunk)
-        if layer is not None:
-            slot.layers_in[layer] += n
-        else:
-            slot.layers_in = [b + n for b in slot.layers_in]
+        self.progress += len(writes)  # landing KV is engine progress (layer-wise: one write per layer and chunk)
+        slot.layers_in = layers_in
         await self._store_whole_blocks(slot)
-        await self._maybe_start(slot)
+        if begin:
+            self._join(slot)
+        else:
+            await self._maybe_start(slot)
 
     async def _store_whole_blocks(self, slot: Slot) -> None:
         """A pipeline group's prompt (no stage holds whole blocks): write its full blocks to the store
@@ -180,3 +208,25 @@ class KVIngress:
         hashes = [BlockHash(h) for h in slot.msg.hashes[slot.stored:full]]
         await self.store_blocks(slot.msg.store_endpoint, slot.seq, hashes, slot.stored, full)
         slot.stored = full
+
+
+def _first_corrupt_of(batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]]) -> tuple[int, int] | None:
+    """(message, transfer) of the first frame that fails its checksum, or None (a worker thread)."""
+    for i, (msg, tensors) in enumerate(batch):
+        bad = first_corrupt(tensors, msg.checksums)
+        if bad is not None:
+            return i, bad
+    return None
+
+
+def _write_landed(engine: Engine, seq: Sequence, writes: list[tuple[int, int | None, list[torch.Tensor]]],
+                  row: int | None, first_token: int | None) -> None:
+    """The engine thread: write checked KV messages ``(first block, layer or None, frames)`` in order,
+    then, with ``first_token``, begin decoding (all the sequence's KV is in)."""
+    for first, layer, tensors in writes:
+        if layer is None:
+            engine.write_kv(seq, first, torch.stack(tensors), row)
+        else:
+            engine.write_kv_layer(seq, first, layer, tensors[0], row)
+    if first_token is not None:
+        engine.begin_decoding(seq, first_token)

@@ -215,7 +215,7 @@ class PrefillWorker(EngineWorker):
         T = eng.block_tokens
         sent = seq.num_cached_tokens // T
         if sent:
-            sender.put_blocks(req, 0, await self.run_engine(eng.export_sequence, seq, 0, sent))
+            sender.put_blocks(req, 0, await self._export(seq, 0, sent))
         loop = asyncio.get_running_loop()
         per_frame = self.layer_frame_blocks()
 
@@ -254,7 +254,7 @@ class PrefillWorker(EngineWorker):
                 break
             written = await self._write_new_blocks(req, seq, hashes, written, full)
             if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
-                sender.put_blocks(req, sent, await self.run_engine(eng.export_sequence, seq, sent, full))
+                sender.put_blocks(req, sent, await self._export(seq, sent, full))
                 sent = full
         token = int(step.token)  # type: ignore[arg-type]
         finished = P.FinishReason(step.finished) if step.finished else None
@@ -265,12 +265,20 @@ class PrefillWorker(EngineWorker):
             kv_pending_bytes=sender.pending_bytes + (len(seq.block_table) - sent) * eng.block_bytes))
         if finished is None:
             if sent < len(seq.block_table):
-                sender.put_blocks(req, sent, await self.run_engine(eng.export_sequence, seq, sent, None))
+                sender.put_blocks(req, sent, await self._export(seq, sent, None))
         await self._write_new_blocks(req, seq, hashes, written, len(hashes))
         if finished is None:
             await sender.finish()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
+
+    async def _export(self, seq: Sequence, first: int, last: int | None) -> torch.Tensor:
+        """A copy of ``seq``'s computed blocks ``[first, last)`` for decode, read in a worker thread rather
+        than on the engine thread: the blocks are this request's, held and computed, so reading them
+        needs nothing of the engine, whose thread may meanwhile compute other prompts' chunks for a
+        second or more, and the KV (the tail: the decode's second token) would wait behind them
+        (BENCHMARKS.md section 15)."""
+        return await asyncio.to_thread(self.engine.export_sequence, seq, first, last)
 
     async def _write_new_blocks(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
                                 written: int, full: int) -> int:
