@@ -54,7 +54,8 @@ class Plan:
     decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
     reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
-    queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
+    queue_slack_s: float = math.inf  # delay the requests queued there can take without one missing its SLO
+    delay_ahead_s: float = 0.0  # what this request adds to the forwards those queued ahead finish in
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
     decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
@@ -201,10 +202,13 @@ class Scheduler:
             fetch = [FetchPlan(s, e, stores[node].endpoints["store"])
                      for s, e, node in self.index.covering_run(hashes[:reusable], dev, stores, local, runs)]
         queue = queues.get(p.node_id)
+        slack = queue.slack(now) if queue is not None else math.inf
+        cached = reusable * block_tokens
+        delay_ahead = self.prefill_cost.joining_s(n_tokens - cached, cached) if slack < math.inf else 0.0
         return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
                     first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
                     reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=(queue.earliest_deadline() if queue is not None else math.inf) - now,
+                    queue_slack_s=slack, delay_ahead_s=delay_ahead,
                     decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
