@@ -9,8 +9,11 @@ one whose KV pool has room now: the prefill starts only once the decode
 instance has reserved the request's blocks, so a full pool's predicted wait
 (until enough booked requests end) is part of the TTFT. The plan says everything
 the conductor needs to dispatch (instances, fetch segments, the store to write
-to) and the predictions admission judges against the SLOs; the scheduler books
-the predicted load when the conductor dispatches, and releases it itself.
+to) and the predictions admission judges against the SLOs — among them, since a
+prefill instance packs the chunks of its queued requests into one forward, how
+much delay the requests queued there can take before one that would meet its
+first-token deadline misses it, and how much this request would add to them; the
+scheduler books the predicted load when the conductor dispatches, and releases it itself.
 
 With pipeline groups (``[conductor] cpp_group_size`` > 1, ``pipeline.py``), a prompt with at least
 ``cpp_min_tokens`` tokens to compute is also estimated on every group (its slowest member's queue,
