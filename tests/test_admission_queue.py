@@ -136,3 +136,22 @@ def test_the_cold_memory_is_bounded_least_recent_first():
         plan.hashes = [i.to_bytes(32, "big")] + list(plan.hashes[1:])
         assert isinstance(adm.check_plan(plan, now=0.0), Rejection)
     assert len(adm._cold) == COLD_MEMORY and H[0] not in adm._cold
+
+
+def test_a_prefix_being_computed_elsewhere_is_not_warmed_up_twice():
+    """Two prefill instances: while the warm-up computes the prefix on one, a request refused on
+    the other (cold there) does not mark the prefix cold again, so no second warm-up computes
+    it a second time alongside the first."""
+    sched = one_prefill()
+    sched.cluster.upsert(node("p1", "prefill", "n1"))
+    metrics = Metrics()
+    adm = admission(100, metrics)
+    assert isinstance(adm.check_plan(cold_plan(sched, 0), now=0.0), Rejection)
+    warm = cold_plan(sched, 0)
+    assert adm.check_plan(warm, now=0.1) is None and metrics.admission_warmups._value.get() == 1
+    sched.book("warm", warm, deadline=0.2)
+    behind = cold_plan(sched, 0)
+    assert behind.known_blocks == 30  # the warm-up's instance will hold it all
+    assert isinstance(adm.check_plan(behind, now=0.1), Rejection)
+    assert isinstance(adm.check_plan(cold_plan(sched, 0), now=0.1), Rejection)
+    assert metrics.admission_warmups._value.get() == 1

@@ -82,6 +82,12 @@ def main(prefix: str, report: str) -> None:
         if p["admitted"] and d is not None:
             rows.append((p, d, c))
     print(f"admitted and prefilled: {len(rows)}")
+    short = [(p, d) for p, d, _ in rows if d["cached"] < p["reusable_tokens"]]
+    print(f"found fewer cached tokens than planned: {len(short)} ({sum(p['reusable_tokens'] - d['cached'] for p, d in short)}"
+          f" tokens computed again; all computed: {sum(d['computed'] for _, d, _ in rows)})")
+    big = [(p, d) for p, d, _ in rows if d["computed"] > 500]
+    if big:
+        print(summary("prefills of > 500 tokens (est_prefill vs reported compute)", [(p["est_prefill"], d["prefill_s"]) for p, d in big]))
     print(summary("TTFT dispatch->first token (conductor)", [(d["est_ttft"], d["since_dispatch"]) for _, d, _ in rows]))
     client = [(p["t"] - p["arrived"] + p["est_ttft"], c["ttft_s"]) for p, _, c in rows if c and c.get("ttft_s")]
     print(summary("TTFT arrival->first token (client)", client))

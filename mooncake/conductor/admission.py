@@ -11,9 +11,9 @@ at most ``max_retry_after_s``.
 
 A request refused because its predicted TTFT is over the SLO leaves its prefix uncached, so
 the next request on the same prefix is predicted just as cold: refusing on that prediction
-keeps it so for good. The first uncached block of each such refusal is remembered
-(``COLD_MEMORY`` of them, the least recent forgotten), and a later request that needs the same
-block computed is admitted in spite of its TTFT prediction (a *warm-up*: it pays the cold
+keeps it so for good. The first block of each such refusal that no instance or
+store holds or is about to compute is remembered (``COLD_MEMORY`` of them, the least recent
+forgotten), and a later request that needs the same block computed is admitted in spite of its TTFT prediction (a *warm-up*: it pays the cold
 prefill, and those after it find the prefix cached), provided that the wait ahead of it fits
 the SLO: only the cold prefill is over it.
 """
@@ -100,7 +100,7 @@ class Admission:
         if admitted:
             self.last_admitted = now
             if warm_up:
-                del self._cold[plan.hashes[plan.reusable_blocks]]
+                del self._cold[plan.hashes[plan.known_blocks]]
                 self.metrics.admission_warmups.inc()
         return rejection
 
@@ -132,14 +132,15 @@ class Admission:
     def _warms_up(self, plan: Plan, slo_s: float) -> bool:
         """A request over the TTFT SLO that would compute a prefix an earlier refused request left
         cold, whose wait ahead fits the SLO (only the cold prefill is over it)."""
-        return (plan.reusable_blocks < len(plan.hashes) and plan.hashes[plan.reusable_blocks] in self._cold
+        return (plan.known_blocks < len(plan.hashes) and plan.hashes[plan.known_blocks] in self._cold
                 and plan.est_ttft_s - plan.est_prefill_s <= slo_s)
 
     def _remember_cold(self, plan: Plan) -> None:
-        """Remember the first block a refused request would have computed (the least recent forgotten)."""
-        if plan.reusable_blocks < len(plan.hashes):
-            self._cold[plan.hashes[plan.reusable_blocks]] = None
-            self._cold.move_to_end(plan.hashes[plan.reusable_blocks])
+        """Remember the first block of a refused request that nothing holds or is computing (the
+        least recent forgotten): a prefix being computed elsewhere is not cold."""
+        if plan.known_blocks < len(plan.hashes):
+            self._cold[plan.hashes[plan.known_blocks]] = None
+            self._cold.move_to_end(plan.hashes[plan.known_blocks])
             if len(self._cold) > COLD_MEMORY:
                 self._cold.popitem(last=False)
 
