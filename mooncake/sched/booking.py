@@ -39,22 +39,21 @@ class PrefillQueue:
         if s is not None:
             self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
 
-    def slack(self, now: float) -> float:
-        """How much later than predicted the queued requests may get their first tokens before
-        one that is predicted to meet its deadline misses it (inf: none is due, or none can
-        still make it). The instance computes them in booking order (the chunk budget of a
-        packed forward goes to the earliest first), so each is predicted to finish once the
-        work booked up to it is done. A request already predicted late is not counted:
-        refusing newcomers cannot save it."""
+    def earliest_deadline(self, now: float) -> float:
+        """The first token due soonest among the queued requests that are predicted to meet it
+        (inf: none). The instance computes them in booking order (a packed forward's chunk
+        budget goes to the earliest first), so each is predicted done once the work booked up
+        to it is; one already predicted late is left out: refusing newcomers cannot save it,
+        and counting it would refuse every newcomer until it is done."""
         if not self.deadlines:
             return math.inf
-        slack, done_at = math.inf, now
+        earliest, done_at = math.inf, now
         for req_id, seconds in self.work.items():
             done_at += seconds
             deadline = self.deadlines.get(req_id, math.inf)
-            if done_at <= deadline < slack + done_at:
-                slack = deadline - done_at
-        return slack
+            if done_at <= deadline < earliest:
+                earliest = deadline
+        return earliest
 
 
 @dataclass

@@ -236,14 +236,6 @@ class PrefillCostModel:
     def predict(self, n: int, ctx: int) -> float:
         return self.model.predict(self._features(n, ctx))
 
-    def joining_s(self, n: int, ctx: int) -> float:
-        """What a prompt of ``n`` new tokens after ``ctx`` cached adds to the forward in which the
-        prompts queued ahead of it finish: a packed forward gives its chunk budget to the
-        earliest first, so the newcomer joins only a forward with budget left over (one chunk at
-        most), and that forward's fixed cost is paid anyway."""
-        n = min(max(n, 0), self.chunk_tokens)
-        return max(0.0, self.predict(n, ctx) - self.model.weights[0]) if n else 0.0
-
     def observe(self, n: int, ctx: int, seconds: float) -> None:
         if n > 0 and ctx >= 0:
             self.model.observe(self._features(n, ctx), seconds)
