@@ -79,9 +79,6 @@ class Metrics:
             registry=r)
         self.admission_probes = Counter("mooncake:admission_probes", "Requests admitted against an SLO prediction "
                                         "to re-measure, after rejecting all for a while.", registry=r)
-        self.admission_warmups = Counter("mooncake:admission_warmups", "Requests admitted against a TTFT "
-                                         "prediction to compute a prefix that an earlier refused request needed "
-                                         "too (refusing both would keep it uncached).", registry=r)
         self.admission_flips = Counter("mooncake:admission_flips", "Admission decisions that differ from the one "
                                        "before (accept <-> reject).", registry=r)
         self.cost_model_rejected_fits = Gauge("mooncake:cost_model_rejected_fits", "Implausible cost-model fits "

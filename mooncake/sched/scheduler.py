@@ -57,7 +57,6 @@ class Plan:
     reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
     queue_slack_s: float = math.inf  # until the first token due soonest among those queued there that can make it
-    known_blocks: int = 0  # prefix blocks some instance or store holds, or will once its booked work is done
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
     decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
@@ -129,7 +128,6 @@ class Scheduler:
         queues = self.queues
         pending = self.pending.nodes()
         candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
-        known = store_end  # the longest prefix an instance or the stores hold, or will once booked work is done
         for p in prefills:
             nid = p.node_id
             queue = queues.get(nid)
@@ -139,8 +137,6 @@ class Scheduler:
             else:
                 dev = runs.get(nid, 0)
             reusable = dev if dev > store_end else store_end
-            if dev > known:
-                known = dev
             prefill_s = prefill_time.get(reusable)
             if prefill_s is None:
                 cached = reusable * block_tokens
@@ -211,7 +207,7 @@ class Scheduler:
         return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
                     first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
                     reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=slack, known_blocks=known,
+                    queue_slack_s=slack,
                     decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
