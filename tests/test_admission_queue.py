@@ -1,6 +1,7 @@
 """Admission's TTFT checks on constructed scheduler states: a newcomer is refused for the
 requests queued ahead when the queue with it would not drain before the first deadline among
-them that can still be met (one already predicted late does not count). (Prior cost model: 20 ms + 1/3 ms per token, so 40 new tokens predict ~33 ms.)"""
+them that can still be met (one already predicted late does not count). (Prior cost model:
+20 ms + 1/3 ms per token, so 40 new tokens predict ~33 ms.)"""
 
 from __future__ import annotations
 
