@@ -95,7 +95,8 @@ class Admission:
                              retry_after_s=self._retry_after(plan.best_ttft_s - slo_s))
         if prefill_evidence and cfg.ttft_slo_ms and plan.est_ttft_s > plan.queue_slack_s:
             # A prefill instance packs the chunks of the requests queued on it into one forward, so
-            # a request joining them delays their first tokens too: never past their SLO.
+            # a request joining them delays their first tokens too: the queue with it must drain
+            # before the first deadline among them that can still be met.
             return Rejection(429, "ttft_slo", f"the requests queued ahead would miss the {cfg.ttft_slo_ms:.0f} ms "
                              "SLO if this one joined them", retry_after_s=self._retry_after(plan.queue_s))
         if decode_evidence and cfg.tbt_slo_ms and plan.est_tbt_s * 1000 > cfg.tbt_slo_ms:

@@ -33,6 +33,7 @@ from mooncake.kv_integrity import checksums
 from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
 from mooncake.kv_sender import KVSender
 from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
 from mooncake.roles.prefix_load import fetch_prefix, first_chunk_loading, open_stream, start_stream
 from mooncake.roles.prefix_stream import PrefixStream
@@ -56,6 +57,7 @@ class PrefillWorker(EngineWorker):
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
+        self.inflight = InflightBlocks()  # prompt blocks the running requests are computing
         self.chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
         self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
         self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
@@ -162,6 +164,19 @@ class PrefillWorker(EngineWorker):
         t_start = time.perf_counter()
         hashes = [BlockHash(h) for h in req.hashes]
         have = await self.run_engine(eng.cached_prefix, hashes)
+        if req.stage is None and eng.prefix_caching:  # blocks a running request computes: wait, compute once
+            while (computing := self.inflight.computing(hashes, have)) is not None:
+                await computing.wait()
+                have = await self.run_engine(eng.cached_prefix, hashes)
+            self.inflight.start(req.req_id, hashes, have)
+        try:
+            await self._prefill_from(req, hashes, have, t_start)
+        finally:
+            self.inflight.finish(req.req_id)
+
+    async def _prefill_from(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int, t_start: float) -> None:
+        """The prefill of ``req`` once its first ``have`` blocks are in the device cache."""
+        eng = self.engine
         stream, fetched, fetch_s = None, 0, 0.0
         if req.fetch and req.stage is None and self.cfg.engine.kv_load == "layer":
             stream, fetch_s = await open_stream(self, req, hashes, have)
@@ -251,6 +266,7 @@ class PrefillWorker(EngineWorker):
             if on_layer is not None:  # the chunk's layers are queued already
                 sent = -(-seq.num_computed // T) if step.done else full
             if step.done:
+                self.inflight.finish(req.req_id)  # its blocks are cached: those waiting for them go on
                 break
             written = await self._write_new_blocks(req, seq, hashes, written, full)
             if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes

@@ -39,9 +39,21 @@ class PrefillQueue:
         if s is not None:
             self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
 
-    def earliest_deadline(self) -> float:
-        """The first token due soonest among the queued requests (inf: none is due)."""
-        return min(self.deadlines.values(), default=math.inf)
+    def earliest_deadline(self, now: float) -> float:
+        """The first token due soonest among the queued requests that are predicted to meet it
+        (inf: none). The instance computes them in booking order (a packed forward's chunk
+        budget goes to the earliest first), so each is predicted done once the work booked up
+        to it is; one already predicted late is left out: refusing newcomers cannot save it,
+        and counting it would refuse every newcomer until it is done."""
+        if not self.deadlines:
+            return math.inf
+        earliest, done_at = math.inf, now
+        for req_id, seconds in self.work.items():
+            done_at += seconds
+            deadline = self.deadlines.get(req_id, math.inf)
+            if done_at <= deadline < earliest:
+                earliest = deadline
+        return earliest
 
 
 @dataclass

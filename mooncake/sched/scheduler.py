@@ -9,8 +9,11 @@ one whose KV pool has room now: the prefill starts only once the decode
 instance has reserved the request's blocks, so a full pool's predicted wait
 (until enough booked requests end) is part of the TTFT. The plan says everything
 the conductor needs to dispatch (instances, fetch segments, the store to write
-to) and the predictions admission judges against the SLOs; the scheduler books
-the predicted load when the conductor dispatches, and releases it itself.
+to) and the predictions admission judges against the SLOs — among them, since a
+prefill instance packs the chunks of its queued requests into one forward, the
+first-token deadline due soonest among the requests queued there that are
+predicted to meet it; the scheduler books the predicted load when the conductor
+dispatches, and releases it itself.
 
 With pipeline groups (``[conductor] cpp_group_size`` > 1, ``pipeline.py``), a prompt with at least
 ``cpp_min_tokens`` tokens to compute is also estimated on every group (its slowest member's queue,
@@ -54,7 +57,7 @@ class Plan:
     decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
     reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
     queue_s: float = 0.0  # predicted wait in the prefill instance's queue
-    queue_slack_s: float = math.inf  # until the first token due soonest among those queued there
+    queue_slack_s: float = math.inf  # until the first token due soonest among those queued there that can make it
     decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
     decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
@@ -201,10 +204,11 @@ class Scheduler:
             fetch = [FetchPlan(s, e, stores[node].endpoints["store"])
                      for s, e, node in self.index.covering_run(hashes[:reusable], dev, stores, local, runs)]
         queue = queues.get(p.node_id)
+        slack = (queue.earliest_deadline(now) if queue is not None else math.inf) - now
         return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
                     first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
                     reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=(queue.earliest_deadline() if queue is not None else math.inf) - now,
+                    queue_slack_s=slack,
                     decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],

@@ -1,0 +1,77 @@
+"""Admission's TTFT checks on constructed scheduler states: a newcomer is refused for the
+requests queued ahead when the queue with it would not drain before the first deadline among
+them that can still be met (one already predicted late does not count). (Prior cost model:
+20 ms + 1/3 ms per token, so 40 new tokens predict ~33 ms.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mooncake.config import ConductorConfig
+from mooncake.conductor.admission import Admission, Rejection
+from mooncake.metrics import Metrics
+from mooncake.sched.booking import PrefillQueue
+from mooncake.sched.cluster import Cluster
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.scheduler import Scheduler
+
+from test_sched import node
+
+H = [bytes([i, 7]) * 16 for i in range(40)]
+
+
+def one_prefill(**cfg: object) -> Scheduler:
+    """One prefill and one decode instance: every request queues on the same prefill."""
+    cluster = Cluster()
+    cluster.upsert(node("p0", "prefill", "n0"))
+    cluster.upsert(node("d0", "decode", "n0", kv="tcp://d0"))
+    return Scheduler(ConductorConfig(**cfg), cluster, KVIndex(), PrefillCostModel(), DecodeCostModel())
+
+
+def admission(slo_ms: float, metrics: Metrics | None = None) -> Admission:
+    a = Admission(ConductorConfig(ttft_slo_ms=slo_ms, probe_after_s=1e9), metrics or Metrics())
+    a.last_admitted = 0.0  # no probe is due
+    return a
+
+
+def test_the_earliest_deadline_leaves_out_requests_already_predicted_late():
+    q = PrefillQueue()
+    assert q.earliest_deadline(0.0) == math.inf
+    q.add("a", 1.0, deadline=1.5)  # done at 1.0: can make it
+    q.add("b", 1.0)  # no SLO
+    assert q.earliest_deadline(0.0) == 1.5
+    assert q.earliest_deadline(0.6) == math.inf  # done at 1.6 now: late
+    q.add("late", 1.0, deadline=1.9)  # done at 3.0: late from the start
+    q.add("c", 1.0, deadline=4.2)  # done at 4.0
+    assert q.earliest_deadline(0.0) == 1.5
+    q.remove("a")
+    assert q.earliest_deadline(0.0) == 4.2  # not 1.9: "late" (done at 2.0) cannot be saved by refusing others
+
+
+def test_the_queue_check_asks_the_queue_to_drain_before_the_first_deadline_that_can_be_met():
+    """One request queued (1 s of work, due at 1.1 s): a short newcomer (~33 ms) drains with it
+    in time and is admitted; behind another second of work it is refused."""
+    sched = one_prefill()
+    adm = admission(10_000)
+    sched.queues["p0"] = q = PrefillQueue()
+    q.add("a", 1.0, deadline=1.1)
+    plan = sched.plan(H[:2], 40, 4, 16, now=0.0)
+    assert plan.queue_slack_s == pytest.approx(1.1) and plan.est_ttft_s < 1.1
+    assert adm.check_plan(plan, now=0.0) is None
+    q.add("b", 1.0, deadline=9.0)
+    plan = sched.plan(H[:2], 40, 4, 16, now=0.0)
+    r = adm.check_plan(plan, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo" and "queued ahead" in r.message
+
+
+def test_a_request_already_predicted_late_does_not_lock_the_queue():
+    sched = one_prefill()
+    adm = admission(3_000)
+    sched.queues["p0"] = q = PrefillQueue()
+    q.add("stuck", 2.0, deadline=-0.5)  # its deadline has passed
+    plan = sched.plan(H[:2], 40, 4, 16, now=0.0)
+    assert plan.queue_slack_s == math.inf and plan.best_ttft_s < 3.0
+    assert adm.check_plan(plan, now=0.0) is None  # it used to refuse every newcomer until "stuck" was done
