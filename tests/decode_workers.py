@@ -1,8 +1,9 @@
 """A decode worker in-process for tests that drive its KV ingress by hand: small pool, CPU,
-no start-up profile; and a stand-in for its ``send`` that records what it would send."""
+no start-up profile; a stand-in for its ``send`` that records what it would send; ``until``."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Iterator
 
 
@@ -26,3 +27,11 @@ def small_decode_worker() -> Iterator:
     yield w
     w._pool.shutdown(wait=False)
     w.ctx.term()
+
+
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait until ``condition()`` holds (polled every 10 ms), failing after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -17,7 +17,7 @@ from mooncake.kv_integrity import checksums
 from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
 from mooncake.sockets import send_multipart
 
-from decode_workers import Recorder, small_decode_worker
+from decode_workers import Recorder, small_decode_worker, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture()
 def decode_worker():
     yield from small_decode_worker()
-
-
-async def until(condition, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def counting_engine_calls(w) -> list:
