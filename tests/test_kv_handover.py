@@ -76,13 +76,22 @@ async def test_layer_messages_queued_behind_a_write_land_in_one_call_that_also_b
         await w.close()
 
 
-async def test_the_first_token_after_the_kv_still_begins_decoding(decode_worker):
-    w = decode_worker
+TOKEN = b"k" * 16
+
+
+async def reserved(w, blocks: int) -> torch.Tensor:
+    """Request "r" of ``blocks`` full blocks reserved on ``w`` (sends recorded); KV for them."""
     w.send = Recorder()
     eng = w.engine
-    T, token = eng.block_tokens, b"k" * 16
-    kv = torch.randn(2, *eng.block_shape).to(eng.dtype)
-    await w.handle(P.DecodeRequest("r", list(range(2 * T)), [], b"root", P.Sampling(max_tokens=4), kv_token=token), [])
+    await w.handle(P.DecodeRequest("r", list(range(blocks * eng.block_tokens)), [], b"root",
+                                   P.Sampling(max_tokens=4), kv_token=TOKEN), [])
+    return torch.randn(blocks, *eng.block_shape).to(eng.dtype)
+
+
+async def test_the_first_token_after_the_kv_still_begins_decoding(decode_worker):
+    w = decode_worker
+    kv = await reserved(w, 2)
+    token = TOKEN
     slot = w.incoming["r"]
     await w._land_kv(slot, [(P.KVTransfer("r", 0, token=token, checksums=checksums(list(kv))), list(kv))])
     assert slot.kv_complete and not slot.started and "r" in w.incoming  # all KV in, no first token yet
@@ -92,11 +101,9 @@ async def test_the_first_token_after_the_kv_still_begins_decoding(decode_worker)
 
 async def test_a_message_out_of_order_in_a_batch_fails_the_request_and_writes_nothing(decode_worker):
     w = decode_worker
-    w.send = Recorder()
     eng = w.engine
-    T, token = eng.block_tokens, b"k" * 16
-    kv = torch.randn(3, *eng.block_shape).to(eng.dtype)
-    await w.handle(P.DecodeRequest("r", list(range(3 * T)), [], b"root", P.Sampling(max_tokens=4), kv_token=token), [])
+    kv = await reserved(w, 3)
+    token = TOKEN
     await w.handle(P.FirstToken("r", 9), [])
     slot = w.incoming["r"]
     calls = counting_engine_calls(w)
