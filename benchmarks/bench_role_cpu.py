@@ -28,19 +28,23 @@ from mooncake.dev import DevCluster  # noqa: E402
 from one_request import fresh_prompt, stream_one  # noqa: E402
 
 
+def stat_cpu_s(path: str) -> tuple[str, float]:
+    """(name, user + system CPU seconds) from a ``/proc/PID/stat`` or ``/proc/PID/task/TID/stat`` file."""
+    with open(path) as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds per thread of ``pid`` (``name:tid``)."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
+            name, seconds = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+        out[f"{name}:{tid}"] = seconds
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["bench_engine.py", "bench_dtype.py", "bench_families.py", "bench_store.py", "bench_ttft.py", "bench_scheduler.py",
-           "bench_cost_model.py", "bench_sim.py", "bench_e2e.py"]
+           "bench_conductor.py", "bench_cost_model.py", "bench_sim.py", "bench_e2e.py"]
 
 
 def quick_flags(script: Path) -> list[str]:

@@ -157,6 +157,27 @@ def test_many_nodes_many_blocks_and_reused_bits_agree_with_a_plain_model():
                 assert idx.prefix_runs(sub, stores) == reference_runs(model, sub, stores), step
 
 
+def test_a_table_past_a_huge_page_starts_empty_and_keeps_every_block():
+    """Past 2 MB the table's slots are allocated apart (aligned, advised onto huge pages):
+    growing through that size, removing and dropping a node there, nothing is lost or left."""
+    rng = random.Random(5)
+    chains = [[rng.randbytes(32) for _ in range(100)] for _ in range(1500)]  # 150,000 blocks
+    idx = KVIndex()
+    for i, chain in enumerate(chains):
+        idx.add(f"n{i % 3}", "device", chain[: 50 + i % 50])
+        idx.add("s", "dram", chain)
+    assert len(idx) == 150_000
+    for i in range(0, 1500, 97):
+        assert idx.prefix_runs(chains[i], {"s"}) == ({f"n{i % 3}": 50 + i % 50, "s": 100}, 100)
+    assert idx.prefix_runs([rng.randbytes(32)], {"s"}) == ({}, 0)
+    for chain in chains[::2]:
+        idx.remove("s", chain)
+    assert idx.drop_node("n0") > 0
+    assert idx.prefix_runs(chains[0], {"s"}) == ({}, 0)
+    assert idx.prefix_runs(chains[1], {"s"}) == ({"n1": 51, "s": 100}, 100)
+    assert idx.prefix_runs(chains[2], {"s"}) == ({"n2": 52}, 0)
+
+
 def test_hashes_of_any_length_are_indexed():
     """Fingerprints are a hash's first 8 bytes: shorter hashes and chains of mixed lengths still
     walk right (only the conductor's own chains, of one scheme, take the fast path)."""
@@ -190,7 +211,8 @@ def test_fingerprint_table_deletes_inside_probe_runs(walk):
 
     def check() -> None:
         for h in same_home + neighbours:
-            assert table.walk([h], 0) == ([(b, 1) for b in (0, 1) if h in held[b]], 0)
+            pairs, store_end = table.walk([h], 0)
+            assert (list(pairs), store_end) == ([x for b in (0, 1) if h in held[b] for x in (b, 1)], 0)
         assert len(table) == len(held[0] | held[1])
 
     check()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 
@@ -28,6 +29,7 @@ async def run_conductor(cfg: Config) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conductor = Conductor(cfg, tokenizer, name, expected_model(cfg))
     await conductor.start()
+    gc.freeze()  # the tokenizer and what transformers imported, as ``serve`` did for what came before
     c = cfg.conductor
     server = uvicorn.Server(uvicorn.Config(build_app(conductor), host=c.host, port=c.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=int(c.drain_timeout_s)))

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef struct {
     uint64_t *slots; /* cap entries of 1 + words: the key, then its mask (one probe, one line) */
@@ -28,8 +29,25 @@ static inline uint64_t fp_at(const unsigned char *p) {
     return x ? x : 1;
 }
 
+#define HUGE_PAGE (2u << 20)
+
+/* Zeroed slots; past a huge page's size, on huge pages where the kernel gives them (a walk's
+ * probes land on random pages of a table of tens of MB: 4 kB pages would miss the TLB on each). */
+static uint64_t *zeroed(uint64_t bytes) {
+    void *p = NULL;
+    if (bytes < HUGE_PAGE)
+        return calloc(bytes, 1);
+    bytes = (bytes + HUGE_PAGE - 1) & ~(uint64_t)(HUGE_PAGE - 1);
+    if (posix_memalign(&p, HUGE_PAGE, bytes) != 0)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE); /* advice only: without it the table works the same */
+#endif
+    return memset(p, 0, bytes);
+}
+
 static int alloc_slots(fp_table *t, uint64_t cap, int words) {
-    uint64_t *slots = calloc(cap * (uint64_t)(words + 1), sizeof(uint64_t));
+    uint64_t *slots = zeroed(cap * (uint64_t)(words + 1) * sizeof(uint64_t));
     if (!slots)
         return -1;
     t->slots = slots;
@@ -175,10 +193,11 @@ int mooncake_fp_clear_bit(fp_table *t, int bit) {
 }
 
 /* Walk a chain of `n` blocks: for each node holding block 0, how many leading blocks it holds
- * without a gap (`bits_out[k]`, `runs_out[k]`, k < the return value; at most 64 * words), and
- * in `*store_end` the first block that no node of `store_bits` (a `words`-word mask) holds. */
+ * without a gap (`pairs_out[2k]` its bit, `pairs_out[2k + 1]` its run, k < the return value; at
+ * most 64 * words pairs), and in `*store_end` the first block that no node of `store_bits` (a
+ * `words`-word mask) holds. */
 int mooncake_fp_walk(const fp_table *t, const unsigned char *data, int64_t stride, int64_t n,
-                     const uint64_t *store_bits, int32_t *bits_out, int64_t *runs_out, int64_t *store_end) {
+                     const uint64_t *store_bits, int64_t *pairs_out, int64_t *store_end) {
     int words = t->words, found = 0;
     uint64_t alive[words];
     int64_t se = -1;
@@ -207,8 +226,8 @@ int mooncake_fp_walk(const fp_table *t, const unsigned char *data, int64_t strid
             while (ended) {
                 int b = __builtin_ctzll(ended);
                 ended &= ended - 1;
-                bits_out[found] = w * 64 + b;
-                runs_out[found++] = k;
+                pairs_out[2 * found] = w * 64 + b;
+                pairs_out[2 * found++ + 1] = k;
             }
             alive[w] &= held;
             live |= alive[w] != 0;
@@ -224,8 +243,8 @@ int mooncake_fp_walk(const fp_table *t, const unsigned char *data, int64_t strid
         while (left) {
             int b = __builtin_ctzll(left);
             left &= left - 1;
-            bits_out[found] = w * 64 + b;
-            runs_out[found++] = n;
+            pairs_out[2 * found] = w * 64 + b;
+            pairs_out[2 * found++ + 1] = n;
         }
     }
     *store_end = se < 0 ? n : se;

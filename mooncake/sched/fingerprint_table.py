@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from array import array
 from pathlib import Path
 from typing import Sequence
 
@@ -45,7 +46,7 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [_void, _int, ctypes.c_char_p, _i64, _i64], _int
     lib.mooncake_fp_clear_bit.argtypes, lib.mooncake_fp_clear_bit.restype = [_void, _int], _int
-    lib.mooncake_fp_walk.argtypes = [_void, ctypes.c_char_p, _i64, _i64, _void, _void, _void, _void]
+    lib.mooncake_fp_walk.argtypes = [_void, ctypes.c_char_p, _i64, _i64, ctypes.c_char_p, _void, _void]
     lib.mooncake_fp_walk.restype = _int
     return lib
 
@@ -85,12 +86,9 @@ class FingerprintTable:
         return self._lib.mooncake_fp_len(self._t)
 
     def _outputs(self, words: int) -> None:
-        self._bits_out = (ctypes.c_int32 * (64 * words))()
-        self._runs_out = (ctypes.c_int64 * (64 * words))()
-        self._store_words = (ctypes.c_uint64 * words)()
+        self._pairs = array("q", bytes(8 * 2 * 64 * words))  # (bit, run) pairs: sliced faster than a ctypes array
         self._store_end = ctypes.c_int64()
-        self._out_ptrs = tuple(ctypes.addressof(a) for a in (self._store_words, self._bits_out, self._runs_out,
-                                                              self._store_end))
+        self._out_ptrs = (self._pairs.buffer_info()[0], ctypes.addressof(self._store_end))
 
     def _fits(self, bit: int) -> None:
         words = bit // 64 + 1
@@ -115,14 +113,12 @@ class FingerprintTable:
         if bit < 64 * self._words and self._lib.mooncake_fp_clear_bit(self._t, bit) != 0:
             raise MemoryError("fingerprint table")
 
-    def walk(self, hashes: Sequence[bytes], store_mask: int) -> tuple[list[tuple[int, int]], int]:
-        """``[(bit, leading run)]`` for the holders of block 0, and the first block that no
-        holder in ``store_mask`` holds."""
+    def walk(self, hashes: Sequence[bytes], store_mask: int) -> tuple[array, int]:
+        """``[bit, leading run, bit, leading run, ...]`` for the holders of block 0, and the
+        first block that no holder in ``store_mask`` holds."""
         if not hashes:
-            return [], 0
+            return array("q"), 0
         data, stride = _packed(hashes)
-        sw = self._store_words
-        for w in range(self._words):
-            sw[w] = (store_mask >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
-        found = self._lib.mooncake_fp_walk(self._t, data, stride, len(hashes), *self._out_ptrs)
-        return list(zip(self._bits_out[:found], self._runs_out[:found])), self._store_end.value
+        found = self._lib.mooncake_fp_walk(self._t, data, stride, len(hashes),
+                                           store_mask.to_bytes(8 * self._words, "little"), *self._out_ptrs)
+        return self._pairs[:2 * found], self._store_end.value

@@ -4,7 +4,8 @@ Fed by the stored/removed events of engines (device tier) and stores. Lookups
 walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 The walk of ``prefix_runs`` runs in C over a flat copy of block -> holders
 (``fingerprint_table.py``, a bit per node) where that can be built, else over
-the nodes' Python sets; both give the same answer.
+each node's own dict of blocks; both give the same answer. Holders are a bit mask per block
+here too, in the same bits.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from mooncake.sched.fingerprint_table import FingerprintTable
 
 class KVIndex:
     def __init__(self, native: bool = True) -> None:
-        """``native``: walk chains in C where it can be built (False: always the Python sets)."""
-        self._where: dict[bytes, dict[str, str]] = {}  # hash -> {node_id: tier}
-        self._by_node: dict[str, set[bytes]] = {}
+        """``native``: walk chains in C where it can be built (False: always in Python)."""
+        # Nothing below holds an object the garbage collector tracks per block (bytes, ints, str):
+        # a full collection does not walk a million blocks (it did, for ≈200 ms, with a dict per block).
+        self._where: dict[bytes, int] = {}  # hash -> its holders' bits
+        self._by_node: dict[str, dict[bytes, str]] = {}  # node -> {hash: tier}
         self._table = FingerprintTable.create() if native else None
-        self._bit_of: dict[str, int] = {}  # node -> its bit in the table, from its first add to drop_node
+        self._bit_of: dict[str, int] = {}  # node -> its bit, from its first add to drop_node
         self._node_at: list[str] = []  # bit -> node
         self._free_bits: list[int] = []  # a heap: the lowest free bit is reused first
 
@@ -40,57 +43,74 @@ class KVIndex:
             self._bit_of[node_id] = bit
         return bit
 
+    def _nodes(self, bits: int) -> list[str]:
+        """The nodes of a holder mask, in bit order."""
+        nodes, node_at = [], self._node_at
+        while bits:
+            low = bits & -bits
+            nodes.append(node_at[low.bit_length() - 1])
+            bits ^= low
+        return nodes
+
     def __len__(self) -> int:
         return len(self._where)
 
     def add(self, node_id: str, tier: str, hashes: Iterable[bytes]) -> None:
-        mine = self._by_node.setdefault(node_id, set())
+        bit = self._bit(node_id)
+        mine = self._by_node.setdefault(node_id, {})
         hashes = list(hashes)
+        where, b = self._where, 1 << bit
         for h in hashes:
-            self._where.setdefault(h, {})[node_id] = tier
-            mine.add(h)
+            where[h] = where.get(h, 0) | b
+            mine[h] = tier
         if self._table is not None and hashes:
-            self._table.add(self._bit(node_id), hashes)
+            self._table.add(bit, hashes)
 
     def remove(self, node_id: str, hashes: Iterable[bytes]) -> None:
-        mine = self._by_node.get(node_id)
+        bit = self._bit_of.get(node_id)
+        if bit is None:
+            return
+        mine, where, keep = self._by_node[node_id], self._where, ~(1 << bit)
         hashes = list(hashes)
         for h in hashes:
-            locs = self._where.get(h)
-            if locs is not None and locs.pop(node_id, None) is not None and not locs:
-                del self._where[h]
-            if mine is not None:
-                mine.discard(h)
-        bit = self._bit_of.get(node_id)
-        if self._table is not None and bit is not None and hashes:
+            if mine.pop(h, None) is not None:
+                if where[h] & keep:
+                    where[h] &= keep
+                else:
+                    del where[h]
+        if self._table is not None and hashes:
             self._table.remove(bit, hashes)
 
     def drop_node(self, node_id: str) -> int:
         """Forget everything ``node_id`` held; returns how many blocks it held."""
         bit = self._bit_of.pop(node_id, None)
+        mine = self._by_node.pop(node_id, {})
         if bit is not None:
+            where, keep = self._where, ~(1 << bit)
+            for h in mine:
+                if where[h] & keep:
+                    where[h] &= keep
+                else:
+                    del where[h]
             if self._table is not None:
                 self._table.clear_bit(bit)
             heapq.heappush(self._free_bits, bit)
-        mine = self._by_node.pop(node_id, set())
-        for h in mine:
-            locs = self._where.get(h)
-            if locs is not None:
-                locs.pop(node_id, None)
-                if not locs:
-                    del self._where[h]
         return len(mine)
 
     def blocks_of(self, node_id: str) -> int:
         return len(self._by_node.get(node_id, ()))
 
     def holders(self, h: bytes) -> dict[str, str]:
-        return self._where.get(h, {})
+        """The nodes holding block ``h`` (in the order they got their bits) and their tiers."""
+        return {node: self._by_node[node][h] for node in self._nodes(self._where.get(h, 0))}
+
+    def holds(self, node_id: str, h: bytes) -> bool:
+        return h in self._by_node.get(node_id, ())
 
     def prefix_runs(self, hashes: Sequence[bytes], stores: Collection[str] = ()) -> tuple[dict[str, int], int]:
         """For each node, how many leading blocks of the chain it holds (runs from block 0);
         and how many leading blocks the ``stores`` hold between them. In C over the flat
-        table, or per holder over its own set (``takewhile``), never a Python step per block."""
+        table, or per holder over its own blocks (``takewhile``), never a Python step per block."""
         if self._table is not None:
             bit_of, mask = self._bit_of, 0
             for s in stores:
@@ -98,18 +118,19 @@ class KVIndex:
                 if bit is not None:
                     mask |= 1 << bit
             pairs, store_end = self._table.walk(hashes, mask)
-            node_at = self._node_at
-            return {node_at[bit]: run for bit, run in pairs}, store_end
+            node_at, it = self._node_at, iter(pairs)
+            return {node_at[bit]: run for bit, run in zip(it, it)}, store_end
         runs: dict[str, int] = {}
-        locs = self._where.get(hashes[0]) if hashes else None
-        if not locs:
+        bits = self._where.get(hashes[0]) if hashes else None
+        if not bits:
             return runs, 0
-        for node in locs:
+        for node in self._nodes(bits):
             runs[node] = self._run(node, hashes, 0)
         store_end = max((r for node, r in runs.items() if node in stores), default=0)
         while 0 < store_end < len(hashes):  # another store may go on where the longest one stops
-            locs = self._where.get(hashes[store_end])
-            more = max((self._run(s, hashes, store_end) for s in locs if s in stores), default=0) if locs else 0
+            bits = self._where.get(hashes[store_end])
+            more = max((self._run(s, hashes, store_end) for s in self._nodes(bits) if s in stores), default=0) \
+                if bits else 0
             if not more:
                 break
             store_end += more
@@ -133,9 +154,10 @@ class KVIndex:
         segments: list[tuple[int, int, str]] = []
         i, n = start, len(hashes)
         while i < n:
-            locs = self._where.get(hashes[i])
-            if not locs:
+            bits = self._where.get(hashes[i])
+            if not bits:
                 break
+            locs = self._nodes(bits)
             for node in chain(prefer, locs):  # the first preferred holder, else the first holder
                 if node in locs and node in nodes:
                     break

@@ -170,19 +170,20 @@ class Scheduler:
         all_slots = self.slots
         best_key: tuple | None = None
         for d in decodes:
-            nid = d.node_id
+            nid, capacity = d.node_id, d.info.num_blocks
             slots = all_slots.get(nid, _NO_SLOTS)
             resident = self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending else runs.get(nid, 0)
             need = total_blocks - resident
-            capacity = d.info.num_blocks
-            if capacity <= 0 or slots.blocks_total + need <= capacity:  # room now
-                wait, first_token_at = 0.0, ready_at
-            else:
-                wait = slots.room_at(need, capacity, now) - now
-                first_token_at = ready_at + max(0.0, wait - p_queue_s)
             ends = slots.ends  # the batch it joins: those still decoding then, and itself (``running_at``)
+            if capacity <= 0 or slots.blocks_total + need <= capacity:  # room now
+                batch = len(ends) - bisect_right(ends, ready_at) + 1
+                if best_key is None or best_key[0] or batch < best_key[1]:  # the first of equals: in instance order
+                    best_key, best = (False, batch, 0.0), (ready_at, need, d)
+                continue
+            wait = slots.room_at(need, capacity, now) - now
+            first_token_at = ready_at + max(0.0, wait - p_queue_s)
             key = (wait > 0, len(ends) - bisect_right(ends, first_token_at) + 1, wait)
-            if best_key is None or key < best_key:  # the first of equals: in instance order
+            if best_key is None or key < best_key:
                 best_key, best = key, (first_token_at, need, d)
         assert best_key is not None
         _, batch, wait = best_key
@@ -237,7 +238,7 @@ class Scheduler:
         run = min(indexed, limit)
         if not pending:
             return run
-        while run < limit and (hashes[run] in pending or node_id in self.index.holders(hashes[run])):
+        while run < limit and (hashes[run] in pending or self.index.holds(node_id, hashes[run])):
             run += 1
         return run
 
