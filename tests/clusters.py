@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -23,10 +24,29 @@ from mooncake.dev import DevCluster
 MODEL = "SmolLM2-135M-Instruct"
 
 
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a server a test starts later.
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` can be
+    taken, before the server binds it, by any outgoing connection (a CI run failed so: a
+    conductor's HTTP port was in use), and two draws from it can return the same port. Never the
+    same port twice in one test run."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = _PORTS.randrange(10_000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def small_config(data_dir: Path, **conductor: object) -> Config:
