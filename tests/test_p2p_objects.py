@@ -281,3 +281,44 @@ def test_index_tracks_holders_conflicts_and_removal(tmp_path):
     assert isinstance(h[RemoveObject](RemoveObject("obj")), Done)
     assert sorted(n for n, msg in sent if isinstance(msg, Forget)) == ["a-store", "b-store"]
     assert isinstance(h[Locate](Locate("obj")), Failure)
+
+
+async def test_gets_of_one_object_that_arrive_together_start_one_fetch(tmp_path, monkeypatch):
+    """A node's prefill and decode ask their store for the same missing model at once: the second
+    get, arriving while the first waits on the conductor, must not replace (and close) the first's
+    object under its fetch."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from mooncake.p2p.messages import GetObject
+    from mooncake.p2p.service import P2PService
+
+    _, m = build_manifest("model", make_tree(tmp_path / "src"), CHUNK)
+    ctx = zmq.asyncio.Context()
+    service = P2PService(ctx, "n2-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1")
+
+    async def locate(msg: Locate) -> Located:
+        await asyncio.sleep(0.05)  # both gets wait here on the conductor
+        return Located(m, [])
+
+    spawned = []
+
+    def spawn(coro) -> asyncio.Future:  # the fetch itself is not what this test is about
+        coro.close()
+        spawned.append(asyncio.get_running_loop().create_future())
+        return spawned[-1]
+
+    monkeypatch.setattr(service.meta, "call", locate)
+    monkeypatch.setattr(service, "_spawn", spawn)
+    dest = str(tmp_path / "dst")
+    try:
+        replies = await asyncio.gather(service._get(GetObject("model", dest)), service._get(GetObject("model", dest)))
+        assert [r.message for r in replies] == ["fetching", "already fetching"] and len(spawned) == 1
+        obj = service.fetches["model"].obj
+        assert service.objects.objects["model"] is obj and not obj._closed
+        with pytest.raises(ObjectError, match="being fetched into"):
+            await service._get(GetObject("model", str(tmp_path / "elsewhere")))
+    finally:
+        await service.close()
+        ctx.term()

@@ -247,14 +247,13 @@ class P2PService:
         check_name(msg.name)
         if not os.path.isabs(msg.dest):
             raise ObjectError(f"{msg.dest}: give an absolute path (the store resolves it on its machine)")
-        fetch = self.fetches.get(msg.name)
-        if fetch is not None and fetch.state == "fetching":
-            if fetch.obj.root != Path(msg.dest):
-                raise ObjectError(f"{msg.name} is being fetched into {fetch.obj.root} already")
-            return Done("already fetching")
+        if (fetching := self._fetching(msg)) is not None:
+            return fetching
         loc = await self.meta.call(Locate(msg.name))
         assert isinstance(loc, Located)
         manifest = validate(loc.manifest)
+        if (fetching := self._fetching(msg)) is not None:  # a get that came meanwhile started it
+            return fetching
         have = self.objects.objects.get(msg.name)
         if have is not None and have.manifest.version == manifest.version and have.root == Path(msg.dest) \
                 and have.complete:
@@ -267,6 +266,16 @@ class P2PService:
         self.fetches[msg.name] = fetch
         fetch.task = self._spawn(fetch.run())
         return Done("fetching")
+
+    def _fetching(self, msg: GetObject) -> Done | None:
+        """The reply to ``msg`` when a fetch of its object is under way (an error if into another
+        directory than ``msg.dest``); None when none is."""
+        fetch = self.fetches.get(msg.name)
+        if fetch is None or fetch.state != "fetching":
+            return None
+        if fetch.obj.root != Path(msg.dest):
+            raise ObjectError(f"{msg.name} is being fetched into {fetch.obj.root} already")
+        return Done("already fetching")
 
     async def _progress(self, msg: Progress) -> P2PMsg:
         name = msg.name
