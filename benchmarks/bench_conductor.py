@@ -5,7 +5,9 @@ hashing, the scheduler, its ROUTER socket on loopback TCP) against stand-in pref
 store instances in one process (``standin_workers.py``: real ZeroMQ links and messages, no
 model) and an open-loop Poisson load of ``/v1/completions`` text prompts of 200-2,000 tokens,
 half of them opening with one of 8 shared prefixes, half streamed, 16 tokens each (the decode
-stand-in sends one ``TokenEvent`` per token, as a real decode does).
+stand-in steps its batch as a real decode does, every ``--step-ms``: one token per request per
+step, a step's tokens in one ``TokenStep``; ``--per-request-events`` sends one message per
+request per step instead, as the decode did before).
 
 The capacity is searched with ``mooncake.bench.capacity`` over the offered rate: a rate passes
 when >= 99% of the requests it sends complete within ``--bound-ms`` end to end (latency that
@@ -80,7 +82,8 @@ def conductor_and_workers(pin: bool, cprofile: bool, args: argparse.Namespace) -
     prefill, decode = args.prefill, args.decode
     workers = subprocess.Popen([sys.executable, str(HERE / "standin_workers.py"), "--config", str(path),
                                 "--prefill", str(prefill), "--decode", str(decode),
-                                "--tokens-per-event", str(args.tokens_per_event)])
+                                "--tokens-per-event", str(args.tokens_per_event), "--step-ms", str(args.step_ms)]
+                               + (["--per-request-events"] if args.per_request_events else []))
     url = f"http://127.0.0.1:{cfg.conductor.port}"
     try:
         deadline = time.monotonic() + 120
@@ -235,6 +238,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--tokens-per-event", type=int, default=1, help="tokens per TokenEvent (a real decode: 1)")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="the stand-in decode's step time (0: instant)")
+    ap.add_argument("--per-request-events", action="store_true", help="one message per request per decode step")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=len(os.sched_getaffinity(0)) >= 2)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--profile-rate", type=float, help="default: the capacity found")
@@ -249,7 +254,8 @@ def main() -> int:
     rows, closed, capacity = run_search(args, texts)
     print(f"\ncapacity: {capacity if capacity is None else round(capacity, 1)} req/s offered "
           f"(>= {100 * TARGET:.0f}% within {args.bound_ms:.0f} ms end to end; pin={args.pin}, "
-          f"tokens_per_event={args.tokens_per_event}) "
+          f"tokens_per_event={args.tokens_per_event}, step_ms={args.step_ms:g}, "
+          f"events={'per request' if args.per_request_events else 'per step'}) "
           f"[{time.perf_counter() - t0:.0f} s]\n", flush=True)
     print(table(sorted(rows, key=lambda r: r["rate"]) + closed), flush=True)
     if profile:

@@ -6,9 +6,11 @@ with the bundled model's facts (computed from its config, no weights loaded), so
 conductor's expected-model check, tokenizer and block hashing all work as in a real cluster.
 Every message is answered at once with what a real worker would send:
 
-* decode: ``DecodeRequest`` -> ``Reserved``; ``FirstToken`` -> the rest of the tokens up to
-  ``max_tokens``, ``--tokens-per-event`` per ``TokenEvent`` (a real decode sends one per step),
-  the last with ``finished = length``;
+* decode: ``DecodeRequest`` -> ``Reserved``; ``FirstToken`` -> the request joins the stand-in's
+  batch, which steps every ``--step-ms`` (0: as fast as the loop turns): each step gives every
+  request in it its next ``--tokens-per-event`` tokens (a real decode: 1), the last with
+  ``finished = length``, and sends the step's events as the real decode does, in one
+  ``TokenStep`` (``--per-request-events``: one ``TokenEvent`` message each, as before it);
 * prefill: ``PrefillRequest`` -> ``PrefillDone`` (cached tokens from its own device cache, the
   fetch plan's blocks as fetched), then a device ``BlockEvent`` for the blocks it now caches
   (and ``removed`` for those its LRU pool evicts), and, when the request names a store, that
@@ -26,6 +28,7 @@ import math
 import os
 import signal
 from collections import OrderedDict
+from typing import Iterator
 from pathlib import Path
 
 import zmq.asyncio
@@ -70,6 +73,18 @@ def token_events(req: P.DecodeRequest, per_event: int) -> list[P.TokenEvent]:
     return events
 
 
+def step(batch: dict[str, Iterator[P.TokenEvent]]) -> list[P.TokenEvent]:
+    """One decode step: each request's next event; a request whose stream ends leaves ``batch``."""
+    events = []
+    for rid, stream in list(batch.items()):
+        event = next(stream, None)
+        if event is None or event.finished is not None:
+            del batch[rid]
+        if event is not None:
+            events.append(event)
+    return events
+
+
 class LRUBlocks:
     """A device or store pool's cached block hashes, least recently used first."""
 
@@ -107,7 +122,9 @@ class StandIn:
         self.role, self.node_id, self.cluster = role, f"node{index}-{role}", cluster
         self.cache = LRUBlocks(num_blocks)
         self.progress = 0
-        self.decoding: dict[str, P.DecodeRequest] = {}
+        self.decoding: dict[str, P.DecodeRequest] = {}  # reserved, waiting for the first token
+        self.batch: dict[str, Iterator[P.TokenEvent]] = {}  # decoding: each request's events to come
+        self._stepping: asyncio.Task | None = None
         info = P.NodeInfo(f"node{index}", os.getpid(), facts, num_blocks if facts else 0,
                           block_bytes if facts else 0, None, cpus=1, threads=1, machine=machine_id())
         self.link = ConductorLink(ctx, cfg.conductor.endpoint, P.Register(role, self.node_id, info, endpoints),
@@ -115,7 +132,7 @@ class StandIn:
 
     def load(self) -> P.Load:
         return P.Load(free_blocks=self.cache.capacity - len(self.cache.blocks), used_blocks=0,
-                      sequences=len(self.decoding), progress=self.progress, pending=False)
+                      sequences=len(self.decoding) + len(self.batch), progress=self.progress, pending=False)
 
     async def serve(self) -> None:
         await self.link.connect(timeout_s=60)
@@ -133,15 +150,25 @@ class StandIn:
         elif isinstance(msg, P.FirstToken):
             req = self.decoding.pop(msg.req_id, None)
             if req is not None:
-                await self.decode(req)
+                self.batch[req.req_id] = iter(token_events(req, self.cluster.tokens_per_event))
+                if self._stepping is None or self._stepping.done():
+                    self._stepping = asyncio.create_task(self.step_loop())
         elif isinstance(msg, P.PrefillRequest):
             await self.prefill(msg)
         elif isinstance(msg, P.Abort):
             self.decoding.pop(msg.req_id, None)
+            self.batch.pop(msg.req_id, None)
 
-    async def decode(self, req: P.DecodeRequest) -> None:
-        for event in token_events(req, self.cluster.tokens_per_event):
-            await self.link.send(event)
+    async def step_loop(self) -> None:
+        """Decode steps while the batch has requests: each its next event, sent per step."""
+        while self.batch:
+            events = step(self.batch)
+            if self.cluster.per_request_events or len(events) == 1:
+                for event in events:
+                    await self.link.send(event)
+            elif events:
+                await self.link.send(P.TokenStep(events))
+            await asyncio.sleep(self.cluster.step_s)
 
     async def prefill(self, req: P.PrefillRequest) -> None:
         bt = self.cluster.facts.block_tokens
@@ -170,9 +197,10 @@ class StandIn:
 
 
 class StandInCluster:
-    def __init__(self, cfg: Config, prefill: int, decode: int, store: int, tokens_per_event: int) -> None:
+    def __init__(self, cfg: Config, prefill: int, decode: int, store: int, tokens_per_event: int = 1,
+                 step_s: float = 0.0, per_request_events: bool = False) -> None:
         self.facts, block_bytes, num_blocks = bundled_facts(cfg)
-        self.tokens_per_event = tokens_per_event
+        self.tokens_per_event, self.step_s, self.per_request_events = tokens_per_event, step_s, per_request_events
         self.ctx = zmq.asyncio.Context()
         self.nodes: list[StandIn] = []
         self.stores: dict[str, StandIn] = {}
@@ -196,7 +224,7 @@ class StandInCluster:
         tasks = [asyncio.create_task(n.serve()) for n in self.nodes]
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
+        for t in tasks + [n._stepping for n in self.nodes if n._stepping is not None]:
             t.cancel()
         for n in self.nodes:
             n.link.close()
@@ -213,9 +241,13 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--store", type=int, default=1)
     ap.add_argument("--tokens-per-event", type=int, default=1, help="tokens per TokenEvent (a real decode: 1)")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="a decode step's time (0: the loop's turn)")
+    ap.add_argument("--per-request-events", action="store_true",
+                    help="one message per request per step (the decode before TokenStep)")
     args = ap.parse_args()
     cfg = load_config(args.config)
-    asyncio.run(StandInCluster(cfg, args.prefill, args.decode, args.store, args.tokens_per_event).run())
+    asyncio.run(StandInCluster(cfg, args.prefill, args.decode, args.store, args.tokens_per_event,
+                               args.step_ms / 1000, args.per_request_events).run())
 
 
 if __name__ == "__main__":

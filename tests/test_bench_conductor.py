@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from conductor_profile import IDLE, component  # noqa: E402
-from standin_workers import LRUBlocks, token_events  # noqa: E402
+from standin_workers import LRUBlocks, step, token_events  # noqa: E402
 
 from mooncake import protocol as P  # noqa: E402
 
@@ -29,6 +29,16 @@ def test_token_events_after_a_migration_start_past_the_earlier_attempts_tokens()
     events = token_events(decode_request(16, num_generated=10), 2)
     assert [e.index for e in events] == [11, 13, 15] and len(events[-1].tokens) == 1
     assert token_events(decode_request(11, num_generated=10), 1) == []  # the prefill's token was the last
+
+
+def test_a_stand_in_decode_step_gives_each_request_its_next_event_and_drops_the_finished():
+    batch = {"a": iter(token_events(decode_request(3), 1)), "b": iter(token_events(decode_request(4), 1)),
+             "c": iter([])}  # a request with nothing left to send
+    first = step(batch)
+    assert [(e.index, e.finished) for e in first] == [(1, None), (1, None)] and list(batch) == ["a", "b"]
+    second = step(batch)
+    assert [(e.index, e.finished) for e in second] == [(2, P.FinishReason.LENGTH), (2, None)] and list(batch) == ["b"]
+    assert [(e.index, e.finished) for e in step(batch)] == [(3, P.FinishReason.LENGTH)] and not batch
 
 
 def test_lru_blocks_count_leading_hits_and_evict_the_least_recently_used():

@@ -151,6 +151,24 @@ async def test_tokens_are_emitted_in_index_order_and_duplicates_dropped(conducto
     assert [e.ids for e in events(req) if isinstance(e, Tokens)] == [[7], [9, 10], [11]]
 
 
+async def test_a_token_step_feeds_each_of_its_requests_and_one_bad_event_costs_the_others_nothing(conductor):
+    conductor.cfg.conductor.max_requests = 3
+    a, b, c = (conductor.submit([1, 2, n], P.Sampling(max_tokens=8)) for n in (3, 4, 5))
+    for req in (a, b, c):
+        run_to_decoding(conductor, req)
+    d0 = conductor.cluster.get("d0")
+
+    def broken(*args: object) -> int:
+        raise RuntimeError("a bug in one request's handling")
+
+    b.accept = broken
+    conductor._on_token_step(d0, P.TokenStep([P.TokenEvent(a.wire_id, 1, [8]), P.TokenEvent("req-gone#1", 1, [9]),
+                                              P.TokenEvent(b.wire_id, 1, [8]),
+                                              P.TokenEvent(c.wire_id, 1, [9], P.FinishReason.STOP)]))
+    assert a.generated == [7, 8] and not a.done
+    assert c.generated == [7, 9] and c.done and events(c)[-1] == Finished(P.FinishReason.STOP)
+
+
 async def test_fatal_failures_end_the_request_with_a_client_error(conductor):
     req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
     conductor._on_failed(conductor.cluster.get("d0"), P.Failed(req.wire_id, "d0", "bad temperature",

@@ -63,6 +63,8 @@ KNOWN_BAD = [
     spec_frames("put", [["float32", [2 ** 40, 2 ** 40]]], [b""], hashes=[b"h" * 32]),  # overflowing size
     [*P.encode(P.KVTransfer("r#1", 10 ** 9)), ],  # final-looking transfer with no tensors, unknown request
     P.encode(P.TokenEvent("req-unknown#1", 0, [1, 2], P.FinishReason.STOP)),
+    P.encode(P.TokenStep([P.TokenEvent("req-unknown#1", 0, [1]), P.TokenEvent("req-unknown#2", 3, [])])),
+    spec_frames("token_step", [], [], events=[{"req_id": "r#1"}]),  # an event missing its fields
     P.encode(P.PrefillDone("req-unknown#1", "node0-prefill", 5, 0, 1, 0.1)),
     P.encode(P.Reserved("req-unknown#1", "node0-decode")),
     P.encode(P.Failed("req-unknown#1", "node0-decode", "nothing", P.FailureKind.FATAL)),

@@ -22,6 +22,8 @@ def test_messages_round_trip_with_tensor_frames():
     assert P.decode(P.encode(reg))[0] == reg
     tok = P.TokenEvent("r#1", 4, [1, 2], P.FinishReason.LENGTH)
     assert P.decode(P.encode(tok))[0].finished is P.FinishReason.LENGTH
+    step = P.TokenStep([tok, P.TokenEvent("r#2", 0, [3], logprobs=[P.Logprob(-0.5, [3], [-0.5])])])
+    assert P.decode(P.encode(step))[0] == step
 
 
 @pytest.mark.parametrize("frames", [

@@ -5,7 +5,7 @@ One attempt of a request (see ``request.py`` for the states)::
 
     conductor ──DecodeRequest──▶ decode      reserves the KV blocks, answers Reserved
     conductor ──PrefillRequest─▶ prefill     computes, pushes KV to decode, reports PrefillDone
-    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents
+    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents (a step's in one TokenStep)
 
 A failure is reported once, with its kind: RETRY moves the request to a new
 attempt (at most ``max_migrations`` times), PREEMPTED requeues it without
@@ -94,6 +94,7 @@ class Conductor(WorkerMessages):
         r.on(P.Reserved, self._on_reserved)
         r.on(P.PrefillDone, self._on_prefill_done)
         r.on(P.TokenEvent, self._on_tokens)
+        r.on(P.TokenStep, self._on_token_step)
         r.on(P.Failed, self._on_failed)
         r.on(P.StageDone, self._on_stage_done)
         for msg_type, handler in self.p2p.handlers().items():

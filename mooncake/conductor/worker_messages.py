@@ -120,6 +120,13 @@ class WorkerMessages:
         if msg.finished is not None and not req.held:
             self._finish(req, msg.finished, notify=False)
 
+    def _on_token_step(self, node: Node, msg: P.TokenStep) -> None:
+        for event in msg.events:  # one request's trouble never costs the others their tokens
+            try:
+                self._on_tokens(node, event)
+            except Exception:
+                log.exception("error handling the tokens of %s from %s", event.req_id, node.node_id)
+
     def _on_failed(self, node: Node, msg: P.Failed) -> None:
         req = self.attempts.get(msg.req_id)
         if req is None or req.done or req.attempt is None or \

@@ -31,7 +31,7 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
-                                        StageDone, StagePlan, TokenEvent)
+                                        StageDone, StagePlan, TokenEvent, TokenStep)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 from mooncake.p2p.messages import P2PMessage
@@ -88,6 +88,7 @@ __all__ = [
     "TensorSpec",
     "TierLoad",
     "TokenEvent",
+    "TokenStep",
     "decode",
     "dtype_from_name",
     "dtype_name",
@@ -100,7 +101,7 @@ Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
     Put, Get, GetLayers, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, LayerSlices, Error, BlockEvent,
-    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, Abort, Failed,
+    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, Failed,
     Activations, StageDone,
     ShmPut, ShmGet, ShmBlocks,
     P2PMessage,  # mooncake/p2p/messages.py: object metadata (conductor) and Forget (conductor -> store)

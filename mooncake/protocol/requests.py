@@ -200,6 +200,13 @@ class TokenEvent(Msg, tag="tokens"):
     logprobs: list[Logprob] = []  # one per token, when the request asked for logprobs
 
 
+class TokenStep(Msg, tag="token_step"):
+    """Decode -> conductor: one decode step's ``TokenEvent`` for each of several requests, in one
+    message (the conductor receives and decodes a batch of n once, not n times)."""
+
+    events: list[TokenEvent]
+
+
 class Abort(Msg, tag="abort"):
     req_id: str
 

@@ -183,16 +183,21 @@ class DecodeWorker(KVIngress, EngineWorker):
         outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
         self.steps.append((len(slots), kv_tokens, time.perf_counter() - t0))
         self.progress += 1
+        events, done = [], []
         for slot, out in zip(slots, outs):
             rid = slot.msg.req_id
             if out.token is None or self.running.get(rid) is not slot:
                 continue
             finished = P.FinishReason(out.finished) if out.finished else None
             lps = [out.logprob] if out.logprob is not None else []
-            await self.send(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished, lps))
+            events.append(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished, lps))
             slot.next_index += 1
             if finished is not None:
-                await self._retire(self.running.pop(rid), write=True)
+                done.append(self.running.pop(rid))
+        if events:  # the step's tokens in one message; a request's last token before its retirement
+            await self.send(events[0] if len(events) == 1 else P.TokenStep(events))
+        for slot in done:
+            await self._retire(slot, write=True)
         return True
 
     async def _make_room(self) -> None:
