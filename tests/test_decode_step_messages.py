@@ -54,3 +54,17 @@ async def test_a_step_sends_its_batch_in_one_message_and_retires_a_finished_requ
     await w._drop("b#1")
     await w._step()
     assert not w.running and w.engine.blocks.num_available() == w.engine.blocks.num_blocks
+
+
+async def test_a_finished_request_whose_last_token_was_not_sent_stays_in_the_batch(decode_worker):
+    w = decode_worker
+    w.send = Recorder()
+    await decoding(w, "a#1", max_tokens=2)
+
+    async def lost(msg) -> None:
+        raise ConnectionError("the conductor's link is gone")
+
+    w.send = lost
+    with pytest.raises(ConnectionError):
+        await w._step()
+    assert list(w.running) == ["a#1"]  # not retired unreported: the step loop's failure gives it up

@@ -193,11 +193,12 @@ class DecodeWorker(KVIngress, EngineWorker):
             events.append(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished, lps))
             slot.next_index += 1
             if finished is not None:
-                done.append(self.running.pop(rid))
+                done.append(slot)
         if events:  # the step's tokens in one message; a request's last token before its retirement
             await self.send(events[0] if len(events) == 1 else P.TokenStep(events))
-        for slot in done:
-            await self._retire(slot, write=True)
+        for slot in done:  # still running if the send failed: the step's failure gives them up
+            if self.running.get(slot.msg.req_id) is slot:
+                await self._retire(self.running.pop(slot.msg.req_id), write=True)
         return True
 
     async def _make_room(self) -> None:
