@@ -28,8 +28,8 @@ import math
 import os
 import signal
 from collections import OrderedDict
-from typing import Iterator
 from pathlib import Path
+from typing import Iterator
 
 import zmq.asyncio
 
