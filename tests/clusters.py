@@ -36,6 +36,7 @@ def free_port() -> int:
     conductor's HTTP port was in use), and two draws from it can return the same port. Never the
     same port twice in one test run."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low = max(low, 20_000)  # a range reaching down this far leaves no port outside it: draw from 10,000 up anyway
     while True:
         port = _PORTS.randrange(10_000, low)
         if port in _HANDED_OUT:

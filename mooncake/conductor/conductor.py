@@ -5,7 +5,8 @@ One attempt of a request (see ``request.py`` for the states)::
 
     conductor ──DecodeRequest──▶ decode      reserves the KV blocks, answers Reserved
     conductor ──PrefillRequest─▶ prefill     computes, pushes KV to decode, reports PrefillDone
-    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents (a step's in one TokenStep)
+    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents
+                                             (a step's for all its requests in one TokenStep)
 
 A failure is reported once, with its kind: RETRY moves the request to a new
 attempt (at most ``max_migrations`` times), PREEMPTED requeues it without
