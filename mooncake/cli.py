@@ -1,4 +1,4 @@
-"""``mooncake`` command line: serve (one role, or --dev for all), keys, bench, sim, p2p, config
+"""``mooncake`` command line: serve (the whole cluster on this machine, or one role), keys, bench, sim, p2p, config
 check, probe (an exec health probe) and deploy kubernetes."""
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import gc
 import sys
 
 from mooncake.config import ConfigError, load_config
-from mooncake.logs import setup_logging
+from mooncake.logs import setup_logging, tag_logs
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run one role, or a whole cluster with --dev")
-    p.add_argument("--role", choices=["conductor", "prefill", "decode", "store"])
+    p = sub.add_parser("serve", help="serve a model: the whole cluster on this machine, or one role of a cluster "
+                                     "with --role")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL",
+                   help="model directory, GGUF file, or Hugging Face repo id (as --model)")
+    p.add_argument("--role", choices=["conductor", "prefill", "decode", "store"],
+                   help="run this one role (default: every role on this machine, one process each)")
     p.add_argument("--config", help="TOML config file (see config.example.toml); MOONCAKE_<SECTION>_<KEY> "
                                     "environment variables apply over it, or alone without it")
-    p.add_argument("--dev", action="store_true", help="all roles on this machine, one process each")
+    p.add_argument("--dev", action="store_true", help="every role on this machine (the default without --role)")
     p.add_argument("--model", help="model directory, GGUF file, or Hugging Face repo id (org/name) in the local "
                                    "Hugging Face cache (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: org/name, or the path's name)")
@@ -31,9 +35,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "separate keys with commas, to accept several: the first becomes [conductor] api_key, "
                         "the rest api_keys)")
     p.add_argument("--data-dir", help="directory of the stores' LMDB tier")
-    p.add_argument("--prefill", type=int, default=1, help="--dev: prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="--dev: decode instances")
-    p.add_argument("--store", type=int, default=1, help="--dev: store instances")
+    p.add_argument("--prefill", type=int, default=1, help="single machine: prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="single machine: decode instances")
+    p.add_argument("--store", type=int, default=1, help="single machine: store instances")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -55,18 +59,23 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if args.dev == bool(args.role):
-        print("mooncake serve: give exactly one of --dev or --role", file=sys.stderr)
+    if args.dev and args.role:
+        print("mooncake serve: --dev runs every role; give --role or --dev, not both", file=sys.stderr)
         return 2
+    if args.model_arg and args.model and args.model_arg != args.model:
+        print(f"mooncake serve: two models given ({args.model_arg} and --model {args.model})", file=sys.stderr)
+        return 2
+    args.model = args.model or args.model_arg
     try:
         cfg = load_config(args.config, _overrides(args))
     except ConfigError as e:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
-    if args.dev:
+    if not args.role:
         from mooncake.dev import run_dev
 
         return run_dev(cfg, args.prefill, args.decode, args.store, args.log_level)
+    tag_logs(args.role, cfg.node.node_id or cfg.node.name)
     from mooncake.cpu_priority import apply_role_priority
 
     apply_role_priority(args.role, cfg.node.prefill_nice)  # before the engine starts any thread
@@ -157,8 +166,19 @@ def run_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version (the source tree's, where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mooncake")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mooncake {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     from mooncake.p2p.cli import add_p2p_parser, run_p2p
 

@@ -7,12 +7,16 @@ objects that discover them, never written back here.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import tomllib
 from pathlib import Path
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -157,23 +161,37 @@ def env_name(section: str, key: str) -> str:
 
 
 FAULT_PREFIX = ENV_PREFIX + "FAULT_"
+# MOONCAKE_ variables that are not config keys: read elsewhere (logs.py), or fault injection.
+OTHER_ENV_VARS = frozenset({ENV_PREFIX + "LOG_FORMAT"})
+
+
+def _closest(var: str, names: list[str]) -> str | None:
+    """The name ``var`` most likely misspells: one it extends or shortens, else a close match."""
+    overlapping = [n for n in names if var.startswith(n) or n.startswith(var)]
+    if overlapping:
+        return max(overlapping, key=len)
+    close = difflib.get_close_matches(var, names, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], str]]:
     """``MOONCAKE_<SECTION>_<KEY>`` variables as {"section": {"key": "value"}}, and which
-    variable set each (section, key). An unknown MOONCAKE_ variable is an error, except
-    ``MOONCAKE_FAULT_*``: fault injection for tests, never configuration."""
+    variable set each (section, key). An unknown MOONCAKE_ variable is a warning naming the
+    closest key, not an error: other tools share the prefix (Mooncake's transfer engine reads
+    MOONCAKE_PROTOCOL). ``MOONCAKE_FAULT_*`` is fault injection for tests, never configuration."""
     known = {env_name(section, key): (section, key)
              for section, field in Config.model_fields.items()
              for key in field.annotation.model_fields}  # type: ignore[union-attr]
     values: dict = {}
     origin: dict[tuple[str, str], str] = {}
     for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var.startswith(FAULT_PREFIX):
+        if not var.startswith(ENV_PREFIX) or var.startswith(FAULT_PREFIX) or var in OTHER_ENV_VARS:
             continue
         if var not in known:
-            raise ConfigError(f"unknown environment variable {var} (config keys are MOONCAKE_<SECTION>_<KEY>, "
-                              f"e.g. {env_name('node', 'host')})")
+            close = _closest(var, [*known, *OTHER_ENV_VARS])
+            hint = f"did you mean {close}?" if close else f"config keys are MOONCAKE_<SECTION>_<KEY>, e.g. {env_name('node', 'host')}"
+            log.warning("ignoring unknown environment variable %s (%s)", var, hint)
+            continue
         section, key = known[var]
         values.setdefault(section, {})[key] = env[var]
         origin[(section, key)] = var

@@ -1,21 +1,25 @@
-"""``mooncake serve --dev``: a whole cluster on this machine, one OS process per role.
+"""``mooncake serve``: a whole cluster on this machine, one OS process per role.
 
 The children run exactly what ``mooncake serve --role ROLE --config FILE`` runs;
 they talk over an ``ipc://`` conductor socket in a private temporary directory
 and TCP ports chosen by the OS. Instance ``i`` of each role is placed on node
 ``node<i>``, so locality (a prefill instance's local store) means the same thing
-as on a real cluster. Ctrl-C or SIGTERM stops every child.
+as on a real cluster. Their output is forwarded line by line, each line naming the
+role that wrote it. ``run_dev`` supervises them (``mooncake.supervisor``); Ctrl-C or
+SIGTERM stops every child.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from mooncake.config import Config, dump_toml
 from mooncake.engine.loader import resolve_model_dir
+from mooncake.logs import log_format, role_tag, tag_logs
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -57,34 +62,43 @@ class DevCluster:
         cmd = [sys.executable, "-m", "mooncake.cli", "serve", "--role", role, "--config", str(path),
                "--log-level", self.log_level]
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
-                                env={**os.environ, **env} if env else None)
+                                env={**os.environ, **env} if env else None,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        tag = role_tag(role, cfg.node.node_id or cfg.node.name)
+        threading.Thread(target=_forward, args=(proc, tag), name=f"output-{name}", daemon=True).start()
         self.children[name] = proc
         return proc
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def launch(self) -> None:
+        """Start every role, without waiting for them."""
         resolve_model_dir(self.cfg.model)  # convert the model once, before the children race for it
         self.spawn("conductor")
         for role in ("store", "prefill", "decode"):
             for i in range(self.counts[role]):
                 self.spawn(role, i)
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        self.launch()
         self.wait_ready(timeout_s)
 
-    def wait_ready(self, timeout_s: float, want: dict[str, int] | None = None) -> None:
+    def ready(self, want: dict[str, int] | None = None) -> bool:
+        """Whether every role has registered with the conductor (``want``: counts per role)."""
         want = want or self.counts
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                nodes = json.loads(r.read())["nodes"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            return False
+        return all(nodes.get(k, 0) >= v for k, v in want.items())
+
+    def wait_ready(self, timeout_s: float, want: dict[str, int] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for name, proc in self.children.items():
-                if proc.poll() is not None and name == "conductor":
-                    raise RuntimeError(f"the conductor exited with code {proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    import json
-
-                    nodes = json.loads(r.read())["nodes"]
-                    if all(nodes.get(k, 0) >= v for k, v in want.items()):
-                        return
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                pass
+            conductor = self.children["conductor"]
+            if conductor.poll() is not None:
+                raise RuntimeError(f"the conductor exited with code {conductor.returncode}")
+            if self.ready(want):
+                return
             time.sleep(0.25)
         raise TimeoutError(f"cluster not ready within {timeout_s:.0f}s")
 
@@ -115,7 +129,30 @@ class DevCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _forward(proc: subprocess.Popen, tag: str) -> None:
+    """Copy a child's output to ours line by line, naming the role on each line that does not
+    already (a traceback, a library's print): ``[prefill:node0-prefill] ...``, or in JSON mode
+    a ``{"role", "instance", "message"}`` object."""
+    as_json = log_format() == "json"
+    role, instance = tag.split(":", 1)
+    for raw in iter(proc.stdout.readline, b""):  # type: ignore[union-attr]
+        line = raw.decode(errors="replace").rstrip("\n")
+        if as_json and not line.startswith("{"):
+            line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "level": "INFO",
+                               "role": role, "instance": instance, "message": line})
+        elif not as_json and f"[{tag}]" not in line:
+            line = f"[{tag}] {line}"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    proc.stdout.close()  # type: ignore[union-attr]
+
+
 def run_dev(cfg: Config, prefill: int, decode: int, store: int, log_level: str) -> int:
+    """``mooncake serve``: start the cluster, say where it serves once every role has registered,
+    restart a role that dies, stop everything on Ctrl-C or SIGTERM."""
+    from mooncake.supervisor import GaveUp, Supervisor
+
+    tag_logs("supervisor", cfg.node.name, quiet_libraries=False)  # a GGUF's conversion shows its progress
     cluster = DevCluster(cfg, prefill, decode, store, log_level)
     stopping = False
 
@@ -127,17 +164,27 @@ def run_dev(cfg: Config, prefill: int, decode: int, store: int, log_level: str) 
     signal.signal(signal.SIGINT, _stop)
     t0 = time.monotonic()
     try:
-        cluster.start()
-        print(f"mooncake ready at {cluster.url} in {time.monotonic() - t0:.1f}s "
-              f"({prefill} prefill, {decode} decode, {store} store)", flush=True)
+        cluster.launch()
+        supervisor = Supervisor(cluster)
+        announced = False
         while not stopping:
-            if cluster.children["conductor"].poll() is not None:
-                print("the conductor exited; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            supervisor.check()
+            if not announced and time.monotonic() - t0 > 600:
+                raise TimeoutError("the roles did not all register within 600 s")
+            if not announced and cluster.ready():
+                print(ready_banner(cluster, time.monotonic() - t0), flush=True)
+                announced = True
+            time.sleep(0.25)
         return 0
-    except (RuntimeError, TimeoutError) as e:
-        print(f"mooncake: {e}", file=sys.stderr)
+    except (GaveUp, TimeoutError) as e:
+        print(f"mooncake: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         cluster.stop()
+
+
+def ready_banner(cluster: DevCluster, seconds: float) -> str:
+    """The first line a user reads: where to send requests, and how to stop."""
+    counts = ", ".join(f"{n} {role}" for role, n in cluster.counts.items())
+    return (f"mooncake ready in {seconds:.0f}s ({counts}): OpenAI API at {cluster.url}/v1 "
+            f"(try: curl {cluster.url}/v1/models); Ctrl-C stops it")

@@ -219,6 +219,8 @@ def _converted_dir(src: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
             f"unsupported architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    log.info("converting %s to %s weights under %s (once; about a minute for a small model)",
+             src.name, str(dtype).removeprefix("torch."), final.parent)
     try:
         _convert_gguf(src, tmp, dtype)
         try:
