@@ -140,7 +140,7 @@ def run_ops(args: argparse.Namespace) -> int:
     if args.command == "config":
         from mooncake.config import dump_toml
 
-        print(dump_toml(cfg), end="")
+        print(dump_toml(cfg, mask_secrets=True), end="")
         return 0
     if args.command == "probe":
         from mooncake.node_health import probe

@@ -226,13 +226,27 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
             loc = tuple(str(x) for x in err["loc"])
             where = ".".join(loc)
             if loc[:2] in origin and loc[1] not in (overrides or {}).get(loc[0], {}):
-                where = f"{where} (from {origin[loc[:2]]}={from_env[loc[0]][loc[1]]!r})"
+                value = from_env[loc[0]][loc[1]]
+                shown = MASK if loc[:2] in SECRET_KEYS else repr(value)
+                where = f"{where} (from {origin[loc[:2]]}={shown})"
             problems.append(f"{where}: {err['msg']}")
         raise ConfigError(f"invalid config{f' {path}' if path else ''}: {'; '.join(problems)}") from None
 
 
-def dump_toml(cfg: Config, comments: bool = False) -> str:
-    """The config as TOML, every key; with ``comments`` each key gets its description."""
+SECRET_KEYS = {("conductor", "api_key"), ("conductor", "api_keys")}
+MASK = "***"
+
+
+def _masked(value: object) -> object:
+    """A secret's value as printed: MASK where set, so that whether it is set still shows."""
+    if isinstance(value, list):
+        return [MASK] * len(value)
+    return MASK if value else value
+
+
+def dump_toml(cfg: Config, comments: bool = False, mask_secrets: bool = False) -> str:
+    """The config as TOML, every key; with ``comments`` each key gets its description; with
+    ``mask_secrets`` (for printing) the values of ``SECRET_KEYS`` are ``MASK``."""
     import json
 
     lines: list[str] = []
@@ -241,6 +255,8 @@ def dump_toml(cfg: Config, comments: bool = False) -> str:
         for key, value in model:
             if comments:
                 lines.append(f"# {type(model).model_fields[key].description}")
+            if mask_secrets and (section, key) in SECRET_KEYS:
+                value = _masked(value)
             lines.append(f"{key} = {json.dumps(value)}")
         lines.append("")
     return "\n".join(lines)

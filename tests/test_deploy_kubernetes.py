@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
+import k8s_manifests as k8s
 import pytest
 import yaml
 
@@ -17,16 +14,7 @@ from mooncake.config import Config, load_config
 from mooncake.deploy.kubernetes import DeployError, Topology, render, write_manifests
 from mooncake.security import generate_keys
 
-ROOT = Path(__file__).resolve().parent.parent
-VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
-POD = {"status.podIP": "10.9.8.7", "spec.nodeName": "k8s-node-a", "metadata.name": "mooncake-x-0"}
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-    return subprocess.run([sys.executable, "-m", "mooncake.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
-
+ROOT = k8s.ROOT
 
 @pytest.fixture
 def gpu_config(tmp_path) -> Path:
@@ -40,49 +28,20 @@ def gpu_config(tmp_path) -> Path:
     return path
 
 
-def _objects(out: Path) -> list[dict]:
-    return [o for f in sorted(out.glob("*.yaml")) for o in yaml.safe_load_all(f.read_text())]
-
-
-def _validate(out: Path) -> None:
-    files = sorted(str(f) for f in out.glob("*.yaml"))
-    r = subprocess.run([str(VALIDATE), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
 @pytest.mark.parametrize("which", ["example", "gpu"])
 def test_manifests_validate_against_the_kubernetes_schemas(tmp_path, gpu_config, which):
     config = ROOT / "config.example.toml" if which == "example" else gpu_config
     counts = ["--prefill", "2", "--decode", "2", "--store", "2"] if which == "gpu" else []
-    r = _cli("deploy", "kubernetes", "--config", str(config), "--out", str(tmp_path / "out"), *counts)
+    r = k8s.cli("deploy", "kubernetes", "--config", str(config), "--out", str(tmp_path / "out"), *counts)
     assert r.returncode == 0, r.stderr
     written = r.stdout.split()
     assert written and all(p.endswith(".yaml") and Path(p).is_file() for p in written)
-    _validate(tmp_path / "out")
-    kinds = sorted(o["kind"] for o in _objects(tmp_path / "out"))
+    k8s.validate(tmp_path / "out")
+    kinds = sorted(o["kind"] for o in k8s.objects(tmp_path / "out"))
     expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Namespace", "Service", "Service",
                 "StatefulSet"]
-    assert kinds == sorted(expected + (["Secret", "Secret"] if which == "gpu" else []))
-
-
-def _effective(objects: list[dict], container: dict) -> Config:
-    """The config a container would load: the ConfigMap's TOML, then its environment."""
-    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
-    secrets = {o["metadata"]["name"]: o["stringData"] for o in objects if o["kind"] == "Secret"}
-    env = {}
-    for e in container["env"]:
-        src = e.get("valueFrom", {})
-        if "fieldRef" in src:
-            env[e["name"]] = POD[src["fieldRef"]["fieldPath"]]
-        elif "secretKeyRef" in src:
-            env[e["name"]] = secrets[src["secretKeyRef"]["name"]][src["secretKeyRef"]["key"]]
-        else:
-            env[e["name"]] = e["value"]
-    assert container["command"][-2:] == ["--config", "/etc/mooncake/cluster.toml"]
-    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
-        f.write(configmap["data"]["cluster.toml"])
-        f.flush()
-        return load_config(f.name, env=env)
+    secrets = ["Secret", "Secret"] if which == "gpu" else ["Secret"]  # CURVE keys (+ the API key)
+    assert kinds == sorted(expected + secrets)
 
 
 def _bound_ports(role: str, cfg: Config) -> set[int]:
@@ -103,7 +62,7 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     for role, workload in workloads.items():
         pod = workload["spec"]["template"]["spec"]
         container = pod["containers"][0]
-        effective = _effective(objects, container)
+        effective = k8s.effective(objects, container)
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert set(named.values()) == _bound_ports(role, effective), role
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -113,8 +72,8 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
         assert pod["terminationGracePeriodSeconds"] > effective.conductor.drain_timeout_s
-        assert effective.node.host == POD["status.podIP"] and effective.node.node_id == POD["metadata.name"]
-        assert effective.node.name == POD["spec.nodeName"]
+        assert effective.node.host == k8s.POD["status.podIP"] and effective.node.node_id == k8s.POD["metadata.name"]
+        assert effective.node.name == k8s.POD["spec.nodeName"]
         assert effective.security.curve_keys_dir == "/etc/mooncake/curve"
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/etc/mooncake/curve" in mounts
@@ -136,13 +95,13 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert conductor_ports[p["targetPort"]] == p["port"]
     store = workloads["store"]
     assert store["kind"] == "StatefulSet" and store["spec"]["serviceName"] in services
-    store_effective = _effective(objects, store["spec"]["template"]["spec"]["containers"][0])
+    store_effective = k8s.effective(objects, store["spec"]["template"]["spec"]["containers"][0])
     assert store_effective.node.p2p_port != 0  # peers connect to it: a fixed port, not any free one
     store_svc = {p["name"]: p for p in services[store["spec"]["serviceName"]]["spec"]["ports"]}
     assert store_svc["p2p"]["port"] == store_effective.node.p2p_port
     assert store_svc["store"]["port"] == store_effective.node.store_port
     store_container = store["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "data", "mountPath": _effective(objects, store_container).store.data_dir} in \
+    assert {"name": "data", "mountPath": k8s.effective(objects, store_container).store.data_dir} in \
         store_container["volumeMounts"]
     assert store["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     anti = store["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -155,9 +114,8 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     assert set(curve["stringData"]) == {f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret")}
 
 
-def test_cpu_config_requests_no_gpu_and_has_no_secrets():
+def test_cpu_config_requests_no_gpu():
     files = render(load_config(ROOT / "config.example.toml", env={}), Topology())
-    assert "02-secrets.yaml" not in files
     text = yaml.safe_dump_all([o for objs in files.values() for o in objs])
     assert "nvidia.com/gpu" not in text
 
@@ -169,7 +127,7 @@ def test_a_store_p2p_port_left_at_0_gets_a_fixed_default():
     store = next(o for o in objects if o["kind"] == "StatefulSet")
     container = store["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert _effective(objects, container).node.p2p_port == ports["p2p"] == 5580
+    assert k8s.effective(objects, container).node.p2p_port == ports["p2p"] == 5580
 
 
 def _pod_spec(objects: list[dict], component: str) -> dict:
@@ -185,8 +143,8 @@ def test_a_p2p_model_is_fetched_by_the_node_store_into_a_directory_its_workers_m
     path.write_text('[model]\np2p_name = "smollm2@v1"\npath = "/home/me/models/smol"\n')
     out = tmp_path / "out"
     write_manifests(load_config(path, env={}), Topology(store=2), out)
-    _validate(out)
-    objects = _objects(out)
+    k8s.validate(out)
+    objects = k8s.objects(out)
     store = _pod_spec(objects, "store")
     host_dirs = {v["hostPath"]["path"] for v in store["volumes"] if "hostPath" in v}
     assert len(host_dirs) == 1
@@ -201,7 +159,7 @@ def test_a_p2p_model_is_fetched_by_the_node_store_into_a_directory_its_workers_m
         assert {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v} == host_dirs
         wmount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "models")
         assert wmount["mountPath"] == mount["mountPath"] and wmount["readOnly"] is True
-        cfg = _effective(objects, spec["containers"][0])
+        cfg = k8s.effective(objects, spec["containers"][0])
         assert cfg.model.p2p_name == "smollm2@v1"
         assert Path(cfg.model.path).parent == Path(mount["mountPath"])  # under the shared directory
         term = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
@@ -239,5 +197,5 @@ def test_undeployable_configs_say_why(tmp_path, toml, topology, message):
 def test_cli_reports_deploy_errors(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[conductor]\nendpoint = "ipc:///tmp/x"\n')
-    r = _cli("deploy", "kubernetes", "--config", str(path), "--out", str(tmp_path / "out"))
+    r = k8s.cli("deploy", "kubernetes", "--config", str(path), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr

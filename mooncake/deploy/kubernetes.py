@@ -4,10 +4,13 @@ One ConfigMap carries the cluster's TOML; everything that differs per pod comes
 from the environment (``MOONCAKE_<SECTION>_<KEY>``): the pod IP as
 ``MOONCAKE_NODE_HOST`` (downward API), the Kubernetes node name as the mooncake
 node name (so that a prefill pod's local store is the one on its machine), the
-pod name as the node id. Secrets (API key, CURVE keys) live in a Secret, never in
-the ConfigMap. Objects: Namespace, ConfigMap, Secret, conductor Deployment +
-Service, prefill and decode Deployments, store StatefulSet (a PersistentVolumeClaim
-per pod for the LMDB tier) + headless Service. With ``[model] p2p_name`` the store fetches
+pod name as the node id. Secrets (API key, CURVE keys) live in Secrets, never in
+the ConfigMap: every pod is off loopback, so it gets CURVE keys (``deploy/keys.py``:
+the configured ones, or new ones) unless the config allows an insecure network.
+Objects: Namespace, ConfigMap, Secrets, conductor Deployment + Service, prefill and
+decode Deployments, store StatefulSet (a PersistentVolumeClaim per pod for the LMDB
+tier) + headless Service, and apart, in ``monitoring/``, a ServiceMonitor of the
+conductor's /metrics (``deploy/monitoring.py``). With ``[model] p2p_name`` the store fetches
 the model into a directory of its node (hostPath ``MODELS_DIR``) that the node's workers
 mount, and workers run only on nodes with a store. Every port a role binds is fixed (0 in
 the config becomes a default): a store's P2P port too, since peers fetch chunks from
@@ -16,6 +19,7 @@ it at the pod's IP, which the store registers with the conductor.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -25,7 +29,8 @@ from urllib.parse import urlparse
 import yaml
 
 from mooncake.config import GiB, Config, dump_toml, env_name
-from mooncake.security import KINDS
+from mooncake.deploy.keys import KeysError, pod_key_files
+from mooncake.deploy.monitoring import METRICS_KEY, SERVICE_MONITOR_FILE, scrape_annotations, service_monitor
 from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, store_volume_claim,
                                   worker_pod)
 
@@ -91,8 +96,9 @@ def pod_ports(cfg: Config) -> PodPorts:
     return PodPorts(http=cfg.conductor.port, zmq=conductor_zmq_port(cfg), **node)
 
 
-def pod_config(cfg: Config, ports: PodPorts) -> Config:
-    """The TOML every pod reads: fixed ports, in-container paths, no secrets."""
+def pod_config(cfg: Config, ports: PodPorts, curve: bool) -> Config:
+    """The TOML every pod reads: fixed ports, in-container paths (the key Secret's mount where
+    ``curve``), no secrets."""
     c = cfg.model_copy(deep=True)
     c.conductor.api_key, c.conductor.api_keys = "", []  # from the Secret
     c.conductor.host = "0.0.0.0"
@@ -102,23 +108,18 @@ def pod_config(cfg: Config, ports: PodPorts) -> Config:
     c.store.data_dir = DATA_MOUNT
     if cfg.model.p2p_name:  # fetched by the node's store into the node's model directory
         c.model.path = f"{MODELS_DIR}/{cfg.model.p2p_name}"
-    c.security.curve_keys_dir = CURVE_MOUNT if cfg.security.curve_keys_dir else ""
+    c.security.curve_keys_dir = CURVE_MOUNT if curve else ""
     return c
 
 
-def curve_files(cfg: Config) -> dict[str, str]:
-    """The CURVE key files (text) to put in the Secret; {} without CURVE."""
-    if not cfg.security.curve_keys_dir:
-        return {}
-    d = Path(cfg.security.curve_keys_dir).expanduser()
-    files = {p.name: p.read_text() for p in sorted(d.glob("*")) if p.is_file()} if d.is_dir() else {}
-    missing = [f"{kind}.{ext}" for kind in KINDS for ext in ("key", "key_secret") if f"{kind}.{ext}" not in files]
-    if missing:
-        raise DeployError(f"[security] curve_keys_dir {d} lacks {', '.join(missing)} (create them with: mooncake keys {d})")
-    bad = [n for n in files if not re.match(r"^[-._a-zA-Z0-9]+$", n)]
-    if bad:
-        raise DeployError(f"curve key file names not usable as Secret keys: {bad}")
-    return files
+def template_meta(labels: dict[str, str], curve: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    """A pod template's metadata. A digest of the public keys in its annotations: pods restart
+    when new manifests bring new keys, so that no pod keeps keys the others no longer accept."""
+    annotations = dict(annotations or {})
+    if curve:
+        public = "".join(f"{name}\0{text}\0" for name, text in sorted(curve.items()) if name.endswith(".key"))
+        annotations["checksum/curve-keys"] = hashlib.sha256(public.encode()).hexdigest()[:16]
+    return {"labels": labels, **({"annotations": annotations} if annotations else {})}
 
 
 def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
@@ -133,7 +134,10 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     gpu = cfg.model.device == "cuda"
     grace = math.ceil(cfg.conductor.drain_timeout_s) + 15
     common_env = {env_name("conductor", "endpoint"): f"tcp://{conductor_host}:{ports.zmq}"}
-    curve = curve_files(cfg)
+    try:
+        curve = pod_key_files(cfg)
+    except KeysError as e:
+        raise DeployError(str(e)) from None
     curve_secret = f"{APP}-curve" if curve else ""
     api_key_secret = f"{APP}-api-key" if cfg.conductor.accepted_keys() else ""
 
@@ -143,7 +147,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     files: dict[str, list[dict]] = {
         "00-namespace.yaml": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}],
         "01-config.yaml": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{APP}-config"),
-                            "data": {"cluster.toml": dump_toml(pod_config(cfg, ports))}}],
+                            "data": {"cluster.toml": dump_toml(pod_config(cfg, ports, bool(curve)))}}],
     }
     secrets = []
     if curve:
@@ -152,7 +156,8 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     if api_key_secret:
         secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(api_key_secret),
                         "type": "Opaque", "stringData": {"api-key": cfg.conductor.api_key,
-                                                         "api-keys": ",".join(cfg.conductor.api_keys)}})
+                                                         "api-keys": ",".join(cfg.conductor.api_keys),
+                                                         METRICS_KEY: cfg.conductor.accepted_keys()[0]}})
     if secrets:
         files["02-secrets.yaml"] = secrets
     pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
@@ -163,7 +168,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     files["10-conductor.yaml"] = [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-conductor", **selector),
          "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector},
-                  "template": {"metadata": {"labels": selector},
+                  "template": {"metadata": template_meta(selector, curve, scrape_annotations(ports.http)),
                                "spec": conductor_pod(api_key_secret=api_key_secret, **pod_args)}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-conductor", **selector),
          "spec": {"selector": selector, "ports": [
@@ -177,7 +182,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
         files[f"20-{role}.yaml"] = [
             {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-{role}", **labels),
              "spec": {"replicas": getattr(topology, role), "selector": {"matchLabels": labels},
-                      "template": {"metadata": {"labels": labels},
+                      "template": {"metadata": template_meta(labels, curve),
                                    "spec": worker_pod(role, gpu=gpu, cpu=threads, memory=quantity(memory),
                                                       p2p_model=p2p_model, **pod_args)}}}]
     if topology.store:
@@ -196,8 +201,9 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
             {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(f"{APP}-store", **labels),
              "spec": {"serviceName": f"{APP}-store", "replicas": topology.store,
                       "selector": {"matchLabels": labels}, "podManagementPolicy": "Parallel",
-                      "template": {"metadata": {"labels": labels}, "spec": spec},
+                      "template": {"metadata": template_meta(labels, curve), "spec": spec},
                       "volumeClaimTemplates": [store_volume_claim(quantity(pvc_bytes))]}}]
+    files[SERVICE_MONITOR_FILE] = [service_monitor(meta(f"{APP}-conductor", **selector), selector, ns, api_key_secret)]
     return files
 
 
@@ -211,6 +217,7 @@ def write_manifests(cfg: Config, topology: Topology, out: str | Path) -> list[Pa
     written = []
     for name, objects in render(cfg, topology).items():
         path = out / name
+        path.parent.mkdir(exist_ok=True)
         path.write_text(yaml.dump_all(objects, Dumper=_NoAliases, sort_keys=False))
         written.append(path)
     return written
