@@ -19,7 +19,7 @@ from mooncake.kv_integrity import checksums
 from mooncake.protocol import Sampling
 from mooncake.roles.prefix_stream import LayerGate, PrefixLoadFailed, PrefixStream
 from mooncake.tiers.client import StoreClient
-from mooncake.tiers.server import STREAM_FAULT_ENV
+from mooncake.tiers.store_requests import STREAM_FAULT_ENV
 
 GREEDY = Sampling(max_tokens=4, temperature=0, ignore_eos=True)
 TEXT = "A prefix read from the store layer by layer, just ahead of the layer that needs it. " * 12

@@ -10,7 +10,7 @@ import pytest
 
 from clusters import complete, metric, metrics, running_cluster, small_config, wait_for
 from mooncake.config import MiB
-from mooncake.tiers.server import STREAM_FAULT_ENV
+from mooncake.tiers.store_requests import STREAM_FAULT_ENV
 from oracle import greedy
 
 pytestmark = pytest.mark.timeout(600)

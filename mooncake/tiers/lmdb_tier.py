@@ -186,18 +186,6 @@ class LmdbTier(Tier):
 
     # ---- write-through copies
 
-    def put_copy(self, key: bytes, block: StoredBlock) -> bool:
-        """Stage a durable copy of a block held in a tier above; False if it does not fit."""
-        if key in self._sizes or key in self._copies:
-            return True
-        n = block.nbytes
-        if not self.fits(n):
-            return False
-        self._pending[key] = block
-        self._copies[key] = n
-        self.used_bytes += n
-        return True
-
     def reserve_copy(self, key: bytes, nbytes: int) -> bool:
         """Account a copy whose record ``write_records`` writes outside the store's lock;
         ``end_copies`` settles it. False if it does not fit."""

@@ -8,8 +8,8 @@ sent and received without copies. Anything malformed or unknown is answered
 with ``Error`` and the server carries on.
 
 Every store operation that may copy or touch LMDB runs in a worker thread
-(``store_requests.py``: what each request does); the event loop only moves frames, so
-it keeps answering (``exists`` is answered on the loop from the key index). Run standalone::
+(``store_requests.py``: what each request does, owned by the server); the event loop
+only moves frames, so it keeps answering (``exists`` is answered on the loop from the key index). Run standalone::
 
     python -m mooncake.tiers.server --endpoint tcp://127.0.0.1:0 --data-dir DIR
 
@@ -23,57 +23,46 @@ import argparse
 import asyncio
 import inspect
 import logging
-import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
-import torch
 import zmq
 import zmq.asyncio
 
 from ..config import StoreConfig
-from ..kv_integrity import BlockSums, Rejections
-from ..protocol import BlockEvent, Error, GetLayers, LayerSlices, ProtocolError, decode, encode
+from ..kv_integrity import Rejections
+from ..protocol import BlockEvent, Error, GetLayers, ProtocolError, decode, encode
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
-from .client import StoreClient, StoreError
-from .shm import SegmentCache
+from .client import StoreError
 from .store_requests import StoreRequests
 from .tiered import TieredStore
 
 log = logging.getLogger(__name__)
 MAX_RID = 64
-# Fault injection for tests, read once at start: "die:N" (the process exits after sending N replies
-# of its first layer stream) or "corrupt" (one byte of its first layer stream's first slice flips).
-STREAM_FAULT_ENV = "MOONCAKE_FAULT_LAYER_STREAM"
 
 
-class StoreServer(StoreRequests):
+class StoreServer:
     def __init__(self, store: TieredStore, bind_endpoint: str,
                  on_event: Callable[[BlockEvent], Any] | None = None, node_id: str = "",
                  workers: int = 4, curve: Curve | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
         self.max_message_bytes = max_message_bytes
         self.rejections = Rejections()  # requests refused: unauthorized key, corrupt block
-        self.sums = BlockSums()  # checksums of the blocks put, returned with them to readers
         self.store = store
         self.curve = curve
+        self.requests = StoreRequests(store, self.rejections, node_id=node_id, curve=curve, workers=workers)
         self.bind_endpoint = bind_endpoint
         self.on_event = on_event
         self.node_id = node_id
         self.endpoint = ""
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-io")
-        self._segments = SegmentCache()
-        self._peers: dict[str, StoreClient] = {}
         self._tasks: set[asyncio.Task] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recv_task: asyncio.Task | None = None
-        self._stream_fault = os.environ.get(STREAM_FAULT_ENV, "")
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -100,17 +89,13 @@ class StoreServer(StoreRequests):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for c in self._peers.values():
-            c.close()
-        self._peers.clear()
         if self._sock is not None:
             self._sock.close(linger=0)
             if self.curve is not None:
                 self.curve.stop()
             self._ctx.term()
             self._sock = None
-        self._pool.shutdown(wait=True)
-        self._segments.close()
+        self.requests.close()
 
     def stored_hashes(self) -> Iterable[tuple[bytes, str]]:
         """(hash, tier) of every held block, for re-announcing after (re)registration."""
@@ -118,14 +103,10 @@ class StoreServer(StoreRequests):
 
     def _store_event(self, kind: str, tier: str, keys: list[bytes]) -> None:
         if kind == "removed" and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._forget_sums, list(keys))
+            self._loop.call_soon_threadsafe(self.requests.forget_sums, list(keys))
         if self.on_event is None or self._loop is None or self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._emit, BlockEvent(self.node_id, kind, tier, list(keys)))
-
-    def _forget_sums(self, keys: list[bytes]) -> None:
-        """Blocks gone from every tier take their checksums with them (on the loop)."""
-        self.sums.forget([k for k, held in zip(keys, self.store.exists(keys)) if not held])
 
     def _emit(self, ev: BlockEvent) -> None:
         try:
@@ -161,10 +142,11 @@ class StoreServer(StoreRequests):
                 log.warning("refused: %s", refused)
                 reply = encode(Error(refused, "unauthorized"))
             elif isinstance(msg, GetLayers):
-                await self._stream_layers(ident, rid, msg)
+                async for reply in self.requests.stream_layers(msg):
+                    await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
                 return
             else:
-                reply = await self._dispatch(msg, tensors)
+                reply = await self.requests.handle(msg, tensors)
         except ProtocolError as e:
             reply = encode(Error(str(e), "bad_request"))
         except StoreError as e:
@@ -178,42 +160,6 @@ class StoreServer(StoreRequests):
             await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
         except zmq.ZMQError as e:
             log.warning("reply not sent: %s", e)
-
-    async def _stream_layers(self, ident: bytes, rid: bytes, msg: GetLayers) -> None:
-        """Answer ``GetLayers`` with one ``LayerSlices`` per ``layers_per_frame`` layers of the leading
-        run of present blocks (of one shape and dtype), lowest layers first; each slice is copied out
-        of the stored blocks in a worker thread just before it is sent, so the first layers leave at
-        once. An error midway ends the stream with an ``Error`` reply."""
-        found = await self._run(self.store.get_many, msg.hashes, True)
-        if found:
-            first = found[0][1].tensor
-            n = next((i for i, (_, b) in enumerate(found)
-                      if b.tensor.shape != first.shape or b.tensor.dtype != first.dtype), len(found))
-            found = found[:n]
-        keys = [k for k, _ in found]
-        sums = self.sums.of(keys)
-        blocks = [b.tensor for _, b in found]
-        layers = blocks[0].shape[0] if blocks and blocks[0].dim() > 0 else 0
-        step = max(1, msg.layers_per_frame)
-        if not layers:
-            await send_multipart(self._sock, [ident, rid[:MAX_RID], *encode(LayerSlices(keys, 0, 0, last=True))])
-            return
-        for lo in range(0, layers, step):
-            hi = min(layers, lo + step)
-            part = await self._run(lambda lo=lo, hi=hi: torch.stack([b[lo:hi] for b in blocks]))
-            fault, self._stream_fault = self._stream_fault, ""
-            if fault == "corrupt":
-                part.view(-1).view(torch.uint8)[0] ^= 1
-            elif fault.startswith("die:") and lo // step >= int(fault[4:]):
-                log.error("fault injection: the store dies mid-stream")
-                os._exit(1)
-            else:
-                self._stream_fault = fault
-            reply = encode(LayerSlices(keys, lo, hi, checksums=sums, last=hi == layers), [part])
-            await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
-
-    async def _run(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
 
 # -------------------------------------------------------------------- standalone entry

@@ -1,39 +1,69 @@
 """What each request of the store's object API does to the tiered store: put (checksums checked,
-kept to return with the blocks), get, exists, remove, stats, shared-memory put / get, and
-replication of blocks to another store. Whatever may copy or touch LMDB runs in a worker thread.
+kept to return with the blocks), get, exists, remove, stats, shared-memory put / get, replication
+of blocks to another store, and the layer stream of ``GetLayers``. Whatever may copy or touch LMDB
+runs in a worker thread of its own pool, so the event loop only moves frames.
 
-``StoreRequests`` is a part of ``StoreServer`` (a mixin): the server decodes each request and
-sends what ``_dispatch`` returns.
+``StoreServer`` owns a ``StoreRequests``: it decodes each request, passes it to ``handle`` (or
+``stream_layers``) and sends what comes back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
-from ..protocol import (Blocks, Exists, Get, Msg, Ok, ProtocolError, Put, Remove, Replicate, ShmBlocks, ShmGet, ShmPut,
-                        ShmRef, StatsQuery, encode)
+from ..protocol import (Blocks, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
+                        ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, encode)
 from ..security import Curve
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
 
+log = logging.getLogger(__name__)
+# Fault injection for tests, read once at start: "die:N" (the process exits after sending N replies
+# of its first layer stream) or "corrupt" (one byte of its first layer stream's first slice flips).
+STREAM_FAULT_ENV = "MOONCAKE_FAULT_LAYER_STREAM"
+
 
 class StoreRequests:
-    """The store server's request handlers (see the module docstring)."""
+    """The store server's request handlers (see the module docstring). ``rejections`` counts the
+    puts refused for a corrupt block."""
 
-    store: TieredStore
-    sums: BlockSums
-    rejections: Rejections
-    curve: Curve | None
-    node_id: str
-    _peers: dict[str, StoreClient]
-    _segments: SegmentCache
-    _run: Callable[..., Awaitable[Any]]
+    def __init__(self, store: TieredStore, rejections: Rejections, node_id: str = "", curve: Curve | None = None,
+                 workers: int = 4) -> None:
+        self.store = store
+        self.rejections = rejections
+        self.node_id = node_id
+        self.curve = curve
+        self.sums = BlockSums()  # checksums of the blocks put, returned with them to readers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-io")
+        self._segments = SegmentCache()
+        self._peers: dict[str, StoreClient] = {}
+        self._stream_fault = os.environ.get(STREAM_FAULT_ENV, "")
 
-    async def _dispatch(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
+    def close(self) -> None:
+        """Close the replication clients, wait for the worker threads, unmap the segments."""
+        for c in self._peers.values():
+            c.close()
+        self._peers.clear()
+        self._pool.shutdown(wait=True)
+        self._segments.close()
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def forget_sums(self, keys: list[bytes]) -> None:
+        """Blocks gone from every tier take their checksums with them (on the event loop)."""
+        self.sums.forget([k for k, held in zip(keys, self.store.exists(keys)) if not held])
+
+    async def handle(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
+        """The reply (encoded frames) to one request."""
         s = self.store
         if isinstance(msg, Put):
             if len(msg.hashes) != len(tensors):
@@ -122,3 +152,35 @@ class StoreRequests:
             peer.close()
             raise
         return n
+
+    async def stream_layers(self, msg: GetLayers) -> AsyncIterator[list]:
+        """The replies to ``GetLayers``: one ``LayerSlices`` per ``layers_per_frame`` layers of the leading
+        run of present blocks (of one shape and dtype), lowest layers first; each slice is copied out
+        of the stored blocks in a worker thread just before it is sent, so the first layers leave at
+        once. An error midway ends the stream (the server answers it with an ``Error`` reply)."""
+        found = await self._run(self.store.get_many, msg.hashes, True)
+        if found:
+            first = found[0][1].tensor
+            n = next((i for i, (_, b) in enumerate(found)
+                      if b.tensor.shape != first.shape or b.tensor.dtype != first.dtype), len(found))
+            found = found[:n]
+        keys = [k for k, _ in found]
+        sums = self.sums.of(keys)
+        blocks = [b.tensor for _, b in found]
+        layers = blocks[0].shape[0] if blocks and blocks[0].dim() > 0 else 0
+        step = max(1, msg.layers_per_frame)
+        if not layers:
+            yield encode(LayerSlices(keys, 0, 0, last=True))
+            return
+        for lo in range(0, layers, step):
+            hi = min(layers, lo + step)
+            part = await self._run(lambda lo=lo, hi=hi: torch.stack([b[lo:hi] for b in blocks]))
+            fault, self._stream_fault = self._stream_fault, ""
+            if fault == "corrupt":
+                part.view(-1).view(torch.uint8)[0] ^= 1
+            elif fault.startswith("die:") and lo // step >= int(fault[4:]):
+                log.error("fault injection: the store dies mid-stream")
+                os._exit(1)
+            else:
+                self._stream_fault = fault
+            yield encode(LayerSlices(keys, lo, hi, checksums=sums, last=hi == layers), [part])
