@@ -1,6 +1,6 @@
-"""The engine's own C kernels for decode, built on first use: the int8 matrix-vector product
-for small batches (``int8_gemv.c``, here) and the decode step's attention and RMSNorm
-(``decode_kernels.c``, called through ``native_decode.py``).
+"""The engine's own C kernels for decode, built at install time (else on first use): the int8
+matrix-vector product for small batches (``int8_gemv.c``, here) and the decode step's
+attention and RMSNorm (``decode_kernels.c``, called through ``native_decode.py``).
 
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
@@ -9,9 +9,10 @@ all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
 float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
-compiled by ``mooncake/native_build.py`` and called through ctypes on tensors' memory. Where
-it cannot run (no C compiler, no AVX-512, another OS) ``load_kernel`` returns None and the
-engine keeps torch's kernel.
+compiled by ``mooncake/native_build.py`` (``KERNELS``: sources, flags and the CPU features
+they need) and called through ctypes on tensors' memory. Where it cannot run (no C compiler,
+no AVX-512, another OS) ``load_kernel`` returns None, the engine keeps torch's kernel, and
+one warning per process says why.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ import torch
 
 from mooncake import native_build
 
-SOURCES = [Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("decode_kernels.c")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp"]
 MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
-NEEDED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
 
 
 class Int8Gemv:
@@ -58,23 +56,11 @@ class Int8Gemv:
         return out
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
 @functools.lru_cache(maxsize=None)
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The kernels' library (built if missing, loaded once per process), or None where it cannot run."""
-    if not set(NEEDED_CPU_FLAGS) <= _cpu_flags():
-        return None
-    return native_build.load("mooncake-kernels", SOURCES, FLAGS, cache_dir)
+    """The kernels' library (built if missing, loaded once per process), or None where it cannot
+    run (with a warning saying why)."""
+    return native_build.load(native_build.KERNELS, cache_dir)
 
 
 def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:

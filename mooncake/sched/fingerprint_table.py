@@ -12,8 +12,9 @@ A fingerprint is a block hash's first 8 bytes. Chained block hashes are uniforml
 two blocks of one index share a fingerprint with probability ~n²/2⁶⁵ (≈3·10⁻⁸ at a million
 blocks); were it to happen, the walk would report a run one node does not have, which costs
 what any stale index entry costs (the worker reads what it holds and computes the rest).
-Where the library cannot be built (no C compiler) ``FingerprintTable.create`` returns None and
-the index walks its Python sets.
+Where the library cannot be had (``native_build.py``: installed with the package, else built
+on first use; not without a C compiler) ``FingerprintTable.create`` returns None and the index
+walks its Python sets.
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ from __future__ import annotations
 import ctypes
 import functools
 from array import array
-from pathlib import Path
 from typing import Sequence
 
 from mooncake import native_build
 
-SOURCE = Path(__file__).with_name("fingerprint_table.c")
-FLAGS = ["-O2"]
 FP_BYTES = 8
 
 _void, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -35,7 +33,7 @@ _void, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    lib = native_build.load("mooncake-fingerprint-table", [SOURCE], FLAGS)
+    lib = native_build.load(native_build.FINGERPRINT_TABLE)
     if lib is None:
         return None
     lib.mooncake_fp_new.argtypes, lib.mooncake_fp_new.restype = [_int], _void
