@@ -5,7 +5,7 @@ PYTHON ?= python3
 
 .PHONY: venv serve test bench bench-setup clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	@echo "==> creating $(VENV) and installing mooncake with its dependencies (torch, transformers: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
@@ -41,4 +41,4 @@ bench: bench-setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info .bench
+	rm -rf $(VENV) .pytest_cache build *.egg-info .bench mooncake/_native
