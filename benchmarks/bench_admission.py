@@ -23,13 +23,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import running_cluster, small_config  # noqa: E402
-
-from mooncake.bench import ArrivalSpec, BenchConfig, SharedPrefixSpec, run_benchmark  # noqa: E402
-from mooncake.engine.loader import resolve_model_dir  # noqa: E402
-from mooncake.config import ModelConfig  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench import ArrivalSpec, BenchConfig, SharedPrefixSpec, run_benchmark
+from mooncake.bench.publish import publish
+from mooncake.config import ModelConfig
+from mooncake.engine.loader import resolve_model_dir
+from mooncake.testing.cluster import running_cluster, small_config
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 300.0
 

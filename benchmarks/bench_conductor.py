@@ -42,16 +42,15 @@ from typing import Iterator
 
 import httpx
 
+from mooncake.bench.capacity import CapacityPlan, search_capacity
+from mooncake.config import Config, dump_toml
+from mooncake.testing.ports import free_port
+
+from bench_role_cpu import stat_cpu_s, thread_cpu_s
+from conductor_load import offer, pct, prompts
+from conductor_profile import components, top_functions
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-from bench_role_cpu import stat_cpu_s, thread_cpu_s  # noqa: E402
-from clusters import free_port  # noqa: E402
-from conductor_load import offer, pct, prompts  # noqa: E402
-from conductor_profile import components, top_functions  # noqa: E402
-
-from mooncake.bench.capacity import CapacityPlan, search_capacity  # noqa: E402
-from mooncake.config import Config, dump_toml  # noqa: E402
-
 TARGET = 0.99  # a rate passes when this fraction of its requests meets the bound
 
 

@@ -57,16 +57,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import small_config  # noqa: E402
-
-from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceScaling,  # noqa: E402
+from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceScaling,
                             run_benchmark)
-from mooncake.bench.arrivals import copies_to_span  # noqa: E402
-from mooncake.config import MiB, ModelConfig  # noqa: E402
-from mooncake.engine.loader import default_model_path, resolve_model_dir  # noqa: E402
-from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.arrivals import copies_to_span
+from mooncake.bench.publish import publish
+from mooncake.config import MiB, ModelConfig
+from mooncake.dev import DevCluster
+from mooncake.engine.loader import default_model_path, resolve_model_dir
+from mooncake.testing.cluster import small_config
+from mooncake.testing.ports import free_port
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
@@ -195,12 +194,10 @@ def start_system(system: str, model_dir: str, dtype: str = "auto",
     t0 = time.perf_counter()
     server: PeerServer | DevCluster
     if system == "hf_serve":
-        from clusters import free_port
         server = HFServe(model_dir, free_port())
         server.start()
         target = {"base_url": server.url, "prompt_mode": "text", "model": model_dir}
     elif system == "llama_server":
-        from clusters import free_port
         server = LlamaServer(llama_server, default_model_path(), free_port())
         server.start()
         target = {"base_url": server.url, "ignore_eos": True}

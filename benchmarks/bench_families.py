@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import Bench  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.engine.tiny_models import FAMILIES, build_tiny_model
 
-from mooncake.config import EngineConfig, ModelConfig  # noqa: E402
-from mooncake.engine import Engine, load_model  # noqa: E402
-from mooncake.engine.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from bench_engine import Bench
 
 
 def main() -> None:

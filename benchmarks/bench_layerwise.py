@@ -20,13 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import MODEL, metric, metrics, small_config  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.config import MiB
+from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL, metric, metrics
+from mooncake.testing.cluster import small_config
 
-from mooncake.config import MiB  # noqa: E402
-from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
-from one_request import fresh_prompt, stream_one  # noqa: E402
+from one_request import fresh_prompt, stream_one
 
 
 def run_mode(mode: str, tokens: int, reps: int, max_tokens: int) -> dict:

@@ -1,6 +1,6 @@
 """P2P object distribution across network namespaces (needs root: ip netns, tc).
 
-Four hosts on a bridge, a conductor on host1 and a store on each (tests/p2p_hosts.py),
+Four hosts on a bridge, a conductor on host1 and a store on each (mooncake/testing/p2p_hosts.py),
 CURVE on every link. One object of ``--size-mb`` MB (one file) is published on host1.
 
 Capped (every host's egress at ``--rate``, tc tbf; on the CURVE cluster, or with ``--capped-plain``
@@ -40,12 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from p2p_hosts import P2PHosts  # noqa: E402
-
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.testing.p2p_hosts import P2PHosts
 
 RECEIVER = """
 import os, socket, sys, time

@@ -25,20 +25,17 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import start_store_process  # noqa: E402
-
-from mooncake.config import EngineConfig, ModelConfig  # noqa: E402
-from mooncake.engine import Engine, load_model  # noqa: E402
-from mooncake.kv_integrity import checksums, shape_problem  # noqa: E402
-from mooncake.protocol import Sampling  # noqa: E402
-from mooncake.roles.prefix_stream import PrefixStream  # noqa: E402
-from mooncake.tiers.client import StoreClient  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.kv_integrity import checksums, shape_problem
+from mooncake.protocol import Sampling
+from mooncake.roles.prefix_stream import PrefixStream
+from mooncake.testing.store_process import start_store_process
+from mooncake.tiers.client import StoreClient
 
 PROMPT, PREFIX = 2048, 1792
 GREEDY = Sampling(max_tokens=2, temperature=0, ignore_eos=True)

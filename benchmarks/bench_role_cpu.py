@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import MODEL, small_config  # noqa: E402
+from mooncake.config import MiB
+from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL
+from mooncake.testing.cluster import small_config
 
-from mooncake.config import MiB  # noqa: E402
-from mooncake.dev import DevCluster  # noqa: E402
-from one_request import fresh_prompt, stream_one  # noqa: E402
+from one_request import fresh_prompt, stream_one
 
 
 def stat_cpu_s(path: str) -> tuple[str, float]:

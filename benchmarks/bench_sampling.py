@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,14 +26,13 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mooncake.api.structured import schema_grammar  # noqa: E402
-from mooncake.config import EngineConfig, ModelConfig, MiB  # noqa: E402
-from mooncake.engine import Engine, load_model  # noqa: E402
-from mooncake.protocol import Sampling  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
-from tests.clusters import MODEL, metric, running_cluster  # noqa: E402
+from mooncake.api.structured import schema_grammar
+from mooncake.bench.publish import publish
+from mooncake.config import EngineConfig, ModelConfig, MiB
+from mooncake.engine import Engine, load_model
+from mooncake.protocol import Sampling
+from mooncake.testing.api import MODEL, metric
+from mooncake.testing.cluster import running_cluster
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
 STEPS, WARMUP = 32, 2

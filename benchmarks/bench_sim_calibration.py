@@ -22,14 +22,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import running_cluster, small_config  # noqa: E402
-
-from mooncake.bench import BenchConfig  # noqa: E402
-from mooncake.bench.trace import TraceScaling  # noqa: E402
-from mooncake.sim.setup import SimSetup  # noqa: E402
-from mooncake.sim.validate import validate  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench import BenchConfig
+from mooncake.bench.publish import publish
+from mooncake.bench.trace import TraceScaling
+from mooncake.sim.setup import SimSetup
+from mooncake.sim.validate import validate
+from mooncake.testing.cluster import running_cluster, small_config
 
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 TOLERANCE = 0.30

@@ -11,26 +11,20 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import lmdb
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from clusters import start_store_process  # noqa: E402
-
-from mooncake.tiers.base import StoredBlock  # noqa: E402
-from mooncake.tiers.client import StoreClient  # noqa: E402
-from mooncake.tiers.device import DeviceTier  # noqa: E402
-from mooncake.tiers.dram import DramTier  # noqa: E402
-from mooncake.tiers.lmdb_tier import LmdbTier  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.testing.store_process import start_store_process
+from mooncake.tiers.base import StoredBlock
+from mooncake.tiers.client import StoreClient
+from mooncake.tiers.device import DeviceTier
+from mooncake.tiers.dram import DramTier
+from mooncake.tiers.lmdb_tier import LmdbTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

@@ -28,13 +28,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clusters import MODEL, small_config  # noqa: E402
-
-from mooncake.bench.client import RequestRecord, stream_request  # noqa: E402
-from mooncake.config import MiB  # noqa: E402
-from mooncake.dev import DevCluster  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.client import RequestRecord, stream_request
+from mooncake.bench.publish import publish
+from mooncake.config import MiB
+from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL
+from mooncake.testing.cluster import small_config
 
 PROMPT, PREFIX = 2048, 1792
 

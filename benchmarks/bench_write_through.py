@@ -20,23 +20,17 @@ import argparse
 import asyncio
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from clusters import start_store_process  # noqa: E402
-
-from mooncake.tiers.client import StoreClient  # noqa: E402
-from mooncake.tiers.dram import DramTier  # noqa: E402
-from mooncake.tiers.lmdb_tier import LmdbTier  # noqa: E402
-from mooncake.tiers.tiered import TieredStore  # noqa: E402
-from mooncake.bench.publish import publish  # noqa: E402
+from mooncake.bench.publish import publish
+from mooncake.testing.store_process import start_store_process
+from mooncake.tiers.client import StoreClient
+from mooncake.tiers.dram import DramTier
+from mooncake.tiers.lmdb_tier import LmdbTier
+from mooncake.tiers.tiered import TieredStore
 
 MiB, GiB = 1 << 20, 1 << 30
 BLOCK_SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head dim: 737,280 bytes in float32

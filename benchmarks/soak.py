@@ -42,16 +42,11 @@ from typing import Any
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from mooncake.config import Config, MiB
+from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL
+from mooncake.testing.cluster import small_config
 
-sys.path.insert(0, str(ROOT / "tests"))
-from clusters import small_config  # noqa: E402
-
-from mooncake.config import Config, MiB  # noqa: E402
-from mooncake.dev import DevCluster  # noqa: E402
-
-MODEL = "SmolLM2-135M-Instruct"
 ROLES = {"prefill": 2, "decode": 2, "store": 2}
 WORDS = ("the of and to in is was for on that with as by at from his her they this be are or had not but "
          "which have one were all we when there can an your their said if do will each about how up out them "

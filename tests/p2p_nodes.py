@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from clusters import free_port
+from mooncake.testing.ports import free_port
 from mooncake.config import Config, dump_toml
 
 

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, running_cluster, small_config
+from mooncake.testing.api import MODEL, complete, metric, metrics
+from mooncake.testing.cluster import running_cluster, small_config
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from clusters import MODEL, metric, metrics, running_cluster
+from mooncake.testing.api import MODEL, metric, metrics
+from mooncake.testing.cluster import running_cluster
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",

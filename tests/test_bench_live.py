@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from clusters import start_cluster
+from mooncake.testing.cluster import start_cluster
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,13 @@ disconnects."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 import torch
 
-from clusters import MODEL, complete, metric, metrics, running_cluster, sse_events, stream, wait_for
+from mooncake.testing.api import MODEL, complete, metric, metrics, sse_events, stream
+from mooncake.testing.cluster import running_cluster
+from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient
 
 pytestmark = pytest.mark.timeout(900)

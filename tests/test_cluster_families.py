@@ -10,9 +10,10 @@ import httpx
 import pytest
 import torch
 
-from clusters import running_cluster, small_config
-from hf_cache import hf_cache_with
 from mooncake.dev import DevCluster
+from mooncake.testing.cluster import running_cluster, small_config
+
+from hf_cache import hf_cache_with
 
 SERVED = ["qwen3", "gemma2", "gemma3", "phi3"]
 TEXT = ("A block of keys and values is shared by every request whose prompt starts with the same "

@@ -9,7 +9,8 @@ import math
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, start_cluster
+from mooncake.testing.api import MODEL, complete, metric, metrics
+from mooncake.testing.cluster import start_cluster
 
 pytestmark = pytest.mark.timeout(900)
 SLO_S = 20.0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from clusters import start_cluster
 from mooncake.config import Config, ConfigError, load_config
 from mooncake.cpu_priority import autogroup_nice
+from mooncake.testing.cluster import start_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +31,7 @@ def thread_nices(pid: int) -> dict[int, int]:
 
 
 def test_dev_cluster_prefill_threads_and_autogroup_yield_decode_keeps_priority(tmp_path):
-    from clusters import small_config
+    from mooncake.testing.cluster import small_config
 
     base = os.getpriority(os.PRIO_PROCESS, 0)  # the roles inherit this process's nice value
     cfg = small_config(tmp_path)

@@ -12,7 +12,9 @@ import httpx
 import pytest
 import torch
 
-from clusters import complete, free_port, wait_for
+from mooncake.testing.api import complete
+from mooncake.testing.ports import free_port
+from mooncake.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

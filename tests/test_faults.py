@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, small_config, start_cluster, stream, stream_text, wait_for
 from mooncake.config import MiB
 from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
+from mooncake.testing.cluster import small_config, start_cluster
+from mooncake.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clusters import free_port
+from mooncake.testing.ports import free_port
 from mooncake import cli, dev
 from mooncake.supervisor import RestartBudget, describe_exit, split_name
 

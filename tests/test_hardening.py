@@ -11,8 +11,9 @@ import signal
 import httpx
 import pytest
 
-from clusters import MODEL, running_cluster, small_config, stream
 from mooncake.dev import DevCluster
+from mooncake.testing.api import MODEL, stream
+from mooncake.testing.cluster import running_cluster, small_config
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from clusters import free_port
 from mooncake.api.health import add_health_routes
 from mooncake.config import Config
 from mooncake.node_health import NodeHealth, probe_url, start_node_health
+from mooncake.testing.ports import free_port
 
 
 class _Cluster:

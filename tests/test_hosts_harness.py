@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from clusters import wait_for
-from hosts import Hosts, leftovers, unavailable_reason
+from mooncake.testing.hosts import Hosts, leftovers, unavailable_reason
+from mooncake.testing.wait import wait_for
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)]

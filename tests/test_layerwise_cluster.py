@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from clusters import complete, metric, metrics, running_cluster, small_config
+from mooncake.testing.api import complete, metric, metrics
+from mooncake.testing.cluster import running_cluster, small_config
+
 from oracle import greedy
 
 pytestmark = pytest.mark.timeout(600)

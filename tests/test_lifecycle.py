@@ -16,9 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clusters import MODEL, complete, free_port, metric, metrics, running_cluster, small_config, stream, \
-    stream_text, wait_for
+from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
+from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.ports import free_port
+from mooncake.testing.wait import wait_for
 from mooncake.worker import STALL_ENV
+
 from oracle import greedy
 
 pytestmark = pytest.mark.timeout(420)

@@ -15,8 +15,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clusters import complete, running_cluster
 from mooncake import protocol as P
+from mooncake.testing.api import complete
+from mooncake.testing.cluster import running_cluster
 
 pytestmark = pytest.mark.timeout(300)
 

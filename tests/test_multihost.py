@@ -1,4 +1,4 @@
-"""The cluster across hosts: network namespaces on a bridge (tests/hosts.py), one
+"""The cluster across hosts: network namespaces on a bridge (mooncake/testing/hosts.py), one
 address each, 1 Gbit/s egress caps. host1: conductor + store; host2: prefill + store;
 host3 and host4: decode. Per-host configs come from config.example.toml's values with
 only [node] name/host and the conductor's address changed, and CURVE role keys (roles
@@ -17,14 +17,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clusters import MODEL, complete, metric, metrics, wait_for
-from hosts import Hosts, leftovers, unavailable_reason
-from oracle import greedy
 from mooncake.blocks import hash_blocks
 from mooncake.config import MiB, load_config
 from mooncake.engine.loader import resolve_model_dir
 from mooncake.security import Curve, generate_keys
+from mooncake.testing.api import MODEL, complete, metric, metrics
+from mooncake.testing.hosts import Hosts, leftovers, unavailable_reason
+from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient
+
+from oracle import greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 UNAVAILABLE = unavailable_reason()
@@ -49,7 +51,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     base = load_config(ROOT / "config.example.toml", env={})  # port 8000, endpoint port 5550: own stacks
-    base.engine.kv_cache_bytes, base.engine.threads = 160 * MiB, 1  # test-sized, as tests/clusters.py
+    base.engine.kv_cache_bytes, base.engine.threads = 160 * MiB, 1  # test-sized, as mooncake/testing/cluster.py
     base.model.dtype = "float32"  # compared with transformers token for token
     base.store.dram_bytes, base.store.lmdb_bytes = 128 * MiB, 256 * MiB
     base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, DEAD_AFTER_S

@@ -19,13 +19,17 @@ import pytest
 import torch
 import zmq
 
-from clusters import complete, free_port, metric, metrics, small_config, wait_for
 from mooncake import protocol as P
 from mooncake.config import MiB, dump_toml
 from mooncake.dev import DevCluster
 from mooncake.kv_integrity import checksums
 from mooncake.security import Curve, generate_keys
+from mooncake.testing.api import complete, metric, metrics
+from mooncake.testing.cluster import small_config
+from mooncake.testing.ports import free_port
+from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
+
 from oracle import greedy
 
 pytestmark = [pytest.mark.timeout(600),

@@ -17,7 +17,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from hosts import unavailable_reason
 from mooncake.p2p.bulk import HEADER, BulkLost, BulkPool, BulkUnreachable
 from mooncake.p2p.bulk_server import CLOSED_ENV, CUT_ENV, BulkServer
 from mooncake.p2p.manifest import build_manifest
@@ -25,6 +24,7 @@ from mooncake.p2p.messages import ChunkData, ChunkGet, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, generate_keys
+from mooncake.testing.hosts import unavailable_reason
 
 pytestmark = pytest.mark.timeout(180)
 CHUNK = 256 * 1024
@@ -160,7 +160,7 @@ async def test_a_bulk_port_refusing_or_ignoring_connections_is_unreachable(tmp_p
 
 
 async def test_a_configured_bulk_port_is_the_one_listened_on_and_a_taken_one_is_a_clear_error(tmp_path):
-    from clusters import free_port
+    from mooncake.testing.ports import free_port
 
     holder, dst = published(tmp_path)
     port = free_port()
@@ -189,7 +189,7 @@ def test_a_store_whose_bulk_port_is_taken_exits_with_the_reason(tmp_path):
     import subprocess
     import sys
 
-    from clusters import free_port
+    from mooncake.testing.ports import free_port
 
     taken = socket.create_server(("127.0.0.1", 0))
     port = taken.getsockname()[1]
@@ -264,7 +264,7 @@ def test_fetches_go_over_bulk_ports_and_a_holder_cutting_streams_is_left_for_ano
 
 
 def test_a_holder_whose_bulk_port_is_closed_serves_over_zeromq_and_a_configured_port_serves_bulk(tmp_path):
-    from clusters import free_port
+    from mooncake.testing.ports import free_port
     from p2p_nodes import P2PNodes
     from test_p2p_cluster import same_tree, tree
 
@@ -304,7 +304,7 @@ UNAVAILABLE = unavailable_reason()
 
 @pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
 def test_a_fetch_between_namespaces_without_curve_goes_over_the_bulk_port(tmp_path):
-    from p2p_hosts import P2PHosts
+    from mooncake.testing.p2p_hosts import P2PHosts
     from test_p2p_hosts import sha256, write_random
 
     size = 40 * 1000 * 1000

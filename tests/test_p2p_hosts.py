@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hosts import leftovers, unavailable_reason
-from p2p_hosts import P2PHosts
+from mooncake.testing.hosts import leftovers, unavailable_reason
+from mooncake.testing.p2p_hosts import P2PHosts
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)]

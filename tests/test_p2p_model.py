@@ -18,10 +18,11 @@ import httpx
 import pytest
 import torch
 
-from clusters import MODEL
-from p2p_nodes import P2PNodes
 from mooncake.config import MiB
 from mooncake.engine.loader import resolve_model_dir
+from mooncake.testing.api import MODEL
+
+from p2p_nodes import P2PNodes
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -10,7 +10,10 @@ import threading
 import httpx
 import pytest
 
-from clusters import complete, metric, metrics, running_cluster, small_config, wait_for
+from mooncake.testing.api import complete, metric, metrics
+from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.wait import wait_for
+
 from oracle import greedy
 
 pytestmark = pytest.mark.timeout(900)

@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from clusters import MODEL, running_cluster
 from mooncake.blocks import BlockHash
 from mooncake.roles.prefill_inflight import InflightBlocks
+from mooncake.testing.api import MODEL
+from mooncake.testing.cluster import running_cluster
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 

@@ -12,12 +12,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from clusters import store_process
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
 from mooncake.kv_integrity import checksums
 from mooncake.protocol import Sampling
 from mooncake.roles.prefix_stream import LayerGate, PrefixLoadFailed, PrefixStream
+from mooncake.testing.store_process import store_process
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.store_requests import STREAM_FAULT_ENV
 

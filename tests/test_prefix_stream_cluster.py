@@ -8,9 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from clusters import complete, metric, metrics, running_cluster, small_config, wait_for
 from mooncake.config import MiB
+from mooncake.testing.api import complete, metric, metrics
+from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.wait import wait_for
 from mooncake.tiers.store_requests import STREAM_FAULT_ENV
+
 from oracle import greedy
 
 pytestmark = pytest.mark.timeout(600)

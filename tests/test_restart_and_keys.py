@@ -8,7 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from clusters import MODEL, metric, running_cluster, small_config, wait_for
+from mooncake.testing.api import MODEL, metric
+from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

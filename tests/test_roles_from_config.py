@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clusters import complete, free_port
 from mooncake.config import example_toml, load_config
+from mooncake.testing.api import complete
+from mooncake.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)

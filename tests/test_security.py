@@ -9,9 +9,10 @@ import httpx
 import pytest
 import zmq
 
-from clusters import complete, running_cluster, small_config
 from mooncake import protocol as P
 from mooncake.security import Curve, CurveError, generate_keys
+from mooncake.testing.api import complete
+from mooncake.testing.cluster import running_cluster, small_config
 
 pytestmark = pytest.mark.timeout(600)
 

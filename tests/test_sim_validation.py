@@ -9,7 +9,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clusters import running_cluster, small_config
 from mooncake.bench import BenchConfig
 from mooncake.bench.trace import TraceScaling
 from mooncake.bench.workloads import Session
@@ -18,6 +17,7 @@ from mooncake.sim.setup import SimSetup
 from mooncake.sim.shared_cpu import Colocation
 from mooncake.sim.validate import CALIBRATION_POINTS, validate
 from mooncake.sim.workload import requests_from_sessions
+from mooncake.testing.cluster import running_cluster, small_config
 
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 

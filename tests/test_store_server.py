@@ -10,8 +10,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from clusters import store_process
 from mooncake.protocol import Error, Get, Put, decode, encode
+from mooncake.testing.store_process import store_process
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusters import start_store_process, wait_for
 from mooncake.config import load_config
+from mooncake.testing.store_process import start_store_process
+from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.dir_lock import DirLocked
 from mooncake.tiers.dram import DramTier

@@ -1,6 +1,6 @@
-"""P2P peers across network namespaces (tests/hosts.py): a conductor on host1 and a store on
-every host, CURVE on every link (or plain TCP, ``curve=False``), egress caps set and changed
-per host with ``tc``. Used by tests/test_p2p_hosts.py and benchmarks/bench_p2p.py."""
+"""P2P peers across network namespaces (``mooncake.testing.hosts``): a conductor on host1 and
+a store on every host, CURVE on every link (or plain TCP, ``curve=False``), egress caps set and
+changed per host with ``tc``. Used by tests/test_p2p_hosts.py and benchmarks/bench_p2p.py."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import sys
 import time
 from pathlib import Path
 
-from hosts import Hosts
 from mooncake.config import Config, load_config
 from mooncake.engine.loader import resolve_model_dir
 from mooncake.p2p.client import P2PClient
 from mooncake.p2p.rpc import P2PError
 from mooncake.security import generate_keys
+from mooncake.testing.hosts import Hosts
 
-ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for its config.example.toml
 
 
 class P2PHosts:
     def __init__(self, workdir: Path, n: int = 4, rate: str | None = None, curve: bool = True,
                  stall_timeout_s: float = 20.0, in_flight_per_peer: int | None = None) -> None:
         self.workdir = Path(workdir)
-        base = load_config(ROOT / "config.example.toml", env={})  # fixed ports: each host has its own stack
+        base = load_config(SOURCE_ROOT / "config.example.toml", env={})  # fixed ports: each host has its own stack
         base.store.dram_bytes, base.store.lmdb_bytes = 16 << 20, 0
         base.store.p2p_stall_timeout_s = stall_timeout_s
         if in_flight_per_peer is not None:

@@ -1,4 +1,4 @@
-"""A harness of hosts for tests: network namespaces on a bridge, each with its own
+"""A harness of hosts for tests and benchmarks: network namespaces on a bridge, each with its own
 private address (10.213.X.i/24) and optionally an egress rate cap (``tc tbf``), and
 mooncake roles run inside them with ``ip netns exec`` from per-host config files.
 

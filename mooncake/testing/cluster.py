@@ -1,0 +1,54 @@
+"""The one way tests and benchmarks start a whole cluster on this machine (``DevCluster``),
+with a config sized for a small shared machine."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from mooncake.config import Config, MiB
+from mooncake.dev import DevCluster
+from mooncake.testing.ports import free_port
+
+
+def small_config(data_dir: Path, **conductor: object) -> Config:
+    """A config sized for tests on a 2-core machine: small pools, one torch thread per role,
+    float32 (outputs are compared with transformers token for token)."""
+    cfg = Config()
+    cfg.model.dtype = "float32"
+    cfg.conductor.port = free_port()
+    for k, v in conductor.items():
+        setattr(cfg.conductor, k, v)
+    cfg.engine.kv_cache_bytes = 160 * MiB
+    cfg.engine.threads = 1
+    cfg.engine.profile_at_start = False  # a few seconds per role; the admission tests turn it on
+    cfg.store.dram_bytes = 128 * MiB
+    cfg.store.lmdb_bytes = 256 * MiB
+    cfg.store.data_dir = str(data_dir)
+    return cfg
+
+
+def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 1, store: int = 1,
+                  cfg: Config | None = None, **conductor: object) -> DevCluster:
+    """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``."""
+    if cfg is None:
+        assert data_dir is not None
+        cfg = small_config(data_dir, **conductor)
+    cluster = DevCluster(cfg, prefill, decode, store)
+    try:
+        cluster.start(timeout_s=240)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@contextmanager
+def running_cluster(*args: object, **kw: object) -> Iterator[DevCluster]:
+    """``start_cluster`` for a ``with`` block: the cluster is always stopped."""
+    cluster = start_cluster(*args, **kw)  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
