@@ -176,3 +176,12 @@ def test_the_start_up_profile_is_logged_in_words():
     p = EngineProfile(prefill=[(128, 0, 0.5094), (128, 1024, 3.2)], decode=[(8, 1024, 0.285)], seconds=5.5)
     assert describe_profile(p) == ("prefill 128 tokens 509 ms, 128 tokens after 1024 cached 3200 ms; "
                                    "decode batch 8 holding 1024 tokens 285 ms/step")
+
+
+def test_make_serve_shows_its_progress_and_serves_the_whole_cluster():
+    plan = subprocess.run(["make", "-n", "-B", "serve", "VENV=/nonexistent-venv"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    installs = [ln for ln in plan if " install " in ln and "-U pip" not in ln]
+    assert installs and not [ln for ln in installs if " -q " in ln]  # pip's progress stays on screen
+    assert any(ln.startswith("echo") and "installing" in ln for ln in plan)  # and says what it is doing
+    assert plan[-1].endswith("/bin/mooncake serve")  # the whole cluster, not one role
