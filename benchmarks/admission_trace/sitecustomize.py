@@ -42,7 +42,7 @@ class _Out:
 
 
 def _patch_conductor(mod) -> None:
-    from mooncake.conductor import admission as adm
+    from mooncake.sched import admission as adm
     from mooncake.conductor import worker_messages as wm
 
     current: list = [None]

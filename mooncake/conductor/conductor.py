@@ -27,13 +27,9 @@ from typing import Any
 
 from mooncake import protocol as P
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
-from mooncake.conductor.admission import Admission, Rejection
-from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
-from mooncake.conductor.pipeline import pipeline_shape
-from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.request import Request, RequestError, RequestStatus
 from mooncake.conductor.router import Router
@@ -41,8 +37,13 @@ from mooncake.conductor.worker_messages import WorkerMessages
 from mooncake.config import Config
 from mooncake.metrics import Metrics
 from mooncake.p2p.index import P2PIndex
+from mooncake.sched.admission import Admission, Rejection
 from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.cost_model import CostModels
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.pipeline import pipeline_shape
+from mooncake.sched.placement import place
+from mooncake.sched.predictions import Predictions
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -197,19 +198,20 @@ class Conductor(WorkerMessages):
         bt = facts.block_tokens
         tail = tokens[len(req.hashes) * bt:]
         hashes = req.hashes + extend_chain(req.hashes[-1] if req.hashes else req.root, tail, bt)
-        t0 = time.perf_counter()
         shape = pipeline_shape(self.cfg, facts, self.cluster, self.scheduler.prefill_cost.fetch_block_s)
-        plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
-                                   time.monotonic(), shape)
-        self.metrics.decision.observe(time.perf_counter() - t0)
-        rejection = self.admission.check_plan(plan, time.monotonic(), self.costs.evidence())
-        if rejection is not None:
-            return rejection
-        assert plan is not None
-        wire_id = req.dispatched(plan, time.monotonic())
-        self.attempts[wire_id] = req
         slo_s = self.cfg.conductor.ttft_slo_ms / 1000
-        self.scheduler.book(wire_id, plan, req.arrived + slo_s if slo_s and not req.generated else math.inf)
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        placed = place(self.scheduler, self.admission, req.next_wire_id, hashes, len(tokens),
+                       req.sampling.max_tokens - len(req.generated), bt, now, pipeline=shape,
+                       deadline=req.arrived + slo_s if slo_s and not req.generated else math.inf,
+                       evidence=self.costs.evidence())
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        if isinstance(placed, Rejection):
+            return placed
+        plan = placed.plan
+        wire_id = req.dispatched(plan, now)
+        self.attempts[wire_id] = req
         self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
         kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
         self._send(plan.decode.node_id, P.DecodeRequest(

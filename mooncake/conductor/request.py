@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from mooncake.protocol import FinishReason, Sampling
-from mooncake.sched.scheduler import Plan
+from mooncake.sched.plan import Plan
 
 
 class RequestStatus(enum.Enum):
@@ -113,6 +113,11 @@ class Request:
     @property
     def wire_id(self) -> str:
         return self.attempt.wire_id(self.req_id) if self.attempt else ""
+
+    @property
+    def next_wire_id(self) -> str:
+        """The wire id the next attempt will have."""
+        return f"{self.req_id}#{self.attempts + 1}"
 
     @property
     def done(self) -> bool:

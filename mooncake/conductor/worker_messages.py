@@ -14,15 +14,15 @@ import time
 from typing import Callable
 
 from mooncake import protocol as P
-from mooncake.conductor.cost_models import CostModels
 from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.pipeline import record_stage, stage_requests
-from mooncake.conductor.predictions import Predictions
 from mooncake.conductor.request import Request, RequestError, RequestStatus
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Node
+from mooncake.sched.cost_model import CostModels
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.predictions import Predictions
 from mooncake.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ class WorkerMessages:
         if req.attempt.plan.stages:
             self.metrics.pipeline_requests.inc()
         else:
-            self.costs.observe_dispatch(req.attempt, now, msg.prefill_s + msg.fetch_s)
+            a = req.attempt
+            self.costs.observe_dispatch(a.plan, a.started, a.reserved_at, now, msg.prefill_s + msg.fetch_s)
         self.predictions.ttft(node.node_id, req.attempt.plan.est_ttft_s, now - req.attempt.started)
         self.scheduler.prefill_finished(msg.req_id)
         block_bytes = node.info.block_bytes
