@@ -12,8 +12,8 @@ the conductor needs to dispatch (instances, fetch segments, the store to write
 to) and the predictions admission judges against the SLOs — among them, since a
 prefill instance packs the chunks of its queued requests into one forward, the
 first-token deadline due soonest among the requests queued there that are
-predicted to meet it; the scheduler books the predicted load when the conductor
-dispatches, and releases it itself.
+predicted to meet it. An admitted plan's predicted load is booked
+(``placement.py``); its ``Booking`` is handed back when the attempt ends.
 
 With pipeline groups (``[conductor] cpp_group_size`` > 1, ``pipeline.py``), a prompt with at least
 ``cpp_min_tokens`` tokens to compute is also estimated on every group (its slowest member's queue,
