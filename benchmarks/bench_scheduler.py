@@ -41,7 +41,8 @@ from mooncake.sched.booking import DecodeSlots, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.scheduler import Plan, Scheduler
+from mooncake.sched.plan import Plan
+from mooncake.sched.scheduler import Scheduler
 from mooncake.bench.publish import publish
 
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout

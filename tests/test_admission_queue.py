@@ -10,7 +10,7 @@ import math
 import pytest
 
 from mooncake.config import ConductorConfig
-from mooncake.conductor.admission import Admission, Rejection
+from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.sched.booking import PrefillQueue
 from mooncake.sched.cluster import Cluster

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel, solve_box_qp
+from mooncake.sched.bounded_fit import solve_box_qp
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 
 
 def prefill_truth(n: int, ctx: int) -> float:

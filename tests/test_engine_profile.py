@@ -15,7 +15,7 @@ from mooncake.engine import Engine
 from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.protocol import Sampling
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
-from mooncake.sched.engine_profile import EngineProfile
+from mooncake.protocol.engine_profile import EngineProfile
 
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ import zmq.asyncio
 from mooncake.p2p.bulk import HEADER, BulkLost, BulkPool, BulkUnreachable
 from mooncake.p2p.bulk_server import CLOSED_ENV, CUT_ENV, BulkServer
 from mooncake.p2p.manifest import build_manifest
-from mooncake.p2p.messages import ChunkData, ChunkGet, decoder, encoder
+from mooncake.protocol.p2p import ChunkData, ChunkGet, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, generate_keys

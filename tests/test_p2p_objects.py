@@ -16,7 +16,7 @@ import xxhash
 
 from mooncake.p2p.index import P2PIndex
 from mooncake.p2p.manifest import ObjectError, build_manifest, check_name, spans, validate
-from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
+from mooncake.protocol.p2p import (Done, Failure, Fetching, FindStore, Forget, Have, ListObjects, Listing, Locate, Located,
                                    Publish, RemoveObject, StoreAt, bits)
 from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, NotHeld, ObjectStore
 from mooncake.protocol import NodeInfo
@@ -291,7 +291,7 @@ async def test_gets_of_one_object_that_arrive_together_start_one_fetch(tmp_path,
 
     import zmq.asyncio
 
-    from mooncake.p2p.messages import GetObject
+    from mooncake.protocol.p2p import GetObject
     from mooncake.p2p.service import P2PService
 
     _, m = build_manifest("model", make_tree(tmp_path / "src"), CHUNK)

@@ -8,7 +8,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mooncake.p2p.messages import Done, Locate, decoder, encoder
+from mooncake.protocol.p2p import Done, Locate, decoder, encoder
 from mooncake.p2p.rpc import P2PError, Rpc
 
 pytestmark = pytest.mark.timeout(30)

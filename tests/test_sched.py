@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mooncake.config import ConductorConfig
-from mooncake.conductor.admission import Admission, Rejection
+from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import NodeInfo
 from mooncake.sched.booking import DecodeSlots, PrefillQueue
@@ -15,7 +15,8 @@ from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.scheduler import Plan, Scheduler
+from mooncake.sched.plan import Plan
+from mooncake.sched.scheduler import Scheduler
 
 H = [bytes([i]) * 32 for i in range(10)]
 

@@ -42,13 +42,12 @@ class _Out:
 
 
 def _patch_conductor(mod) -> None:
-    from mooncake.conductor import admission as adm
-    from mooncake.conductor import worker_messages as wm
+    from mooncake.sched import admission as adm
 
     current: list = [None]
     orig_dispatch = mod.Conductor._dispatch
     orig_check = adm.Admission.check_plan
-    orig_done = wm.WorkerMessages._on_prefill_done
+    orig_done = mod.Conductor._on_prefill_done
 
     def _dispatch(self, req):
         current[0] = (self, req)
@@ -77,10 +76,9 @@ def _patch_conductor(mod) -> None:
         entries = []
         if q is not None:
             for rid, work in q.work.items():
-                other = cond.attempts.get(rid)
-                a = other.attempt if other is not None else None
+                a = cond.attempts.get(rid)
                 entries.append({"work": _f(work), "slack": _f(q.deadlines.get(rid, math.inf) - now),
-                                "status": other.status.value if other is not None else "?",
+                                "status": a.request.status.value if a is not None else "?",
                                 "age": _f(now - a.started) if a is not None else None})
         slo = self.cfg.ttft_slo_ms / 1000
         _Out.write({
@@ -102,10 +100,10 @@ def _patch_conductor(mod) -> None:
         return result
 
     def _on_prefill_done(self, node, msg):
-        req = self.attempts.get(msg.req_id)
+        a = self.attempts.get(msg.req_id)
         rec = None
-        if req is not None and req.attempt is not None and req.status.value == "prefilling":
-            a, plan, now = req.attempt, req.attempt.plan, time.monotonic()
+        if a is not None and a.request.status.value == "prefilling":
+            req, plan, now = a.request, a.plan, time.monotonic()
             rec = {"kind": "prefilled", "t": now, "wire": msg.req_id, "req": req.req_id,
                    "est_ttft": _f(plan.est_ttft_s), "est_prefill": _f(plan.est_prefill_s), "queue_s": _f(plan.queue_s),
                    "reserve_wait": _f(plan.reserve_wait_s), "since_dispatch": _f(now - a.started),
@@ -118,7 +116,7 @@ def _patch_conductor(mod) -> None:
 
     mod.Conductor._dispatch = _dispatch
     adm.Admission.check_plan = check_plan
-    wm.WorkerMessages._on_prefill_done = _on_prefill_done
+    mod.Conductor._on_prefill_done = _on_prefill_done
 
 
 def _patch_runner(mod) -> None:

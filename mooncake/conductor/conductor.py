@@ -1,17 +1,17 @@
-"""The conductor: admits requests, has the scheduler plan them, and drives each one's
-life across the instances until it finishes. Its handlers of the workers' messages: worker_messages.py.
+"""The conductor: admits requests, has them placed (``sched.placement``), and drives each one's
+life across the instances until it finishes, from what the workers report.
 
-One attempt of a request (see ``request.py`` for the states)::
+One attempt of a request (``attempt.py``; see ``request.py`` for the states)::
 
     conductor ──DecodeRequest──▶ decode      reserves the KV blocks, answers Reserved
     conductor ──PrefillRequest─▶ prefill     computes, pushes KV to decode, reports PrefillDone
     conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams TokenEvents
                                              (a step's for all its requests in one TokenStep)
 
-A failure is reported once, with its kind: RETRY moves the request to a new
-attempt (at most ``max_migrations`` times), PREEMPTED requeues it without
-counting, FATAL ends it with a client error. A node that dies, stalls or
-restarts takes its attempts with it: they move. A request with no progress for
+A message of an attempt that moved or ended changes nothing. A failure is reported once, with
+its kind: RETRY moves the request to a new attempt (at most ``max_migrations`` times),
+PREEMPTED requeues it without counting, FATAL ends it with a client error. A node that dies,
+stalls or restarts takes its attempts with it: they move. A request with no progress for
 ``request_timeout_s`` moves too, then fails.
 """
 
@@ -19,30 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import secrets
 import time
-import uuid
 from typing import Any
 
 from mooncake import protocol as P
-from mooncake.blocks import extend_chain, hash_blocks, root_hash
-from mooncake.conductor.admission import Admission, Rejection
-from mooncake.conductor.cost_models import CostModels
+from mooncake.conductor.attempt import Attempt
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.forks import Forks
 from mooncake.conductor.membership import Membership
-from mooncake.conductor.pipeline import pipeline_shape
-from mooncake.conductor.predictions import Predictions
+from mooncake.conductor.pipeline import record_stage, stage_requests
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.request import Request, RequestError, RequestStatus
+from mooncake.conductor.request_metrics import RequestMetrics
 from mooncake.conductor.router import Router
-from mooncake.conductor.worker_messages import WorkerMessages
 from mooncake.config import Config
 from mooncake.metrics import Metrics
 from mooncake.p2p.index import P2PIndex
+from mooncake.sched.admission import Admission, Rejection
 from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.cost_model import CostModels
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.pipeline import pipeline_shape
+from mooncake.sched.placement import place
+from mooncake.sched.predictions import Predictions
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -51,13 +50,7 @@ log = logging.getLogger(__name__)
 Reason = P.FinishReason
 
 
-def _request_id(client_id: str) -> str:
-    """A unique request id, led by the client's own id when it sent one."""
-    suffix = uuid.uuid4().hex[:16]
-    return f"{client_id}-{suffix[:8]}" if client_id else f"req-{suffix}"
-
-
-class Conductor(WorkerMessages):
+class Conductor:
     def __init__(self, cfg: Config, tokenizer: Any, model_name: str, expected: ExpectedModel | None = None) -> None:
         """``expected``: the model the engines must serve (from the conductor's own copy);
         None: the first engine to register decides."""
@@ -65,19 +58,20 @@ class Conductor(WorkerMessages):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        self.metrics.before_render = self._refresh_gauges
+        self.predictions = Predictions(self.metrics)
+        self.stats = RequestMetrics(self.metrics, model_name, self.predictions)
+        self.metrics.before_render = lambda: self.stats.gauges(self.requests.values(), len(self.forks.waiting),
+                                                               self.cluster)
         self.cluster = Cluster()
         self.index = KVIndex()
         self.costs = CostModels(self.metrics)
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
         self.admission = Admission(cfg.conductor, self.metrics)
-        self.predictions = Predictions(self.metrics)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
         self.membership = Membership(cfg.conductor, self.cluster, self.index, self.metrics,
                                      self.on_node_lost, expected, keys_required=self.curve is not None)
         self.requests: dict[str, Request] = {}
-        self.attempts: dict[str, Request] = {}  # wire id of the current attempt -> request
-        self._pending_prefill: dict[str, P.PrefillRequest] = {}  # sent once decode has reserved
+        self.attempts: dict[str, Attempt] = {}  # wire id -> the current attempt of a request
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.router: Router | None = None
         self.p2p = P2PIndex(self.cluster, self._send)  # who holds which chunks of the P2P objects
@@ -89,15 +83,12 @@ class Conductor(WorkerMessages):
     async def start(self) -> str:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES)
-        r.on(P.Heartbeat, self._on_heartbeat)
-        r.on(P.Leave, lambda n, m: self.membership.leave(n))
-        r.on(P.BlockEvent, self._on_block_event)
-        r.on(P.Reserved, self._on_reserved)
-        r.on(P.PrefillDone, self._on_prefill_done)
-        r.on(P.TokenEvent, self._on_tokens)
-        r.on(P.TokenStep, self._on_token_step)
-        r.on(P.Failed, self._on_failed)
-        r.on(P.StageDone, self._on_stage_done)
+        for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
+                             P.BlockEvent: self._on_block_event, P.Reserved: self._on_reserved,
+                             P.PrefillDone: self._on_prefill_done, P.TokenEvent: self._on_tokens,
+                             P.TokenStep: self._on_token_step, P.Failed: self._on_failed,
+                             P.StageDone: self._on_stage_done}.items():
+            r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():
             r.answer(msg_type, handler)
         self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
@@ -142,21 +133,17 @@ class Conductor(WorkerMessages):
         if rejection is None:
             assert facts is not None
             sampling.max_tokens = min(sampling.max_tokens, facts.max_model_len - len(tokens))
-            root = root_hash(facts.model_id, cache_salt or None)
-            req = Request(_request_id(request_id), list(tokens),
-                          hash_blocks(tokens, facts.block_tokens, facts.model_id, cache_salt or None), root,
-                          sampling, time.monotonic())
+            req = Request.new(tokens, sampling, facts, time.monotonic(), cache_salt, request_id)
             rejection = self._dispatch(req)
             if rejection is None:
                 self.requests[req.req_id] = req
-                self._count_prompt(req)
+                self.stats.admitted(req)
                 return req
         self.metrics.rejected.labels(rejection.reason).inc()
         return rejection
 
     def fork(self, leader: Request, sampling: P.Sampling) -> Request:
-        """Another choice of ``leader``'s prompt (``n`` > 1), with its own ``sampling``; it starts
-        once the leader's prefill is done and reuses its prompt's KV (``forks.py``)."""
+        """Another choice of ``leader``'s prompt (``n`` > 1) with its own ``sampling`` (``forks.py``)."""
         return self.forks.fork(leader, sampling)
 
     def _start_choice(self, req: Request) -> None:
@@ -166,21 +153,7 @@ class Conductor(WorkerMessages):
             req.finish(Reason.ERROR, RequestError(rejection.message, rejection.status, None, rejection.reason))
             return
         self.requests[req.req_id] = req
-        self._count_prompt(req)
-
-    def _count_prompt(self, req: Request) -> None:
-        self.metrics.prompt_tokens.labels(self.model_name).inc(len(req.tokens))
-        self.metrics.prefix_queries.labels(self.model_name).inc(len(req.tokens))
-
-    def _refresh_gauges(self) -> None:
-        """The gauges read from live state, just before a scrape."""
-        m, name = self.metrics, self.model_name
-        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING) + len(self.forks.waiting)
-        m.num_waiting.labels(name).set(waiting)
-        m.num_running.labels(name).set(len(self.requests) + len(self.forks.waiting) - waiting)
-        decodes = self.cluster.of_role("decode")
-        total = sum(n.info.num_blocks for n in decodes)
-        m.kv_usage.labels(name).set(sum(n.load.used_blocks for n in decodes) / total if total else 0.0)
+        self.stats.admitted(req)
 
     def cancel(self, req_id: str) -> None:
         """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
@@ -190,36 +163,26 @@ class Conductor(WorkerMessages):
             self._finish(req, Reason.ABORT)
 
     def _dispatch(self, req: Request) -> Rejection | None:
-        """A new attempt: plan the prompt + tokens so far, book it, ask decode to reserve."""
+        """A new attempt: place the prompt + tokens so far (plan, admit, book), ask decode to reserve."""
         facts = self.facts
         assert facts is not None
-        tokens = req.all_tokens
-        bt = facts.block_tokens
-        tail = tokens[len(req.hashes) * bt:]
-        hashes = req.hashes + extend_chain(req.hashes[-1] if req.hashes else req.root, tail, bt)
-        t0 = time.perf_counter()
+        tokens, bt = req.all_tokens, facts.block_tokens
+        hashes = req.all_hashes(bt)
         shape = pipeline_shape(self.cfg, facts, self.cluster, self.scheduler.prefill_cost.fetch_block_s)
-        plan = self.scheduler.plan(hashes, len(tokens), req.sampling.max_tokens - len(req.generated), bt,
-                                   time.monotonic(), shape)
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        placed = place(self.scheduler, self.admission, req.next_wire_id, hashes, len(tokens),
+                       req.sampling.max_tokens - len(req.generated), bt, now, pipeline=shape,
+                       deadline=req.first_token_due(self.cfg.conductor.ttft_slo_ms),
+                       evidence=self.costs.evidence())
         self.metrics.decision.observe(time.perf_counter() - t0)
-        rejection = self.admission.check_plan(plan, time.monotonic(), self.costs.evidence())
-        if rejection is not None:
-            return rejection
-        assert plan is not None
-        wire_id = req.dispatched(plan, time.monotonic())
-        self.attempts[wire_id] = req
-        slo_s = self.cfg.conductor.ttft_slo_ms / 1000
-        self.scheduler.book(wire_id, plan, req.arrived + slo_s if slo_s and not req.generated else math.inf)
+        if isinstance(placed, Rejection):
+            return placed
+        attempt = req.dispatched(placed, now)
+        self.attempts[attempt.wire_id] = attempt
+        plan = attempt.plan
         self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
-        kv_token = secrets.token_bytes(16)  # decode admits KV only from the prefill that got it
-        self._send(plan.decode.node_id, P.DecodeRequest(
-            wire_id, tokens, hashes, req.root, req.sampling, num_generated=len(req.generated),
-            store_endpoint=plan.store_endpoint, kv_token=kv_token,
-            store_from_block=plan.reusable_blocks if plan.stages else -1))
-        self._pending_prefill[wire_id] = P.PrefillRequest(
-            wire_id, tokens, hashes, req.root, req.sampling, plan.decode.endpoints["kv"],
-            num_generated=len(req.generated), fetch=plan.fetch, store_endpoint=plan.store_endpoint,
-            kv_token=kv_token)
+        self._send(plan.decode.node_id, attempt.reserve_request(tokens, hashes))
         self.replicator.note_hits(hashes[: plan.reusable_blocks])
         return None
 
@@ -231,32 +194,25 @@ class Conductor(WorkerMessages):
 
     def _end_attempt(self, req: Request, notify: bool = True) -> None:
         """Release the current attempt's booking; with ``notify`` its workers drop it."""
-        if req.attempt is None:
+        a = req.attempt
+        if a is None:
             return
-        wire_id, plan = req.wire_id, req.attempt.plan
-        self.scheduler.release(wire_id)
-        self.attempts.pop(wire_id, None)
-        self._pending_prefill.pop(wire_id, None)
+        a.booking.release()
+        self.attempts.pop(a.wire_id, None)
         if notify:
-            for node_id in {*plan.prefill_ids, plan.decode.node_id}:
-                self._send(node_id, P.Abort(wire_id))
+            for node_id in a.nodes:
+                self._send(node_id, P.Abort(a.wire_id))
 
     def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
                 notify: bool = True) -> None:
         """End a request: its workers drop it (unless they ended it themselves), its load is released."""
         if req.done:
             return
-        a = req.attempt
-        decoded = len(req.generated) - a.tokens_before - 1 if a is not None and a.first_token_at else 0
-        if reason in (Reason.STOP, Reason.LENGTH) and decoded > 0:
-            self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, (time.monotonic() - a.first_token_at) / decoded)
         self._end_attempt(req, notify)
         req.finish(reason, error)
         self.forks.release(req)
         self.requests.pop(req.req_id, None)
-        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - req.arrived)
-        outcome = {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")
-        self.metrics.requests.labels(outcome).inc()
+        self.stats.finished(req, reason, time.monotonic())
 
     def _move(self, req: Request, why: str, preempted: bool = False) -> None:
         """Give the request a new attempt (prompt + tokens so far) elsewhere or later."""
@@ -278,8 +234,7 @@ class Conductor(WorkerMessages):
             self.replicator.forget(node.endpoints.get("store", ""))
             self.p2p.drop_node(node.node_id)
         for req in list(self.requests.values()):
-            plan = req.attempt.plan if req.attempt else None
-            if plan is not None and node.node_id in (*plan.prefill_ids, plan.decode.node_id):
+            if req.attempt is not None and node.node_id in req.attempt.nodes:
                 self._move(req, why)
 
     async def _liveness_loop(self) -> None:
@@ -299,3 +254,96 @@ class Conductor(WorkerMessages):
         for req in list(self.requests.values()):
             if not req.done and now - req.last_progress > timeout:
                 self._move(req, f"no progress for {timeout:.0f}s")
+
+    # ------------------------------------------------------------ what the workers report
+
+    def _attempt_of(self, node: Node, wire_id: str, role: str) -> Attempt | None:
+        """The live attempt ``wire_id`` if its ``role`` part runs on ``node`` (else it moved or ended)."""
+        a = self.attempts.get(wire_id)
+        return a if a is not None and not a.request.done and a.runs(role, node.node_id) else None
+
+    def _on_reserved(self, node: Node, msg: P.Reserved) -> None:
+        a = self._attempt_of(node, msg.req_id, "decode")
+        if a is None or a.prefill is None or a.request.status is not RequestStatus.RESERVING:
+            return
+        prefill, a.prefill = a.prefill, None
+        a.request.reserved(time.monotonic())
+        if a.plan.stages:  # a pipeline group: every stage gets its part
+            assert self.facts is not None
+            for node_id, part in stage_requests(a.plan, prefill, self.facts.block_shape[0]):
+                self._send(node_id, part)
+            return
+        self._send(a.plan.prefill.node_id, prefill)
+
+    def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
+        if msg.stages == 1:  # a pipeline's time says nothing of one instance's prefill cost
+            self.costs.observe_prefill(msg.computed_tokens, msg.cached_tokens, msg.prefill_s, msg.fetched_blocks,
+                                       msg.fetch_s)
+        a = self._attempt_of(node, msg.req_id, "prefill")
+        if a is None or a.request.status is not RequestStatus.PREFILLING:
+            return
+        req, plan, now = a.request, a.plan, time.monotonic()
+        if plan.stages:
+            self.metrics.pipeline_requests.inc()
+        else:
+            self.costs.observe_dispatch(plan, a.started, a.reserved_at, now, msg.prefill_s + msg.fetch_s)
+        a.booking.prefill_finished()
+        if req.followers and not plan.stages:  # its prompt's blocks are on this prefill now
+            self.index.add(node.node_id, "device", req.hashes)
+            self.forks.release(req)
+        first = req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob)
+        self.stats.prefilled(a, msg, node, now, first)
+        if msg.finished is not None:  # done at its first token: the decode drops its reservation
+            self._finish(req, msg.finished)
+            return
+        self.stats.handed_to_decode(req, msg, node.info.block_bytes, self.facts.block_tokens)
+        self._send(plan.decode.node_id, P.FirstToken(msg.req_id, msg.first_token))
+
+    def _on_tokens(self, node: Node, msg: P.TokenEvent) -> None:
+        a = self._attempt_of(node, msg.req_id, "decode")
+        if a is None or a.request.status is not RequestStatus.DECODING:
+            return
+        req, now, last = a.request, time.monotonic(), a.request.last_token_at
+        self.stats.tokens(req.accept(msg.index, msg.tokens, now, msg.logprobs or None), now - last)
+        if msg.finished is not None and not req.held:
+            self._finish(req, msg.finished, notify=False)
+
+    def _on_token_step(self, node: Node, msg: P.TokenStep) -> None:
+        for event in msg.events:  # one request's trouble never costs the others their tokens
+            try:
+                self._on_tokens(node, event)
+            except Exception:
+                log.exception("error handling the tokens of %s from %s", event.req_id, node.node_id)
+
+    def _on_failed(self, node: Node, msg: P.Failed) -> None:
+        a = self.attempts.get(msg.req_id)
+        if a is None or a.request.done or node.node_id not in a.nodes:
+            return  # a failure of an attempt that already moved or ended
+        log.warning("%s failed %s (%s): %s", node.node_id, msg.req_id, msg.kind.value, msg.message)
+        if msg.kind is P.FailureKind.FATAL:
+            self._finish(a.request, Reason.ERROR, RequestError(msg.message, 400, msg.param or None, "invalid_request"))
+        else:
+            self._move(a.request, msg.message, preempted=msg.kind is P.FailureKind.PREEMPTED)
+
+    def _on_stage_done(self, node: Node, msg: P.StageDone) -> None:
+        a = self.attempts.get(msg.req_id)
+        if a is not None and node.node_id in a.plan.prefill_ids:
+            record_stage(self.metrics, msg)
+
+    def _on_block_event(self, node: Node, msg: P.BlockEvent) -> None:
+        if msg.kind == "stored":
+            self.index.add(node.node_id, msg.tier, msg.hashes)
+        else:
+            self.index.remove(node.node_id, msg.hashes)
+        self.metrics.index_blocks.set(len(self.index))
+
+    def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
+        reply = self.membership.register(ident, msg, time.monotonic(), peer)
+        if isinstance(reply, P.Registered) and msg.info.profile is not None and self.costs.seed(msg.role, msg.info.profile):
+            self.scheduler.prefill_cost, self.scheduler.decode_cost = self.costs.prefill, self.costs.decode
+        return reply
+
+    def _on_heartbeat(self, node: Node, msg: P.Heartbeat) -> None:
+        self.membership.heartbeat(node, msg.load, time.monotonic())
+        if node.role == "decode":
+            self.costs.observe_decode(msg.load.steps)

@@ -1,5 +1,5 @@
-"""The conductor's side of pipeline groups (chunked pipeline parallelism): what the scheduler needs
-to estimate them, the per-stage prefill requests of a group attempt, and the stages' reports.
+"""The conductor's side of pipeline groups (chunked pipeline parallelism): the per-stage prefill
+requests of a group attempt, and the stages' reports (the scheduler's side: ``sched/pipeline.py``).
 
 A group attempt is one attempt whose prefill runs on every stage: each stage gets the same
 ``PrefillRequest`` with its own ``StagePlan`` (layers, the group's prefix, the next stage's
@@ -9,29 +9,12 @@ moves the whole attempt, like a single instance's would.
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from mooncake import protocol as P
-from mooncake.config import Config
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster
-from mooncake.sched.pipeline import PipelineShape, stage_layers
-from mooncake.sched.scheduler import Plan
-
-
-def pipeline_shape(cfg: Config, facts: P.ModelFacts, cluster: Cluster, fetch_block_s: float) -> PipelineShape | None:
-    """The scheduler's view of pipeline groups, or None when they are off (or the model unknown)."""
-    size = cfg.conductor.cpp_group_size
-    prefills = cluster.of_role("prefill")
-    if size <= 1 or not facts.block_shape or not facts.hidden_size or not prefills:
-        return None
-    block_bytes = prefills[0].info.block_bytes
-    dtype_bytes = max(1, block_bytes // math.prod(facts.block_shape))
-    rate = block_bytes / fetch_block_s if fetch_block_s > 0 else 0.0
-    return PipelineShape(size, cfg.conductor.cpp_min_tokens, facts.block_shape[0], cfg.engine.prefill_chunk_tokens,
-                         facts.hidden_size * dtype_bytes, rate)
+from mooncake.sched.pipeline import stage_layers
+from mooncake.sched.plan import Plan
 
 
 def stage_requests(plan: Plan, prefill: P.PrefillRequest, num_layers: int) -> list[tuple[str, P.PrefillRequest]]:

@@ -7,8 +7,8 @@
        └──────── migrate / preempted (a new attempt) ──┴────────────────────────┘
                               any state ──finish (stop, length, abort, error)──▶ FINISHED
 
-An attempt is one try on one prefill/decode pair; workers know it by its wire id
-(``<request id>#<attempt>``), so a message of an earlier attempt matches nothing.
+An attempt is one try on one prefill/decode pair (``attempt.py``); workers know it by
+its wire id (``<request id>#<attempt>``), so a message of an earlier attempt matches nothing.
 Tokens carry their index among the request's generated tokens: they are emitted
 in index order whatever path (prefill's first token, decode's stream) they came
 by, and an index already emitted is a duplicate. The HTTP layer reads the typed
@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
+import uuid
 from dataclasses import dataclass, field
 
-from mooncake.protocol import FinishReason, Sampling
-from mooncake.sched.scheduler import Plan
+from mooncake.blocks import extend_chain, hash_blocks, root_hash
+from mooncake.conductor.attempt import Attempt
+from mooncake.protocol import FinishReason, ModelFacts, Sampling
+from mooncake.sched.booking import Booking
 
 
 class RequestStatus(enum.Enum):
@@ -72,17 +76,10 @@ class Finished:
     error: RequestError | None = None
 
 
-@dataclass
-class Attempt:
-    number: int
-    plan: Plan
-    started: float  # when it was dispatched
-    reserved_at: float = 0.0  # when the decode instance had reserved its blocks
-    first_token_at: float = 0.0  # when its prefill's token came
-    tokens_before: int = 0  # tokens generated before that one (earlier attempts)
-
-    def wire_id(self, req_id: str) -> str:
-        return f"{req_id}#{self.number}"
+def request_id(client_id: str) -> str:
+    """A unique request id, led by the client's own id when it sent one."""
+    suffix = uuid.uuid4().hex[:16]
+    return f"{client_id}-{suffix[:8]}" if client_id else f"req-{suffix}"
 
 
 @dataclass(eq=False)
@@ -110,9 +107,23 @@ class Request:
     error: RequestError | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
+    @classmethod
+    def new(cls, tokens: list[int], sampling: Sampling, facts: ModelFacts, now: float, cache_salt: str = "",
+            client_id: str = "") -> Request:
+        """A request for the prompt ``tokens``, its blocks hashed under the model (and ``cache_salt``);
+        ``client_id`` (the client's X-Request-Id) leads its id."""
+        salt = cache_salt or None
+        return cls(request_id(client_id), list(tokens), hash_blocks(tokens, facts.block_tokens, facts.model_id, salt),
+                   root_hash(facts.model_id, salt), sampling, now)
+
     @property
     def wire_id(self) -> str:
-        return self.attempt.wire_id(self.req_id) if self.attempt else ""
+        return self.attempt.wire_id if self.attempt else ""
+
+    @property
+    def next_wire_id(self) -> str:
+        """The wire id the next attempt will have (its booking's)."""
+        return f"{self.req_id}#{self.attempts + 1}"
 
     @property
     def done(self) -> bool:
@@ -125,15 +136,15 @@ class Request:
 
     # ------------------------------------------------------------ transitions
 
-    def dispatched(self, plan: Plan, now: float) -> str:
-        """A new attempt on ``plan``; returns its wire id."""
+    def dispatched(self, booking: Booking, now: float) -> Attempt:
+        """A new attempt on ``booking`` (booked under ``next_wire_id``)."""
         self._to(RequestStatus.RESERVING)
         self.attempts += 1
-        self.attempt = Attempt(self.attempts, plan, now)
+        self.attempt = Attempt(self, self.attempts, booking, now)
         self.held.clear()
         self.held_logprobs.clear()
         self.last_progress = now
-        return self.wire_id
+        return self.attempt
 
     def reserved(self, now: float) -> None:
         self._to(RequestStatus.PREFILLING)
@@ -203,3 +214,12 @@ class Request:
     def all_tokens(self) -> list[int]:
         """What a new attempt prefills: the prompt and what was generated so far."""
         return self.tokens + self.generated
+
+    def first_token_due(self, ttft_slo_ms: float) -> float:
+        """When its first token is due under a TTFT SLO (inf: no SLO, or it has its first token)."""
+        return self.arrived + ttft_slo_ms / 1000 if ttft_slo_ms and not self.generated else math.inf
+
+    def all_hashes(self, block_tokens: int) -> list[bytes]:
+        """The full blocks of ``all_tokens``: the prompt's, then those of what was generated."""
+        tail = self.all_tokens[len(self.hashes) * block_tokens:]
+        return self.hashes + extend_chain(self.hashes[-1] if self.hashes else self.root, tail, block_tokens)

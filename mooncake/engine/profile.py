@@ -33,7 +33,7 @@ import torch
 from mooncake.engine.engine import Engine
 from mooncake.engine.sequence import Sequence
 from mooncake.protocol import Sampling
-from mooncake.sched.engine_profile import EngineProfile
+from mooncake.protocol.engine_profile import EngineProfile
 
 PREFILL_SIZES = (32, 128, 384)
 CONTEXT_SAMPLE = (128, 1024)  # new tokens after cached ones: attention over cached context

@@ -12,7 +12,7 @@ from typing import Callable
 import zmq.asyncio
 
 from mooncake.config import Config
-from mooncake.p2p.messages import (Done, FindStore, GetObject, ListObjects, Listing, Progress, ProgressReport,
+from mooncake.protocol.p2p import (Done, FindStore, GetObject, ListObjects, Listing, Progress, ProgressReport,
                                    PutObject, RemoveObject, StoreAt)
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.security import Curve, check_network

@@ -31,7 +31,7 @@ import zmq.asyncio
 from mooncake.p2p.bulk import BulkLink, BulkLost, BulkUnreachable
 from mooncake.p2p.holders import Holders, Peer, choose_requests
 from mooncake.p2p.manifest import ObjectError
-from mooncake.p2p.messages import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, decoder, encoder
+from mooncake.protocol.p2p import ChunkBad, ChunkData, ChunkGet, Fetching, Have, Located, Locate, ProgressReport, decoder, encoder
 from mooncake.p2p.objects import LocalObject
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.sockets import send_multipart

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake.p2p.bulk import BulkLink
-from mooncake.p2p.messages import Holder, bits
+from mooncake.protocol.p2p import Holder, bits
 from mooncake.sockets import limit_message_size, recv_multipart
 
 FAST_HOLDER_BYTES_PER_S = 100e6  # a holder delivering this or more gets twice the requests in flight

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mooncake.p2p.manifest import ObjectError, validate
-from mooncake.p2p.messages import (Done, Failure, Fetching, FindStore, Forget, Have, Holder, ListObjects, Listing,
+from mooncake.protocol.p2p import (Done, Failure, Fetching, FindStore, Forget, Have, Holder, ListObjects, Listing,
                                    Locate, Located, Manifest, ObjectInfo, P2PMsg, Publish, RemoveObject, StoreAt, bitmap)
 
 log = logging.getLogger(__name__)

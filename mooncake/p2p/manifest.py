@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 import blake3
 import xxhash
 
-from mooncake.p2p.messages import FileEntry, Manifest, encoder
+from mooncake.protocol.p2p import FileEntry, Manifest, encoder
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}$")

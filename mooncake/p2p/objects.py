@@ -35,7 +35,7 @@ from urllib.parse import quote
 import msgspec
 
 from mooncake.p2p.manifest import ObjectError, Span, checksum, digest, digester, free_bytes, spans, validate
-from mooncake.p2p.messages import Manifest, bitmap, bits
+from mooncake.protocol.p2p import Manifest, bitmap, bits
 
 log = logging.getLogger(__name__)
 WRITE_SLICE = 1 << 20  # bytes hashed then written at a time: well within a core's cache

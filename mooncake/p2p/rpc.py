@@ -8,7 +8,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mooncake.p2p.messages import Failure, P2PMsg, decoder, encoder
+from mooncake.protocol.p2p import Failure, P2PMsg, decoder, encoder
 from mooncake.sockets import recv_multipart, send_multipart
 
 

@@ -31,7 +31,7 @@ import zmq.asyncio
 from mooncake.p2p.bulk_server import BulkServer
 from mooncake.p2p.fetch import Fetch
 from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
-from mooncake.p2p.messages import (ChunkBad, ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
+from mooncake.protocol.p2p import (ChunkBad, ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
                                    Progress, ProgressReport, Publish, PutObject, decoder, encoder)
 from mooncake.p2p.objects import ChunkCorrupt, LocalObject, NotHeld, ObjectStore
 from mooncake.p2p.rpc import P2PError, Rpc

@@ -17,26 +17,31 @@ layer of ``n`` blocks in one frame: ``[n, 2, kv_heads, block_tokens, head_dim]``
 ``GetLayers`` stream carries layers ``[lo, hi)`` of ``n`` blocks in one frame per reply
 (``LayerSlices``): ``[n, hi - lo, 2, kv_heads, block_tokens, head_dim]``. A pipeline
 stage's ``Activations`` carry a chunk's hidden states in one frame ``[tokens, hidden]``.
+
+Importing the package does not import torch (the ``mooncake p2p`` command starts without it):
+the tensor half (``tensors.py``: ``frame_tensor``, ``tensor_frame``, the dtypes) loads when a
+message carries tensors or one of its names is first read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence, Union
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 import msgspec
-import torch
 
-from mooncake.protocol.base import Msg
+from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
+from mooncake.protocol.p2p import P2PMessage
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         StageDone, StagePlan, TokenEvent, TokenStep)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
                                      Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
-from mooncake.p2p.messages import P2PMessage
-from mooncake.protocol.tensors import (ALLOWED_DTYPES, MAX_DIMS, ProtocolError, TensorSpec, dtype_from_name,
-                                       dtype_name, frame_tensor, tensor_frame)
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -104,8 +109,24 @@ Message = Union[
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, Failed,
     Activations, StageDone,
     ShmPut, ShmGet, ShmBlocks,
-    P2PMessage,  # mooncake/p2p/messages.py: object metadata (conductor) and Forget (conductor -> store)
+    P2PMessage,  # p2p.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip
+
+_TENSOR_HALF = {"ALLOWED_DTYPES", "MAX_DIMS", "dtype_from_name", "dtype_name", "frame_tensor", "tensor_frame"}
+
+
+def _tensors() -> ModuleType:
+    """The tensor half of the protocol (imports torch on first use)."""
+    from mooncake.protocol import tensors
+
+    return tensors
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TENSOR_HALF:
+        return getattr(_tensors(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -120,7 +141,7 @@ def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
     payload = []
     specs = []
     for t in tensors:
-        spec, buf = tensor_frame(t)
+        spec, buf = _tensors().tensor_frame(t)
         specs.append(spec)
         payload.append(buf)
     if specs:
@@ -141,14 +162,17 @@ def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) ->
         specs = getattr(msg, "tensors", None) or []
         if len(specs) != len(frames) - 1:
             raise ProtocolError(f"{type(msg).__name__} declares {len(specs)} tensors, got {len(frames) - 1} frames")
+        if not specs:
+            return msg, []
+        tensors = _tensors()
         if block_shape is not None:
             layer = isinstance(msg, KVLayer)
             want = (-1, *block_shape[1:]) if layer else tuple(block_shape)
             for s in specs:
                 shape = (-1, *s.shape[1:]) if layer and s.shape else tuple(s.shape)
-                if shape != want or not dtype_from_name(s.dtype).is_floating_point:
+                if shape != want or not tensors.dtype_from_name(s.dtype).is_floating_point:
                     raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} float block")
-        return msg, [frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
+        return msg, [tensors.frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
     except ProtocolError:
         raise
     except Exception as e:  # msgspec errors, recursion limits, odd frame objects: all malformed

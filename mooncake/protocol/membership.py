@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from mooncake.protocol.base import Msg
-from mooncake.sched.engine_profile import EngineProfile
+from mooncake.protocol.engine_profile import EngineProfile
 
 
 class ModelFacts(msgspec.Struct, frozen=True):

@@ -6,8 +6,7 @@ import enum
 
 import msgspec
 
-from mooncake.protocol.base import Msg
-from mooncake.protocol.tensors import TensorSpec
+from mooncake.protocol.base import Msg, TensorSpec
 
 
 class FinishReason(str, enum.Enum):

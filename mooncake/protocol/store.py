@@ -7,8 +7,7 @@ from typing import Any
 
 import msgspec
 
-from mooncake.protocol.base import Msg
-from mooncake.protocol.tensors import TensorSpec
+from mooncake.protocol.base import Msg, TensorSpec
 
 
 class Put(Msg, tag="put"):

@@ -6,17 +6,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import msgspec
 import torch
 
-
-class ProtocolError(ValueError):
-    """A frame or message that does not decode into the protocol."""
-
-
-class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    shape: tuple[int, ...]
+from mooncake.protocol.base import ProtocolError, TensorSpec
 
 
 def dtype_name(dtype: torch.dtype) -> str:

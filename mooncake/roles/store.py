@@ -28,7 +28,7 @@ from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.link import ConductorLink
 from mooncake.node_health import start_node_health
-from mooncake.p2p.messages import Forget
+from mooncake.protocol.p2p import Forget
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES

@@ -9,6 +9,7 @@ free" is a walk over the ends.
 Pending blocks: the blocks a booked request will make resident on an instance
 (those it computes or receives), so that a request planned behind it on the same
 instance counts them as cached.
+A ``Booking`` is one request's share of all that, which its holder hands back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Container, Iterable
+from typing import TYPE_CHECKING, Container, Iterable
+
+from mooncake.sched.plan import Plan
+
+if TYPE_CHECKING:
+    from mooncake.sched.scheduler import Scheduler
 
 
 @dataclass
@@ -143,3 +149,23 @@ class PendingBlocks:
 
     def forget_node(self, node_id: str) -> None:
         self._by_node.pop(node_id, None)
+
+
+class Booking:
+    """One request's booked load (its plan's prefill work, a decode slot, the blocks pending on
+    both instances), handed back to the scheduler that booked it."""
+
+    def __init__(self, scheduler: Scheduler, req_id: str, plan: Plan) -> None:
+        self._scheduler = scheduler
+        self.req_id = req_id
+        self.plan = plan
+        self.hashes = list(plan.hashes)  # pending on both instances until each is done with the request
+        self.prefilled = False
+
+    def prefill_finished(self) -> None:
+        """The request left its prefill queue (it is decoding now)."""
+        self._scheduler.prefill_finished(self.req_id)
+
+    def release(self) -> None:
+        """All of its load (the request finished, failed or moved). Idempotent."""
+        self._scheduler.release(self.req_id)

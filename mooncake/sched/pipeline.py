@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from mooncake.sched.cluster import Node
+from mooncake.config import Config
+from mooncake.protocol import ModelFacts
+from mooncake.sched.cluster import Cluster, Node
 
 DEFAULT_LINK_BYTES_S = 1e9  # activation hand-over rate when no store fetch has been measured
 
@@ -76,3 +78,16 @@ class PipelineShape:
         hand_over = chunk * self.activation_bytes_per_token / (self.link_bytes_s or DEFAULT_LINK_BYTES_S)
         return pipeline_prefill_s(one_instance_s, tokens, chunk,
                                   stage_layers(self.num_layers, self.group_size), hand_over)
+
+
+def pipeline_shape(cfg: Config, facts: ModelFacts, cluster: Cluster, fetch_block_s: float) -> PipelineShape | None:
+    """The scheduler's view of pipeline groups, or None when they are off (or the model unknown)."""
+    size = cfg.conductor.cpp_group_size
+    prefills = cluster.of_role("prefill")
+    if size <= 1 or not facts.block_shape or not facts.hidden_size or not prefills:
+        return None
+    block_bytes = prefills[0].info.block_bytes
+    dtype_bytes = max(1, block_bytes // math.prod(facts.block_shape))
+    rate = block_bytes / fetch_block_s if fetch_block_s > 0 else 0.0
+    return PipelineShape(size, cfg.conductor.cpp_min_tokens, facts.block_shape[0], cfg.engine.prefill_chunk_tokens,
+                         facts.hidden_size * dtype_bytes, rate)

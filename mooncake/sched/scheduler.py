@@ -12,8 +12,8 @@ the conductor needs to dispatch (instances, fetch segments, the store to write
 to) and the predictions admission judges against the SLOs — among them, since a
 prefill instance packs the chunks of its queued requests into one forward, the
 first-token deadline due soonest among the requests queued there that are
-predicted to meet it; the scheduler books the predicted load when the conductor
-dispatches, and releases it itself.
+predicted to meet it. An admitted plan's predicted load is booked
+(``placement.py``); its ``Booking`` is handed back when the attempt ends.
 
 With pipeline groups (``[conductor] cpp_group_size`` > 1, ``pipeline.py``), a prompt with at least
 ``cpp_min_tokens`` tokens to compute is also estimated on every group (its slowest member's queue,
@@ -28,61 +28,19 @@ import math
 import random
 from bisect import bisect_right
 from operator import itemgetter
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from mooncake.config import ConductorConfig
 from mooncake.protocol import FetchPlan
-from mooncake.sched.booking import DecodeSlots, PendingBlocks, PrefillQueue
+from mooncake.sched.booking import Booking, DecodeSlots, PendingBlocks, PrefillQueue
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import PipelineShape, pipeline_groups
-
-
-@dataclass
-class Plan:
-    prefill: Node
-    decode: Node
-    fetch: list[FetchPlan]  # store segments the prefill instance reads, in chain order
-    store_endpoint: str  # where new blocks are written ("" for none)
-    device_blocks: int  # prefix blocks already in the prefill instance's device cache
-    reusable_blocks: int  # prefix blocks reusable in all (device + stores)
-    est_prefill_s: float
-    est_ttft_s: float  # the chosen prefill instance's
-    best_ttft_s: float  # the lowest over all instances (what admission judges)
-    decode_batch: int  # predicted batch on the decode instance when this request joins it
-    est_tbt_s: float
-    expected_end: float  # predicted time the request finishes decoding
-    decode_drain_s: float = 0.0  # from the first token until a slot of the decode instance frees
-    reserve_wait_s: float = 0.0  # predicted wait for room in the decode instance's KV pool
-    queue_s: float = 0.0  # predicted wait in the prefill instance's queue
-    queue_slack_s: float = math.inf  # until the first token due soonest among those queued there that can make it
-    decode_blocks: int = 0  # KV blocks the request is predicted to add on its decode instance
-    decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
-    hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
-    stages: list[Node] = field(default_factory=list)  # a pipeline group, in stage order ([-1] is ``prefill``)
-
-    @property
-    def prefill_ids(self) -> list[str]:
-        """The prefill instances the attempt runs on (every stage of a group)."""
-        return [n.node_id for n in self.stages] or [self.prefill.node_id]
+from mooncake.sched.plan import Plan
 
 
 _NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never written)
-
-
-@dataclass
-class _Booked:
-    prefill: str
-    decode: str
-    hashes: list[bytes]  # pending on both instances until each is done with the request
-    prefilled: bool = False
-    stages: list[str] = field(default_factory=list)  # a pipeline group's instances (their queues hold it)
-
-    @property
-    def queues(self) -> list[str]:
-        return self.stages or [self.prefill]
 
 
 class Scheduler:
@@ -98,7 +56,7 @@ class Scheduler:
         self._rr = itertools.count()
         self.queues: dict[str, PrefillQueue] = {}
         self.slots: dict[str, DecodeSlots] = {}
-        self._booked: dict[str, _Booked] = {}
+        self._booked: dict[str, Booking] = {}
         self.pending = PendingBlocks()
         self._stores_version = -1  # the cluster version ``_store_view``/``_local_view`` were built at
         self._store_view: dict[str, Node] = {}
@@ -264,40 +222,40 @@ class Scheduler:
 
     # ------------------------------------------------------------ booking
 
-    def book(self, req_id: str, plan: Plan, deadline: float = math.inf) -> None:
+    def book(self, req_id: str, plan: Plan, deadline: float = math.inf) -> Booking:
         """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
         when its first token is due, if it has an SLO)."""
         self.release(req_id)
+        booking = self._booked[req_id] = Booking(self, req_id, plan)
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline)
         self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
-        hashes = list(plan.hashes)
         if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
-            self.pending.add(plan.prefill.node_id, hashes)
-        self.pending.add(plan.decode.node_id, hashes)
-        self._booked[req_id] = _Booked(plan.prefill.node_id, plan.decode.node_id, hashes,
-                                       stages=[n.node_id for n in plan.stages])
+            self.pending.add(plan.prefill.node_id, booking.hashes)
+        self.pending.add(plan.decode.node_id, booking.hashes)
+        return booking
 
     def prefill_finished(self, req_id: str) -> None:
         """The request left its prefill instance's queue (it is decoding now)."""
         b = self._booked.get(req_id)
         if b is not None and not b.prefilled:
             b.prefilled = True
-            for node_id in b.queues:
+            for node_id in b.plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            if not b.stages:
-                self.pending.remove(b.prefill, b.hashes)
+            if not b.plan.stages:
+                self.pending.remove(b.plan.prefill.node_id, b.hashes)
 
     def release(self, req_id: str) -> None:
         """All the request's booked load (it finished, failed or moved)."""
         b = self._booked.pop(req_id, None)
         if b is not None:
-            for node_id in b.queues:
+            plan = b.plan
+            for node_id in plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            if not b.prefilled and not b.stages:
-                self.pending.remove(b.prefill, b.hashes)
-            self.pending.remove(b.decode, b.hashes)
-            self._slots(b.decode).remove(req_id)
+            if not b.prefilled and not plan.stages:
+                self.pending.remove(plan.prefill.node_id, b.hashes)
+            self.pending.remove(plan.decode.node_id, b.hashes)
+            self._slots(plan.decode.node_id).remove(req_id)
 
     def forget_node(self, node_id: str) -> None:
         self.queues.pop(node_id, None)

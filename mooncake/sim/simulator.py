@@ -1,9 +1,11 @@
-"""The discrete-event simulation: trace arrivals -> the real scheduler's plan -> admission
--> virtual prefill queues -> KV handoff -> virtual decode batches.
+"""The discrete-event simulation: trace arrivals -> the conductor's placement (the real
+scheduler's plan, admission, booking) -> virtual prefill queues -> KV handoff -> virtual
+decode batches.
 
-The policy is the conductor's own ``Scheduler`` (with its booking, the ``KVIndex`` fed by
-the virtual caches and stores, and the online cost models fed with what the simulation
-measures); ``Admission.check_plan`` rejects early; ``HotBlocks`` finds blocks to replicate.
+Each arrival goes through ``sched.placement.place``, as on the conductor: its ``Scheduler``
+(with its booking, the ``KVIndex`` fed by the virtual caches and stores, and the online cost
+models fed with what the simulation measures) plans, ``Admission.check_plan`` rejects early;
+``HotBlocks`` finds blocks to replicate.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ import math
 import random
 import time
 
-from mooncake.conductor.admission import Admission
-from mooncake.metrics import Metrics
 from mooncake.config import ConductorConfig
+from mooncake.metrics import Metrics
+from mooncake.sched.admission import Admission, Rejection
 from mooncake.sched.cluster import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.scheduler import Plan, Scheduler
+from mooncake.sched.placement import place
+from mooncake.sched.plan import Plan
+from mooncake.sched.scheduler import Scheduler
 from mooncake.sim.events import EventLoop
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.instances import DecodeInstance, DecodeSeq, PrefillInstance, StoreInstance, virtual_node
@@ -28,6 +32,7 @@ from mooncake.sim.results import Outcome, SimResult, summarize
 from mooncake.sim.setup import SimSetup
 from mooncake.sim.shared_cpu import SharedCpu
 from mooncake.sim.workload import SimRequest
+
 
 class Simulation:
     def __init__(self, setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> None:
@@ -87,12 +92,11 @@ class Simulation:
     def _arrive(self, r: SimRequest) -> None:
         now = self.loop.now
         out = self.outcomes[r.req_id] = Outcome(r)
-        plan = self.sched.plan(r.hashes, r.prompt_tokens, r.output_tokens, self.B, now)
-        refusal = self.admission.check_plan(plan, now)
-        if refusal is not None or plan is None:
-            out.rejected = refusal.reason if refusal is not None else "no_workers"
+        placed = place(self.sched, self.admission, r.req_id, r.hashes, r.prompt_tokens, r.output_tokens, self.B, now)
+        if isinstance(placed, Rejection):
+            out.rejected = placed.reason
             return
-        self.sched.book(r.req_id, plan)
+        plan = placed.plan
         if self.setup.use_store and plan.reusable_blocks:
             self._note_hits(list(r.hashes[:plan.reusable_blocks]), now)
         # The decode instance reserves the request's memory between two of its engine steps;

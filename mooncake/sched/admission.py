@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
-from mooncake.sched.scheduler import Plan
+from mooncake.sched.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""P2P messages (MessagePack, tagged like every mooncake message; torch-free so that the
-``mooncake p2p`` command can import them without the tensor half of ``mooncake.protocol``).
+"""P2P messages (``mooncake.p2p``'s: MessagePack, tagged like every mooncake message; torch-free,
+like the package's import, so that the ``mooncake p2p`` command starts without torch).
 
 Peers and the CLI talk to a store's P2P socket; the conductor answers the metadata
 queries (``Locate``, ``ListObjects``, ``FindStore``, ...) from any key-holder, registered or

@@ -1,0 +1,27 @@
+"""Placement: the one decision every attempt goes through, on the conductor and in the simulator
+alike. The scheduler plans it, admission judges the plan against the SLOs, and an admitted plan's
+load is booked; the booking is handed back when the attempt ends."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from mooncake.sched.admission import Admission, Evidence, Rejection
+from mooncake.sched.booking import Booking
+from mooncake.sched.pipeline import PipelineShape
+from mooncake.sched.scheduler import Scheduler
+
+
+def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
+          max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
+          deadline: float = math.inf, evidence: Evidence = (True, True)) -> Booking | Rejection:
+    """Plan, admit and book an attempt of ``n_tokens`` (``hashes``: its full blocks) that may
+    generate ``max_tokens``; its booking (``booking.plan``: the plan), or why it is refused.
+    ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``."""
+    plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline)
+    rejection = admission.check_plan(plan, now, evidence)
+    if rejection is not None:
+        return rejection
+    assert plan is not None  # check_plan refuses a missing plan
+    return scheduler.book(booking_id, plan, deadline)
