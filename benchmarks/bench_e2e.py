@@ -62,7 +62,7 @@ from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceSca
 from mooncake.bench.arrivals import copies_to_span
 from mooncake.bench.publish import publish
 from mooncake.config import MiB, ModelConfig
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.engine.loader import default_model_path, resolve_model_dir
 from mooncake.testing.cluster import small_config
 from mooncake.testing.ports import free_port
@@ -75,7 +75,7 @@ WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
-def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
+def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
     cfg.model.dtype = dtype  # small_config pins float32 for the exactness tests
     cfg.engine.kv_cache_bytes = 400 * MiB  # ~8,900 tokens per instance
@@ -86,7 +86,7 @@ def start_mooncake(system: str, dtype: str = "auto") -> DevCluster:
         cfg.conductor.policy = "round_robin"
     if system == "cache_aware_slo":
         cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
-    cluster = DevCluster(cfg, prefill=2, decode=1, store=1)
+    cluster = LocalCluster(cfg, prefill=2, decode=1, store=1)
     try:
         cluster.start(timeout_s=300)
     except BaseException:
@@ -188,11 +188,11 @@ async def warm(url: str, model: str | None, text: bool) -> None:
 
 
 def start_system(system: str, model_dir: str, dtype: str = "auto",
-                 llama_server: Path = LLAMA_SERVER) -> tuple[PeerServer | DevCluster, dict]:
+                 llama_server: Path = LLAMA_SERVER) -> tuple[PeerServer | LocalCluster, dict]:
     """Start ``system`` and send it one warm-up request; returns the server (the caller stops
     it) and the BenchConfig arguments that point at it."""
     t0 = time.perf_counter()
-    server: PeerServer | DevCluster
+    server: PeerServer | LocalCluster
     if system == "hf_serve":
         server = HFServe(model_dir, free_port())
         server.start()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mooncake.bench.publish import publish
 from mooncake.config import MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL, metric, metrics
 from mooncake.testing.cluster import small_config
 
@@ -34,7 +34,7 @@ def run_mode(mode: str, tokens: int, reps: int, max_tokens: int) -> dict:
     cfg.engine.kv_transfer = mode  # type: ignore[assignment]
     cfg.engine.kv_cache_bytes = 512 * MiB  # ~11k tokens
     cfg.store.dram_bytes = 1024 * MiB
-    cluster = DevCluster(cfg)
+    cluster = LocalCluster(cfg)
     cluster.start()
     out: dict = {"ttft": [], "first_gap": [], "itl": [], "ratio": []}
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mooncake.bench.publish import publish
 from mooncake.config import MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL, metric, metrics
 from mooncake.testing.cluster import small_config
 
@@ -33,7 +33,7 @@ def run_setup(stages: int, tokens: int, reps: int, seed0: int) -> dict:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-bench-cpp-")), cpp_group_size=stages)
     cfg.engine.kv_cache_bytes = 512 * MiB  # ~11k tokens
     cfg.store.dram_bytes = 1024 * MiB
-    cluster = DevCluster(cfg, prefill=stages)
+    cluster = LocalCluster(cfg, prefill=stages)
     cluster.start(timeout_s=300)
     out: dict = {"ttft": [], "texts": []}
     try:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from mooncake.config import MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 
@@ -57,7 +57,7 @@ def main() -> int:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-bench-cpu-")), cpp_group_size=args.stages)
     cfg.engine.kv_cache_bytes = 512 * MiB
     cfg.store.dram_bytes = 1024 * MiB
-    cluster = DevCluster(cfg, prefill=args.stages)
+    cluster = LocalCluster(cfg, prefill=args.stages)
     cluster.start(timeout_s=300)
     try:
         asyncio.run(stream_one(cluster.url, MODEL, fresh_prompt(999, 64), 2, "cpu"))

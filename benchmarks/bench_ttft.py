@@ -31,7 +31,7 @@ import httpx
 from mooncake.bench.client import RequestRecord, stream_request
 from mooncake.bench.publish import publish
 from mooncake.config import MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 
@@ -90,7 +90,7 @@ async def scenario(url: str, prompts: Prompts, where: str, reps: int) -> tuple[l
     return times, cached
 
 
-def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer", dtype: str = "float32") -> tuple[DevCluster, float]:
+def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer", dtype: str = "float32") -> tuple[LocalCluster, float]:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-bench-")))
     cfg.model.dtype = dtype  # type: ignore[assignment]
     half = 1 if dtype == "float32" else 2  # 16-bit KV takes half the bytes: the same sizes in prompts
@@ -99,7 +99,7 @@ def start(dram_bytes: int, threads: int = 0, kv_load: str = "layer", dtype: str 
     cfg.engine.kv_load = kv_load  # type: ignore[assignment]
     cfg.store.dram_bytes = dram_bytes // half
     cfg.store.lmdb_bytes = 4096 * MiB
-    cluster = DevCluster(cfg)
+    cluster = LocalCluster(cfg)
     t0 = time.perf_counter()
     cluster.start()
     return cluster, time.perf_counter() - t0

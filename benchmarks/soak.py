@@ -43,7 +43,7 @@ import httpx
 import psutil
 
 from mooncake.config import Config, MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 
@@ -213,7 +213,7 @@ async def one_request(client: httpx.AsyncClient, spec: dict[str, Any], t0: float
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, cluster: DevCluster) -> None:
+    def __init__(self, args: argparse.Namespace, cluster: LocalCluster) -> None:
         self.a = args
         self.c = cluster
         self.t0 = time.monotonic()
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                           else sys.executable, *sys.argv])
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     data_dir = Path(tempfile.mkdtemp(prefix="mooncake-soak-data-"))
-    cluster = DevCluster(soak_config(data_dir, args.request_timeout), log_level=args.log_level, **ROLES)
+    cluster = LocalCluster(soak_config(data_dir, args.request_timeout), log_level=args.log_level, **ROLES)
     wall0 = time.monotonic()
     soak: Soak | None = None
     startup_s = 0.0

@@ -72,11 +72,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     if not args.role:
-        from mooncake.dev import run_dev
+        from mooncake.local.cluster import run_local
 
-        return run_dev(cfg, args.prefill, args.decode, args.store, args.log_level)
+        return run_local(cfg, args.prefill, args.decode, args.store, args.log_level)
     tag_logs(args.role, cfg.node.node_id or cfg.node.name)
-    from mooncake.cpu_priority import apply_role_priority
+    from mooncake.roles.cpu_priority import apply_role_priority
 
     apply_role_priority(args.role, cfg.node.prefill_nice)  # before the engine starts any thread
     if args.role == "conductor":
@@ -92,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
         async def main(cfg):  # type: ignore[no-redef]
             await worker_cls(cfg).start()
     from mooncake.engine import ModelLoadError
-    from mooncake.link import HandshakeError
+    from mooncake.roles.link import HandshakeError
     from mooncake.p2p.rpc import P2PError
     from mooncake.security import CurveError, InsecureNetworkError
 
@@ -143,7 +143,7 @@ def run_ops(args: argparse.Namespace) -> int:
         print(dump_toml(cfg, mask_secrets=True), end="")
         return 0
     if args.command == "probe":
-        from mooncake.node_health import probe
+        from mooncake.roles.node_health import probe
 
         try:
             ok, said = probe(cfg, args.role, args.check)

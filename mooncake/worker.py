@@ -23,9 +23,9 @@ from mooncake.engine import Engine, Sequence, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.kv_integrity import Rejections, checksums
-from mooncake.link import ConductorLink
+from mooncake.roles.link import ConductorLink
 from mooncake.protocol.engine_profile import EngineProfile
-from mooncake.node_health import start_node_health
+from mooncake.roles.node_health import start_node_health
 from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable

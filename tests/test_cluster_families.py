@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.cluster import running_cluster, small_config
 
 from hf_cache import hf_cache_with
@@ -38,7 +38,7 @@ def served(request, tiny_models, tmp_path_factory):
             yield family, cluster
 
 
-def complete(cluster: DevCluster, model: str, ids: list[int], n: int) -> dict:
+def complete(cluster: LocalCluster, model: str, ids: list[int], n: int) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text

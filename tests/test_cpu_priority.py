@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.config import Config, ConfigError, load_config
-from mooncake.cpu_priority import autogroup_nice
+from mooncake.roles.cpu_priority import autogroup_nice
 from mooncake.testing.cluster import start_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def test_dev_cluster_prefill_threads_and_autogroup_yield_decode_keeps_priority(t
 def run_child(body: str, start_nice: int = 0, new_session: bool = True) -> str:
     """Run ``body`` in a fresh Python process (its own session, like a role of --dev)."""
     code = ("import os, threading\nfrom pathlib import Path\n"
-            "from mooncake.cpu_priority import apply_role_priority, autogroup_nice\n"
+            "from mooncake.roles.cpu_priority import apply_role_priority, autogroup_nice\n"
             + inspect.getsource(thread_nices) + body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                           start_new_session=new_session, preexec_fn=lambda: os.nice(start_nice),

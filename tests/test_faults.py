@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mooncake.config import MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import small_config, start_cluster
 from mooncake.testing.wait import wait_for
@@ -24,14 +24,14 @@ FAST = {"heartbeat_s": 0.5, "dead_after_s": 2.0, "request_timeout_s": 60.0}
 
 
 def _start(data_dir, prefill: int, decode: int, store: int, dram_bytes: int | None = None,
-           **conductor: object) -> DevCluster:
+           **conductor: object) -> LocalCluster:
     cfg = small_config(data_dir, **{**FAST, **conductor})
     if dram_bytes is not None:
         cfg.store.dram_bytes = dram_bytes
     return start_cluster(prefill=prefill, decode=decode, store=store, cfg=cfg)
 
 
-def nodes(c: DevCluster, role: str) -> list[dict]:
+def nodes(c: LocalCluster, role: str) -> list[dict]:
     return [n for n in httpx.get(c.url + "/cluster", timeout=10).json()["nodes"] if n["role"] == role]
 
 
@@ -40,14 +40,14 @@ def text_of(r: httpx.Response) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def stream_killing(c: DevCluster, body: dict, kill_after: int, victim) -> tuple[str, list]:
+def stream_killing(c: LocalCluster, body: dict, kill_after: int, victim) -> tuple[str, list]:
     """Stream ``body``; after ``kill_after`` events SIGKILL the child ``victim()`` names."""
     events = stream(c.url, body, lambda n, _: c.kill(victim()) if n == kill_after else None, timeout=90)
     assert events and events[-1] == "[DONE]", events[-3:]
     return stream_text(events), events
 
 
-def decode_child(c: DevCluster) -> str:
+def decode_child(c: LocalCluster) -> str:
     """The child process name of the decode instance running the only request in flight."""
     busy = [n for n in nodes(c, "decode") if n["assigned"]]
     assert len(busy) == 1, busy
@@ -133,7 +133,7 @@ def single(tmp_path_factory):
     c.stop()
 
 
-def _lmdb(c: DevCluster) -> dict:
+def _lmdb(c: LocalCluster) -> dict:
     stores = nodes(c, "store")
     return stores[0]["load"].get("tiers", {}).get("lmdb", {}) if stores else {}
 

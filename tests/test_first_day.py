@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from mooncake.testing.ports import free_port
-from mooncake import cli, dev
-from mooncake.supervisor import RestartBudget, describe_exit, split_name
+from mooncake import cli
+from mooncake.local import cluster as local_cluster
+from mooncake.local.supervisor import RestartBudget, describe_exit, split_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +58,7 @@ def test_documented_and_foreign_variables_do_not_stop_a_command(tmp_path):
 
 def test_serve_takes_the_model_as_a_positional_and_runs_the_whole_cluster_by_default(monkeypatch):
     started = []
-    monkeypatch.setattr(dev, "run_dev", lambda cfg, *counts: started.append((cfg.model.path, counts[:3])) or 0)
+    monkeypatch.setattr(local_cluster, "run_local", lambda cfg, *counts: started.append((cfg.model.path, counts[:3])) or 0)
     assert cli.main(["serve", "/models/qwen", "--prefill", "2"]) == 0
     assert cli.main(["serve", "--dev", "--model", "/models/qwen"]) == 0  # --dev: a synonym
     assert started == [("/models/qwen", (2, 1, 1)), ("/models/qwen", (1, 1, 1))]
@@ -82,7 +83,7 @@ def test_role_output_names_its_role_in_text_and_json(monkeypatch, capsys):
     for fmt in ("text", "json"):
         monkeypatch.setenv("MOONCAKE_LOG_FORMAT", fmt)
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
-        dev._forward(proc, "decode:n0-decode")
+        local_cluster._forward(proc, "decode:n0-decode")
         proc.wait()
         lines = capsys.readouterr().err.splitlines()
         if fmt == "text":

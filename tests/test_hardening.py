@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.api import MODEL, stream
 from mooncake.testing.cluster import running_cluster, small_config
 
@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def post(c: DevCluster, body: object, path: str = "/v1/completions", headers: dict | None = None,
+def post(c: LocalCluster, body: object, path: str = "/v1/completions", headers: dict | None = None,
          **kw: object) -> httpx.Response:
     headers = AUTH if headers is None else headers
     if isinstance(body, bytes):
@@ -40,7 +40,7 @@ def post(c: DevCluster, body: object, path: str = "/v1/completions", headers: di
     return httpx.post(c.url + path, json=body, headers=headers, timeout=60, **kw)
 
 
-def ok(c: DevCluster) -> dict:
+def ok(c: LocalCluster) -> dict:
     r = post(c, {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()

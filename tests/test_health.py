@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from mooncake.api.health import add_health_routes
 from mooncake.config import Config
-from mooncake.node_health import NodeHealth, probe_url, start_node_health
+from mooncake.roles.node_health import NodeHealth, probe_url, start_node_health
 from mooncake.testing.ports import free_port
 
 

@@ -21,7 +21,7 @@ import zmq
 
 from mooncake import protocol as P
 from mooncake.config import MiB, dump_toml
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.kv_integrity import checksums
 from mooncake.security import Curve, generate_keys
 from mooncake.testing.api import complete, metric, metrics
@@ -62,7 +62,7 @@ def cluster(address, keys, tmp_path_factory):
     cfg.node.host = address
     cfg.security.curve_keys_dir = str(keys)
     cfg.security.max_message_bytes = MAX_MESSAGE_BYTES
-    c = DevCluster(cfg)
+    c = LocalCluster(cfg)
     c.cfg.conductor.endpoint = f"tcp://{address}:{free_port()}"  # the conductor's socket off loopback too
     try:
         c.start(timeout_s=240)
@@ -71,7 +71,7 @@ def cluster(address, keys, tmp_path_factory):
         c.stop()
 
 
-def nodes(c: DevCluster, role: str) -> list[dict]:
+def nodes(c: LocalCluster, role: str) -> list[dict]:
     return [n for n in httpx.get(c.url + "/cluster", timeout=10).json()["nodes"] if n["role"] == role]
 
 
@@ -85,7 +85,7 @@ def dealer(endpoint: str, curve: Curve | None, server_kind: str) -> tuple[zmq.Co
     return ctx, sock
 
 
-def register_as(c: DevCluster, curve: Curve | None, role: str, node_id: str,
+def register_as(c: LocalCluster, curve: Curve | None, role: str, node_id: str,
                 facts: P.ModelFacts | None = None) -> P.Msg | None:
     """The conductor's answer to a registration (None: no answer within 3 s)."""
     ctx, sock = dealer(c.cfg.conductor.endpoint, curve, "conductor")

@@ -26,8 +26,8 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
-from mooncake.link import ConductorLink
-from mooncake.node_health import start_node_health
+from mooncake.roles.link import ConductorLink
+from mooncake.roles.node_health import start_node_health
 from mooncake.protocol.p2p import Forget
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints

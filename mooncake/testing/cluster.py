@@ -1,4 +1,4 @@
-"""The one way tests and benchmarks start a whole cluster on this machine (``DevCluster``),
+"""The one way tests and benchmarks start a whole cluster on this machine (``LocalCluster``),
 with a config sized for a small shared machine."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mooncake.config import Config, MiB
-from mooncake.dev import DevCluster
+from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
 
@@ -30,12 +30,12 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
 
 
 def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 1, store: int = 1,
-                  cfg: Config | None = None, **conductor: object) -> DevCluster:
+                  cfg: Config | None = None, **conductor: object) -> LocalCluster:
     """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``."""
     if cfg is None:
         assert data_dir is not None
         cfg = small_config(data_dir, **conductor)
-    cluster = DevCluster(cfg, prefill, decode, store)
+    cluster = LocalCluster(cfg, prefill, decode, store)
     try:
         cluster.start(timeout_s=240)
     except BaseException:
@@ -45,7 +45,7 @@ def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 
 
 
 @contextmanager
-def running_cluster(*args: object, **kw: object) -> Iterator[DevCluster]:
+def running_cluster(*args: object, **kw: object) -> Iterator[LocalCluster]:
     """``start_cluster`` for a ``with`` block: the cluster is always stopped."""
     cluster = start_cluster(*args, **kw)  # type: ignore[arg-type]
     try:

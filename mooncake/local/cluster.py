@@ -5,7 +5,7 @@ they talk over an ``ipc://`` conductor socket in a private temporary directory
 and TCP ports chosen by the OS. Instance ``i`` of each role is placed on node
 ``node<i>``, so locality (a prefill instance's local store) means the same thing
 as on a real cluster. Their output is forwarded line by line, each line naming the
-role that wrote it. ``run_dev`` supervises them (``mooncake.supervisor``); Ctrl-C or
+role that wrote it. ``run_local`` supervises them (``mooncake.local.supervisor``); Ctrl-C or
 SIGTERM stops every child.
 """
 
@@ -40,7 +40,7 @@ def _die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-class DevCluster:
+class LocalCluster:
     def __init__(self, cfg: Config, prefill: int = 1, decode: int = 1, store: int = 1,
                  log_level: str = "warning") -> None:
         self.cfg = cfg.model_copy(deep=True)
@@ -147,13 +147,13 @@ def _forward(proc: subprocess.Popen, tag: str) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def run_dev(cfg: Config, prefill: int, decode: int, store: int, log_level: str) -> int:
+def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str) -> int:
     """``mooncake serve``: start the cluster, say where it serves once every role has registered,
     restart a role that dies, stop everything on Ctrl-C or SIGTERM."""
-    from mooncake.supervisor import GaveUp, Supervisor
+    from mooncake.local.supervisor import GaveUp, Supervisor
 
     tag_logs("supervisor", cfg.node.name, quiet_libraries=False)  # a GGUF's conversion shows its progress
-    cluster = DevCluster(cfg, prefill, decode, store, log_level)
+    cluster = LocalCluster(cfg, prefill, decode, store, log_level)
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -183,7 +183,7 @@ def run_dev(cfg: Config, prefill: int, decode: int, store: int, log_level: str) 
         cluster.stop()
 
 
-def ready_banner(cluster: DevCluster, seconds: float) -> str:
+def ready_banner(cluster: LocalCluster, seconds: float) -> str:
     """The first line a user reads: where to send requests, and how to stop."""
     counts = ", ".join(f"{n} {role}" for role, n in cluster.counts.items())
     return (f"mooncake ready in {seconds:.0f}s ({counts}): OpenAI API at {cluster.url}/v1 "

@@ -19,7 +19,7 @@ class GaveUp(RuntimeError):
 
 
 class Processes(Protocol):
-    """What the supervisor needs of a cluster of child processes (``DevCluster``)."""
+    """What the supervisor needs of a cluster of child processes (``LocalCluster``)."""
 
     children: dict[str, subprocess.Popen]
 
