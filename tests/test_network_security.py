@@ -23,7 +23,7 @@ from clusters import complete, free_port, metric, metrics, small_config, wait_fo
 from mooncake import protocol as P
 from mooncake.config import MiB, dump_toml
 from mooncake.dev import DevCluster
-from mooncake.kv_integrity import checksums
+from mooncake.kv.integrity import checksums
 from mooncake.security import Curve, generate_keys
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 from oracle import greedy

@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
+from ..kv.integrity import BlockSums, Rejections, checksums, first_corrupt
 from ..protocol import (Blocks, Exists, Get, Msg, Ok, ProtocolError, Put, Remove, Replicate, ShmBlocks, ShmGet, ShmPut,
                         ShmRef, StatsQuery, encode)
 from ..security import Curve
