@@ -163,7 +163,7 @@ class Engine:
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
-        hooks = LayerHooks(on_layer=hook, past_ready=past_ready) if hook is not None or past_ready is not None else None
+        hooks = None if hook is None and past_ready is None else LayerHooks(on_layer=hook, past_ready=past_ready)
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
                                     hooks)
         seq.num_computed = end
@@ -197,8 +197,8 @@ class Engine:
                              % (start, end, end - start, self.model.embed.shape[1]))
         last, final = end == n, hi == self.block_shape[0]
         hook = ChunkLayers(on_layer, start, end, last, self.block_tokens) if on_layer is not None else None
-        out = self.model.forward(self.pool, prefill_batch(seq, start, end, last and final, self.block_tokens,
-                                                          self.device), LayerHooks(hook, None, layers, hidden))
+        batch = prefill_batch(seq, start, end, last and final, self.block_tokens, self.device)
+        out = self.model.forward(self.pool, batch, LayerHooks(on_layer=hook, layers=layers, hidden=hidden))
         seq.num_computed = end
         if not final:
             return PrefillStep([], last), out

@@ -37,8 +37,8 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.engine import Engine, Sequence
 from mooncake.kv.integrity import Rejections, first_corrupt, shape_problem
-from mooncake.security import Curve, allowed
 from mooncake.kv.link import bind_kv_ingress
+from mooncake.security import Curve, allowed
 from mooncake.sockets import recv_multipart
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,8 @@ class PrefixLoader:
         asked = hashes[plan.start:plan.end]
         try:
             replies = self._stores.client(plan.endpoint).get_layers(asked)
-            stream = await PrefixStream.open(plan.endpoint, replies, asked, self._engine.block_shape, self._engine.dtype)
+            stream = await PrefixStream.open(plan.endpoint, replies, asked, self._engine.block_shape,
+                                             self._engine.dtype)
         except StoreError as e:
             log.warning("streaming from %s failed, recomputing instead: %s", plan.endpoint, e)
             self._stores.forget(plan.endpoint, e)

@@ -31,8 +31,8 @@ import xxhash
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
-from mooncake.kv.layers import LayerFn
 from mooncake.kv.integrity import leading_match
+from mooncake.kv.layers import LayerFn
 
 log = logging.getLogger(__name__)
 GATE_TIMEOUT_S = 120.0  # a forward never waits longer for a layer (the stream's own timeouts come first)
@@ -63,10 +63,6 @@ class LayerGate:
             if not self.complete and self._error is None:
                 self._error = error
             self._cond.notify_all()
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
 
     def wait(self, layer: int) -> None:
         """Until ``layer`` is in; raises ``PrefixLoadFailed`` if the load failed first."""
