@@ -105,12 +105,11 @@ async def run_stage(req: P.PrefillRequest, seq: Sequence, kv: PrefillKV, fetched
     conductor (``report``)."""
     st = req.stage
     assert st is not None
-    eng = engine
-    T = eng.block_tokens
+    T = engine.block_tokens
     if seq.num_cached_tokens != st.prefix_blocks * T:
         raise StageError(f"holds {seq.num_cached_tokens // T} of the group's {st.prefix_blocks} prefix blocks")
     if st.prefix_blocks:  # this stage's layers of the reused prefix
-        prefix = await run_engine(eng.kv.export_sequence, seq, 0, st.prefix_blocks)
+        prefix = await run_engine(engine.kv.export_sequence, seq, 0, st.prefix_blocks)
         kv.save_prefix_layers(0, ((layer, prefix[:, layer]) for layer in range(st.layer_lo, st.layer_hi)))
     nxt = KVSender(lambda m, t: ship(st.next_endpoint, m, t)) if st.next_endpoint else None
     compute_s = idle_s = 0.0
@@ -121,14 +120,14 @@ async def run_stage(req: P.PrefillRequest, seq: Sequence, kv: PrefillKV, fetched
             start = seq.num_computed
             hidden = None
             if st.index == 0:  # the group's chunks: the pipeline's fill and drain shrink with them
-                end = min(n, start + group_chunk_tokens(eng.chunk_tokens, st.stages, T))
+                end = min(n, start + group_chunk_tokens(engine.chunk_tokens, st.stages, T))
             else:
                 t0 = time.perf_counter()
                 hidden = await inbox.get(req.req_id, req.kv_token, start, lambda: req.req_id in aborted)
                 idle_s += time.perf_counter() - t0
                 end = start + len(hidden)
             t0 = time.perf_counter()
-            step, out = await run_engine(eng.prefill_stage, seq, (st.layer_lo, st.layer_hi), end, hidden,
+            step, out = await run_engine(engine.prefill_stage, seq, (st.layer_lo, st.layer_hi), end, hidden,
                                          kv.save_layer)
             compute_s += time.perf_counter() - t0
             progressed()
