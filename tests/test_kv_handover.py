@@ -15,7 +15,7 @@ import torch
 from mooncake import protocol as P
 from mooncake.kv.integrity import checksums
 from mooncake.kv.link import connect_kv_egress
-from mooncake.kv.prefill_kv import export_blocks
+from mooncake.kv.prefill_kv import export_in_thread
 from mooncake.sockets import send_multipart
 
 from decode_workers import Recorder, small_decode_worker, until
@@ -131,7 +131,7 @@ async def test_prefill_exports_kv_while_its_engine_thread_is_busy():
         while not eng.prefill(seq).done:
             pass
         w._pool.submit(hold.wait, 60)  # the engine thread computes another prompt's chunk
-        kv = await asyncio.wait_for(export_blocks(eng, seq, 1, None), 30)
+        kv = await asyncio.wait_for(export_in_thread(eng, seq, 1, None), 30)
         assert not hold.is_set()
         assert torch.equal(kv, eng.kv.export_sequence(seq, 1, None)) and len(kv) == 2  # block 1 and the partial tail
     finally:

@@ -32,7 +32,7 @@ from mooncake.kv.store_clients import StoreClients
 ShipTo = Callable[[str, P.Msg, list[torch.Tensor]], Awaitable[None]]  # (endpoint, msg, frames): ``KVEgress.ship``
 
 
-async def export_blocks(engine: Engine, seq: Sequence, first: int, last: int | None) -> torch.Tensor:
+async def export_in_thread(engine: Engine, seq: Sequence, first: int, last: int | None) -> torch.Tensor:
     """A copy of ``seq``'s computed blocks ``[first, last)`` for decode, read in a worker thread rather
     than on the engine thread: the blocks are this request's, held and computed, so reading them
     needs nothing of the engine, whose thread may meanwhile compute other prompts' chunks for a
@@ -132,7 +132,7 @@ class PrefillKV(KVConnector):
 
     async def save_blocks(self, first: int, last: int | None) -> None:
         assert self._sender is not None and self._seq is not None
-        self._sender.put_blocks(self.req, first, await export_blocks(self._engine, self._seq, first, last))
+        self._sender.put_blocks(self.req, first, await export_in_thread(self._engine, self._seq, first, last))
 
     async def save_to_store(self, saved: int, full: int) -> int:
         first, end = self.save_plan(saved, full)
