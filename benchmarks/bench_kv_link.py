@@ -2,7 +2,7 @@
 
 A sender process pushes ``--transfers`` KVTransfer messages of ``--blocks`` blocks each
 (the bundled SmolLM2-135M's block, float32: [30, 2, 3, 16, 64], 720 KiB) through the
-real link (``mooncake.kv_link``: decode's PULL ingress, prefill's PUSH egress, the role
+real link (``mooncake.kv.link``: decode's PULL ingress, prefill's PUSH egress, the role
 keys of ``mooncake keys``); the receiver decodes each message as decode does (block
 shape checked). Modes alternate for ``--rounds`` rounds, fresh sockets each; the
 figure is the median round. ``--checksums`` adds the per-block xxh3_64 both ends
@@ -24,8 +24,8 @@ import torch
 import zmq.asyncio
 
 from mooncake import protocol as P
-from mooncake.kv_integrity import checksums, first_corrupt
-from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
+from mooncake.kv.integrity import checksums, first_corrupt
+from mooncake.kv.link import bind_kv_ingress, connect_kv_egress
 from mooncake.security import Curve, generate_keys
 from mooncake.sockets import recv_multipart, send_multipart
 

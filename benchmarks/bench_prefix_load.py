@@ -31,9 +31,9 @@ import torch
 from mooncake.bench.publish import publish
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.kv_integrity import checksums, shape_problem
+from mooncake.kv.integrity import checksums, shape_problem
+from mooncake.kv.prefix_stream import PrefixStream
 from mooncake.protocol import Sampling
-from mooncake.roles.prefix_stream import PrefixStream
 from mooncake.testing.store_process import start_store_process
 from mooncake.tiers.client import StoreClient
 
@@ -48,7 +48,7 @@ def cold(eng: Engine, ids: list[int]) -> tuple[float, int, torch.Tensor]:
     while not (step := eng.prefill(seq)).done:
         pass
     took = time.perf_counter() - t0
-    prefix = eng.export_sequence(seq, 0, PREFIX // eng.block_tokens).clone()
+    prefix = eng.kv.export_sequence(seq, 0, PREFIX // eng.block_tokens).clone()
     eng.free(seq)
     eng.blocks.forget(hashes)
     return took, step.token, prefix
@@ -60,10 +60,10 @@ async def blockwise(eng: Engine, client: StoreClient, ids: list[int]) -> tuple[d
     found, blocks = await client.get(hashes[:PREFIX // eng.block_tokens])
     assert shape_problem(blocks, eng.block_shape, eng.dtype) is None
     t.append(time.perf_counter())
-    eng.import_blocks(found, torch.stack(blocks))
+    eng.kv.import_blocks(found, torch.stack(blocks))
     t.append(time.perf_counter())
     seq = eng.add_sequence("block", ids, GREEDY, hashes=hashes)
-    kv = eng.export_sequence(seq, 0, seq.num_cached_tokens // eng.block_tokens)
+    kv = eng.kv.export_sequence(seq, 0, seq.num_cached_tokens // eng.block_tokens)
     await asyncio.to_thread(checksums, kv)
     t.append(time.perf_counter())
     step = eng.prefill(seq)
@@ -84,7 +84,7 @@ async def layerwise(eng: Engine, client: StoreClient, endpoint: str, ids: list[i
     t1 = time.perf_counter()
     seq = eng.add_sequence("layer", ids, GREEDY, hashes=hashes)
     seq.num_cached_tokens = seq.num_computed = stream.n * eng.block_tokens
-    stream.start(lambda lo, kv: eng.land_layers(seq, 0, lo, kv), stream.n, lambda layers: None,
+    stream.start(lambda lo, kv: eng.kv.land_layers(seq, 0, lo, kv), stream.n, lambda layers: None,
                  eng.block_shape, eng.dtype)
     waited = [0.0]
 
@@ -96,7 +96,7 @@ async def layerwise(eng: Engine, client: StoreClient, endpoint: str, ids: list[i
     step = await asyncio.to_thread(eng.prefill, seq, None, wait)
     t2 = time.perf_counter()
     await stream.close()
-    eng.adopt_prefix(seq, 0, stream.n)
+    eng.kv.adopt_prefix(seq, 0, stream.n)
     eng.free(seq)
     return {"first layer": t1 - t0, "forward": t2 - t1, "wait": waited[0], "total": t2 - t0}, step.token
 

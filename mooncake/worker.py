@@ -1,5 +1,5 @@
 """What the prefill and decode roles share: an engine on its own thread, the conductor
-link, device-cache events, store clients, failure reports and the role's main loop."""
+link, device-cache events, store clients (``kv.store_clients``), failure reports and the role's main loop."""
 
 from __future__ import annotations
 
@@ -22,17 +22,16 @@ from mooncake.config import Config
 from mooncake.engine import Engine, Sequence, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.profile import one_profile_at_a_time, profile_engine
-from mooncake.kv_integrity import Rejections, checksums
-from mooncake.roles.link import ConductorLink
+from mooncake.kv.integrity import Rejections
+from mooncake.kv.store_clients import StoreClients
 from mooncake.protocol.engine_profile import EngineProfile
+from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
-from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MAX_STORE_CLIENTS = 8  # stores a worker talks to at once: its node's and the replicas it reads
 # Fault injection for tests: the engine thread hangs forever after this many engine calls.
 STALL_ENV = "MOONCAKE_FAULT_STALL_AFTER_CALLS"
 
@@ -77,11 +76,10 @@ class EngineWorker(ABC):
         # A frame is at most one KV block (plus headers): a peer sending more is disconnected.
         self.max_message_bytes = cfg.security.max_message_bytes or max(16 << 20, 4 * self.engine.block_bytes)
         self.rejections = Rejections()  # KV refused (forged or corrupt), by reason
-        self.writes_dropped = 0  # write-backs dropped: max_pending_writes were in flight
-        self._stores: dict[str, StoreClient] = {}
+        self.stores = StoreClients(self.curve, self.max_message_bytes, self.rejections, cfg.security,
+                                   self.engine.model_id, self.node_id, self._export_blocks)
         self._pending_events: list[tuple[str, list[bytes]]] = []
         self._tasks: list[asyncio.Task] = []
-        self._writes: set[asyncio.Task] = set()
         self.link: ConductorLink | None = None
         self._profile = self.profile()
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
@@ -111,53 +109,9 @@ class EngineWorker(ABC):
                           threads=torch.get_num_threads(), machine=machine_id())
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
-    # ---- stores
-
-    def store(self, endpoint: str) -> StoreClient:
-        """The client of a store, kept in a small LRU: a restarted store comes back on a new
-        endpoint, and the old client (its sockets and shared-memory segments) must not stay."""
-        client = self._stores.pop(endpoint, None)
-        if client is None:
-            client = StoreClient(endpoint, curve=self.curve, max_message_bytes=self.max_message_bytes,
-                                 on_corrupt=lambda n: self.rejections.add("checksum", n))
-        self._stores[endpoint] = client  # most recently used last
-        while len(self._stores) > MAX_STORE_CLIENTS:
-            self._stores.pop(next(iter(self._stores))).close()
-        return client
-
-    def forget_store(self, endpoint: str, error: StoreError) -> None:
-        """Drop the client of a store that stopped answering (it holds sockets and shm)."""
-        if isinstance(error, StoreUnavailable):
-            client = self._stores.pop(endpoint, None)
-            if client is not None:
-                client.close()
-
-    async def store_blocks(self, endpoint: str, seq: Sequence, hashes: list[bytes], first: int, end: int) -> None:
-        """Write ``seq``'s blocks ``[first, end)`` (keyed by ``hashes``) to a store (``write_back``)."""
-        kv = await self.run_engine(self.engine.export_sequence, seq, first, end)
-        self.write_back(endpoint, hashes, kv)
-
-    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
-        """Put blocks into a store in the background; a failed write only costs reuse, and so does
-        one dropped because ``max_pending_writes`` are already in flight (a slow store must not
-        make the worker hold KV copies without bound)."""
-        if len(self._writes) >= self.cfg.security.max_pending_writes:
-            self.writes_dropped += 1
-            log.warning("%s: %d write-backs in flight, dropping %d blocks for %s (%d dropped so far)",
-                        self.node_id, len(self._writes), len(hashes), endpoint, self.writes_dropped)
-            return
-
-        async def put() -> None:
-            try:
-                sums = await asyncio.to_thread(checksums, kv)
-                await self.store(endpoint).put(hashes, kv, self.engine.model_id, checksums=sums)
-            except StoreError as e:
-                log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
-                self.forget_store(endpoint, e)
-
-        task = asyncio.create_task(put())
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+    async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor:
+        """A copy of ``seq``'s blocks ``[first, end)`` (for a store), read on the engine thread."""
+        return await self.run_engine(self.engine.kv.export_sequence, seq, first, end)
 
     # ---- reports to the conductor
 
@@ -165,7 +119,7 @@ class EngineWorker(ABC):
         st = self.engine.stats()
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
                       sequences=st["sequences"], progress=self.progress, pending=self.busy(),
-                      kv_rejected=self.rejections.snapshot(), writes_dropped=self.writes_dropped)
+                      kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped)
 
     async def send(self, msg: P.Msg) -> None:
         assert self.link is not None
@@ -235,8 +189,8 @@ class EngineWorker(ABC):
             await asyncio.sleep(0.1)
         if self.busy():
             log.warning("%s: drain timed out, dropping what is left: %s", self.node_id, self.load())
-        if self._writes:  # blocks on their way to a store
-            await asyncio.wait(set(self._writes), timeout=max(0.1, deadline - loop.time()))
+        if self.stores.writes:  # blocks on their way to a store
+            await asyncio.wait(set(self.stores.writes), timeout=max(0.1, deadline - loop.time()))
 
     async def _receive(self) -> None:
         assert self.link is not None
@@ -257,8 +211,7 @@ class EngineWorker(ABC):
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for c in self._stores.values():
-            c.close()
+        self.stores.close()
         if self.link is not None:
             self.link.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ from mooncake import protocol as P
 from mooncake.conductor.expected_model import ExpectedModel, expected_model
 from mooncake.conductor.membership import Membership
 from mooncake.config import Config, MiB
-from mooncake.kv_integrity import checksums
+from mooncake.kv.integrity import checksums
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster
 from mooncake.sched.kv_index import KVIndex
@@ -146,16 +146,16 @@ async def test_decode_admits_only_kv_with_the_attempts_token_and_checksums(decod
     def frames(tok: bytes, sums: list[int], blocks: torch.Tensor = kv) -> list:
         return P.encode(P.KVTransfer("r1", 0, token=tok, checksums=sums), list(blocks.unbind(0)))
 
-    await w._on_kv(frames(b"x" * 16, checksums(kv)))  # forged: another token
-    await w._on_kv(frames(b"", checksums(kv)))
+    await w.kv.on_kv(frames(b"x" * 16, checksums(kv)))  # forged: another token
+    await w.kv.on_kv(frames(b"", checksums(kv)))
     assert slot.next_block == 0 and w.rejections.snapshot()["token"] == 4 and "r1" in w.incoming
-    await w._on_kv(frames(token, checksums(kv)))  # the real one still lands
+    await w.kv.on_kv(frames(token, checksums(kv)))  # the real one still lands
     assert slot.next_block == 2
 
     await w.handle(P.DecodeRequest("r2", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     bad = checksums(kv)
     bad[1] ^= 1
-    await w._on_kv(P.encode(P.KVTransfer("r2", 0, token=token, checksums=bad), list(kv.unbind(0))))
+    await w.kv.on_kv(P.encode(P.KVTransfer("r2", 0, token=token, checksums=bad), list(kv.unbind(0))))
     failed = [m for m in w.send.sent if isinstance(m, P.Failed)]
     assert [f.req_id for f in failed] == ["r2"] and failed[0].kind is P.FailureKind.RETRY  # recomputed elsewhere
     assert "r2" not in w.incoming and w.rejections.snapshot()["checksum"] == 2
@@ -196,14 +196,14 @@ async def test_write_backs_in_flight_are_bounded(decode_worker):
     endpoint = "tcp://127.0.0.1:9"  # nothing answers: each put stays in flight until its timeout
     try:
         for i in range(5):
-            w.write_back(endpoint, [bytes([i]) * 32], kv)
-        assert len(w._writes) == 2 and w.writes_dropped == 3
+            w.stores.write_back(endpoint, [bytes([i]) * 32], kv)
+        assert len(w.stores.writes) == 2 and w.stores.writes_dropped == 3
         assert w.load().writes_dropped == 3  # reported to the conductor (mooncake:kv_writes_dropped)
     finally:
-        for task in list(w._writes):
+        for task in list(w.stores.writes):
             task.cancel()
-        await asyncio.gather(*w._writes, return_exceptions=True)
-        w.forget_store(endpoint, StoreUnavailable("test over"))
+        await asyncio.gather(*w.stores.writes, return_exceptions=True)
+        w.stores.forget(endpoint, StoreUnavailable("test over"))
 
 
 def test_mooncake_keys_writes_a_keypair_per_role_kind(tmp_path, capsys):

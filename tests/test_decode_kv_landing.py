@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mooncake import protocol as P
-from mooncake.kv_integrity import checksums
-from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
+from mooncake.kv.integrity import checksums
+from mooncake.kv.link import connect_kv_egress
 from mooncake.sockets import send_multipart
 
 from decode_workers import Recorder, small_decode_worker, until
@@ -26,7 +26,7 @@ def decode_worker():
 
 
 async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worker, monkeypatch):
-    import mooncake.roles.decode_kv as decode_kv
+    import mooncake.kv.ingress as decode_kv
 
     w = decode_worker
     w.send = Recorder()
@@ -48,9 +48,9 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
         tokens = list(range(first, first + 2 * T))
         await w.handle(P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
         await w.handle(P.FirstToken(rid, 7), [])
-    w.kv_sock, endpoint = bind_kv_ingress(w.ctx, None, "127.0.0.1", 0, w.max_message_bytes)
+    endpoint = w.kv.bind(w.ctx, "127.0.0.1", 0, w.max_message_bytes)
     out = connect_kv_egress(w.ctx, None, endpoint)
-    loop = asyncio.create_task(w._kv_loop())
+    loop = asyncio.create_task(w.kv.receive_loop())
     try:
         def block(rid: str, first: int) -> list:
             return P.encode(P.KVTransfer(rid, first, token=token, checksums=checksums(kv[rid][first:first + 1])),
@@ -64,7 +64,7 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
         await until(lambda: "r1" in w.running)
         assert not [m for m in w.send.sent if isinstance(m, P.Failed)]  # r1's blocks landed in order
         for rid in ("r1", "r2"):
-            assert torch.equal(eng.export_sequence(w.running[rid].seq, 0, 2), kv[rid])
+            assert torch.equal(eng.kv.export_sequence(w.running[rid].seq, 0, 2), kv[rid])
     finally:
         release.set()
         loop.cancel()

@@ -45,11 +45,11 @@ def test_prefix_export_import_skips_cached_prefix(loaded_model, ids):
     assert events == [("stored", 200 // 16)]
     generate(cold, a, 11)
     hashes = cold.hashes(ids)
-    kv = cold.export_blocks(hashes)
+    kv = cold.kv.export_blocks(hashes)
     assert kv.shape == (12, *cold.block_shape)
 
     warm = engine(loaded_model)
-    assert warm.import_blocks(hashes, kv) == 12
+    assert warm.kv.import_blocks(hashes, kv) == 12
     assert warm.stats()["cached_blocks"] == 12 and warm.cached_prefix(hashes) == 12
     b = warm.add_sequence("b", ids, GREEDY)
     assert b.num_cached_tokens == 192 and b.num_computed == 192
@@ -73,15 +73,15 @@ def test_kv_handoff_prefill_to_decode(loaded_model, ids):
     generate(pre, ref, 11)
     p = pre.add_sequence("p", ids[:150], GREEDY)  # hits the prefix ref left cached
     step = pre.prefill(p)
-    kv = pre.export_sequence(p)
+    kv = pre.kv.export_sequence(p)
     assert kv.shape[0] == 10  # 150 tokens: 9 full blocks + partial tail
     tokens = p.tokens[:-1]
     d = dec.reserve("p", tokens, dec.hashes(tokens), dec.root(), GREEDY)
     assert d is not None and d.num_cached_tokens == 0 and len(d.block_table) == 10
-    dec.write_kv(d, 0, kv[:4])  # KV arrives in runs, as prefill streams it
-    dec.write_kv(d, 4, kv[4:])
+    dec.kv.write_kv(d, 0, kv[:4])  # KV arrives in runs, as prefill streams it
+    dec.kv.write_kv(d, 4, kv[4:])
     with pytest.raises(ValueError):
-        dec.write_kv(d, 9, kv[:2])  # past the reservation
+        dec.kv.write_kv(d, 9, kv[:2])  # past the reservation
     dec.begin_decoding(d, step.token)
     pre.free(p)
     assert dec.cached_prefix(dec.hashes(ids[:150])) == 9
@@ -91,8 +91,8 @@ def test_kv_handoff_prefill_to_decode(loaded_model, ids):
     # A second reservation of the same prompt shares the cached blocks: their KV is not rewritten.
     again = dec.reserve("q", tokens, dec.hashes(tokens), dec.root(), GREEDY)
     assert again.num_cached_tokens == 9 * 16 and again.block_table[:9] == d.block_table[:9]
-    dec.write_kv(again, 0, torch.zeros_like(kv))  # the shared blocks stay as they were
-    assert torch.equal(dec.export_sequence(d, 0, 9), kv[:9])
+    dec.kv.write_kv(again, 0, torch.zeros_like(kv))  # the shared blocks stay as they were
+    assert torch.equal(dec.kv.export_sequence(d, 0, 9), kv[:9])
     dec.free(again)
 
 
@@ -108,8 +108,8 @@ def test_pool_exhaustion_is_a_clear_signal(loaded_model, ids):
     before = list(a.tokens)
     o = eng.decode_step([a])[0]
     assert o.token is None and o.finished == "" and a.tokens == before
-    assert eng.import_blocks(eng.hashes(ids[:40]), torch.zeros(2, *eng.block_shape)) == 2  # present
-    assert eng.import_blocks(eng.hashes(ids[60:100]), torch.zeros(2, *eng.block_shape)) == 0  # no room
+    assert eng.kv.import_blocks(eng.hashes(ids[:40]), torch.zeros(2, *eng.block_shape)) == 2  # present
+    assert eng.kv.import_blocks(eng.hashes(ids[60:100]), torch.zeros(2, *eng.block_shape)) == 0  # no room
     eng.free(a)
     eng.free(a)  # idempotent
     st = eng.stats()

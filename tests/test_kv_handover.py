@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from mooncake import protocol as P
-from mooncake.kv_integrity import checksums
-from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
+from mooncake.kv.integrity import checksums
+from mooncake.kv.link import connect_kv_egress
+from mooncake.kv.prefill_kv import export_in_thread
 from mooncake.sockets import send_multipart
 
 from decode_workers import Recorder, small_decode_worker, until
@@ -53,9 +54,9 @@ async def test_layer_messages_queued_behind_a_write_land_in_one_call_that_also_b
     calls = counting_engine_calls(w)
     hold = threading.Event()
     w._pool.submit(hold.wait, 60)  # the engine thread is busy (a decode step, say) while the KV comes in
-    w.kv_sock, endpoint = bind_kv_ingress(w.ctx, None, "127.0.0.1", 0, w.max_message_bytes)
+    endpoint = w.kv.bind(w.ctx, "127.0.0.1", 0, w.max_message_bytes)
     out = connect_kv_egress(w.ctx, None, endpoint)
-    loop = asyncio.create_task(w._kv_loop())
+    loop = asyncio.create_task(w.kv.receive_loop())
     try:
         for layer in range(L):  # a layer-wise prefill: one message per layer
             part = kv[:, layer].contiguous()
@@ -67,7 +68,7 @@ async def test_layer_messages_queued_behind_a_write_land_in_one_call_that_also_b
         assert len(calls) == 2  # the first layer's write, then the other layers' writes with begin_decoding
         assert eng.begin_decoding not in calls  # no call of its own
         assert slot.seq.prefilled and slot.seq.tokens[-1] == 7
-        assert torch.equal(eng.export_sequence(slot.seq, 0, 3), kv)
+        assert torch.equal(eng.kv.export_sequence(slot.seq, 0, 3), kv)
         assert not [m for m in w.send.sent if isinstance(m, P.Failed)]
     finally:
         hold.set()
@@ -93,7 +94,7 @@ async def test_the_first_token_after_the_kv_still_begins_decoding(decode_worker)
     kv = await reserved(w, 2)
     token = TOKEN
     slot = w.incoming["r"]
-    await w._land_kv(slot, [(P.KVTransfer("r", 0, token=token, checksums=checksums(list(kv))), list(kv))])
+    await w.kv.land_kv(slot, [(P.KVTransfer("r", 0, token=token, checksums=checksums(list(kv))), list(kv))])
     assert slot.kv_complete and not slot.started and "r" in w.incoming  # all KV in, no first token yet
     await w.handle(P.FirstToken("r", 9), [])
     assert "r" in w.running and slot.seq.tokens[-1] == 9
@@ -108,7 +109,7 @@ async def test_a_message_out_of_order_in_a_batch_fails_the_request_and_writes_no
     slot = w.incoming["r"]
     calls = counting_engine_calls(w)
     batch = [(P.KVTransfer("r", first, token=token, checksums=checksums([kv[first]])), [kv[first]]) for first in (0, 2)]
-    await w._land_kv(slot, batch)  # block 2 does not continue block 0
+    await w.kv.land_kv(slot, batch)  # block 2 does not continue block 0
     assert "r" not in w.incoming and "r" not in w.running
     assert [m.message for m in w.send.sent if isinstance(m, P.Failed)] == ["KV arrived out of order or oversized"]
     assert calls == [eng.free]  # nothing was written
@@ -130,9 +131,9 @@ async def test_prefill_exports_kv_while_its_engine_thread_is_busy():
         while not eng.prefill(seq).done:
             pass
         w._pool.submit(hold.wait, 60)  # the engine thread computes another prompt's chunk
-        kv = await asyncio.wait_for(w._export(seq, 1, None), 30)
+        kv = await asyncio.wait_for(export_in_thread(eng, seq, 1, None), 30)
         assert not hold.is_set()
-        assert torch.equal(kv, eng.export_sequence(seq, 1, None)) and len(kv) == 2  # block 1 and the partial tail
+        assert torch.equal(kv, eng.kv.export_sequence(seq, 1, None)) and len(kv) == 2  # block 1 and the partial tail
     finally:
         hold.set()
         w._pool.shutdown(wait=False)

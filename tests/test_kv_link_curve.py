@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
-from mooncake.kv_integrity import checksums, first_corrupt
-from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
+from mooncake.kv.integrity import checksums, first_corrupt
+from mooncake.kv.link import bind_kv_ingress, connect_kv_egress
 from mooncake.security import Curve, generate_keys, kind_of, peer_of
 from mooncake.sockets import recv_multipart, send_multipart
 

@@ -8,7 +8,7 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
-from mooncake.engine.layerwise import completed_blocks, split_runs
+from mooncake.kv.layers import completed_blocks, split_runs
 from mooncake.protocol import Sampling
 
 from decode_workers import Recorder, small_decode_worker
@@ -53,12 +53,12 @@ def _prefill_layerwise(src: Engine, dst: Engine, ids: list[int], cached_prefix: 
     assert into is not None
     T = src.block_tokens
     if seq.num_cached_tokens:
-        dst.write_kv(into, 0, src.export_sequence(seq, 0, seq.num_cached_tokens // T), stage_row)
+        dst.kv.write_kv(into, 0, src.kv.export_sequence(seq, 0, seq.num_cached_tokens // T), stage_row)
     got: list[tuple[int, int, int]] = []
 
     def on_layer(layer: int, first: int, kv: torch.Tensor) -> None:
         got.append((layer, first, len(kv)))
-        dst.write_kv_layer(into, first, layer, kv.clone(), stage_row)
+        dst.kv.write_kv_layer(into, first, layer, kv.clone(), stage_row)
 
     while True:
         step = src.prefill(seq, on_layer)
@@ -85,8 +85,8 @@ def test_layerwise_kv_equals_blockwise_kv_and_output(loaded_model, ids, cached_p
     seq, into, step = _prefill_layerwise(src, dst, ids, cached_prefix)
     n = len(ids)
     T = src.block_tokens
-    blockwise = src.export_sequence(seq)  # what the block-wise path ships: the pool's blocks
-    landed = dst.export_sequence(into, 0, len(into.block_table))
+    blockwise = src.kv.export_sequence(seq)  # what the block-wise path ships: the pool's blocks
+    landed = dst.kv.export_sequence(into, 0, len(into.block_table))
     flat = lambda kv: kv.permute(1, 2, 3, 0, 4, 5).reshape(*kv.shape[1:4], -1, kv.shape[-1])[:, :, :, :n]
     assert torch.equal(flat(landed), flat(blockwise))  # bit for bit, every valid position
     assert (flat(landed).shape[3] == n) and len(into.block_table) == -(-n // T)
@@ -122,11 +122,11 @@ def test_write_kv_layer_refuses_what_does_not_fit(loaded_model, ids):
     seq = eng.reserve("r", ids, eng.hashes(ids), eng.root(), GREEDY)
     layer = torch.zeros(2, *eng.block_shape[1:])
     with pytest.raises(ValueError, match="does not fit"):
-        eng.write_kv_layer(seq, 9, 0, layer)  # blocks 9..11 of 10
+        eng.kv.write_kv_layer(seq, 9, 0, layer)  # blocks 9..11 of 10
     with pytest.raises(ValueError, match="does not fit"):
-        eng.write_kv_layer(seq, 0, eng.block_shape[0], layer)  # no such layer
+        eng.kv.write_kv_layer(seq, 0, eng.block_shape[0], layer)  # no such layer
     with pytest.raises(ValueError, match="expected"):
-        eng.write_kv_layer(seq, 0, 0, torch.zeros(2, *eng.block_shape))
+        eng.kv.write_kv_layer(seq, 0, 0, torch.zeros(2, *eng.block_shape))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def decode_worker():
 
 async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_worker):
     from mooncake import protocol as P
-    from mooncake.kv_integrity import checksums
+    from mooncake.kv.integrity import checksums
 
     w = decode_worker
     w.send = Recorder()
@@ -155,29 +155,29 @@ async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_w
 
     await w.handle(P.DecodeRequest("r1", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     slot = w.incoming["r1"]
-    await w._on_kv(P.encode(P.KVTransfer("r1", 0, token=token, checksums=checksums(kv[:1])), [kv[0]]))
+    await w.kv.on_kv(P.encode(P.KVTransfer("r1", 0, token=token, checksums=checksums(kv[:1])), [kv[0]]))
     assert slot.next_block == 1  # a whole block counts for every layer
     for layer in range(L):
-        await w._on_kv(layer_msg("r1", 1, 1, layer))
+        await w.kv.on_kv(layer_msg("r1", 1, 1, layer))
         assert slot.next_block == (2 if layer == L - 1 else 1)  # block 1 is used only once whole
     for layer in reversed(range(L)):  # layers may arrive in any order; blocks per layer in order
-        await w._on_kv(layer_msg("r1", 2, 1, layer))
+        await w.kv.on_kv(layer_msg("r1", 2, 1, layer))
     assert slot.kv_complete and not [m for m in w.send.sent if isinstance(m, P.Failed)]
-    landed = eng.export_sequence(slot.seq, 0, 3)
+    landed = eng.kv.export_sequence(slot.seq, 0, 3)
     assert torch.equal(landed, kv)
     await w._drop("r1")
 
     await w.handle(P.DecodeRequest("r2", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
-    await w._on_kv(layer_msg("r2", 1, 1, 0))  # skips block 0 of layer 0: out of order
+    await w.kv.on_kv(layer_msg("r2", 1, 1, 0))  # skips block 0 of layer 0: out of order
     await w.handle(P.DecodeRequest("r3", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
-    await w._on_kv(layer_msg("r3", 0, 2, 5, corrupt=True))
+    await w.kv.on_kv(layer_msg("r3", 0, 2, 5, corrupt=True))
     await w.handle(P.DecodeRequest("r4", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
-    await w._on_kv(layer_msg("r4", 0, 1, L))  # no such layer
+    await w.kv.on_kv(layer_msg("r4", 0, 1, L))  # no such layer
     failed = {m.req_id: m.message for m in w.send.sent if isinstance(m, P.Failed)}
     assert set(failed) == {"r2", "r3", "r4"}
     assert "checksum" in failed["r3"] and "out of order" in failed["r2"] and "out of order" in failed["r4"]
     await w.handle(P.DecodeRequest("r5", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     empty = P.encode(P.KVLayer("r5", 0, 0, token=token, checksums=[0]), [torch.zeros(0, *eng.block_shape[1:])])
-    await w._on_kv(empty)  # malformed: dropped, the request still waits for its KV
+    await w.kv.on_kv(empty)  # malformed: dropped, the request still waits for its KV
     assert "r5" in w.incoming and w.incoming["r5"].next_block == 0
     await w._drop("r5")

@@ -21,8 +21,8 @@ import zmq
 
 from mooncake import protocol as P
 from mooncake.config import MiB, dump_toml
+from mooncake.kv.integrity import checksums
 from mooncake.local.cluster import LocalCluster
-from mooncake.kv_integrity import checksums
 from mooncake.security import Curve, generate_keys
 from mooncake.testing.api import complete, metric, metrics
 from mooncake.testing.cluster import small_config

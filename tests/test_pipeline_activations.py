@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mooncake import protocol as P
-from mooncake.kv_integrity import checksums
+from mooncake.kv.integrity import checksums
 from mooncake.roles import prefill_stage
 from mooncake.roles.prefill_stage import ActivationInbox, StageError
 

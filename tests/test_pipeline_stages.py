@@ -56,12 +56,12 @@ def test_stages_equal_one_instance(eng, ids, stages):
     one = eng.add_sequence("one", ids, GREEDY, max_cached_blocks=0)
     while not (ref := eng.prefill(one)).done:
         pass
-    ref_kv = eng.export_sequence(one).clone()
+    ref_kv = eng.kv.export_sequence(one).clone()
     seqs, step, layers = _through_stages(eng, ids, stages)
     assert step.token == ref.token
     torch.testing.assert_close(step.logits, ref.logits, rtol=1e-4, atol=1e-4)
     for seq, (lo, hi) in zip(seqs, layers):
-        torch.testing.assert_close(eng.export_sequence(seq)[:, lo:hi], ref_kv[:, lo:hi], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(eng.kv.export_sequence(seq)[:, lo:hi], ref_kv[:, lo:hi], rtol=1e-4, atol=1e-5)
     for s in [one, *seqs]:
         eng.free(s)
 

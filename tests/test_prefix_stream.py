@@ -14,9 +14,9 @@ import torch
 
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
-from mooncake.kv_integrity import checksums
+from mooncake.kv.integrity import checksums
 from mooncake.protocol import Sampling
-from mooncake.roles.prefix_stream import LayerGate, PrefixLoadFailed, PrefixStream
+from mooncake.kv.prefix_stream import LayerGate, PrefixLoadFailed, PrefixStream
 from mooncake.testing.store_process import store_process
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.store_requests import STREAM_FAULT_ENV
@@ -55,7 +55,7 @@ def cold(eng, ids):
     seq = eng.add_sequence("cold", ids, GREEDY, hashes=hashes)
     while not (step := eng.prefill(seq)).done:
         pass
-    prefix = eng.export_sequence(seq, 0, PREFIX // eng.block_tokens).clone()
+    prefix = eng.kv.export_sequence(seq, 0, PREFIX // eng.block_tokens).clone()
     eng.free(seq)
     eng.blocks.forget(hashes)
     return step.token, prefix, hashes
@@ -71,11 +71,11 @@ async def put_prefix(endpoint: str, eng: Engine, cold) -> StoreClient:
 
 async def load_blockwise(eng: Engine, client: StoreClient, ids, hashes) -> tuple[int, torch.Tensor]:
     found, blocks = await client.get(hashes[:PREFIX // eng.block_tokens])
-    assert eng.import_blocks(found, torch.stack(blocks)) == len(found)
+    assert eng.kv.import_blocks(found, torch.stack(blocks)) == len(found)
     seq = eng.add_sequence("block", ids, GREEDY, hashes=hashes)
     assert seq.num_cached_tokens == PREFIX
     step = eng.prefill(seq)
-    kv = eng.export_sequence(seq).clone()
+    kv = eng.kv.export_sequence(seq).clone()
     eng.free(seq)
     eng.blocks.forget(hashes)
     return step.token, kv
@@ -92,7 +92,7 @@ async def load_layerwise(eng: Engine, client: StoreClient, endpoint: str, ids, h
     seq.num_cached_tokens = seq.num_computed = PREFIX
     shipped: list[list[torch.Tensor]] = []
     hooked: list[int] = []
-    stream.start(lambda lo, kv: eng.land_layers(seq, 0, lo, kv), stream.n, shipped.append, eng.block_shape, eng.dtype)
+    stream.start(lambda lo, kv: eng.kv.land_layers(seq, 0, lo, kv), stream.n, shipped.append, eng.block_shape, eng.dtype)
     try:
         step = await asyncio.to_thread(eng.prefill, seq, stream.gate.hold(lambda li, f, kv: hooked.append(li)),
                                        stream.gate.wait)
@@ -101,8 +101,8 @@ async def load_layerwise(eng: Engine, client: StoreClient, endpoint: str, ids, h
         eng.free(seq)
         return e, None, shipped, hooked
     await stream.close()
-    eng.adopt_prefix(seq, 0, stream.n)
-    kv = eng.export_sequence(seq).clone()
+    eng.kv.adopt_prefix(seq, 0, stream.n)
+    kv = eng.kv.export_sequence(seq).clone()
     assert seq.block_hashes == hashes[:len(seq.block_hashes)] and len(seq.block_hashes) == len(ids) // T
     eng.free(seq)
     assert eng.cached_prefix(hashes) == len(ids) // T  # the loaded blocks are keyed, as computed ones

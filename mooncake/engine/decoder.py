@@ -13,13 +13,13 @@ table) into a workspace ``[L, 2, B, Hkv, K, D]``; each layer writes its new K/V
 next to the past of its own sequence and attends over that row, masked to its
 length (and to its window on sliding-window layers: every block is kept, so blocks
 stay shareable). After the last layer the new K/V go to the pool in one scatter; a
-prefill chunk may also hand each layer's K/V out as soon as the layer wrote them
-(``on_layer``, see ``layerwise.py``).
+prefill chunk may also hand each layer's K/V out as soon as the layer wrote them, or wait for
+each layer's past to load (``LayerHooks``, see ``mooncake/kv/layers.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from mooncake.engine.families import model_spec
 from mooncake.engine.fast_decode import FastDecode
 from mooncake.engine.int8 import quantize_spec
 from mooncake.engine.rope import tables_of
+
+if TYPE_CHECKING:
+    from mooncake.kv.layers import LayerHooks
 
 
 class DecoderForward:
@@ -201,18 +204,15 @@ class DecoderForward:
         return self._rotate(q, cos, sin), torch.stack((self._rotate(k, cos, sin), v), 1)
 
     @torch.inference_mode()
-    def forward(self, pool: torch.Tensor, b: Batch,
-                on_layer: Callable[[int, torch.Tensor], None] | None = None,
-                layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None,
-                past_ready: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    def forward(self, pool: torch.Tensor, b: Batch, hooks: LayerHooks | None = None) -> torch.Tensor | None:
         """Run the layers, write the new K/V into ``pool``; logits ``[len(logit_rows), V]`` or None.
-        ``on_layer(li, ws[li])`` runs as soon as layer ``li`` has written its new K/V (layer-wise KV).
-        A pipeline stage (``layers = (lo, hi)``) runs only those layers, on ``hidden`` (``[B*S,
-        hidden]``, the previous stage's output) instead of the embeddings when ``lo > 0``, writes only
-        their K/V, and returns its hidden states instead of logits when ``hi`` is not the last layer.
-        ``past_ready(li)`` (a prefix loading layer by layer, see ``roles/prefix_stream.py``): blocks until
-        layer ``li``'s past KV is in the pool; the past is then gathered per layer, just before the layer
-        attends, instead of all layers up front."""
+        ``hooks`` (``LayerHooks``): per-layer KV out, a past loading layer by layer, a pipeline stage's
+        layers (which writes only their K/V, and returns its hidden states instead of logits when its
+        last layer is not the model's)."""
+        on_layer = hooks.on_layer if hooks is not None else None
+        past_ready = hooks.past_ready if hooks is not None else None
+        layers = hooks.layers if hooks is not None else None
+        hidden = hooks.hidden if hooks is not None else None
         spec = self.spec
         lo_layer, hi_layer = layers if layers is not None else (0, self.num_layers)
         B, S, T = b.B, b.S, self.block_tokens

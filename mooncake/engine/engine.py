@@ -1,5 +1,6 @@
 """The engine: sequences over a paged KV cache, computed by its own forward, for prefill and
-decode roles. KV import / export is ``kv_transfer``; choosing next tokens, ``token_picker``.
+decode roles. KV import / export is ``engine.kv`` (``mooncake.kv.pool_io``); choosing next tokens,
+``token_picker``.
 
 Not thread-safe: the roles call one Engine from a single worker thread. Compute
 is synchronous.
@@ -21,17 +22,17 @@ from mooncake.engine.constraints import consume
 from mooncake.engine.decoder import DecoderForward
 from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
-from mooncake.engine.kv_transfer import KVTransfer
-from mooncake.engine.layerwise import ChunkLayers, LayerFn
 from mooncake.engine.loader import LoadedModel
 from mooncake.engine.request_checks import check_request
 from mooncake.engine.sampler import sequence_seed
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.engine.token_picker import TokenPicker
+from mooncake.kv.layers import ChunkLayers, LayerFn, LayerHooks
+from mooncake.kv.pool_io import PoolKV
 from mooncake.protocol import Sampling
 
 
-class Engine(KVTransfer):
+class Engine:
     """One model on one device with a paged KV pool. Not thread-safe."""
 
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
@@ -54,6 +55,7 @@ class Engine(KVTransfer):
         self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
         self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
         self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
+        self.kv = PoolKV(self.pool, self.blocks, self.model)  # KV into and out of the pool
         self.vocab_size = int(self.model.embed.shape[0])
         self.picker = TokenPicker(loaded, self.vocab_size, self.max_model_len, cfg.threads or 1)
         self.chunk_tokens = cfg.prefill_chunk_tokens
@@ -94,7 +96,7 @@ class Engine(KVTransfer):
     def reserve(self, req_id: str, tokens: list[int], hashes: list[BlockHash], root: BlockHash,
                 sampling: Sampling, num_generated: int = 0) -> Sequence | None:
         """Hold the blocks for a sequence whose KV for ``tokens`` will be written in by
-        ``write_kv``; leading blocks already cached are shared (their KV need not come).
+        ``kv.write_kv``; leading blocks already cached are shared (their KV need not come).
         None if the pool cannot hold it now (nothing is leaked)."""
         self.validate(tokens, sampling)
         return self._new_sequence(req_id, tokens, sampling, num_generated, list(hashes), root,
@@ -152,17 +154,18 @@ class Engine(KVTransfer):
                 past_ready: Callable[[int], None] | None = None) -> PrefillStep:
         """Compute the next chunk of the prompt; sample the first token after the last one.
         ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
-        as soon as the layer has computed them (``layerwise.py``; on this thread). ``past_ready(layer)``:
+        as soon as the layer has computed them (``mooncake/kv/layers.py``; on this thread). ``past_ready(layer)``:
         blocks until that layer of the sequence's past is in the pool (a prefix loading layer by layer,
-        ``land_layers``); may raise, which abandons the chunk with nothing written."""
+        ``kv.land_layers``); may raise, which abandons the chunk with nothing written."""
         if seq.prefilled or seq.freed:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         t0 = time.perf_counter()
         start, n = seq.num_computed, len(seq.tokens)
         end = min(n, start + self.chunk_tokens)
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
+        hooks = None if hook is None and past_ready is None else LayerHooks(on_layer=hook, past_ready=past_ready)
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
-                                    hook, past_ready=past_ready)
+                                    hooks)
         seq.num_computed = end
         full = self._register_full(seq, start, end)
         if end < n:
@@ -194,8 +197,8 @@ class Engine(KVTransfer):
                              % (start, end, end - start, self.model.embed.shape[1]))
         last, final = end == n, hi == self.block_shape[0]
         hook = ChunkLayers(on_layer, start, end, last, self.block_tokens) if on_layer is not None else None
-        out = self.model.forward(self.pool, prefill_batch(seq, start, end, last and final, self.block_tokens,
-                                                          self.device), hook, layers, hidden)
+        batch = prefill_batch(seq, start, end, last and final, self.block_tokens, self.device)
+        out = self.model.forward(self.pool, batch, LayerHooks(on_layer=hook, layers=layers, hidden=hidden))
         seq.num_computed = end
         if not final:
             return PrefillStep([], last), out

@@ -3,7 +3,7 @@
 The pool tensor is ``[num_blocks, num_layers, 2, num_kv_heads, block_tokens, head_dim]``
 (one block = ``pool[i]``, index 0 = K after RoPE, 1 = V). One layer of a run of blocks,
 ``pool[blocks, layer]`` = ``[n, 2, num_kv_heads, block_tokens, head_dim]``, is what layer-wise
-transfer moves (``layerwise.py``). ``BlockManager`` knows nothing of tensors: it owns which
+transfer moves (``mooncake/kv/layers.py``). ``BlockManager`` knows nothing of tensors: it owns which
 block holds what.
 
 Every block is in exactly one of three states:

@@ -81,7 +81,7 @@ def _time_prefill(engine: Engine, tokens: list[int], cached: int, salt: str,
     seqs = []
     try:
         if prefix:
-            engine.import_blocks(prefix, _zeros(engine, len(prefix)))
+            engine.kv.import_blocks(prefix, _zeros(engine, len(prefix)))
         seqs.append(_add(engine, tokens, salt, sampling))
         seconds = _prefill(engine, seqs[0])
         return len(tokens) - seqs[0].num_cached_tokens, seqs[0].num_cached_tokens, seconds
@@ -107,7 +107,7 @@ def _time_decode(engine: Engine, batch: int, context: int, steps: int, salt: str
             if seq is None:
                 raise RuntimeError("profile: the KV pool could not hold a decode batch of %d" % batch)
             seqs.append(seq)
-            engine.write_kv(seq, 0, kv)
+            engine.kv.write_kv(seq, 0, kv)
             engine.begin_decoding(seq, 1)
         engine.decode_step(seqs)
         times = []

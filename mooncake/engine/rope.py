@@ -73,12 +73,6 @@ def inv_freq_of(rp: RopeParams, dim: int) -> torch.Tensor:
     return freq
 
 
-def rope_tables(config: Any, head_dim: int, max_len: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed_sin) of the config's single rope setting; see ``tables_of``."""
-    return tables_of(RopeParams(*rope_params(config)), head_dim, max_len, dtype, device)
-
-
 def tables_of(rp: RopeParams, dim: int, max_len: int, dtype: torch.dtype,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed_sin), each ``[max_len, dim]`` (``dim``: the rotated dimensions).

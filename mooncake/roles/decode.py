@@ -10,8 +10,8 @@ step streams one token per sequence. When a step needs blocks the pool no longer
 has, the newest sequences are preempted: their full blocks go to the store and
 the conductor gives them a new attempt, which resumes where they were.
 
-KV from prefill lands through the KV ingress (``decode_kv.py``): only the attempt's, checked,
-straight into the reserved blocks, as whole blocks or one layer at a time.
+KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
+attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine.errors import InvalidRequestError
-from mooncake.kv_link import bind_kv_ingress
-from mooncake.roles.decode_kv import KVIngress, Slot
+from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker(KVIngress, EngineWorker):
+class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, cfg: Config) -> None:
@@ -46,13 +45,13 @@ class DecodeWorker(KVIngress, EngineWorker):
         self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
-        self._landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
-        self._kv_tasks: set[asyncio.Task] = set()  # KV messages landing
+        self.kv = KVIngress(self.engine, self.curve, self.rejections, self.incoming, self.running,
+                            lambda fn, *args: self.run_engine(fn, *args), self.stores.save_blocks,
+                            self._give_up, self._maybe_start, self._join)
 
     async def start(self) -> None:
-        self.kv_sock, endpoint = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, self.cfg.node.kv_port,
-                                                 self.max_message_bytes)
-        self._tasks += [asyncio.create_task(self._kv_loop()), asyncio.create_task(self._step_loop())]
+        endpoint = self.kv.bind(self.ctx, self.cfg.node.host, self.cfg.node.kv_port, self.max_message_bytes)
+        self._tasks += [asyncio.create_task(self.kv.receive_loop()), asyncio.create_task(self._step_loop())]
         await self.serve({"kv": endpoint})
 
     def busy(self) -> bool:
@@ -62,8 +61,9 @@ class DecodeWorker(KVIngress, EngineWorker):
         steps, self.steps = self.steps, []
         load = super().load()
         load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
+        load.progress += self.kv.writes  # landing KV is engine progress
         # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
-        load.pending = bool(self.running) or self._landing > 0
+        load.pending = bool(self.running) or self.kv.landing > 0
         return load
 
     # ------------------------------------------------------------ conductor messages
@@ -225,11 +225,9 @@ class DecodeWorker(KVIngress, EngineWorker):
         first_new = len(slot.msg.tokens) // self.engine.block_tokens
         hashes = list(seq.block_hashes)
         if write and slot.msg.store_endpoint and len(hashes) > first_new:
-            await self.store_blocks(slot.msg.store_endpoint, seq, hashes[first_new:], first_new, len(hashes))
+            await self.stores.save_blocks(slot.msg.store_endpoint, seq, hashes[first_new:], first_new, len(hashes))
         await self.run_engine(self.engine.free, seq)
 
     async def close(self) -> None:
-        for t in self._kv_tasks:
-            t.cancel()
-        self.kv_sock.close(0)
+        self.kv.close()
         await super().close()

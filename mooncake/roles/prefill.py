@@ -4,13 +4,14 @@ Per request: blocks already in this instance's device cache are attached; the
 conductor's fetch plan names stores holding the next blocks (local node first)
 and they are imported; the rest is computed chunk by chunk. New KV leaves for the decode instance
 layer by layer as the engine computes it (``[engine] kv_transfer = "layer"``, see
-``engine/layerwise.py``), or block by block after each chunk (``"block"``), while
+``mooncake/kv/layers.py``), or block by block after each chunk (``"block"``), while
 later work computes. The first token goes to the conductor; each chunk's newly
-completed full blocks are written to the node's store in the background.
+completed full blocks are written to the node's store in the background. Every KV
+movement goes through the request's connector (``mooncake/kv/prefill_kv.py``).
 
 Trust: blocks read from a store must be the ones asked for, in the model's block
-shape and dtype (else a miss, recomputed: ``prefix_load.py``); every KV transfer to decode
-carries the attempt's token from the conductor and a checksum per block.
+shape and dtype (else a miss, recomputed: ``mooncake/kv/prefix_load.py``); every KV transfer
+to decode carries the attempt's token from the conductor and a checksum per block.
 
 A request with a ``StagePlan`` runs this instance as one stage of a pipeline group
 (``prefill_stage.py``): the same prefix handling and KV path, its own layers only.
@@ -29,19 +30,17 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.kv_integrity import checksums
-from mooncake.kv_link import bind_kv_ingress, connect_kv_egress
-from mooncake.kv_sender import KVSender
+from mooncake.kv.egress import KVEgress
+from mooncake.kv.link import bind_kv_ingress
+from mooncake.kv.prefill_kv import PrefillKV
+from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
-from mooncake.roles.prefix_load import fetch_prefix, first_chunk_loading, open_stream, start_stream
-from mooncake.roles.prefix_stream import PrefixStream
-from mooncake.sockets import recv_multipart, send_multipart
+from mooncake.sockets import recv_multipart
 from mooncake.worker import EngineWorker
 
 log = logging.getLogger(__name__)
-SEND_TIMEOUT_S = 10.0
 
 
 class PrefillWorker(EngineWorker):
@@ -59,7 +58,9 @@ class PrefillWorker(EngineWorker):
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self.inflight = InflightBlocks()  # prompt blocks the running requests are computing
         self.chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
-        self._kv_socks: dict[str, zmq.asyncio.Socket] = {}
+        self.egress = KVEgress(self.ctx, self.curve, self.aborted)  # KV (and activations) to other instances
+        self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
+                                   self.rejections, self.chunks.chunk)
         self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
         self._act_sock: zmq.asyncio.Socket | None = None
 
@@ -135,29 +136,8 @@ class PrefillWorker(EngineWorker):
         """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""
         return self.max_message_bytes // 2 // (self.engine.block_bytes // self.engine.block_shape[0])
 
-    def _kv_socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._kv_socks.get(endpoint)
-        if sock is None:
-            sock = connect_kv_egress(self.ctx, self.curve, endpoint)
-            self._kv_socks[endpoint] = sock
-        return sock
-
-    async def _ship(self, endpoint: str, msg: P.KVTransfer | P.KVLayer, tensors: list[torch.Tensor]) -> None:
-        """Send KV to a decode instance; gives up when the request is aborted (e.g. the
-        conductor found the decode dead and moved the request) or after SEND_TIMEOUT_S. The
-        message carries the attempt's token and a checksum per frame (a block, or a layer of blocks)."""
-        msg.checksums = await asyncio.to_thread(checksums, tensors)
-        frames = P.encode(msg, tensors)
-        send = asyncio.ensure_future(send_multipart(self._kv_socket(endpoint), frames))
-        deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
-        while not send.done():
-            await asyncio.wait({send}, timeout=0.1)
-            if not send.done() and (msg.req_id in self.aborted or asyncio.get_running_loop().time() > deadline):
-                send.cancel()
-                self._kv_socks.pop(endpoint).close(0)  # its queue may hold parts of this request
-                raise TimeoutError(f"KV to {endpoint} not accepted within {SEND_TIMEOUT_S:.0f}s"
-                                   if msg.req_id not in self.aborted else "aborted")
-        send.result()
+    def _progressed(self) -> None:
+        self.progress += 1
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
         eng = self.engine
@@ -177,11 +157,9 @@ class PrefillWorker(EngineWorker):
     async def _prefill_from(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int, t_start: float) -> None:
         """The prefill of ``req`` once its first ``have`` blocks are in the device cache."""
         eng = self.engine
-        stream, fetched, fetch_s = None, 0, 0.0
-        if req.fetch and req.stage is None and self.cfg.engine.kv_load == "layer":
-            stream, fetch_s = await open_stream(self, req, hashes, have)
-        elif req.fetch:
-            fetched, fetch_s = await fetch_prefix(self, req, hashes, have)
+        kv = PrefillKV(req, hashes, eng, self.loader, self.egress.ship, self.stores, self.layer_frame_blocks(),
+                       self.cfg.engine.kv_load == "layer")
+        fetched, fetch_s = await kv.start_load(have)
         try:
             while True:
                 releases = self._releases
@@ -193,65 +171,47 @@ class PrefillWorker(EngineWorker):
                 if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
                     await self._released.wait()
         except BaseException:  # an invalid request, an abort: the stream goes too
-            if stream is not None:
-                await stream.close()
+            await kv.close()
             raise
         if seq is None:
-            if stream is not None:
-                await stream.close()
+            await kv.close()
             await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
         self._holding += 1
-        sender = KVSender(lambda msg, tensors: self._ship(req.decode_endpoint, msg, tensors))
         try:
             if req.stage is not None:
-                await run_stage(self, req, seq, sender, fetched, fetch_s)
+                await kv.attach(seq, have)
+                await run_stage(req, seq, kv, fetched, fetch_s, engine=eng, run_engine=self.run_engine,
+                                ship=self.egress.ship, inbox=self.inbox, aborted=self.aborted, report=self.send,
+                                node_id=self.node_id, progressed=self._progressed)
             else:
-                await self._compute_and_ship(req, seq, hashes, sender, fetched, fetch_s, t_start, stream, have)
+                await self._compute_and_ship(req, seq, kv, fetched, fetch_s, t_start, have)
         finally:
-            if stream is not None:
-                await stream.close()
-            sender.cancel()
+            await kv.close()
             await self.run_engine(eng.free, seq)
             self._holding -= 1
             self._releases += 1
             self._released.set()  # wake those waiting for blocks; later waits use a fresh event
             self._released = asyncio.Event()
 
-    async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
-                                sender: KVSender, fetched: int, fetch_s: float, t_start: float,
-                                stream: PrefixStream | None = None, have: int = 0) -> None:
-        """The chunk loop. KV leaves through ``sender`` while later work computes: the reused prefix
+    async def _compute_and_ship(self, req: P.PrefillRequest, seq: Sequence, kv: PrefillKV, fetched: int,
+                                fetch_s: float, t_start: float, have: int) -> None:
+        """The chunk loop. KV leaves through ``kv`` while later work computes: the reused prefix
         first (known before any compute; a prefix streaming from a store layer by layer once it is
-        verified, see ``prefix_stream.py``), then each layer of each chunk as soon as it is computed
+        verified), then each layer of each chunk as soon as it is computed
         (``kv_transfer = "layer"``) or each chunk's blocks after the chunk. The blocks a chunk
         completes are written to the store after that chunk."""
         eng = self.engine
         T = eng.block_tokens
         sent = seq.num_cached_tokens // T
-        if sent:
-            sender.put_blocks(req, 0, await self._export(seq, 0, sent))
-        loop = asyncio.get_running_loop()
-        per_frame = self.layer_frame_blocks()
-
-        def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
-            sender.put_layer(req, layer, first, kv, per_frame, loop)
-
-        after_cached = sent
-
-        def ship_prefix(layers: list[torch.Tensor]) -> None:  # event loop: the streamed prefix, verified
-            for layer, kv in enumerate(layers):
-                sender.put_layer(req, layer, after_cached, kv.contiguous(), per_frame)
-
-        on_layer = ship_layer if self.cfg.engine.kv_transfer == "layer" else None
-        loading = start_stream(self, req, seq, stream, have, ship_prefix) if stream is not None else 0
+        loading = await kv.attach(seq, have)
+        on_layer = kv.save_layer if self.cfg.engine.kv_transfer == "layer" else None
         cached = seq.num_cached_tokens
         written = cached // T
         compute_s = 0.0  # this request's own share of the forwards (a packed one is shared by tokens)
         while True:
             if loading:
-                assert stream is not None
-                step, loading = await first_chunk_loading(self, req, seq, stream, sent, loading, on_layer)
+                step, loading = await kv.first_chunk(sent, loading, on_layer)
                 fetched, cached, written = loading, seq.num_cached_tokens, seq.num_cached_tokens // T
                 sent += loading
                 loading = 0
@@ -261,16 +221,16 @@ class PrefillWorker(EngineWorker):
             self.progress += 1
             if req.req_id in self.aborted:
                 return
-            sender.check()
+            kv.check()
             full = seq.num_computed // T
             if on_layer is not None:  # the chunk's layers are queued already
                 sent = -(-seq.num_computed // T) if step.done else full
             if step.done:
                 self.inflight.finish(req.req_id)  # its blocks are cached: those waiting for them go on
                 break
-            written = await self._write_new_blocks(req, seq, hashes, written, full)
+            written = await kv.save_to_store(written, full)
             if full > sent:  # block-wise: the chunk's finished blocks travel while the next computes
-                sender.put_blocks(req, sent, await self._export(seq, sent, full))
+                await kv.save_blocks(sent, full)
                 sent = full
         token = int(step.token)  # type: ignore[arg-type]
         finished = P.FinishReason(step.finished) if step.finished else None
@@ -278,36 +238,18 @@ class PrefillWorker(EngineWorker):
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
             prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob,
-            kv_pending_bytes=sender.pending_bytes + (len(seq.block_table) - sent) * eng.block_bytes))
+            kv_pending_bytes=kv.in_flight() + (len(seq.block_table) - sent) * eng.block_bytes))
         if finished is None:
             if sent < len(seq.block_table):
-                sender.put_blocks(req, sent, await self._export(seq, sent, None))
-        await self._write_new_blocks(req, seq, hashes, written, len(hashes))
+                await kv.save_blocks(sent, None)
+        await kv.save_to_store(written, len(kv.hashes))
         if finished is None:
-            await sender.finish()
+            await kv.wait_for_save()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
 
-    async def _export(self, seq: Sequence, first: int, last: int | None) -> torch.Tensor:
-        """A copy of ``seq``'s computed blocks ``[first, last)`` for decode, read in a worker thread rather
-        than on the engine thread: the blocks are this request's, held and computed, so reading them
-        needs nothing of the engine, whose thread may meanwhile compute other prompts' chunks for a
-        second or more, and the KV (the tail: the decode's second token) would wait behind them
-        (BENCHMARKS.md section 15)."""
-        return await asyncio.to_thread(self.engine.export_sequence, seq, first, last)
-
-    async def _write_new_blocks(self, req: P.PrefillRequest, seq: Sequence, hashes: list[BlockHash],
-                                written: int, full: int) -> int:
-        """Write blocks ``[written, full)`` to the node's store in the background; the new ``written``."""
-        full = min(full, len(hashes))
-        if not req.store_endpoint or full <= written:
-            return written
-        await self.store_blocks(req.store_endpoint, seq, hashes[written:full], written, full)
-        return full
-
     async def close(self) -> None:
-        for s in self._kv_socks.values():
-            s.close(0)
+        self.egress.close()
         if self._act_sock is not None:
             self._act_sock.close(0)
         await super().close()

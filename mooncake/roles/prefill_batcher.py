@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from mooncake.engine.layerwise import LayerFn
+from mooncake.kv.layers import LayerFn
 from mooncake.engine.sequence import PrefillStep, Sequence
 
 log = logging.getLogger(__name__)

@@ -22,19 +22,17 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Awaitable, Callable, Container
 
 import torch
 
 from mooncake import protocol as P
-from mooncake.engine import Sequence
-from mooncake.kv_integrity import first_corrupt
-from mooncake.kv_sender import KVSender
+from mooncake.engine import Engine, Sequence
+from mooncake.kv.integrity import first_corrupt
+from mooncake.kv.prefill_kv import PrefillKV, ShipTo
+from mooncake.kv.sender import KVSender
 from mooncake.sched.pipeline import group_chunk_tokens
 from mooncake.security import allowed
-
-if TYPE_CHECKING:
-    from mooncake.roles.prefill import PrefillWorker
 
 log = logging.getLogger(__name__)
 ACTIVATION_TIMEOUT_S = 60.0  # a stage that hears nothing from the one before for this long gives up
@@ -98,26 +96,22 @@ class ActivationInbox:
         self._queues.pop(req_id, None)
 
 
-async def run_stage(w: "PrefillWorker", req: P.PrefillRequest, seq: Sequence, sender: KVSender,
-                    fetched: int, fetch_s: float) -> None:
-    """This instance's part of a group prefill: its layers of every chunk, its KV to decode."""
+async def run_stage(req: P.PrefillRequest, seq: Sequence, kv: PrefillKV, fetched: int, fetch_s: float, *,
+                    engine: Engine, run_engine: Callable[..., Awaitable[Any]], ship: ShipTo, inbox: ActivationInbox,
+                    aborted: Container[str], report: Callable[[P.Msg], Awaitable[None]], node_id: str,
+                    progressed: Callable[[], None]) -> None:
+    """This instance's part of a group prefill: its layers of every chunk, its KV to decode (through
+    ``kv``, attached to ``seq``), its hidden states to the next stage (``ship``), reports to the
+    conductor (``report``)."""
     st = req.stage
     assert st is not None
-    eng = w.engine
-    T = eng.block_tokens
+    T = engine.block_tokens
     if seq.num_cached_tokens != st.prefix_blocks * T:
         raise StageError(f"holds {seq.num_cached_tokens // T} of the group's {st.prefix_blocks} prefix blocks")
-    loop = asyncio.get_running_loop()
-    per_frame = w.layer_frame_blocks()
-
-    def ship_layer(layer: int, first: int, kv: torch.Tensor) -> None:  # engine thread
-        sender.put_layer(req, layer, first, kv, per_frame, loop)
-
     if st.prefix_blocks:  # this stage's layers of the reused prefix
-        kv = await w.run_engine(eng.export_sequence, seq, 0, st.prefix_blocks)
-        for layer in range(st.layer_lo, st.layer_hi):
-            sender.put_layer(req, layer, 0, kv[:, layer].contiguous(), per_frame)
-    nxt = KVSender(lambda m, t: w._ship(st.next_endpoint, m, t)) if st.next_endpoint else None
+        prefix = await run_engine(engine.kv.export_sequence, seq, 0, st.prefix_blocks)
+        kv.save_prefix_layers(0, ((layer, prefix[:, layer]) for layer in range(st.layer_lo, st.layer_hi)))
+    nxt = KVSender(lambda m, t: ship(st.next_endpoint, m, t)) if st.next_endpoint else None
     compute_s = idle_s = 0.0
     act_bytes = 0
     n = len(seq.tokens)
@@ -126,20 +120,20 @@ async def run_stage(w: "PrefillWorker", req: P.PrefillRequest, seq: Sequence, se
             start = seq.num_computed
             hidden = None
             if st.index == 0:  # the group's chunks: the pipeline's fill and drain shrink with them
-                end = min(n, start + group_chunk_tokens(eng.chunk_tokens, st.stages, T))
+                end = min(n, start + group_chunk_tokens(engine.chunk_tokens, st.stages, T))
             else:
                 t0 = time.perf_counter()
-                hidden = await w.inbox.get(req.req_id, req.kv_token, start, lambda: req.req_id in w.aborted)
+                hidden = await inbox.get(req.req_id, req.kv_token, start, lambda: req.req_id in aborted)
                 idle_s += time.perf_counter() - t0
                 end = start + len(hidden)
             t0 = time.perf_counter()
-            step, out = await w.run_engine(eng.prefill_stage, seq, (st.layer_lo, st.layer_hi), end, hidden,
-                                           ship_layer)
+            step, out = await run_engine(engine.prefill_stage, seq, (st.layer_lo, st.layer_hi), end, hidden,
+                                         kv.save_layer)
             compute_s += time.perf_counter() - t0
-            w.progress += 1
-            if req.req_id in w.aborted:
+            progressed()
+            if req.req_id in aborted:
                 return
-            sender.check()
+            kv.check()
             if nxt is not None:
                 assert out is not None
                 nxt.put(P.Activations(req.req_id, start, end, token=req.kv_token), [out])
@@ -147,20 +141,20 @@ async def run_stage(w: "PrefillWorker", req: P.PrefillRequest, seq: Sequence, se
                 nxt.check()
             if step.done:
                 break
-        await w.send(P.StageDone(req.req_id, w.node_id, st.index, compute_s, idle_s, act_bytes, sender.pending_bytes))
+        await report(P.StageDone(req.req_id, node_id, st.index, compute_s, idle_s, act_bytes, kv.in_flight()))
         if nxt is None:  # the last stage: the first token
             finished = P.FinishReason(step.finished) if step.finished else None
-            await w.send(P.PrefillDone(
-                req.req_id, w.node_id, int(step.token), cached_tokens=seq.num_cached_tokens,  # type: ignore[arg-type]
+            await report(P.PrefillDone(
+                req.req_id, node_id, int(step.token), cached_tokens=seq.num_cached_tokens,  # type: ignore[arg-type]
                 computed_tokens=n - seq.num_cached_tokens, prefill_s=compute_s + idle_s, fetched_blocks=fetched,
-                fetch_s=fetch_s, finished=finished, logprob=step.logprob, kv_pending_bytes=sender.pending_bytes,
+                fetch_s=fetch_s, finished=finished, logprob=step.logprob, kv_pending_bytes=kv.in_flight(),
                 stages=st.stages))
             if finished is not None:
                 return
         else:
             await nxt.finish()
-        await sender.finish()
+        await kv.wait_for_save()
     finally:
         if nxt is not None:
             nxt.cancel()
-        w.inbox.drop(req.req_id)
+        inbox.drop(req.req_id)

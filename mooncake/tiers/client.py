@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake.security import Curve
-from mooncake.kv_integrity import verified_prefix
+from mooncake.kv.integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
@@ -227,7 +227,7 @@ class StoreClient:
     async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
                   model_id: str = "", checksums: Sequence[int] = ()) -> int:
         """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds.
-        ``checksums`` (xxh3_64 per block, see ``kv_integrity``): the store refuses blocks that differ."""
+        ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``): the store refuses blocks that differ."""
         hs = [bytes(h) for h in hashes]
         ts = _blocks_list(blocks)
         if len(hs) != len(ts):
@@ -259,7 +259,7 @@ class StoreClient:
         """The leading run of present blocks, streamed layer by layer: ``(reply, kv)`` per
         ``layers_per_frame`` layers, ``kv`` ``[n, hi - lo, 2, Hkv, T, D]`` (None when nothing was
         found). Each reply waits at most ``timeout_s`` (then ``StoreUnavailable``); the caller
-        verifies the blocks' checksums over all slices (``mooncake.roles.prefix_stream``)."""
+        verifies the blocks' checksums over all slices (``mooncake.kv.prefix_stream``)."""
         sock = self._ensure()
         rid = next(self._ids).to_bytes(8, "little")
         replies: asyncio.Queue = asyncio.Queue()

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import StoreConfig
-from ..kv_integrity import Rejections
+from ..kv.integrity import Rejections
 from ..protocol import BlockEvent, Error, GetLayers, ProtocolError, decode, encode
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ..kv_integrity import BlockSums, Rejections, checksums, first_corrupt
+from ..kv.integrity import BlockSums, Rejections, checksums, first_corrupt
 from ..protocol import (Blocks, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
                         ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, encode)
 from ..security import Curve

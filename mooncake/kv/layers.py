@@ -1,4 +1,5 @@
-"""Layer-wise KV: a prefill chunk's KV leaves layer by layer, in the per-block, per-layer layout.
+"""Layer-wise KV: a prefill chunk's KV leaves layer by layer, in the per-block, per-layer layout;
+the forward's per-layer hooks (``LayerHooks``).
 
 A block (``pool[i]``) is ``[layers, 2, kv_heads, block_tokens, head_dim]``: all layers' K and V of
 ``block_tokens`` positions. One layer of ``n`` consecutive blocks is ``[n, 2, kv_heads,
@@ -6,7 +7,7 @@ block_tokens, head_dim]`` (``pool[blocks, layer]``); it is what a ``KVLayer`` me
 Positions past the prompt's end in its last, partial block are zeros.
 
 Loading a cached prefix from a store goes the other way, also layer by layer (``[engine] kv_load =
-"layer"``, ``roles/prefix_stream.py``): the store streams layers ``[lo, hi)`` of ``n`` blocks per
+"layer"``, ``prefix_stream.py``): the store streams layers ``[lo, hi)`` of ``n`` blocks per
 reply as ``[n, hi - lo, 2, kv_heads, block_tokens, head_dim]`` (``LayerSlices``); block ``i``'s slice
 is the contiguous byte range of its ``[layers, ...]`` layout that holds those layers, so the block's
 checksum (xxh3_64 of the whole block, as put) is verified by streaming xxh3 over its slices in order.
@@ -19,11 +20,28 @@ gathered from the pool) and hands them to a callback on the engine thread.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 LayerFn = Callable[[int, int, torch.Tensor], None]  # (layer, first block, [n, 2, Hkv, T, D])
+
+
+@dataclass
+class LayerHooks:
+    """What one forward call does besides computing all layers over the pool (``DecoderForward.forward``).
+
+    ``on_layer(li, ws[li])``: runs as soon as layer ``li`` has written its new K/V into the workspace
+    (layer-wise KV out: ``ChunkLayers``). ``past_ready(li)``: blocks until layer ``li`` of the past KV
+    is in the pool (a prefix loading layer by layer); the past is then gathered per layer, just before
+    the layer attends. ``layers = (lo, hi)``: a pipeline stage runs only those layers, on ``hidden``
+    (``[B*S, hidden]``, the previous stage's output) instead of the embeddings when ``lo > 0``."""
+
+    on_layer: Callable[[int, torch.Tensor], None] | None = None
+    past_ready: Callable[[int], None] | None = None
+    layers: tuple[int, int] | None = None
+    hidden: torch.Tensor | None = None
 
 
 def completed_blocks(start: int, end: int, last: bool, block_tokens: int) -> tuple[int, int]:

@@ -17,8 +17,9 @@ together, in one engine call (a layer-wise prefix is one message per layer), and
 that completes a request's KV also begins its decoding when the first token is known, so
 that the sequence joins the next decode step instead of waiting for one more engine call.
 
-``KVIngress`` is a part of ``DecodeWorker`` (a mixin): it reads the worker's reserved requests
-(``incoming``, each a ``Slot``) and calls its ``_give_up``, ``_maybe_start`` and ``_join``.
+A ``DecodeWorker`` holds one ``KVIngress`` (``worker.kv``): it shares the worker's reserved and
+running requests (``incoming``, ``running``: each a ``Slot``) and hands a slot back through the
+worker's callbacks (give up, maybe start, join).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.engine import Engine, Sequence
-from mooncake.kv_integrity import Rejections, first_corrupt, shape_problem
-from mooncake.security import allowed
+from mooncake.kv.integrity import Rejections, first_corrupt, shape_problem
+from mooncake.kv.link import bind_kv_ingress
+from mooncake.security import Curve, allowed
 from mooncake.sockets import recv_multipart
 
 log = logging.getLogger(__name__)
@@ -69,45 +71,63 @@ class Slot:
         return self.next_block >= len(self.seq.block_table)
 
 
+RunEngine = Callable[..., Awaitable[Any]]
+SaveBlocks = Callable[[str, Sequence, list[bytes], int, int], Awaitable[None]]
+
+
 class KVIngress:
     """Decode's handling of KV messages (see the module docstring)."""
 
-    engine: Engine
-    curve: Any
-    kv_sock: zmq.asyncio.Socket
-    rejections: Rejections
-    incoming: dict[str, Slot]
-    running: dict[str, Slot]
-    progress: int
-    _landing: int
-    _kv_tasks: set[asyncio.Task]
-    run_engine: Callable[..., Awaitable[Any]]
-    store_blocks: Callable[..., Awaitable[None]]
-    _give_up: Callable[..., Awaitable[None]]
-    _maybe_start: Callable[[Slot], Awaitable[None]]
-    _join: Callable[[Slot], None]
+    def __init__(self, engine: Engine, curve: Curve | None, rejections: Rejections, incoming: dict[str, Slot],
+                 running: dict[str, Slot], run_engine: RunEngine, save_blocks: SaveBlocks,
+                 give_up: Callable[[Slot, str], Awaitable[None]], maybe_start: Callable[[Slot], Awaitable[None]],
+                 join: Callable[[Slot], None]) -> None:
+        """``incoming``/``running``: the worker's maps (shared, not copied); ``save_blocks``: a pipeline
+        group's prompt blocks to a store (``StoreClients.save_blocks``)."""
+        self.engine, self.curve, self.rejections = engine, curve, rejections
+        self.incoming, self.running = incoming, running
+        self._run_engine, self._save_blocks = run_engine, save_blocks
+        self._give_up, self._maybe_start, self._join = give_up, maybe_start, join
+        self.sock: zmq.asyncio.Socket | None = None  # bound by ``bind``
+        self.landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
+        self.writes = 0  # KV writes done (engine progress: layer-wise, one write per layer and chunk)
+        self._tasks: set[asyncio.Task] = set()  # KV messages landing
 
-    async def _kv_loop(self) -> None:
+    def bind(self, ctx: zmq.asyncio.Context, host: str, port: int, max_message_bytes: int) -> str:
+        """Bind the KV socket (``link.bind_kv_ingress``); its endpoint."""
+        self.sock, endpoint = bind_kv_ingress(ctx, self.curve, host, port, max_message_bytes)
+        return endpoint
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.sock is not None:
+            self.sock.close(0)
+
+    async def receive_loop(self) -> None:
+        """Receive KV messages until cancelled, up to ``KV_IN_FLIGHT`` landing at once."""
+        assert self.sock is not None
         room = asyncio.Semaphore(KV_IN_FLIGHT)
 
         def landed(task: asyncio.Task) -> None:
-            self._kv_tasks.discard(task)
+            self._tasks.discard(task)
             room.release()
 
         while True:
             await room.acquire()
-            frames = await recv_multipart(self.kv_sock)
+            frames = await recv_multipart(self.sock)
             task = asyncio.create_task(self._land(frames))
-            self._kv_tasks.add(task)
+            self._tasks.add(task)
             task.add_done_callback(landed)
 
     async def _land(self, frames: list) -> None:
         try:
-            await self._on_kv(frames)
+            await self.on_kv(frames)
         except Exception:  # one bad message never stops the ingress
             log.exception("error handling a KV message")
 
-    async def _on_kv(self, frames: list) -> None:
+    async def on_kv(self, frames: list) -> None:
+        """One received KV message: checked, then landed with the others of its request."""
         if not allowed(self.curve, frames[0], ("worker",)):
             self.rejections.add("unauthorized")
             log.warning("dropping KV from a non-worker key")
@@ -137,9 +157,9 @@ class KVIngress:
             if self.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
                 log.debug("KV of %s, no longer reserved here: dropped", msg.req_id)
                 return
-            await self._land_kv(slot, batch)
+            await self.land_kv(slot, batch)
 
-    async def _land_kv(self, slot: Slot, batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]]) -> None:
+    async def land_kv(self, slot: Slot, batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]]) -> None:
         """Check KV messages of ``slot`` (in arrival order) and write them in one engine call, which
         also begins decoding when they complete the KV and the first token is known."""
         eng = self.engine
@@ -180,17 +200,17 @@ class KVIngress:
         begin = (min(layers_in) >= len(slot.seq.block_table) and slot.first_token is not None
                  and not slot.started)
         slot.started |= begin
-        self._landing += 1
+        self.landing += 1
         row = len(self.running) if len(self.running) < eng.max_batch else None  # its row at its first step
         try:
-            await self.run_engine(_write_landed, eng, slot.seq, writes, row, slot.first_token if begin else None)
+            await self._run_engine(_write_landed, eng, slot.seq, writes, row, slot.first_token if begin else None)
         except Exception as e:  # this request's KV is unusable; the ingress goes on
             log.exception("writing KV of %s failed", slot.msg.req_id)
             await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
             return
         finally:
-            self._landing -= 1
-        self.progress += len(writes)  # landing KV is engine progress (layer-wise: one write per layer and chunk)
+            self.landing -= 1
+        self.writes += len(writes)
         slot.layers_in = layers_in
         await self._store_whole_blocks(slot)
         if begin:
@@ -206,7 +226,7 @@ class KVIngress:
                 1 if slot.kv_complete else STORE_RUN_BLOCKS):
             return
         hashes = [BlockHash(h) for h in slot.msg.hashes[slot.stored:full]]
-        await self.store_blocks(slot.msg.store_endpoint, slot.seq, hashes, slot.stored, full)
+        await self._save_blocks(slot.msg.store_endpoint, slot.seq, hashes, slot.stored, full)
         slot.stored = full
 
 
@@ -225,8 +245,8 @@ def _write_landed(engine: Engine, seq: Sequence, writes: list[tuple[int, int | N
     then, with ``first_token``, begin decoding (all the sequence's KV is in)."""
     for first, layer, tensors in writes:
         if layer is None:
-            engine.write_kv(seq, first, torch.stack(tensors), row)
+            engine.kv.write_kv(seq, first, torch.stack(tensors), row)
         else:
-            engine.write_kv_layer(seq, first, layer, tensors[0], row)
+            engine.kv.write_kv_layer(seq, first, layer, tensors[0], row)
     if first_token is not None:
         engine.begin_decoding(seq, first_token)

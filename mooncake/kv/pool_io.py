@@ -2,29 +2,31 @@
 sequence (whole blocks or one layer at a time), a loading prefix landed layer by layer,
 prefix blocks exported and imported, a sequence's blocks exported.
 
-``KVTransfer`` is a part of ``Engine`` (a mixin): it reads the engine's pool and block manager.
+An ``Engine`` holds one ``PoolKV`` over its pool and block manager (``engine.kv``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mooncake.blocks import BlockHash
-from mooncake.engine.decoder import DecoderForward
-from mooncake.engine.kv_cache import BlockManager
-from mooncake.engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the engine imports this module: only types from it here
+    from mooncake.engine.decoder import DecoderForward
+    from mooncake.engine.kv_cache import BlockManager
+    from mooncake.engine.sequence import Sequence
 
 
-class KVTransfer:
-    """The engine's KV import / export (see the module docstring)."""
+class PoolKV:
+    """An engine's KV import / export (see the module docstring). Not thread-safe, as the engine."""
 
-    pool: torch.Tensor
-    blocks: BlockManager
-    model: DecoderForward
-    block_shape: tuple[int, ...]
-    block_tokens: int
-    device: torch.device
-    dtype: torch.dtype
+    def __init__(self, pool: torch.Tensor, blocks: BlockManager, model: DecoderForward) -> None:
+        self.pool, self.blocks, self.model = pool, blocks, model
+        self.block_shape: tuple[int, ...] = model.block_shape
+        self.block_tokens = model.block_tokens
+        self.device, self.dtype = model.device, model.dtype
 
     def write_kv(self, seq: Sequence, first_block: int, kv: torch.Tensor, stage_row: int | None = None) -> None:
         """Copy received blocks ``[first_block, first_block + len(kv))`` into a reserved sequence;

@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 import torch
 
 from mooncake import protocol as P
-from mooncake.engine.layerwise import split_runs
+from mooncake.kv.layers import split_runs
 
 ShipFn = Callable[[P.Msg, list[torch.Tensor]], Awaitable[None]]
 

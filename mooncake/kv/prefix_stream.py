@@ -9,7 +9,7 @@ per layer, only for that layer (``LayerGate.wait``, the forward's ``past_ready``
 
 Integrity: every block carries the checksum it was put with (xxh3_64 of the whole block, from the
 process that computed it; 0 where the store does not know it, which is not checked, as for whole
-blocks: ``kv_integrity.verified_prefix``). A block's layer slices are consecutive byte ranges of its layout
+blocks: ``integrity.verified_prefix``). A block's layer slices are consecutive byte ranges of its layout
 ``[layers, 2, Hkv, T, D]``, so one streaming xxh3 per block over its slices, in order, gives the
 block's checksum when the last layer is in. Until then nothing derived from the prefix leaves the
 process: the new tokens' per-layer KV for decode is held back (``LayerGate.hold``), the last
@@ -31,8 +31,8 @@ import xxhash
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
-from mooncake.engine.layerwise import LayerFn
-from mooncake.kv_integrity import leading_match
+from mooncake.kv.integrity import leading_match
+from mooncake.kv.layers import LayerFn
 
 log = logging.getLogger(__name__)
 GATE_TIMEOUT_S = 120.0  # a forward never waits longer for a layer (the stream's own timeouts come first)
@@ -63,10 +63,6 @@ class LayerGate:
             if not self.complete and self._error is None:
                 self._error = error
             self._cond.notify_all()
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
 
     def wait(self, layer: int) -> None:
         """Until ``layer`` is in; raises ``PrefixLoadFailed`` if the load failed first."""
