@@ -36,7 +36,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config, load_config
 from mooncake.roles.link import ConductorLink
-from mooncake.worker import machine_id
+from mooncake.roles.worker import machine_id
 
 FIRST_OUTPUT_ID = 1000  # output token ids cycle from here: ordinary words, no special tokens
 

@@ -28,7 +28,7 @@ from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.kv.ingress import KVIngress, Slot
-from mooncake.worker import EngineWorker
+from mooncake.roles.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
 from mooncake.sockets import recv_multipart
-from mooncake.worker import EngineWorker
+from mooncake.roles.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
