@@ -26,7 +26,7 @@ import httpx
 from mooncake.bench import ArrivalSpec, BenchConfig, SharedPrefixSpec, run_benchmark
 from mooncake.bench.publish import publish
 from mooncake.config import ModelConfig
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.testing.cluster import running_cluster, small_config
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 300.0

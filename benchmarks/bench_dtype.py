@@ -31,7 +31,7 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine.loader import cpu_has_fast_bf16, default_model_path
+from mooncake.engine.loading.loader import cpu_has_fast_bf16, default_model_path
 from mooncake.protocol import Sampling
 from mooncake.bench.publish import publish
 

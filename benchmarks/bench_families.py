@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_families.py [--threads N] [--reps N] [--out FILE]
 
-Per family (``mooncake.engine.tiny_models``: 3 layers, hidden 64, the bundled tokenizer's
+Per family (``mooncake.engine.loading.tiny_models``: 3 layers, hidden 64, the bundled tokenizer's
 49,152-token vocabulary or ``--vocab``, each family's own features switched on: sliding windows,
 soft-capping, fused projections, q/k norms): prefill tokens/s of a random 256-token prompt,
 and decode tokens/s at batch 1 and batch 32 over a 128-token context. Both sides in the same
@@ -22,7 +22,7 @@ import torch
 from mooncake.bench.publish import publish
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine.tiny_models import FAMILIES, build_tiny_model
+from mooncake.engine.loading.tiny_models import FAMILIES, build_tiny_model
 
 from bench_engine import Bench
 

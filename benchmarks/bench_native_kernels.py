@@ -1,4 +1,4 @@
-"""The engine's own int8 kernel (``mooncake/engine/native.py``) against torch's
+"""The engine's own int8 kernel (``mooncake/engine/kernels/native.py``) against torch's
  ``aten._weight_int8pack_mm`` for one activation row through each projection shape of
 the bundled model (30 copies of each layer's weight, taken in turn, so reads come from memory
 as in a decode step, not from cache); then decode batch 1 (context 512) of the bf16 + int8
@@ -21,9 +21,9 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine.native import load_kernel
-from mooncake.engine.native_decode import load_decode_kernels
-from mooncake.engine.rope import RopeParams, tables_of
+from mooncake.engine.kernels.native import load_kernel
+from mooncake.engine.kernels.native_decode import load_decode_kernels
+from mooncake.engine.model.rope import RopeParams, tables_of
 from mooncake.protocol import Sampling
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

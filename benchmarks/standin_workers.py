@@ -47,7 +47,7 @@ def bundled_facts(cfg: Config) -> tuple[P.ModelFacts, int, int]:
     from transformers import AutoConfig
 
     from mooncake.conductor.expected_model import expected_model
-    from mooncake.engine.loader import resolve_model_dir
+    from mooncake.engine.loading.loader import resolve_model_dir
 
     exp = expected_model(cfg)
     hf = AutoConfig.from_pretrained(resolve_model_dir(cfg.model)[0])

@@ -27,7 +27,7 @@ def oracle_model(loaded_model):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, loaded_model):
     """family -> directory of a tiny random-weight model of that family (bundled tokenizer)."""
-    from mooncake.engine.tiny_models import FAMILIES, build_tiny_model
+    from mooncake.engine.loading.tiny_models import FAMILIES, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {f: build_tiny_model(f, root / f, loaded_model.tokenizer) for f in FAMILIES}

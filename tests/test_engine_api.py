@@ -10,7 +10,7 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, InvalidRequestError, ModelLoadError, load_model
-from mooncake.engine.rope import check_rope, inv_freq
+from mooncake.engine.model.rope import check_rope, inv_freq
 from mooncake.protocol import Sampling
 
 GREEDY = Sampling(max_tokens=12, temperature=0, ignore_eos=True)

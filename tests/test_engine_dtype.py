@@ -11,7 +11,7 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
-from mooncake.engine import loader
+from mooncake.engine.loading import loader
 from mooncake.protocol import Sampling
 
 STEPS = 16

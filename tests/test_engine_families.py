@@ -9,8 +9,8 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, ModelLoadError, load_model
-from mooncake.engine.families import check_config, model_spec
-from mooncake.engine.tiny_models import FAMILIES, tiny_config
+from mooncake.engine.model.families import check_config, model_spec
+from mooncake.engine.loading.tiny_models import FAMILIES, tiny_config
 from mooncake.protocol import Sampling
 
 STEPS = 24

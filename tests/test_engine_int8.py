@@ -10,8 +10,8 @@ import torch
 
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, ModelLoadError, load_model
-from mooncake.engine.int8 import INT8_MAX_ROWS, Int8Projection, quantize_rows
-from mooncake.engine.native import load_kernel
+from mooncake.engine.model.int8 import INT8_MAX_ROWS, Int8Projection, quantize_rows
+from mooncake.engine.kernels.native import load_kernel
 from mooncake.protocol import Sampling
 
 STEPS = 16

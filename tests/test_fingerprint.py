@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from mooncake.engine import fingerprint
-from mooncake.engine.fingerprint import weights_fingerprint
+from mooncake.engine.loading import fingerprint
+from mooncake.engine.loading.fingerprint import weights_fingerprint
 
 
 @pytest.fixture

@@ -50,3 +50,101 @@ def test_no_module_is_over_the_length_limit():
     long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in modules()
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, "\n".join(long)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def run_time_imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports when it is imported: module-level statements only (not
+    inside functions, not under ``if TYPE_CHECKING``)."""
+    known = {module_name(p) for p in modules()}
+    package = ["mooncake", *path.relative_to(PACKAGE).parent.parts]
+    out = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body])
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, node.module] if node.module else base)
+                subs = {f"{module}.{a.name}" for a in node.names} & known
+                out.update(subs or ({module} & known))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    """A cycle through package ``__init__`` re-exports is not counted: a module importing its own
+    package's ``__init__`` (or the reverse) is how packages work."""
+    graph = {module_name(p): run_time_imports(p) for p in modules()}
+    for name, deps in graph.items():
+        graph[name] = {d for d in deps if not name.startswith(d + ".") and not d.startswith(name + ".")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def walk(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                walk(dep, [*stack, dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [name])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_function_takes_a_whole_worker():
+    """Module-level helpers take the narrow collaborators they use, never a role's worker."""
+    found = []
+    for path in modules():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                if annotation.strip("'\"").endswith("Worker") or (not annotation and arg.arg in ("w", "worker")):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}: {node.name}({arg.arg})")
+    assert not found, "\n".join(found)
+
+
+def test_no_class_inherits_a_mixin_from_another_module():
+    """A base class from another module of the package is an interface (ABC, Protocol), a message,
+    a config section or an exception: never half of a class split across files."""
+    import abc
+    import enum
+    import importlib
+    import inspect
+
+    import msgspec
+    import pydantic
+
+    mixins = []
+    for path in modules():
+        name = module_name(path)
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if not inspect.isclass(cls) or cls.__module__ != name:
+                continue
+            for base in cls.__bases__:
+                if not base.__module__.startswith("mooncake.") or base.__module__ == name:
+                    continue
+                if isinstance(base, abc.ABCMeta) or getattr(base, "_is_protocol", False) or issubclass(
+                        base, (BaseException, msgspec.Struct, pydantic.BaseModel, enum.Enum)):
+                    continue
+                mixins.append(f"{name}.{cls.__name__}({base.__module__}.{base.__name__})")
+    assert not mixins, "\n".join(mixins)

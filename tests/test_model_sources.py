@@ -14,9 +14,9 @@ from hf_cache import COMMIT, hf_cache_with
 from mooncake.cli import _overrides, main as cli_main
 from mooncake.config import ModelConfig, load_config
 from mooncake.engine import ModelLoadError, load_model
-from mooncake.engine.hub_cache import hub_cache_dir, is_repo_id
-from mooncake.engine.loader import default_model_path, resolve_model_dir
-from mooncake.engine.quantization import _safetensors_header
+from mooncake.engine.loading.hub_cache import hub_cache_dir, is_repo_id
+from mooncake.engine.loading.loader import default_model_path, resolve_model_dir
+from mooncake.engine.loading.quantization import _safetensors_header
 
 def test_repo_id_resolves_from_the_local_cache(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

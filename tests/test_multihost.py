@@ -19,7 +19,7 @@ import pytest
 
 from mooncake.blocks import hash_blocks
 from mooncake.config import MiB, load_config
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.security import Curve, generate_keys
 from mooncake.testing.api import MODEL, complete, metric, metrics
 from mooncake.testing.hosts import Hosts, leftovers, unavailable_reason

@@ -129,7 +129,7 @@ def test_an_unavailable_library_is_named_with_its_reason_once(answer, tmp_path, 
 
 
 def test_the_decode_kernels_say_why_they_are_off(tmp_path, monkeypatch, caplog):
-    from mooncake.engine import native
+    from mooncake.engine.kernels import native
 
     no_compiler(monkeypatch)
     assert native.library.__wrapped__(tmp_path / "cache") is None  # not the process's cached answer

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mooncake.engine.native_decode import load_decode_kernels
-from mooncake.engine.rope import RopeParams, tables_of
+from mooncake.engine.kernels.native_decode import load_decode_kernels
+from mooncake.engine.model.rope import RopeParams, tables_of
 
 KERNELS = load_decode_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler or no AVX-512 here")

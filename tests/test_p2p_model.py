@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mooncake.config import MiB
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.testing.api import MODEL
 
 from p2p_nodes import P2PNodes

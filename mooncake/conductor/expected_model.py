@@ -45,7 +45,7 @@ def expected_model(cfg: Config) -> ExpectedModel:
     """The model the conductor's config names (no weights loaded; ModelLoadError if unusable)."""
     from transformers import AutoConfig
 
-    from mooncake.engine.loader import model_variant, resolve_model_dir, weights_id
+    from mooncake.engine.loading.loader import model_variant, resolve_model_dir, weights_id
 
     model_dir, name = resolve_model_dir(cfg.model)
     hf = AutoConfig.from_pretrained(model_dir)

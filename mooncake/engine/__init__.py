@@ -5,7 +5,7 @@ Not thread-safe; see ``Engine``.
 
 from mooncake.engine.engine import Engine
 from mooncake.engine.errors import InvalidRequestError, ModelLoadError
-from mooncake.engine.loader import LoadedModel, default_model_path, load_model
+from mooncake.engine.loading.loader import LoadedModel, default_model_path, load_model
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 
 __all__ = ["load_model", "LoadedModel", "Engine", "Sequence", "PrefillStep", "StepOutput",

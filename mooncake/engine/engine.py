@@ -19,10 +19,10 @@ from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill_batch
 from mooncake.engine.constraints import consume
-from mooncake.engine.decoder import DecoderForward
+from mooncake.engine.model.decoder import DecoderForward
 from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
-from mooncake.engine.loader import LoadedModel
+from mooncake.engine.loading.loader import LoadedModel
 from mooncake.engine.request_checks import check_request
 from mooncake.engine.sampler import sequence_seed
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput

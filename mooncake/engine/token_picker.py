@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mooncake.engine.constraints import Grammars, consume
-from mooncake.engine.loader import LoadedModel
+from mooncake.engine.loading.loader import LoadedModel
 from mooncake.engine.sampler import Row, Sampled, sample
 from mooncake.engine.sequence import Sequence
 from mooncake.protocol import Sampling

@@ -14,7 +14,7 @@ import torch
 from mooncake.blocks import BlockHash
 
 if TYPE_CHECKING:  # the engine imports this module: only types from it here
-    from mooncake.engine.decoder import DecoderForward
+    from mooncake.engine.model.decoder import DecoderForward
     from mooncake.engine.kv_cache import BlockManager
     from mooncake.engine.sequence import Sequence
 

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from mooncake.config import Config, dump_toml
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.logs import log_format, role_tag, tag_logs
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

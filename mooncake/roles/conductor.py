@@ -14,7 +14,7 @@ from mooncake.api.routes import build_app
 from mooncake.conductor import Conductor
 from mooncake.conductor.expected_model import expected_model
 from mooncake.config import Config
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.security import check_network, role_endpoints
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ running cluster (``calibrate.py``). Both give a ``Hardware``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from mooncake.sim.shared_cpu import Colocation
@@ -20,7 +21,7 @@ class Capacities:
     store_ssd_blocks: int
 
 
-class Hardware:
+class Hardware(ABC):
     """Costs in seconds of one instance of a cluster, at a given ``block_tokens``."""
 
     name: str
@@ -29,19 +30,23 @@ class Hardware:
     caps: Capacities
     colocation: Colocation | None = None  # None: every instance has hardware of its own
 
+    @abstractmethod
     def prefill_s(self, n_new: int, ctx: int) -> float:
         """Compute time of ``n_new`` prompt tokens after ``ctx`` cached ones (chunked)."""
         raise NotImplementedError
 
+    @abstractmethod
     def decode_step_s(self, batch: int, ctx_tokens: float) -> float:
         """One decode step over ``batch`` sequences holding ``ctx_tokens`` KV in total."""
         raise NotImplementedError
 
+    @abstractmethod
     def fetch_block_s(self, tier: str, local: bool) -> float:
         """Reading one block into a prefill instance from a store tier ("dram"/"ssd"),
         on the same machine (``local``) or across the network."""
         raise NotImplementedError
 
+    @abstractmethod
     def kv_transfer_s(self, tokens: int) -> float:
         """Shipping a prompt's KV from prefill to decode over the network."""
         raise NotImplementedError

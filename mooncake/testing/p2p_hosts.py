@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from mooncake.config import Config, load_config
-from mooncake.engine.loader import resolve_model_dir
+from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.p2p.client import P2PClient
 from mooncake.p2p.rpc import P2PError
 from mooncake.security import generate_keys

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from mooncake.engine.families.spec import (Layer, ModelSpec, RMSNorm, activation, fuse, dims, layer_windows,
+from mooncake.engine.model.families.spec import (Layer, ModelSpec, RMSNorm, activation, fuse, dims, layer_windows,
                                            linear, rotary_dim)
-from mooncake.engine.rope import RopeParams, check_params, params_from_dict
+from mooncake.engine.model.rope import RopeParams, check_params, params_from_dict
 
 
 def rope(config: Any) -> dict[str, RopeParams]:

@@ -25,9 +25,9 @@ import torch
 from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.families import SUPPORTED_MODEL_TYPES, check_config
-from mooncake.engine.hub_cache import is_repo_id, repo_id_of, snapshot_dir
-from mooncake.engine.quantization import refuse_quantized
+from mooncake.engine.model.families import SUPPORTED_MODEL_TYPES, check_config
+from mooncake.engine.loading.hub_cache import is_repo_id, repo_id_of, snapshot_dir
+from mooncake.engine.loading.quantization import refuse_quantized
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-    quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.int8)
+    quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.model.int8)
 
 
 def default_model_path() -> Path:
@@ -140,7 +140,7 @@ def model_variant(cfg: ModelConfig) -> str:
 def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:
     """``<name>@<fingerprint16>``: the weights' identity, the first part of a ``model_id``
     (the fingerprint covers every weight byte and is cached)."""
-    from mooncake.engine.fingerprint import weights_fingerprint
+    from mooncake.engine.loading.fingerprint import weights_fingerprint
 
     return f"{name}@{weights_fingerprint(model_dir, cache_dir)[:16]}"
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mooncake.engine.families.spec import ModelSpec, RMSNorm
-from mooncake.engine.native_decode import DTYPES, MAX_GROUP, MAX_HEAD_DIM, DecodeKernels, load_decode_kernels
+from mooncake.engine.model.families.spec import ModelSpec, RMSNorm
+from mooncake.engine.kernels.native_decode import DTYPES, MAX_GROUP, MAX_HEAD_DIM, DecodeKernels, load_decode_kernels
 
 
 def _plain_norm(norm: RMSNorm | None, dtype: torch.dtype) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mooncake.engine.native import library
+from mooncake.engine.kernels.native import library
 
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

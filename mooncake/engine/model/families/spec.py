@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.rope import RopeParams
+from mooncake.engine.model.rope import RopeParams
 
 Weight = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.families.spec import Fused, Linear, ModelSpec, Separate
-from mooncake.engine.native import MAX_K, Int8Gemv, load_kernel
+from mooncake.engine.model.families.spec import Fused, Linear, ModelSpec, Separate
+from mooncake.engine.kernels.native import MAX_K, Int8Gemv, load_kernel
 
 INT8_DTYPES = (torch.bfloat16, torch.float32)
 INT8_MAX_ROWS = 8  # measured on AVX-512 BF16 (2 threads): int8 wins below 8 rows, bf16 from 8 on

@@ -1,6 +1,6 @@
 """The engine's own forward pass over the paged KV pool, shared by every model family.
 
-A family (``mooncake.engine.families``) hands over a ``ModelSpec``: the loaded
+A family (``mooncake.engine.model.families``) hands over a ``ModelSpec``: the loaded
 transformers model's own tensors (no copy) and the few ways it differs from Llama
 (norm style, fused projections, q/k norms, GeGLU, embedding scale, attention scale and
 soft-capping, sliding windows per layer, rope per layer type). One call computes ``S``
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from mooncake.engine.attention import attend, layer_masks
+from mooncake.engine.model.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
-from mooncake.engine.families import model_spec
-from mooncake.engine.fast_decode import FastDecode
-from mooncake.engine.int8 import quantize_spec
-from mooncake.engine.rope import tables_of
+from mooncake.engine.model.families import model_spec
+from mooncake.engine.kernels.fast_decode import FastDecode
+from mooncake.engine.model.int8 import quantize_spec
+from mooncake.engine.model.rope import tables_of
 
 if TYPE_CHECKING:
     from mooncake.kv.layers import LayerHooks

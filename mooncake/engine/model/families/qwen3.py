@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncake.engine.families import llama
-from mooncake.engine.families.spec import ModelSpec, RMSNorm
+from mooncake.engine.model.families import llama
+from mooncake.engine.model.families.spec import ModelSpec, RMSNorm
 
 check = llama.check
 

@@ -1,7 +1,7 @@
 """Model families on the engine's own forward: model type -> (config check, ``ModelSpec`` builder).
 
 Each family file names only what differs from the Llama layout; the shared forward is
-``mooncake.engine.decoder``.
+``mooncake.engine.model.decoder``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import ModuleType
 from typing import Any
 
 from mooncake.engine.errors import ModelLoadError
-from mooncake.engine.families import gemma, llama, phi3, qwen3
-from mooncake.engine.families.spec import ModelSpec
+from mooncake.engine.model.families import gemma, llama, phi3, qwen3
+from mooncake.engine.model.families.spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": qwen3,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncake.engine.families import llama
-from mooncake.engine.families.spec import Fused, Layer, ModelSpec, RMSNorm, linear
+from mooncake.engine.model.families import llama
+from mooncake.engine.model.families.spec import Fused, Layer, ModelSpec, RMSNorm, linear
 
 check = llama.check
 
