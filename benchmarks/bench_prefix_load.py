@@ -1,7 +1,7 @@
 """Where the time of a cached-prefix prefill goes: load-then-compute vs layer-wise loading (issue 12).
 
 One engine in this process (one torch thread), one store server process (its DRAM tier holds the
-prefix), the 1,792-of-2,048 case of BENCHMARKS.md §3: per rep a fresh 2,048-token prompt is
+prefix), the 1,792-of-2,048 case of BENCHMARKS.md §8: per rep a fresh 2,048-token prompt is
 prefilled cold (chunks of 512), its 1,792-token prefix put into the store with checksums and
 dropped from the engine, then the prompt is prefilled again loading the prefix from the store,
 both ways, phase by phase:

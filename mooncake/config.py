@@ -65,7 +65,7 @@ class StoreConfig(_Section):
     ssd_admission_hits: int = Field(1, ge=1, description="Hits a block needs before it is admitted to SSD (after_hits).")
     promote_on_hit: bool = Field(True, description="A hit in a lower tier copies the block up to the top tier.")
     p2p_chunk_bytes: int = Field(16 * MiB, ge=64 * 1024, le=256 * MiB, description="Chunk size of the P2P objects this store publishes (each chunk checksummed, fetched from any holder).")
-    p2p_in_flight_per_peer: int = Field(2, ge=1, le=64, description="P2P chunk requests a fetch keeps in flight to one holder, twice this to a holder that delivers 100 MB/s or more (there more requests let it read ahead; to a slow holder they would commit chunks another fetcher could soon serve: BENCHMARKS.md section 14).")
+    p2p_in_flight_per_peer: int = Field(2, ge=1, le=64, description="P2P chunk requests a fetch keeps in flight to one holder, twice this to a holder that delivers 100 MB/s or more (there more requests let it read ahead; to a slow holder they would commit chunks another fetcher could soon serve: BENCHMARKS.md section 18).")
     p2p_stall_timeout_s: float = Field(30.0, gt=0, description="A P2P fetch that makes no progress this long (no live holder has what is missing) fails.")
 
 
@@ -129,7 +129,7 @@ class NodeConfig(_Section):
     p2p_bulk_port: int = Field(0, ge=0, le=65535, description="Store P2P bulk port: without CURVE, chunk bytes go on this second TCP port (sendfile; never under CURVE); 0: any free port. A firewall between nodes must open it as well as p2p_port: where it cannot be reached, fetches from that store fall back to p2p_port (ZeroMQ), slower.")
     node_id: str = Field("", description="Unique id of this role process; empty: <name>-<role>-<pid>.")
     health_port: int = Field(0, ge=0, le=65535, description="Worker/store HTTP port for /health/live and /health/ready; 0: off.")
-    prefill_nice: int = Field(10, ge=0, le=19, description="Nice value (OS scheduling priority, 0-19: higher yields more) of prefill role processes, so that where prefill and decode share a machine's cores (mooncake serve --dev; any node running both) a decode step runs before a prefill chunk instead of waiting behind it; prefill gets the cores decode leaves (BENCHMARKS.md section 15). Set on every thread and, when the role leads its own session, on its autogroup (Linux). Alone on its cores a prefill loses nothing to it; 0: prefill at the same priority as decode. Negative values need privileges and are refused: lower a prefill's priority, not raise a decode's.")
+    prefill_nice: int = Field(10, ge=0, le=19, description="Nice value (OS scheduling priority, 0-19: higher yields more) of prefill role processes, so that where prefill and decode share a machine's cores (mooncake serve on one machine; any node running both) a decode step runs before a prefill chunk instead of waiting behind it; prefill gets the cores decode leaves (BENCHMARKS.md section 11). Set on every thread and, when the role leads its own session, on its autogroup (Linux). Alone on its cores a prefill loses nothing to it; 0: prefill at the same priority as decode. Negative values need privileges and are refused: lower a prefill's priority, not raise a decode's.")
 
 
 class SecurityConfig(_Section):

@@ -11,7 +11,7 @@ layer at a time (``KVLayer``: layer-wise prefill); each layer lands straight in 
 blocks, and a block counts as received once all its layers are in. Messages of different
 requests land concurrently, one request's in the order they came (``Slot.kv_lock``): each
 write waits for the engine thread between decode steps, and handled one at a time a burst
-of requests would wait a step per message before its second token (BENCHMARKS.md section 15).
+of requests would wait a step per message before its second token (BENCHMARKS.md section 11).
 For the same reason the messages of one request that arrive while its earlier ones land go
 together, in one engine call (a layer-wise prefix is one message per layer), and the call
 that completes a request's KV also begins its decoding when the first token is known, so

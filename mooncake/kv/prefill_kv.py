@@ -37,7 +37,7 @@ async def export_in_thread(engine: Engine, seq: Sequence, first: int, last: int 
     than on the engine thread: the blocks are this request's, held and computed, so reading them
     needs nothing of the engine, whose thread may meanwhile compute other prompts' chunks for a
     second or more, and the KV (the tail: the decode's second token) would wait behind them
-    (BENCHMARKS.md section 15)."""
+    (BENCHMARKS.md section 11)."""
     return await asyncio.to_thread(engine.kv.export_sequence, seq, first, last)
 
 

@@ -3,7 +3,7 @@ the protocol, and the fetcher's side (the holder's: bulk_server.py).
 
 Over ZeroMQ a chunk costs the holder a ``pread`` into memory, its xxh3 and libzmq's copy into
 the socket, and the fetcher libzmq's copy into a 16 MiB message that BLAKE3 then reads back
-from memory (BENCHMARKS.md section 14). Here the holder ``sendfile``s the chunk's byte range
+from memory (BENCHMARKS.md section 18). Here the holder ``sendfile``s the chunk's byte range
 from the object's file (no copy into the process), and the fetcher receives it 1 MiB at a
 time into a reused buffer that is hashed and written while still in cache
 (``LocalObject.write_slices``): the passes of a raw socket copy, plus BLAKE3 on cached data.
@@ -19,7 +19,7 @@ over ZeroMQ from then on.
 Blocking I/O runs in threads, separate pools for sending and receiving so that a store that
 serves and fetches at once never waits on itself. The same I/O on the event loop
 (``loop.sock_sendfile``, ``sock_recv_into``) moved 1 GB no faster
-(benchmarks/bench_p2p_bulk_io.py, BENCHMARKS.md section 14), and would hash and write on the
+(benchmarks/bench_p2p_bulk_io.py, BENCHMARKS.md section 18), and would hash and write on the
 loop that answers the control socket.
 """
 

@@ -11,7 +11,7 @@ A fetcher checks every chunk against its BLAKE3 digest (cryptographic) before it
 received chunk is hashed and written in one pass, slice by slice (``WRITE_SLICE``): each
 slice is written while it is still in the CPU's cache, where hashing the whole chunk and then
 writing it read it from memory twice (the dearest step of a fetch after the socket: BENCHMARKS.md
-section 14). A chunk that fails its digest is not counted and is asked again, and its good copy
+section 18). A chunk that fails its digest is not counted and is asked again, and its good copy
 overwrites it; a fetch that ends before it does leaves the chunk uncounted, and a resumed fetch
 checks it again. Each byte of a file lies in exactly one chunk, the files are created at their
 exact sizes, and the chunk digests are part of what the object's version (a SHA-256) covers:

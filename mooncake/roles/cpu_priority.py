@@ -3,7 +3,7 @@
 A decode step is short and a token waits on it; a prefill chunk is long (up to a second
 of one core here) and only its own request's TTFT waits on it. When both run on the same
 cores, every decode step that wakes while the prefill processes hold them waits behind a
-chunk, and time between tokens grows by that much (BENCHMARKS.md section 15). So a prefill
+chunk, and time between tokens grows by that much (BENCHMARKS.md section 11). So a prefill
 role lowers its own scheduling priority at start (``[node] prefill_nice``): the kernel then
 runs a waking decode step first, and prefill gets the cores the decode leaves.
 

@@ -70,7 +70,7 @@ class Scheduler:
         prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too.
 
         It runs once per request on the conductor's event loop, over every instance: the loops
-        below avoid per-instance calls and allocations (BENCHMARKS.md sections 5 and 15)."""
+        below avoid per-instance calls and allocations (BENCHMARKS.md section 13)."""
         prefills = self.cluster.of_role("prefill")
         decodes = self.cluster.of_role("decode")
         if not prefills or not decodes:

@@ -131,7 +131,7 @@ class DecoderForward:
         Rows grow to the next power of two (a batch growing one sequence at a time reallocates
         log2(B) times, not B times) and what the rows held comes along: a sequence decoding while the
         batch grows is not gathered again, and what was staged stays staged. A reallocation of a
-        workspace of B rows of K positions is a step's worth of copying (BENCHMARKS.md section 15)."""
+        workspace of B rows of K positions is a step's worth of copying (BENCHMARKS.md section 11)."""
         ws, T = self._dws, self.block_tokens
         if ws.dim() != 6 or ws.shape[2] < rows or ws.shape[4] < key_len:
             old_b, old_k = (ws.shape[2], ws.shape[4]) if ws.dim() == 6 else (0, 0)
