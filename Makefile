@@ -21,7 +21,7 @@ serve: venv
 	$(VENV)/bin/mooncake serve
 
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 # What the benchmarks' peers need, never `make test`: transformers' serving extra (for
 # `transformers serve`; torch stays pinned) and llama.cpp's llama-server, built from the

@@ -106,6 +106,8 @@ class Metrics:
             "mooncake:pipeline_stage_kv_inflight_bytes", "KV bytes for decode a pipeline stage still had queued "
             "when its part of the prefill was computed.",
             buckets=(0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28), registry=r)
+        self.reconciliation_aborts = Counter("mooncake:reconciliation_aborts", "Requests a registering worker "
+                                             "held that the conductor no longer knew there (dropped).", registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
                                       "many in flight).", ["node"], registry=r)
 

@@ -124,6 +124,18 @@ async def test_block_events_feed_the_index_and_a_dead_node_leaves_it(conductor):
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
 
 
+async def test_a_registering_worker_keeps_only_the_attempts_that_still_run_there(conductor):
+    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    info = P.NodeInfo("n0", 1, FACTS, num_blocks=64)
+    holding = [req.wire_id, "gone#1", "other-request#3"]  # one live attempt, two the conductor never knew
+    reply = conductor.membership.register(b"d0", P.Register("decode", "d0", info, {"kv": "tcp://127.0.0.1:1"},
+                                                            holding=holding), 1.0)
+    assert reply.keep == [req.wire_id]
+    reply = conductor.membership.register(b"p9", P.Register("prefill", "p9", info, holding=[req.wire_id]), 1.0)
+    assert reply.keep == []  # the attempt runs, but not on p9
+    assert conductor.metrics.reconciliation_aborts._value.get() == 3
+
+
 async def test_messages_of_an_earlier_attempt_are_ignored(conductor):
     req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
     old = req.wire_id

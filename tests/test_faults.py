@@ -158,6 +158,46 @@ def test_restarted_store_serves_its_lmdb_blocks_again(single):
     wait_for(lambda: _lmdb(single).get("hits", 0) > hits_before, 10, "LMDB hits on the restarted store")
 
 
+def test_a_decode_frozen_past_dead_after_s_frees_its_pool_once_back(single):
+    """Declared dead while it held a long request, the decode's reservation is an orphan the
+    conductor no longer knows: on its return it re-registers saying what it holds, is told to keep
+    nothing, and frees the blocks at once (without reconciliation it decoded on for minutes)."""
+    body = {"model": MODEL, "prompt": list(range(3000, 3600)), "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    decode = single.children["decode0"].pid
+
+    def used() -> dict:
+        found = nodes(single, "decode")
+        return found[0]["load"] if found else {}
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: httpx.post(single.url + "/v1/completions", json=body, timeout=120).text)
+        wait_for(lambda: used().get("used_blocks", 0) >= 30, 60, "the decode to hold the request's blocks")
+        os.killpg(decode, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not nodes(single, "decode"), 20, "the frozen decode to be declared dead")
+        finally:
+            os.killpg(decode, signal.SIGCONT)
+        back = time.monotonic()
+        wait_for(lambda: used() and used()["used_blocks"] == 0 and used()["sequences"] == 0, 30,
+                 "the returned decode's pool to be free")
+        assert time.monotonic() - back < 30
+    assert metric(metrics(single.url), "mooncake:reconciliation_aborts_total") >= 1
+
+
+def test_a_prefill_back_from_being_declared_dead_announces_its_device_cache_again(single):
+    assert complete(single.url, list(range(4000, 4160)), max_tokens=2).status_code == 200  # 10 blocks
+    wait_for(lambda: nodes(single, "prefill")[0]["blocks_indexed"] >= 10, 10, "the prefill's blocks indexed")
+    prefill = single.children["prefill0"].pid
+    os.killpg(prefill, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not nodes(single, "prefill"), 20, "the frozen prefill to be declared dead")
+    finally:
+        os.killpg(prefill, signal.SIGCONT)
+    wait_for(lambda: (lambda p: p and p[0]["blocks_indexed"] >= 10)(nodes(single, "prefill")), 30,
+             "the returned prefill's device cache in the index again")
+
+
 def test_only_decode_killed_mid_stream_ends_with_an_error_event_and_done(single):
     body = {"model": MODEL, "prompt": "Write a long story about a dragon", "max_tokens": 200,
             "temperature": 0, "ignore_eos": True}

@@ -181,7 +181,7 @@ def test_the_start_up_profile_is_logged_in_words():
 
 
 def test_make_serve_shows_its_progress_and_serves_the_whole_cluster():
-    plan = subprocess.run(["make", "-n", "-B", "serve", "VENV=/nonexistent-venv"], cwd=ROOT, capture_output=True,
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "-B", "serve", "VENV=/nonexistent-venv"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout.splitlines()
     installs = [ln for ln in plan if " install " in ln and "-U pip" not in ln]
     assert installs and not [ln for ln in installs if " -q " in ln]  # pip's progress stays on screen

@@ -68,10 +68,10 @@ class Conductor:
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
         self.admission = Admission(cfg.conductor, self.metrics)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
-        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.metrics,
-                                     self.on_node_lost, expected, keys_required=self.curve is not None)
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Attempt] = {}  # wire id -> the current attempt of a request
+        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.metrics, self.on_node_lost,
+                                     self.attempts, expected, keys_required=self.curve is not None)
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.router: Router | None = None
         self.p2p = P2PIndex(self.cluster, self._send)  # who holds which chunks of the P2P objects

@@ -17,7 +17,7 @@ registrant claims.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from mooncake import protocol as P
 from mooncake.conductor.expected_model import ExpectedModel
@@ -26,6 +26,9 @@ from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import ROLE_KIND, kind_of
+
+if TYPE_CHECKING:
+    from mooncake.conductor.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,9 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
 
 
 class Membership:
-    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex,
-                 metrics: Metrics, on_lost: Callable[[Node, str], None], expected: ExpectedModel | None = None,
-                 keys_required: bool = False) -> None:
+    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
+                 on_lost: Callable[[Node, str], None], attempts: Mapping[str, Attempt],
+                 expected: ExpectedModel | None = None, keys_required: bool = False) -> None:
         """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted).
         ``expected``: the conductor's own model (None: the first engine's facts rule);
         ``keys_required``: registrations must come with a peer key of the role's kind (CURVE)."""
@@ -66,6 +69,7 @@ class Membership:
         self.index = index
         self.metrics = metrics
         self.on_lost = on_lost
+        self.attempts = attempts  # wire id -> the attempt: what a registering worker may keep
         self.expected = expected
         self.keys_required = keys_required
         self.facts: P.ModelFacts | None = None  # what the cluster serves: the first engine matching ``expected``
@@ -93,7 +97,18 @@ class Membership:
         self._count(msg.role)
         if old is None or restarted:
             log.info("%s %s registered%s", msg.role, msg.node_id, " (restarted)" if restarted else "")
-        return P.Registered(msg.node_id, self.cfg.heartbeat_s)
+        return P.Registered(msg.node_id, self.cfg.heartbeat_s, self._keep(msg))
+
+    def _keep(self, msg: P.Register) -> list[str]:
+        """Reconciliation: of the requests a registering worker holds (after a conductor restart,
+        or back from being declared dead), those whose attempt still runs there; it drops the rest,
+        so no reservation waits for a timeout."""
+        keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None and msg.node_id in a.nodes]
+        if len(keep) < len(msg.holding):
+            self.metrics.reconciliation_aborts.inc(len(msg.holding) - len(keep))
+            log.warning("%s %s held %d requests this conductor does not know there: it drops them",
+                        msg.role, msg.node_id, len(msg.holding) - len(keep))
+        return keep
 
     def _unauthorized(self, msg: P.Register, peer: str) -> P.Error | None:
         if self.keys_required and kind_of(peer) != ROLE_KIND.get(msg.role):

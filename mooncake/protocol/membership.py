@@ -63,11 +63,13 @@ class Register(Msg, tag="register"):
     node_id: str
     info: NodeInfo
     endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}
+    holding: list[str] = []  # wire ids of the requests it holds (queued, reserved, running)
 
 
 class Registered(Msg, tag="registered"):
     node_id: str
     heartbeat_s: float
+    keep: list[str] = []  # of ``holding``, what the conductor still knows there: the rest is dropped
 
 
 class Heartbeat(Msg, tag="heartbeat"):

@@ -82,6 +82,9 @@ class DecodeWorker(EngineWorker):
         else:
             log.warning("decode ignores %s", type(msg).__name__)
 
+    def held_requests(self) -> list[str]:
+        return [*(m.req_id for m in self.pending), *self.incoming, *self.running]
+
     async def _drop(self, req_id: str) -> None:
         """Forget a request wherever it is (aborted by the conductor)."""
         self.pending = deque(m for m in self.pending if m.req_id != req_id)

@@ -3,8 +3,11 @@
 One DEALER socket. ``connect`` registers and waits for the conductor's answer
 (with a timeout); a background task heartbeats with the role's current load. If
 the conductor answers a heartbeat with ``Reregister`` (it restarted and lost its
-state) the link registers again and calls ``on_registered`` so that the role can
-re-announce what it holds (a store's blocks, for instance).
+state, or had declared this role dead) the link registers again and calls
+``on_registered`` so that the role can re-announce what it holds (a store's blocks,
+for instance). Every registration lists the requests the role holds (``holding``);
+the conductor answers which of them it still knows there, and the role drops the
+others (``on_orphans``): reconciliation, so that no reservation waits for a timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -38,11 +42,16 @@ class ConductorLink:
         on_registered: Callable[[], Awaitable[None]] | None = None,
         curve: Curve | None = None,
         max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        holding: Callable[[], list[str]] = list,
+        on_orphans: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.register_msg = register
         self.load = load
         self.on_registered = on_registered
+        self.holding = holding
+        self.on_orphans = on_orphans
+        self._held: list[str] = []  # what the last registration said this role holds
         self.heartbeat_s = 1.0
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -68,7 +77,7 @@ class ConductorLink:
         """Register, retrying until the conductor answers or ``timeout_s`` passes."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            await self.send(self.register_msg)
+            await self._register()
             remaining = deadline - asyncio.get_running_loop().time()
             try:
                 frames = await asyncio.wait_for(recv_multipart(self.sock), min(2.0, max(remaining, 0.01)))
@@ -79,6 +88,7 @@ class ConductorLink:
             msg, _ = P.decode(frames)
             if isinstance(msg, P.Registered):
                 self.heartbeat_s = msg.heartbeat_s
+                self._reconcile(msg)
                 log.info("%s registered with conductor %s", self.node_id, self.endpoint)
                 return
             if isinstance(msg, P.Error):  # refused (wrong key kind, model, node id taken): final
@@ -109,17 +119,30 @@ class ConductorLink:
             if isinstance(msg, P.Reregister):
                 log.info("conductor asked %s to register again", self.node_id)
                 self._reregistering = True
-                await self.send(self.register_msg)
+                await self._register()
                 continue
             if isinstance(msg, P.Registered):
                 # Answers to registrations queued before the conductor was up are ignored;
                 # after a re-registration the role re-announces what it holds.
                 self.heartbeat_s = msg.heartbeat_s
+                self._reconcile(msg)
                 if self._reregistering and self.on_registered is not None:
                     asyncio.create_task(self.on_registered())
                 self._reregistering = False
                 continue
             return msg, tensors
+
+    async def _register(self) -> None:
+        self._held = self.holding()
+        await self.send(msgspec.structs.replace(self.register_msg, holding=self._held))
+
+    def _reconcile(self, msg: P.Registered) -> None:
+        """Drop what this role held that the conductor no longer knows here (once per registration)."""
+        keep = set(msg.keep)
+        orphans, self._held = [w for w in self._held if w not in keep], []
+        if orphans and self.on_orphans is not None:
+            log.warning("%s drops %d requests the conductor no longer knows here", self.node_id, len(orphans))
+            self._tasks.append(asyncio.create_task(self.on_orphans(orphans)))
 
     def close(self) -> None:
         for t in self._tasks:

@@ -103,6 +103,9 @@ class PrefillWorker(EngineWorker):
         else:
             log.warning("prefill ignores %s", type(msg).__name__)
 
+    def held_requests(self) -> list[str]:
+        return [*self.queued, *self.running]
+
     async def _work_loop(self) -> None:
         """Up to ``max_prefill_batch`` requests at once, in arrival order; their chunks batch."""
         while True:

@@ -147,6 +147,15 @@ class EngineWorker(ABC):
         self.engine.on_block_event = on_event
         self._tasks.append(asyncio.create_task(self._flush_events()))
 
+    async def _announce_device_cache(self) -> None:
+        """After a re-registration (a new conductor, or back from being declared dead): every block
+        the device cache holds, so that routing by prefix is not blind to it."""
+        if self.engine.on_block_event is None:
+            return
+        hashes = await self.run_engine(lambda: [bytes(h) for h in self.engine.blocks.cached])
+        if hashes:
+            self._pending_events.append(("stored", hashes))
+
     async def _flush_events(self) -> None:
         while True:
             await asyncio.sleep(0.02)
@@ -161,7 +170,9 @@ class EngineWorker(ABC):
     async def serve(self, endpoints: dict[str, str]) -> None:
         """Register with the conductor, then handle its messages until stopped."""
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
-                                  curve=self.curve, max_message_bytes=self.max_message_bytes)
+                                  curve=self.curve, max_message_bytes=self.max_message_bytes,
+                                  holding=self.held_requests, on_orphans=self._drop_orphans,
+                                  on_registered=self._announce_device_cache)
         health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
         health.ready = True
@@ -175,6 +186,15 @@ class EngineWorker(ABC):
         await self.drain()
         receiver.cancel()
         await self.close()
+
+    @abstractmethod
+    def held_requests(self) -> list[str]:
+        """Wire ids of every request this role holds: queued, reserved or running."""
+
+    async def _drop_orphans(self, wire_ids: list[str]) -> None:
+        """Reconciliation: what the conductor no longer knows here is dropped as if aborted."""
+        for wire_id in wire_ids:
+            await self.handle(P.Abort(wire_id), [])
 
     @abstractmethod
     def busy(self) -> bool:
