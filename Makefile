@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv serve test bench bench-setup clean
+.PHONY: venv serve test bench bench-setup clean etcd
 
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	@echo "==> creating $(VENV) and installing mooncake with its dependencies (torch, transformers: a few minutes)"
@@ -20,7 +20,13 @@ venv: $(VENV)/.installed
 serve: venv
 	$(VENV)/bin/mooncake serve
 
-test: venv
+# The failover tests run a real etcd (Debian's etcd-server); they fail, never skip, without it.
+etcd:
+	@command -v etcd >/dev/null || { echo "==> installing etcd-server (the failover tests run a real etcd)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q etcd-server; }
+
+test: venv etcd
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 # What the benchmarks' peers need, never `make test`: transformers' serving extra (for

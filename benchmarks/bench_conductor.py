@@ -1,28 +1,30 @@
-"""Conductor admission capacity against workers that answer instantly (issue 14).
+"""The routing layer's capacity against workers that answer instantly (issues 14 and 29).
 
-The real conductor process (``mooncake serve --role conductor``: uvicorn, the tokenizer, block
-hashing, the scheduler, its ROUTER socket on loopback TCP) against stand-in prefill, decode and
-store instances in one process (``standin_workers.py``: real ZeroMQ links and messages, no
-model) and an open-loop Poisson load of ``/v1/completions`` text prompts of 200-2,000 tokens,
-half of them opening with one of 8 shared prefixes, half streamed, 16 tokens each (the decode
-stand-in steps its batch as a real decode does, every ``--step-ms``: one token per request per
-step, a step's tokens in one ``TokenStep``; ``--per-request-events`` sends one message per
-request per step instead, as the decode did before).
-
+``--target frontend`` (default): one real frontend process (``mooncake serve --role frontend``:
+uvicorn, the tokenizer, block hashing, SSE, streaming detokenization) on core 0, against a real
+conductor (no frontend of its own), stand-in prefill, decode and store instances in one process
+(``standin_workers.py``: real ZeroMQ links and messages, no model) and the load generator, all on
+core 1. ``--target bundled``: the conductor with its in-process frontend on core 0 (what one
+process serving everything costs). The load: an open-loop Poisson of ``/v1/completions`` text
+prompts of 200-2,000 tokens, half of them opening with one of 8 shared prefixes, half streamed,
+16 tokens each (the decode stand-in steps its batch as a real decode does, every ``--step-ms``:
+one token per request per step, a step's tokens in one ``TokenStep`` to the request's frontend).
 The capacity is searched with ``mooncake.bench.capacity`` over the offered rate: a rate passes
-when >= 99% of the requests it sends complete within ``--bound-ms`` end to end (latency that
-grows without bound fails it, and so do requests still unanswered when the step ends); then closed
-loops of ``--concurrency`` clients give the throughput with the conductor's core saturated. Every
-step starts from an idle conductor. Per step: completions/s, latency p50/p99, the conductor's CPU
-(``/proc/PID/stat``) per request and its utilisation, its garbage-collection pauses (counted by
-``profiled_conductor.py``, the wrapper it runs under), and each process's share of a core.
-``--tokens-per-event`` is an experiment (see its help). With ``--pin``
-(default on 2+ cores) the conductor runs on core 0 and everything else (stand-ins, load
-generator) on core 1. ``--profile`` then runs one more step at
-``--profile-rate`` (default: the capacity) with the conductor under cProfile (its event-loop
-thread) and reports its time by component, and every conductor thread's CPU.
+when >= 99% of the requests it sends complete within ``--bound-ms`` end to end; then closed
+loops of ``--concurrency`` clients give the throughput with the measured process's core
+saturated. Every step starts from an idle process. Per step: completions/s, latency p50/p99, the
+measured process's CPU (``/proc/PID/stat``) per request, its garbage-collection pauses (counted by
+``profiled_conductor.py``, the wrapper it runs under), the conductor's CPU per request, and each
+process's share of a core. ``--profile`` runs one more step under cProfile (the measured
+process's event loop) and reports its time by component.
 
-    flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_conductor.py [--quick]
+``--target conductor``: the conductor alone on core 0 (no HTTP at all) against stand-in workers
+and stand-in frontends (``standin_frontends.py``: every message a frontend exchanges per request,
+closed loop) on core 1: the conductor's plans per second and CPU per request, at each
+``--concurrency`` (requests in flight per stand-in frontend).
+
+    flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_conductor.py \
+        [--target frontend|bundled|conductor] [--quick]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Iterator
 import httpx
 
 from mooncake.bench.capacity import CapacityPlan, search_capacity
-from mooncake.config import Config, dump_toml
+from mooncake.config import Config, dump_toml, load_config
 from mooncake.testing.ports import free_port
 
 from bench_role_cpu import stat_cpu_s, thread_cpu_s
@@ -59,56 +61,82 @@ def proc_cpu_s(pid: int) -> float:
     return stat_cpu_s(f"/proc/{pid}/stat")[1]
 
 
-@contextmanager
-def conductor_and_workers(pin: bool, cprofile: bool, args: argparse.Namespace) -> Iterator[tuple[str, dict, Path]]:
-    """(base URL, {"conductor": pid, "workers": pid}, profile path) of a running conductor (under
-    ``profiled_conductor.py``: GC pauses always counted, cProfile with ``cprofile``) with stand-ins."""
-    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-conductor-"))
-    out = tmp / "conductor.prof"
+def bench_config(tmp: Path, frontend: str) -> Path:
     cfg = Config()
+    cfg.node.health_port = free_port()  # a conductor without a frontend serves /metrics there
     cfg.model.dtype = "float32"
-    cfg.conductor.port = free_port()
+    cfg.frontend.port = free_port()
     cfg.conductor.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cfg.conductor.frontend = frontend  # type: ignore[assignment]
     cfg.conductor.dead_after_s = 30.0  # a saturated stand-in's late heartbeat is not a death
     path = tmp / "cluster.toml"
     path.write_text(dump_toml(cfg))
-    cmd = (["taskset", "-c", "0"] if pin else []) + [sys.executable, str(HERE / "profiled_conductor.py"), str(out),
-                                                     "serve", "--role", "conductor", "--config", str(path),
-                                                     "--log-level", "warning"]
+    return path
+
+
+def serve(role: str, path: Path, core: int | None, profiled: Path | None = None, cprofile: bool = False
+          ) -> subprocess.Popen:
+    """``mooncake serve --role ROLE`` (under ``profiled_conductor.py`` when ``profiled``: its GC
+    pauses counted, cProfile with ``cprofile``), on ``core``."""
+    run = [str(HERE / "profiled_conductor.py"), str(profiled)] if profiled else ["-m", "mooncake.cli"]
+    cmd = (["taskset", "-c", str(core)] if core is not None else []) + [
+        sys.executable, *run, "serve", "--role", role, "--config", str(path), "--log-level", "warning"]
+    return subprocess.Popen(cmd, env={**os.environ, "BENCH_CONDUCTOR_CPROFILE": "1" if cprofile else "0"})
+
+
+def standins(path: Path, args: argparse.Namespace) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "standin_workers.py"), "--config", str(path),
+                             "--prefill", str(args.prefill), "--decode", str(args.decode),
+                             "--tokens-per-event", str(args.tokens_per_event), "--step-ms", str(args.step_ms)]
+                            + (["--per-request-events"] if args.per_request_events else []))
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def served(pin: bool, cprofile: bool, args: argparse.Namespace) -> Iterator[tuple[str, dict, Path]]:
+    """(base URL, {"measured": pid, "conductor": pid, "workers": pid}, profile path) of a running
+    routing layer (``--target``) with stand-ins; the measured process on core 0 under the wrapper."""
+    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-conductor-"))
+    out = tmp / "measured.prof"
+    bundled = args.target == "bundled"
+    path = bench_config(tmp, "on" if bundled else "off")
     if pin:
         os.sched_setaffinity(0, {1})  # this process and the stand-ins: core 1
-    conductor = subprocess.Popen(cmd, env={**os.environ, "BENCH_CONDUCTOR_CPROFILE": "1" if cprofile else "0"})
-    prefill, decode = args.prefill, args.decode
-    workers = subprocess.Popen([sys.executable, str(HERE / "standin_workers.py"), "--config", str(path),
-                                "--prefill", str(prefill), "--decode", str(decode),
-                                "--tokens-per-event", str(args.tokens_per_event), "--step-ms", str(args.step_ms)]
-                               + (["--per-request-events"] if args.per_request_events else []))
-    url = f"http://127.0.0.1:{cfg.conductor.port}"
+    core = 0 if pin else None
+    procs = [serve("conductor", path, core if bundled else None, out if bundled else None, cprofile)]
+    if not bundled:
+        procs.append(serve("frontend", path, core, out, cprofile))
+    procs.append(standins(path, args))
+    url = f"http://127.0.0.1:{load_config(path).frontend.port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            if conductor.poll() is not None or workers.poll() is not None:
-                raise RuntimeError("the conductor or the stand-ins exited during start-up")
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a process exited during start-up")
             try:
                 nodes = httpx.get(url + "/health", timeout=2).json()["nodes"]
-                if nodes.get("prefill", 0) >= prefill and nodes.get("decode", 0) >= decode and nodes.get("store"):
+                if nodes.get("prefill", 0) >= args.prefill and nodes.get("decode", 0) >= args.decode \
+                        and nodes.get("store"):
                     break
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError("conductor not ready in 120 s")
+                raise TimeoutError("not ready in 120 s")
             time.sleep(0.25)
-        yield url, {"conductor": conductor.pid, "workers": workers.pid}, out
+        yield url, {"measured": procs[-2].pid, "conductor": procs[0].pid, "workers": procs[-1].pid}, out
     finally:
-        for proc in (workers, conductor):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in (workers, conductor):
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs[::-1])
 
 
 def gc_pauses(pid: int, out: Path) -> dict[str, list[float]]:
@@ -141,12 +169,12 @@ def measure(url: str, model: str, pids: dict[str, int], prof: Path, rate: float,
             texts: list[str], seed: int, concurrency: int = 0) -> dict:
     """One step at ``rate`` (or closed loop), from an idle conductor: its latencies, completions/s,
     CPU per process, GC."""
-    wait_idle(pids["conductor"])
+    wait_idle(pids["measured"])
     before = {k: proc_cpu_s(p) for k, p in pids.items()}
     t_cpu0 = time.process_time()
-    os.kill(pids["conductor"], signal.SIGUSR1)
+    os.kill(pids["measured"], signal.SIGUSR1)
     res = asyncio.run(offer(url, model, rate, args.duration, texts, args.max_tokens, args.grace, seed, concurrency))
-    gc_counts = gc_pauses(pids["conductor"], prof)
+    gc_counts = gc_pauses(pids["measured"], prof)
     cpu = {k: proc_cpu_s(p) - before[k] for k, p in pids.items()}
     cpu["loadgen"] = time.process_time() - t_cpu0
     ok = [e for good, e, _ in res["results"] if good]
@@ -155,20 +183,22 @@ def measure(url: str, model: str, pids: dict[str, int], prof: Path, rate: float,
     return {"rate": rate, "concurrency": concurrency, "sent": res["sent"], "ok": len(ok),
             "attainment": sum(1 for e in ok if e * 1000 <= args.bound_ms) / max(1, res["sent"]),
             "completed_per_s": len(ok) / wall, "p50_ms": pct(ok, 50) * 1000, "p99_ms": pct(ok, 99) * 1000,
-            "conductor_ms_per_req": 1000 * cpu["conductor"] / n_ok,
+            "measured_ms_per_req": 1000 * cpu["measured"] / n_ok, "conductor_ms_per_req": 1000 * cpu["conductor"] / n_ok,
             "gc_ms_per_req": 1000 * sum(s for _, s in gc_counts.values()) / n_ok,
             "gen2": f"{gen2_n:.0f} × {1000 * gen2_s / max(1, gen2_n):.0f} ms",
             **{f"{k}_util": cpu[k] / wall for k in cpu}}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| offered | sent | completed req/s | within bound | e2e p50 ms | e2e p99 ms | conductor CPU ms/req "
-             "| of it GC ms/req | gen-2 GCs | conductor core | stand-ins core | load gen core |", "|" + "---|" * 12]
+    lines = ["| offered | sent | completed req/s | within bound | e2e p50 ms | e2e p99 ms | measured CPU ms/req "
+             "| of it GC ms/req | gen-2 GCs | measured core | conductor CPU ms/req | stand-ins core | load gen core |",
+             "|" + "---|" * 13]
     for r in rows:
         offered = f"{r['concurrency']} clients" if r["concurrency"] else f"{r['rate']:.0f} req/s"
         lines.append(f"| {offered} | {r['sent']} | {r['completed_per_s']:.1f} | {100 * r['attainment']:.1f}% "
-                     f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['conductor_ms_per_req']:.2f} "
-                     f"| {r['gc_ms_per_req']:.2f} | {r['gen2']} | {100 * r['conductor_util']:.0f}% "
+                     f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['measured_ms_per_req']:.2f} "
+                     f"| {r['gc_ms_per_req']:.2f} | {r['gen2']} | {100 * r['measured_util']:.0f}% "
+                     f"| {r['conductor_ms_per_req']:.2f} "
                      f"| {100 * r['workers_util']:.0f}% | {100 * r['loadgen_util']:.0f}% |")
     return "\n".join(lines)
 
@@ -182,7 +212,7 @@ def warm(url: str, args: argparse.Namespace, texts: list[str]) -> str:
 def run_search(args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], list[dict], float | None]:
     """(open-loop rows, closed-loop rows, capacity in req/s or None)."""
     rows: list[dict] = []
-    with conductor_and_workers(args.pin, False, args) as (url, pids, prof):
+    with served(args.pin, False, args) as (url, pids, prof):
         model = warm(url, args, texts)
 
         def step(rate: float, concurrency: int = 0) -> dict:
@@ -204,14 +234,14 @@ def run_search(args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], 
 
 
 def run_profile(args: argparse.Namespace, texts: list[str], rate: float) -> str:
-    with conductor_and_workers(args.pin, True, args) as (url, pids, prof):
+    with served(args.pin, True, args) as (url, pids, prof):
         model = warm(url, args, texts)
-        threads0 = thread_cpu_s(pids["conductor"])
+        threads0 = thread_cpu_s(pids["measured"])
         row = measure(url, model, pids, prof, rate, args, texts, seed=99)
-        threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_s(pids["conductor"]).items()}
+        threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_s(pids["measured"]).items()}
         busy = sorted(((v, k) for k, v in threads.items() if v > 0.005), reverse=True)
-        lines = [f"profiled step (the conductor's event loop under cProfile: slower than without):\n\n{table([row])}\n",
-                 "conductor threads, CPU ms per completed request: " +
+        lines = [f"profiled step (the measured process's event loop under cProfile: slower than without):\n\n"
+                 f"{table([row])}\n", "measured process's threads, CPU ms per completed request: " +
                  ", ".join(f"{k} {1000 * v / max(1, row['ok']):.2f}" for v, k in busy) + "\n",
                  "event-loop thread by component (cProfile own time, share of the busy total):\n",
                  "| component | share |", "|---|---|"]
@@ -221,8 +251,66 @@ def run_profile(args: argparse.Namespace, texts: list[str], rate: float) -> str:
     return "\n".join(lines)
 
 
+def conductor_alone(args: argparse.Namespace) -> str:
+    """The conductor alone on core 0 against stand-in workers and stand-in frontends on core 1:
+    a table of its plans per second and CPU per request at each ``--concurrency``."""
+    tmp = Path(tempfile.mkdtemp(prefix="mooncake-bench-conductor-"))
+    out = tmp / "measured.prof"
+    path = bench_config(tmp, "off")
+    cfg = load_config(path)
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    procs = [serve("conductor", path, 0 if args.pin else None, out), standins(path, args)]
+    rows = ["| stand-in frontends × requests in flight | completed req/s (plans/s) | conductor CPU ms/req "
+            "| of it GC ms/req | conductor core | stand-ins core | refused |", "|" + "---|" * 7]
+    try:
+        metrics = f"http://127.0.0.1:{cfg.node.health_port}/metrics"
+        deadline = time.monotonic() + 120
+        while not _registered(metrics, args):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError("the conductor or the stand-ins did not come up")
+            time.sleep(0.25)
+        pid = procs[0].pid
+        for concurrency in args.concurrency:
+            wait_idle(pid)
+            before = {"conductor": proc_cpu_s(pid), "workers": proc_cpu_s(procs[1].pid)}
+            os.kill(pid, signal.SIGUSR1)
+            r = subprocess.run([sys.executable, str(HERE / "standin_frontends.py"), "--config", str(path),
+                                "--frontends", str(args.frontends), "--concurrency", str(concurrency),
+                                "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)],
+                               capture_output=True, text=True, check=True)
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            gc_counts = gc_pauses(pid, out)
+            cpu = {"conductor": proc_cpu_s(pid) - before["conductor"],
+                   "workers": proc_cpu_s(procs[1].pid) - before["workers"]}
+            n, wall = max(1, res["completed"]), res["seconds"]
+            rows.append(f"| {args.frontends} × {concurrency} | {res['completed'] / wall:.0f} "
+                        f"| {1000 * cpu['conductor'] / n:.3f} "
+                        f"| {1000 * sum(s for _, s in gc_counts.values()) / n:.3f} "
+                        f"| {100 * cpu['conductor'] / wall:.0f}% | {100 * cpu['workers'] / wall:.0f}% "
+                        f"| {res['refused']} |")
+            print(rows[-1], flush=True)
+    finally:
+        stop_all(procs[::-1])
+    return "\n".join(rows)
+
+
+def _registered(metrics_url: str, args: argparse.Namespace) -> bool:
+    from mooncake.testing.api import metric
+
+    try:
+        text = httpx.get(metrics_url, timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return metric(text, "mooncake:nodes", role="prefill") >= args.prefill and \
+        metric(text, "mooncake:nodes", role="decode") >= args.decode
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=["frontend", "bundled", "conductor"], default="frontend",
+                    help="the process measured on core 0 (see above)")
+    ap.add_argument("--frontends", type=int, default=1, help="--target conductor: stand-in frontends")
     ap.add_argument("--quick", action="store_true", help="two fixed rates and one closed loop, 4 s each, no profile")
     ap.add_argument("--rates", type=float, nargs="+", help="measure these rates instead of searching")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[4, 16, 64],
@@ -247,12 +335,15 @@ def main() -> int:
         args.rates, args.duration, args.grace = args.rates or [20.0, 60.0], 4.0, 3.0
         args.concurrency = [16]
     profile = not args.quick if args.profile is None else args.profile
+    if args.target == "conductor":
+        print(conductor_alone(args), flush=True)
+        return 0
     texts = prompts(512)
     t0 = time.perf_counter()
     print(table([]), flush=True)
     rows, closed, capacity = run_search(args, texts)
     print(f"\ncapacity: {capacity if capacity is None else round(capacity, 1)} req/s offered "
-          f"(>= {100 * TARGET:.0f}% within {args.bound_ms:.0f} ms end to end; pin={args.pin}, "
+          f"(>= {100 * TARGET:.0f}% within {args.bound_ms:.0f} ms end to end; target={args.target}, pin={args.pin}, "
           f"tokens_per_event={args.tokens_per_event}, step_ms={args.step_ms:g}, "
           f"events={'per request' if args.per_request_events else 'per step'}) "
           f"[{time.perf_counter() - t0:.0f} s]\n", flush=True)

@@ -9,8 +9,8 @@ Every message is answered at once with what a real worker would send:
 * decode: ``DecodeRequest`` -> ``Reserved``; ``FirstToken`` -> the request joins the stand-in's
   batch, which steps every ``--step-ms`` (0: as fast as the loop turns): each step gives every
   request in it its next ``--tokens-per-event`` tokens (a real decode: 1), the last with
-  ``finished = length``, and sends the step's events as the real decode does, in one
-  ``TokenStep`` (``--per-request-events``: one ``TokenEvent`` message each, as before it);
+  ``finished = length``, and sends the step's events as the real decode does, to each request's
+  frontend in one ``TokenStep`` (``--per-request-events``: one ``TokenEvent`` message each);
 * prefill: ``PrefillRequest`` -> ``PrefillDone`` (cached tokens from its own device cache, the
   fetch plan's blocks as fetched), then a device ``BlockEvent`` for the blocks it now caches
   (and ``removed`` for those its LRU pool evicts), and, when the request names a store, that
@@ -36,6 +36,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config, load_config
 from mooncake.roles.link import ConductorLink
+from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import machine_id
 
 FIRST_OUTPUT_ID = 1000  # output token ids cycle from here: ordinary words, no special tokens
@@ -125,6 +126,8 @@ class StandIn:
         self.decoding: dict[str, P.DecodeRequest] = {}  # reserved, waiting for the first token
         self.batch: dict[str, Iterator[P.TokenEvent]] = {}  # decoding: each request's events to come
         self._stepping: asyncio.Task | None = None
+        self.reply_to: dict[str, str] = {}  # decoding request -> its frontend's token endpoint
+        self.outlets = TokenOutlets(ctx, self.node_id, None)
         info = P.NodeInfo(f"node{index}", os.getpid(), facts, num_blocks if facts else 0,
                           block_bytes if facts else 0, None, cpus=1, threads=1, machine=machine_id())
         self.link = ConductorLink(ctx, cfg.conductor.endpoint, P.Register(role, self.node_id, info, endpoints),
@@ -150,6 +153,7 @@ class StandIn:
         elif isinstance(msg, P.FirstToken):
             req = self.decoding.pop(msg.req_id, None)
             if req is not None:
+                self.reply_to[req.req_id] = req.reply_to
                 self.batch[req.req_id] = iter(token_events(req, self.cluster.tokens_per_event))
                 if self._stepping is None or self._stepping.done():
                     self._stepping = asyncio.create_task(self.step_loop())
@@ -158,16 +162,24 @@ class StandIn:
         elif isinstance(msg, P.Abort):
             self.decoding.pop(msg.req_id, None)
             self.batch.pop(msg.req_id, None)
+            self.reply_to.pop(msg.req_id, None)
 
     async def step_loop(self) -> None:
-        """Decode steps while the batch has requests: each its next event, sent per step."""
+        """Decode steps while the batch has requests: each its next event, sent per step to the
+        request's frontend (``reply_to``), as the real decode does."""
         while self.batch:
-            events = step(self.batch)
-            if self.cluster.per_request_events or len(events) == 1:
-                for event in events:
-                    await self.link.send(event)
-            elif events:
-                await self.link.send(P.TokenStep(events))
+            by_frontend: dict[str, list[P.TokenEvent]] = {}
+            for event in step(self.batch):
+                by_frontend.setdefault(self.reply_to.get(event.req_id, ""), []).append(event)
+                if event.finished is not None:
+                    self.reply_to.pop(event.req_id, None)
+            for endpoint, events in by_frontend.items():
+                batches = [[e] for e in events] if self.cluster.per_request_events else [events]
+                for batch in batches:
+                    if endpoint:
+                        await self.outlets.send(endpoint, batch)
+                    else:
+                        await self.link.send(batch[0] if len(batch) == 1 else P.TokenStep(batch))
             await asyncio.sleep(self.cluster.step_s)
 
     async def prefill(self, req: P.PrefillRequest) -> None:
@@ -228,6 +240,7 @@ class StandInCluster:
             t.cancel()
         for n in self.nodes:
             n.link.close()
+            n.outlets.close()
         self.ctx.term()
         for t in done:
             if t is not waiter and t.exception() is not None:

@@ -17,7 +17,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                      "with --role")
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="model directory, GGUF file, or Hugging Face repo id (as --model)")
-    p.add_argument("--role", choices=["conductor", "prefill", "decode", "store"],
+    p.add_argument("--role", choices=["conductor", "frontend", "prefill", "decode", "store"],
                    help="run this one role (default: every role on this machine, one process each)")
     p.add_argument("--config", help="TOML config file (see config.example.toml); MOONCAKE_<SECTION>_<KEY> "
                                     "environment variables apply over it, or alone without it")
@@ -32,12 +32,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="require this bearer token on /v1/*, /cluster and /metrics (repeat the option, or "
-                        "separate keys with commas, to accept several: the first becomes [conductor] api_key, "
+                        "separate keys with commas, to accept several: the first becomes [frontend] api_key, "
                         "the rest api_keys)")
     p.add_argument("--data-dir", help="directory of the stores' LMDB tier")
     p.add_argument("--prefill", type=int, default=1, help="single machine: prefill instances")
     p.add_argument("--decode", type=int, default=1, help="single machine: decode instances")
     p.add_argument("--store", type=int, default=1, help="single machine: store instances")
+    p.add_argument("--frontends", type=int, default=1,
+                   help="single machine: frontends serving the API on --port, --port+1, ... (one: in the "
+                        "conductor's process)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -47,8 +50,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         o.setdefault("model", {})["path"] = args.model
     if args.api_key:
         keys = [k.strip() for arg in args.api_key for k in arg.split(",") if k.strip()]
-        o.setdefault("conductor", {}).update(api_key=keys[0] if keys else "", api_keys=keys[1:])
-    for key, section, field in (("host", "conductor", "host"), ("port", "conductor", "port"),
+        o.setdefault("frontend", {}).update(api_key=keys[0] if keys else "", api_keys=keys[1:])
+    for key, section, field in (("host", "frontend", "host"), ("port", "frontend", "port"),
                                 ("data_dir", "store", "data_dir"),
                                 ("served_model_name", "model", "name"), ("dtype", "model", "dtype"), ("max_model_len", "engine", "max_model_len")):
         value = getattr(args, key, None)
@@ -74,13 +77,15 @@ def serve(args: argparse.Namespace) -> int:
     if not args.role:
         from mooncake.local.cluster import run_local
 
-        return run_local(cfg, args.prefill, args.decode, args.store, args.log_level)
+        return run_local(cfg, args.prefill, args.decode, args.store, args.log_level, args.frontends)
     tag_logs(args.role, cfg.node.node_id or cfg.node.name)
     from mooncake.roles.cpu_priority import apply_role_priority
 
     apply_role_priority(args.role, cfg.node.prefill_nice)  # before the engine starts any thread
     if args.role == "conductor":
         from mooncake.roles.conductor import run_conductor as main
+    elif args.role == "frontend":
+        from mooncake.roles.frontend import run_frontend as main
     elif args.role == "store":
         from mooncake.roles.store import run_store as main
     else:
@@ -116,7 +121,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:
     check = config_sub.add_parser("check", help="print the effective config (file + MOONCAKE_* environment) or its errors")
     check.add_argument("file", nargs="?", help="TOML config file (omit: defaults + environment only)")
     probe = sub.add_parser("probe", help="exec health probe of a role: exit 0 when healthy, 1 when not")
-    probe.add_argument("--role", required=True, choices=["conductor", "prefill", "decode", "store"])
+    probe.add_argument("--role", required=True, choices=["conductor", "frontend", "prefill", "decode", "store"])
     probe.add_argument("--config", help="TOML config file (the environment applies over it)")
     probe.add_argument("--check", default="ready", choices=["live", "ready"])
     deploy = sub.add_parser("deploy", help="render deployment manifests from a config")
@@ -128,6 +133,10 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--namespace", default="mooncake")
     for role in ("prefill", "decode", "store"):
         k8s.add_argument(f"--{role}", type=int, default=1, help=f"{role} replicas")
+    k8s.add_argument("--frontend", type=int, default=2, help="frontend replicas (the OpenAI API, behind one Service)")
+    k8s.add_argument("--conductor", type=int, default=2,
+                     help="conductor replicas: more than one fail over through etcd ([coordination] etcd_endpoints, "
+                          "or an etcd rendered with them)")
 
 
 def run_ops(args: argparse.Namespace) -> int:
@@ -156,7 +165,7 @@ def run_ops(args: argparse.Namespace) -> int:
 
     try:
         topology = Topology(image=args.image, namespace=args.namespace, prefill=args.prefill,
-                            decode=args.decode, store=args.store)
+                            decode=args.decode, store=args.store, frontend=args.frontend, conductor=args.conductor)
         written = write_manifests(cfg, topology, args.out)
     except DeployError as e:
         print(f"mooncake deploy: {e}", file=sys.stderr)

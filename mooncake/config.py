@@ -14,12 +14,26 @@ import tomllib
 from pathlib import Path
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def split_list(v: object, key: str) -> object:
+    """A list key's value from the environment (a string): comma-separated, or a JSON list."""
+    if not isinstance(v, str):
+        return v
+    if v.strip().startswith("["):
+        import json
+
+        try:
+            return json.loads(v)
+        except ValueError:
+            raise ValueError(f"{key}: not a JSON list of strings") from None
+    return [k.strip() for k in v.split(",") if k.strip()]
 
 
 class _Section(BaseModel):
@@ -69,13 +83,36 @@ class StoreConfig(_Section):
     p2p_stall_timeout_s: float = Field(30.0, gt=0, description="A P2P fetch that makes no progress this long (no live holder has what is missing) fails.")
 
 
-class ConductorConfig(_Section):
+class FrontendConfig(_Section):
+    """The OpenAI API: any number of frontends serve it side by side (``mooncake serve --role frontend``)."""
+
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0: any free port.")
     api_key: str = Field("", description="If set, /v1/*, /cluster and /metrics need 'Authorization: Bearer <key>' (this key or one of api_keys); /health* stay open.")
     api_keys: list[str] = Field(default_factory=list, description="More accepted API keys (e.g. one per tenant, or the Prometheus scraper's), beside api_key.")
     salt_per_api_key: bool = Field(False, description="Derive the KV cache salt from the caller's API key (combined with any request cache_salt), so tenants with different keys never share or probe each other's blocks.")
+    token_port: int = Field(0, ge=0, le=65535, description="Port (on [node] host) where decode instances stream this frontend's tokens; 0: any free port.")
+    max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
+    sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
+    access_log: bool = Field(False, description="Log one line per HTTP request (method, path, status, seconds, X-Request-Id).")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: object) -> object:
+        """MOONCAKE_FRONTEND_API_KEYS (a string): comma-separated keys, or a JSON list."""
+        return split_list(v, "api_keys")
+
+    def accepted_keys(self) -> list[str]:
+        """Every API key the HTTP server accepts (none: the API is open)."""
+        return [k for k in (self.api_key, *self.api_keys) if k]
+
+
+class ConductorConfig(_Section):
     endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
+    frontend: Literal["auto", "on", "off"] = Field("auto", description="Serve the OpenAI API ([frontend]) from the conductor's process too (the same code as mooncake serve --role frontend). off: only frontends of their own serve it, and the conductor answers health probes and /metrics on [node] health_port. auto: on, except under [coordination] (conductors that fail over for each other run no frontend: two on one host would want the same port).")
+
+    def serves_frontend(self, coordinated: bool) -> bool:
+        return self.frontend == "on" or (self.frontend == "auto" and not coordinated)
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = Field(
         "cache_aware", description="Prefill selection policy (random: a uniform draw; a baseline).")
     use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
@@ -96,28 +133,19 @@ class ConductorConfig(_Section):
     hot_block_hits: int = Field(4, ge=1, description="Hits in the window that make a block hot.")
     hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
     replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
-    max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
-    sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
-    access_log: bool = Field(False, description="Log one line per HTTP request (method, path, status, seconds, X-Request-Id).")
 
-    @field_validator("api_keys", mode="before")
+
+class CoordinationConfig(_Section):
+    etcd_endpoints: list[str] = Field(default_factory=list, description="etcd client URLs (http://host:2379, as etcd prints them); set: conductors campaign for the lead through etcd, one leads and the others stand by, and frontends and workers follow the leader. Empty: one conductor, at [conductor] endpoint.")
+    lease_ttl_s: int = Field(5, ge=2, le=300, description="The leader's etcd lease: a conductor that cannot refresh it this long steps down, and a standby leads once it lapses.")
+    prefix: str = Field("/mooncake/default", description="etcd key prefix of this cluster (clusters sharing an etcd differ by it).")
+    poll_s: float = Field(0.5, gt=0, description="How often frontends and workers ask etcd who leads.")
+
+    @field_validator("etcd_endpoints", mode="before")
     @classmethod
-    def _split_keys(cls, v: object) -> object:
-        """MOONCAKE_CONDUCTOR_API_KEYS (a string): comma-separated keys, or a JSON list."""
-        if not isinstance(v, str):
-            return v
-        if v.strip().startswith("["):
-            import json
-
-            try:
-                return json.loads(v)
-            except ValueError:
-                raise ValueError("api_keys: not a JSON list of strings") from None
-        return [k.strip() for k in v.split(",") if k.strip()]
-
-    def accepted_keys(self) -> list[str]:
-        """Every API key the HTTP server accepts (none: the API is open)."""
-        return [k for k in (self.api_key, *self.api_keys) if k]
+    def _split(cls, v: object) -> object:
+        """MOONCAKE_COORDINATION_ETCD_ENDPOINTS (a string): comma-separated URLs, or a JSON list."""
+        return split_list(v, "etcd_endpoints")
 
 
 class NodeConfig(_Section):
@@ -144,8 +172,30 @@ class Config(_Section):
     engine: EngineConfig = EngineConfig()
     store: StoreConfig = StoreConfig()
     conductor: ConductorConfig = ConductorConfig()
+    frontend: FrontendConfig = FrontendConfig()
+    coordination: CoordinationConfig = CoordinationConfig()
     node: NodeConfig = NodeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, raw: object) -> object:
+        """Keys that moved from [conductor] to [frontend] still work from [conductor], with a warning
+        ([frontend] wins where both set one)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("conductor"), dict):
+            return raw
+        conductor = dict(raw["conductor"])
+        moved = {k: conductor.pop(k) for k in MOVED_TO_FRONTEND if k in conductor}
+        if not moved:
+            return raw
+        log.warning("[conductor] %s moved to [frontend]: read from [conductor] this time; set them in "
+                    "[frontend] (MOONCAKE_FRONTEND_<KEY>)", ", ".join(sorted(moved)))
+        frontend = raw.get("frontend") if isinstance(raw.get("frontend"), dict) else {}
+        return {**raw, "conductor": conductor, "frontend": {**moved, **frontend}}
     security: SecurityConfig = SecurityConfig()
+
+
+MOVED_TO_FRONTEND = ("host", "port", "api_key", "api_keys", "salt_per_api_key", "max_body_bytes",
+                     "sse_keepalive_s", "access_log")
 
 
 class ConfigError(ValueError):
@@ -182,6 +232,7 @@ def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], s
     known = {env_name(section, key): (section, key)
              for section, field in Config.model_fields.items()
              for key in field.annotation.model_fields}  # type: ignore[union-attr]
+    known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_TO_FRONTEND})
     values: dict = {}
     origin: dict[tuple[str, str], str] = {}
     for var in sorted(env):
@@ -225,15 +276,18 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
         for err in e.errors():
             loc = tuple(str(x) for x in err["loc"])
             where = ".".join(loc)
-            if loc[:2] in origin and loc[1] not in (overrides or {}).get(loc[0], {}):
-                value = from_env[loc[0]][loc[1]]
-                shown = MASK if loc[:2] in SECRET_KEYS else repr(value)
-                where = f"{where} (from {origin[loc[:2]]}={shown})"
+            key = loc[:2]
+            if key not in origin and key[:1] == ("frontend",) and ("conductor", *key[1:]) in origin:
+                key = ("conductor", *key[1:])  # a moved key, set under its old name
+            if key in origin and key[1] not in (overrides or {}).get(key[0], {}):
+                value = from_env[key[0]][key[1]]
+                shown = MASK if ("frontend", key[1]) in SECRET_KEYS else repr(value)
+                where = f"{where} (from {origin[key]}={shown})"
             problems.append(f"{where}: {err['msg']}")
         raise ConfigError(f"invalid config{f' {path}' if path else ''}: {'; '.join(problems)}") from None
 
 
-SECRET_KEYS = {("conductor", "api_key"), ("conductor", "api_keys")}
+SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys")}
 MASK = "***"
 
 
@@ -264,7 +318,7 @@ def dump_toml(cfg: Config, comments: bool = False, mask_secrets: bool = False) -
 
 EXAMPLE_HEADER = """\
 # mooncake configuration: every key, with its default.
-# One process per role and node:  mooncake serve --role conductor|prefill|decode|store --config FILE
+# One process per role and node:  mooncake serve --role conductor|frontend|prefill|decode|store --config FILE
 # Roles find the conductor at [conductor] endpoint; give each node its own [node] name and host.
 # Every key can also be set in the environment as MOONCAKE_<SECTION>_<KEY> (e.g. MOONCAKE_NODE_HOST),
 # over this file; `mooncake config check FILE` prints the effective config or the errors.

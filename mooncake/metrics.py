@@ -23,7 +23,7 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.before_render: Callable[[], None] | None = None  # refreshes the gauges read from live state
+        self.before_render: list[Callable[[], None]] = []  # refresh the gauges read from live state
         self._node_series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
         self._reported: dict[tuple[int, tuple[str, ...]], float] = {}
         m = ["model_name"]
@@ -108,6 +108,16 @@ class Metrics:
             buckets=(0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28), registry=r)
         self.reconciliation_aborts = Counter("mooncake:reconciliation_aborts", "Requests a registering worker "
                                              "held that the conductor no longer knew there (dropped).", registry=r)
+        self.plans = Counter("mooncake:plans", "Attempts the conductor placed (its plans; their rate is plans "
+                             "per second).", registry=r)
+        self.leader_changes = Counter("mooncake:leader_changes", "Times this conductor took the lead (once "
+                                      "without [coordination]).", registry=r)
+        self.frontend_aborts = Counter("mooncake:frontend_aborts", "Attempts dropped because the frontend that "
+                                       "owned them died (nobody would read their streams).", registry=r)
+        self.conductor_messages = Counter("mooncake:conductor_messages", "Messages the conductor received, by type.",
+                                          ["type"], registry=r)
+        self.tokens_refused = Counter("mooncake:frontend_tokens_refused", "Token messages a frontend dropped (an "
+                                      "attempt it no longer runs, or from another decode than its own).", registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
                                       "many in flight).", ["node"], registry=r)
 
@@ -137,6 +147,6 @@ class Metrics:
             self._reported.pop((id(metric), values), None)
 
     def render(self) -> bytes:
-        if self.before_render is not None:
-            self.before_render()
+        for refresh in self.before_render:
+            refresh()
         return generate_latest(self.registry)

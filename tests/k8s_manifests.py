@@ -58,6 +58,7 @@ def effective(objs: list[dict], container: dict) -> Config:
 
 
 def pod_specs(objs: list[dict]) -> dict[str, dict]:
-    """Role (the component label) -> the pod spec of its Deployment or StatefulSet."""
+    """Role (the component label) -> the pod spec of its Deployment or StatefulSet (mooncake's
+    roles: not the etcd rendered for the conductors' election)."""
     return {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o["spec"]["template"]["spec"]
-            for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+            for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"] != "mooncake-etcd"}

@@ -23,7 +23,7 @@ class P2PNodes:
         self.names = names
         self.store_env = store_env or {}
         base = Config()
-        base.conductor.port = free_port()
+        base.frontend.port = free_port()
         base.conductor.endpoint = f"tcp://127.0.0.1:{free_port()}"
         base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, 3.0
         base.conductor.drain_timeout_s = 2.0

@@ -41,9 +41,9 @@ def test_several_keys_from_toml_environment_and_cli(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[conductor]\napi_key = "a"\napi_keys = ["b", "c"]\nsalt_per_api_key = true\n')
     cfg = load_config(f, env={})
-    assert cfg.conductor.accepted_keys() == ["a", "b", "c"] and cfg.conductor.salt_per_api_key
+    assert cfg.frontend.accepted_keys() == ["a", "b", "c"] and cfg.frontend.salt_per_api_key
     cfg = load_config(None, env={"MOONCAKE_CONDUCTOR_API_KEYS": "x, y,,"})
-    assert cfg.conductor.accepted_keys() == ["x", "y"]
+    assert cfg.frontend.accepted_keys() == ["x", "y"]
     args = argparse.Namespace(model=None, host=None, port=None, data_dir=None, api_key=["p", "q,r"])
     cfg = load_config(None, _overrides(args), env={})
-    assert cfg.conductor.api_key == "p" and cfg.conductor.accepted_keys() == ["p", "q", "r"]
+    assert cfg.frontend.api_key == "p" and cfg.frontend.accepted_keys() == ["p", "q", "r"]

@@ -1,14 +1,16 @@
-"""The conductor's request life without workers: admission, booking, the attempt protocol,
-ordering by index, failure kinds, moving requests off lost nodes."""
+"""The conductor's side of a request without workers or frontends: admission, placement and
+booking, the attempt protocol up to the first token, releases, failures passed to the owner,
+attempts ending with lost nodes (a worker's or a frontend's)."""
 
 from __future__ import annotations
 
 import pytest
 
 from mooncake import protocol as P
-from mooncake.conductor import Conductor, Finished, Rejection, Tokens
-from mooncake.conductor.request import Request, RequestStatus, TransitionError
+from mooncake.conductor import Conductor
+from mooncake.conductor.attempt import Attempt, Phase
 from mooncake.config import Config
+from mooncake.sched.admission import Rejection
 from mooncake.sched.cluster import Node
 
 FACTS = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8))
@@ -34,7 +36,7 @@ class Sent:
 
 
 def register(c: Conductor, node_id: str, role: str, **endpoints: str) -> Node:
-    info = P.NodeInfo("n0", 1, FACTS if role != "store" else None, num_blocks=64)
+    info = P.NodeInfo("n0", 1, FACTS if role in ("prefill", "decode") else None, num_blocks=64)
     reply = c.membership.register(node_id.encode(), P.Register(role, node_id, info, endpoints), 0.0)
     assert isinstance(reply, P.Registered)
     return c.cluster.get(node_id)
@@ -44,73 +46,84 @@ def register(c: Conductor, node_id: str, role: str, **endpoints: str) -> Node:
 async def conductor():
     cfg = Config()
     cfg.conductor.max_requests = 2
-    c = Conductor(cfg, tokenizer=None, model_name="m")
+    c = Conductor(cfg, model_name="m")
     c.router = Sent()
     register(c, "p0", "prefill")
     register(c, "d0", "decode", kv="tcp://127.0.0.1:1")
+    register(c, "f0", "frontend", tokens="tcp://127.0.0.1:9")
     yield c
     await c.close()
 
 
-def events(req: Request) -> list:
-    out = []
-    while not req.events.empty():
-        out.append(req.events.get_nowait())
-    return out
+def submit(c: Conductor, tokens: list[int], max_tokens: int = 8, n: int = 1, owner: str = "f0",
+           generated: int = 0, in_flight: int = 0) -> Attempt | Rejection:
+    from mooncake.blocks import hash_blocks, root_hash
+
+    msg = P.Submit(f"req-{tokens[0] if tokens else 0}-{owner}#{n}", owner, tokens,
+                   hash_blocks(tokens, 16, FACTS.model_id), root_hash(FACTS.model_id), P.Sampling(max_tokens=max_tokens),
+                   generated, in_flight=in_flight)
+    c.requests_in_flight[owner] = in_flight
+    return c.submit(msg, c.cluster.get(owner).endpoints["tokens"] if c.cluster.get(owner) else "")
 
 
-def run_to_decoding(c: Conductor, req: Request, first: int = 7) -> None:
-    p0, d0 = c.cluster.get("p0"), c.cluster.get("d0")
-    c._on_reserved(d0, P.Reserved(req.wire_id, "d0"))
-    c._on_prefill_done(p0, P.PrefillDone(req.wire_id, "p0", first, 0, len(req.all_tokens), 0.01))
+def run_to_decoding(c: Conductor, a: Attempt, first: int = 7) -> None:
+    c._on_reserved(c.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
+    c._on_prefill_done(c.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", first, 0, len(a.submit.tokens), 0.01))
 
 
-async def test_an_attempt_reserves_on_decode_before_prefill_starts(conductor):
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=4))
-    assert isinstance(req, Request) and req.status is RequestStatus.RESERVING
-    assert [n for n, _ in conductor.router.of(P.DecodeRequest)] == ["d0"] and not conductor.router.of(P.PrefillRequest)
-    conductor._on_reserved(conductor.cluster.get("d0"), P.Reserved(req.wire_id, "d0"))
+async def test_an_attempt_reserves_on_decode_before_prefill_starts_and_its_tokens_go_to_the_frontend(conductor):
+    a = submit(conductor, [1, 2, 3], 4)
+    assert isinstance(a, Attempt) and a.phase is Phase.RESERVING
+    (node, dreq), = conductor.router.of(P.DecodeRequest)
+    assert node == "d0" and dreq.reply_to == "tcp://127.0.0.1:9" and not conductor.router.of(P.PrefillRequest)
+    conductor._on_reserved(conductor.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
     (node, msg), = conductor.router.of(P.PrefillRequest)
-    assert node == "p0" and msg.decode_endpoint == "tcp://127.0.0.1:1" and msg.root == req.root
-    conductor._on_prefill_done(conductor.cluster.get("p0"), P.PrefillDone(req.wire_id, "p0", 7, 0, 3, 0.01))
-    assert conductor.router.of(P.FirstToken) == [("d0", P.FirstToken(req.wire_id, 7))]
-    conductor._on_tokens(conductor.cluster.get("d0"), P.TokenEvent(req.wire_id, 1, [8, 9]))
-    conductor._on_tokens(conductor.cluster.get("d0"), P.TokenEvent(req.wire_id, 3, [10], P.FinishReason.LENGTH))
-    assert req.generated == [7, 8, 9, 10] and req.done
-    assert events(req)[-1] == Finished(P.FinishReason.LENGTH)
-    assert conductor.scheduler.assigned("d0") == 0 and req.req_id not in conductor.requests
+    assert node == "p0" and msg.decode_endpoint == "tcp://127.0.0.1:1" and msg.root == a.submit.root
+    conductor._on_prefill_done(conductor.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", 7, 0, 3, 0.01))
+    assert conductor.router.of(P.FirstToken) == [("d0", P.FirstToken(a.wire_id, 7))]
+    (owner, started), = conductor.router.of(P.Started)
+    assert owner == "f0" and started.first_token == 7 and a.phase is Phase.DECODING
+    assert conductor.scheduler.assigned("d0") == 1
+    conductor._on_release(conductor.cluster.get("f0"), P.Release("f0", [P.Ended(a.wire_id, False, 3, 0.3)]))
+    assert conductor.scheduler.assigned("d0") == 0 and a.wire_id not in conductor.attempts
+    assert not conductor.router.of(P.Abort)  # decode ended it itself
 
 
-async def test_requests_in_flight_are_bounded_and_cancel_releases_the_booking(conductor):
-    a = conductor.submit([1, 2, 3], P.Sampling(max_tokens=4))
-    conductor.submit([4, 5, 6], P.Sampling(max_tokens=4))
-    r = conductor.submit([7, 8, 9], P.Sampling(max_tokens=4))
+async def test_requests_in_flight_are_bounded_and_an_aborting_release_frees_the_workers(conductor):
+    a = submit(conductor, [1, 2, 3], in_flight=0)
+    submit(conductor, [4, 5, 6], in_flight=1)
+    r = submit(conductor, [7, 8, 9], in_flight=2)
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "overloaded" and r.retry_after_s
     assert conductor.scheduler.assigned("d0") == 2 and conductor.scheduler.queued("p0") == 2
-    conductor.cancel(a.req_id)
+    conductor._on_release(conductor.cluster.get("f0"), P.Release("f0", [P.Ended(a.wire_id, abort=True)]))
     assert conductor.scheduler.assigned("d0") == 1 and a.wire_id not in conductor.attempts
     assert {n for n, m in conductor.router.of(P.Abort) if m.req_id == a.wire_id} == {"p0", "d0"}
-    assert isinstance(conductor.submit([7, 8, 9], P.Sampling(max_tokens=4)), Request)
+    # another frontend cannot release what is not its own
+    b = submit(conductor, [8, 9], in_flight=1)
+    register(conductor, "f1", "frontend", tokens="tcp://127.0.0.1:10")
+    conductor._on_release(conductor.cluster.get("f1"), P.Release("f1", [P.Ended(b.wire_id, abort=True)]))
+    assert b.wire_id in conductor.attempts
 
 
 async def test_prompt_checks_and_max_tokens_clamp(conductor):
-    r = conductor.submit(list(range(128)), P.Sampling(max_tokens=4))
+    r = submit(conductor, list(range(128)), 4)
     assert isinstance(r, Rejection) and r.reason == "context_length_exceeded" and r.param == "prompt"
-    r = conductor.submit([5000], P.Sampling(max_tokens=4))
+    r = submit(conductor, [5000], 4)
     assert isinstance(r, Rejection) and r.status == 400 and r.param == "prompt"
-    req = conductor.submit(list(range(100)), P.Sampling(max_tokens=500))
-    assert req.sampling.max_tokens == 28
+    a = submit(conductor, list(range(100)), 500)
+    assert a.submit.sampling.max_tokens == 28
 
 
 async def test_no_workers_is_503_and_a_prompt_larger_than_every_pool_is_400():
-    c = Conductor(Config(), tokenizer=None, model_name="m")
+    c = Conductor(Config(), model_name="m")
     c.router = Sent()
-    r = c.submit([1], P.Sampling())
+    register(c, "f0", "frontend", tokens="tcp://x")
+    r = submit(c, [1])
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
     register(c, "p0", "prefill")
     register(c, "d0", "decode", kv="tcp://x")
     c.cluster.get("d0").info = P.NodeInfo("n0", 1, FACTS, num_blocks=2)
-    r = c.submit(list(range(40)), P.Sampling())
+    r = submit(c, list(range(40)))
     assert isinstance(r, Rejection) and r.status == 400 and "KV blocks" in r.message
     await c.close()
 
@@ -124,101 +137,72 @@ async def test_block_events_feed_the_index_and_a_dead_node_leaves_it(conductor):
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
 
 
-async def test_a_registering_worker_keeps_only_the_attempts_that_still_run_there(conductor):
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
+async def test_a_registering_node_keeps_only_the_attempts_that_still_run_there(conductor):
+    a = submit(conductor, [1, 2, 3])
     info = P.NodeInfo("n0", 1, FACTS, num_blocks=64)
-    holding = [req.wire_id, "gone#1", "other-request#3"]  # one live attempt, two the conductor never knew
+    holding = [a.wire_id, "gone#1", "other-request#3"]  # one live attempt, two the conductor never knew
     reply = conductor.membership.register(b"d0", P.Register("decode", "d0", info, {"kv": "tcp://127.0.0.1:1"},
                                                             holding=holding), 1.0)
-    assert reply.keep == [req.wire_id]
-    reply = conductor.membership.register(b"p9", P.Register("prefill", "p9", info, holding=[req.wire_id]), 1.0)
+    assert reply.keep == [a.wire_id]
+    reply = conductor.membership.register(b"p9", P.Register("prefill", "p9", info, holding=[a.wire_id]), 1.0)
     assert reply.keep == []  # the attempt runs, but not on p9
-    assert conductor.metrics.reconciliation_aborts._value.get() == 3
+    reply = conductor.membership.register(b"f0", P.Register("frontend", "f0", P.NodeInfo("n0", 1), {"tokens": "t"},
+                                                            holding=[a.wire_id, "gone#2"]), 1.0)
+    assert reply.keep == [a.wire_id]  # its owner keeps it
+    assert conductor.metrics.reconciliation_aborts._value.get() == 4
 
 
-async def test_messages_of_an_earlier_attempt_are_ignored(conductor):
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    old = req.wire_id
+async def test_messages_of_an_ended_attempt_are_ignored(conductor):
+    a = submit(conductor, [1, 2, 3])
     d0, p0 = conductor.cluster.get("d0"), conductor.cluster.get("p0")
-    conductor._on_failed(d0, P.Failed(old, "d0", "decode lost it"))  # a second attempt
-    assert req.wire_id != old and req.migrations == 1
-    conductor._on_tokens(d0, P.TokenEvent(old, 0, [5, 6]))  # late tokens of attempt 1
-    conductor._on_failed(p0, P.Failed(old, "p0", "late failure of attempt 1"))
-    conductor._on_reserved(d0, P.Reserved(old, "d0"))
-    assert req.generated == [] and req.migrations == 1 and req.status is RequestStatus.RESERVING
-    run_to_decoding(conductor, req)
-    conductor._on_tokens(d0, P.TokenEvent(req.wire_id, 1, [8]))
-    assert req.generated == [7, 8] and conductor.scheduler.assigned("d0") == 1
+    conductor._on_failed(d0, P.Failed(a.wire_id, "d0", "decode lost it"))
+    (owner, ended), = conductor.router.of(P.AttemptEnded)
+    assert owner == "f0" and ended.kind == "retry" and "decode lost it" in ended.message
+    assert conductor.scheduler.assigned("d0") == 0
+    conductor._on_failed(p0, P.Failed(a.wire_id, "p0", "late failure"))
+    conductor._on_reserved(d0, P.Reserved(a.wire_id, "d0"))
+    conductor._on_prefill_done(p0, P.PrefillDone(a.wire_id, "p0", 7, 0, 3, 0.01))
+    assert len(conductor.router.of(P.AttemptEnded)) == 1
+    assert not conductor.router.of(P.PrefillRequest) and not conductor.router.of(P.Started)
 
 
-async def test_tokens_are_emitted_in_index_order_and_duplicates_dropped(conductor):
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    run_to_decoding(conductor, req)
-    d0 = conductor.cluster.get("d0")
-    conductor._on_tokens(d0, P.TokenEvent(req.wire_id, 3, [11]))  # overtook index 1-2: held
-    assert req.generated == [7]
-    conductor._on_tokens(d0, P.TokenEvent(req.wire_id, 1, [9, 10]))
-    conductor._on_tokens(d0, P.TokenEvent(req.wire_id, 2, [10]))  # a duplicate
-    assert req.generated == [7, 9, 10, 11]
-    assert [e.ids for e in events(req) if isinstance(e, Tokens)] == [[7], [9, 10], [11]]
-
-
-async def test_a_token_step_feeds_each_of_its_requests_and_one_bad_event_costs_the_others_nothing(conductor):
-    conductor.cfg.conductor.max_requests = 3
-    a, b, c = (conductor.submit([1, 2, n], P.Sampling(max_tokens=8)) for n in (3, 4, 5))
-    for req in (a, b, c):
-        run_to_decoding(conductor, req)
-    d0 = conductor.cluster.get("d0")
-
-    def broken(*args: object) -> int:
-        raise RuntimeError("a bug in one request's handling")
-
-    b.accept = broken
-    conductor._on_token_step(d0, P.TokenStep([P.TokenEvent(a.wire_id, 1, [8]), P.TokenEvent("req-gone#1", 1, [9]),
-                                              P.TokenEvent(b.wire_id, 1, [8]),
-                                              P.TokenEvent(c.wire_id, 1, [9], P.FinishReason.STOP)]))
-    assert a.generated == [7, 8] and not a.done
-    assert c.generated == [7, 9] and c.done and events(c)[-1] == Finished(P.FinishReason.STOP)
-
-
-async def test_fatal_failures_end_the_request_with_a_client_error(conductor):
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    conductor._on_failed(conductor.cluster.get("d0"), P.Failed(req.wire_id, "d0", "bad temperature",
+async def test_fatal_failures_reach_the_owner_as_client_errors(conductor):
+    a = submit(conductor, [1, 2, 3])
+    conductor._on_failed(conductor.cluster.get("d0"), P.Failed(a.wire_id, "d0", "bad temperature",
                                                                 P.FailureKind.FATAL, "temperature"))
-    assert req.done and req.migrations == 0
-    end = events(req)[-1]
-    assert end.reason is P.FinishReason.ERROR and end.error.status == 400 and end.error.param == "temperature"
+    (_, ended), = conductor.router.of(P.AttemptEnded)
+    assert (ended.kind, ended.status, ended.param) == ("fatal", 400, "temperature")
 
 
-async def test_retries_are_bounded_and_preemptions_do_not_count(conductor):
-    conductor.cfg.conductor.max_migrations = 1
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    d0 = conductor.cluster.get("d0")
-    for _ in range(3):
-        conductor._on_failed(d0, P.Failed(req.wire_id, "d0", "pool full", P.FailureKind.PREEMPTED))
-    assert req.attempts == 4 and req.migrations == 0 and not req.done
-    conductor._on_failed(d0, P.Failed(req.wire_id, "d0", "boom"))
-    assert req.migrations == 1 and not req.done
-    conductor._on_failed(d0, P.Failed(req.wire_id, "d0", "boom again"))
-    assert req.done and events(req)[-1].error.status == 503
-
-
-async def test_a_moved_request_resumes_with_its_tokens_and_their_hashes(conductor):
-    req = conductor.submit(list(range(20)), P.Sampling(max_tokens=30))
-    run_to_decoding(conductor, req)
-    conductor._on_tokens(conductor.cluster.get("d0"), P.TokenEvent(req.wire_id, 1, list(range(100, 112))))
+async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attempts_dropped(conductor):
+    a = submit(conductor, [1, 2, 3])
+    run_to_decoding(conductor, a)
     conductor.on_node_lost(conductor.cluster.get("d0"), "decode died")
-    _, msg = conductor.router.of(P.DecodeRequest)[-1]
-    assert msg.tokens == list(range(20)) + [7] + list(range(100, 112)) and msg.num_generated == 13
-    from mooncake.blocks import hash_blocks
-    assert msg.hashes == hash_blocks(msg.tokens, 16, FACTS.model_id)
+    (_, ended), = conductor.router.of(P.AttemptEnded)
+    assert ended.wire_id == a.wire_id and ended.kind == "retry" and "decode died" in ended.message
+    b = submit(conductor, [4, 5, 6], owner="f0")
+    conductor.router.log.clear()
+    conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")
+    assert b.wire_id not in conductor.attempts and conductor.scheduler.assigned("d0") == 0
+    assert {n for n, m in conductor.router.of(P.Abort) if m.req_id == b.wire_id} == {"p0", "d0"}
+    assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 
-async def test_a_stalled_node_loses_its_requests_and_recovers_when_it_progresses(conductor):
+async def test_a_first_token_that_ends_the_request_frees_the_decode(conductor):
+    a = submit(conductor, [1, 2, 3])
+    conductor._on_reserved(conductor.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
+    conductor._on_prefill_done(conductor.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", 2, 0, 3, 0.01,
+                                                                          finished=P.FinishReason.STOP))
+    assert conductor.router.of(P.Started)[0][1].finished is P.FinishReason.STOP
+    assert ("d0", P.Abort(a.wire_id)) in conductor.router.log and not conductor.router.of(P.FirstToken)
+    assert a.wire_id not in conductor.attempts
+
+
+async def test_a_stalled_node_loses_its_attempts_and_recovers_when_it_progresses(conductor):
     conductor.cfg.conductor.stall_after_s = 5
     register(conductor, "d1", "decode", kv="tcp://127.0.0.1:2")
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    node = conductor.cluster.get(req.attempt.plan.decode.node_id)
+    a = submit(conductor, [1, 2, 3])
+    node = conductor.cluster.get(a.plan.decode.node_id)
     m = conductor.membership
     for n in conductor.cluster.nodes.values():
         m.heartbeat(n, P.Load(progress=1, pending=n is node), now=0.0)
@@ -227,30 +211,14 @@ async def test_a_stalled_node_loses_its_requests_and_recovers_when_it_progresses
         n.last_seen = 6.0
     m.check(now=6.0)
     assert node.stalled and node not in conductor.cluster.of_role("decode")
-    assert req.attempt.plan.decode.node_id != node.node_id and req.migrations == 1
+    assert a.wire_id not in conductor.attempts and conductor.router.of(P.AttemptEnded)[0][1].kind == "retry"
     m.heartbeat(node, P.Load(progress=2, pending=False), now=7.0)
     assert not node.stalled and node in conductor.cluster.of_role("decode")
 
 
-def test_the_state_machine_refuses_transitions_it_does_not_know():
-    req = Request("r", [1], [], b"", P.Sampling(), 0.0)
-    with pytest.raises(TransitionError):
-        req.reserved(0.0)
-    with pytest.raises(TransitionError):
-        req.accept(0, [1], 0.0)
-    assert req.finish(P.FinishReason.ABORT) and not req.finish(P.FinishReason.STOP)
-
-
-async def test_a_request_without_progress_moves_then_fails(conductor):
-    conductor.cfg.conductor.request_timeout_s = 10
-    conductor.cfg.conductor.max_migrations = 1
-    req = conductor.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    start = req.last_progress
-    for n in conductor.cluster.nodes.values():
-        n.last_seen = start + 100  # alive throughout
-    conductor.check_liveness(start + 5)
-    assert req.attempts == 1
-    conductor.check_liveness(start + 11)
-    assert req.attempts == 2 and req.migrations == 1 and not req.done
-    conductor.check_liveness(req.last_progress + 11)
-    assert req.done and "no progress" in events(req)[-1].error.message
+async def test_frontends_hear_of_the_cluster_on_heartbeats(conductor):
+    conductor._on_heartbeat(conductor.cluster.get("f0"), P.Heartbeat("f0", P.Load(running=3, waiting=1)))
+    (_, view), = conductor.router.of(P.ClusterView)
+    assert view.ready and view.facts == FACTS and view.nodes["decode"] == 1 and view.nodes["frontend"] == 1
+    assert conductor.requests_in_flight["f0"] == 4 and not view.snapshot
+    assert conductor.view(snapshot=True).snapshot["frontends"] == ["f0"]

@@ -49,7 +49,7 @@ def test_a_bad_key_variable_is_named_without_its_value():
 def test_the_toml_written_for_role_processes_keeps_the_keys(tmp_path):
     """What `mooncake serve --dev` writes for its children: they must get the real keys."""
     cfg = Config()
-    cfg.conductor.api_key, cfg.conductor.api_keys = KEYS[0], list(KEYS[1:])
+    cfg.frontend.api_key, cfg.frontend.api_keys = KEYS[0], list(KEYS[1:])
     path = tmp_path / "child.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(path, env={}) == cfg

@@ -20,7 +20,7 @@ def test_environment_sets_every_key_over_the_file(tmp_path):
     cfg = load_config(f, env={"MOONCAKE_NODE_HOST": "10.0.0.7", "MOONCAKE_CONDUCTOR_DEAD_AFTER_S": "4.5",
                               "MOONCAKE_ENGINE_PREFIX_CACHING": "false", "PATH": "/bin"})
     assert cfg.node.host == "10.0.0.7" and cfg.node.name == "a"  # env over file; file over default
-    assert cfg.conductor.port == 9000 and cfg.conductor.dead_after_s == 4.5
+    assert cfg.frontend.port == 9000 and cfg.conductor.dead_after_s == 4.5
     assert cfg.engine.prefix_caching is False
 
 
@@ -33,12 +33,24 @@ def test_every_key_has_a_variable_parsed_as_its_type():
 
 
 def test_cli_overrides_beat_the_environment():
-    cfg = load_config(overrides={"conductor": {"port": 1234}}, env={"MOONCAKE_CONDUCTOR_PORT": "99"})
-    assert cfg.conductor.port == 1234
+    cfg = load_config(overrides={"frontend": {"port": 1234}}, env={"MOONCAKE_FRONTEND_PORT": "99"})
+    assert cfg.frontend.port == 1234
+
+
+def test_keys_moved_to_frontend_still_work_from_conductor_with_a_warning(tmp_path, caplog):
+    f = tmp_path / "old.toml"
+    f.write_text('[conductor]\nport = 9000\napi_key = "k"\ndead_after_s = 4.0\n')
+    cfg = load_config(f, env={"MOONCAKE_CONDUCTOR_SSE_KEEPALIVE_S": "3"})
+    assert (cfg.frontend.port, cfg.frontend.api_key, cfg.frontend.sse_keepalive_s) == (9000, "k", 3.0)
+    assert cfg.conductor.dead_after_s == 4.0
+    assert "moved to [frontend]" in caplog.text and "port" in caplog.text
+    both = load_config(f, env={"MOONCAKE_FRONTEND_PORT": "9100"})  # the new name wins
+    assert both.frontend.port == 9100
 
 
 @pytest.mark.parametrize("env, words", [
-    ({"MOONCAKE_CONDUCTOR_PORT": "eighty"}, ["conductor.port", "MOONCAKE_CONDUCTOR_PORT", "'eighty'"]),
+    ({"MOONCAKE_CONDUCTOR_PORT": "eighty"}, ["frontend.port", "MOONCAKE_CONDUCTOR_PORT", "'eighty'"]),
+    ({"MOONCAKE_FRONTEND_PORT": "eighty"}, ["frontend.port", "MOONCAKE_FRONTEND_PORT", "'eighty'"]),
     ({"MOONCAKE_CONDUCTOR_PORT": "70000"}, ["MOONCAKE_CONDUCTOR_PORT", "65535"]),
     ({"MOONCAKE_MODEL_DEVICE": "tpu"}, ["MOONCAKE_MODEL_DEVICE", "cpu"]),
 ])

@@ -38,15 +38,17 @@ def test_manifests_validate_against_the_kubernetes_schemas(tmp_path, gpu_config,
     assert written and all(p.endswith(".yaml") and Path(p).is_file() for p in written)
     k8s.validate(tmp_path / "out")
     kinds = sorted(o["kind"] for o in k8s.objects(tmp_path / "out"))
-    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Namespace", "Service", "Service",
-                "StatefulSet"]
+    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Deployment", "Namespace", "Service",
+                "Service", "Service", "Service", "StatefulSet", "StatefulSet"]  # + frontends, etcd
     secrets = ["Secret", "Secret"] if which == "gpu" else ["Secret"]  # CURVE keys (+ the API key)
     assert kinds == sorted(expected + secrets)
 
 
 def _bound_ports(role: str, cfg: Config) -> set[int]:
     if role == "conductor":
-        return {cfg.conductor.port, urlparse(cfg.conductor.endpoint).port}
+        return {cfg.node.health_port, urlparse(cfg.conductor.endpoint).port}
+    if role == "frontend":
+        return {cfg.frontend.port, cfg.frontend.token_port}
     return {cfg.node.health_port} | {"decode": {cfg.node.kv_port},
                                      "store": {cfg.node.store_port, cfg.node.p2p_port}}.get(role, set())
 
@@ -56,7 +58,10 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     objects = [o for objs in render(cfg, Topology(prefill=2, decode=2, store=2)).values() for o in objs]
     workloads = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
                  for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
-    assert set(workloads) == {"conductor", "prefill", "decode", "store"}
+    assert set(workloads) == {"conductor", "frontend", "prefill", "decode", "store", "etcd"}
+    assert workloads["frontend"]["spec"]["replicas"] == 2 and workloads["conductor"]["spec"]["replicas"] == 2
+    etcd = workloads.pop("etcd")  # not a mooncake role: the conductors' election
+    assert etcd["kind"] == "StatefulSet" and etcd["spec"]["replicas"] == 1
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     conductor_svc = services["mooncake-conductor"]
     for role, workload in workloads.items():
@@ -67,9 +72,10 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert set(named.values()) == _bound_ports(role, effective), role
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             port = container[probe]["httpGet"]["port"]
-            want = effective.conductor.port if role == "conductor" else effective.node.health_port
+            want = effective.frontend.port if role == "frontend" else effective.node.health_port
             assert named[port] == want, (role, probe)
-        assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        ready = "/health/live" if role == "conductor" else "/health/ready"  # a standby conductor is healthy
+        assert container["readinessProbe"]["httpGet"]["path"] == ready
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
         assert pod["terminationGracePeriodSeconds"] > effective.conductor.drain_timeout_s
         assert effective.node.host == k8s.POD["status.podIP"] and effective.node.node_id == k8s.POD["metadata.name"]
@@ -78,10 +84,13 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/etc/mooncake/curve" in mounts
         curve_files = {i["path"] for v in pod["volumes"] if v["name"] == "curve" for i in v["secret"]["items"]}
-        kind = "worker" if role in ("prefill", "decode") else role
+        kind = {"prefill": "worker", "decode": "worker", "frontend": "conductor"}.get(role, role)
         assert curve_files == {"conductor.key", "worker.key", "store.key", f"{kind}.key_secret"}, role
+        assert effective.coordination.etcd_endpoints == ["http://mooncake-etcd.mooncake.svc.cluster.local:2379"]
+        assert not effective.conductor.serves_frontend(True)
+        if role == "frontend":
+            assert effective.frontend.api_key == "sk-secret" and effective.frontend.host == "0.0.0.0"
         if role == "conductor":
-            assert effective.conductor.api_key == "sk-secret" and effective.conductor.host == "0.0.0.0"
             assert urlparse(effective.conductor.endpoint).hostname == "0.0.0.0"
         else:  # roles reach the conductor through its Service, on the port the conductor binds
             url = urlparse(effective.conductor.endpoint)
@@ -124,8 +133,7 @@ def test_a_store_p2p_port_left_at_0_gets_a_fixed_default():
     cfg = load_config(ROOT / "config.example.toml", env={})
     assert cfg.node.p2p_port == 0
     objects = [o for objs in render(cfg, Topology()).values() for o in objs]
-    store = next(o for o in objects if o["kind"] == "StatefulSet")
-    container = store["spec"]["template"]["spec"]["containers"][0]
+    container = _pod_spec(objects, "store")["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert k8s.effective(objects, container).node.p2p_port == ports["p2p"] == 5580
 
@@ -164,7 +172,7 @@ def test_a_p2p_model_is_fetched_by_the_node_store_into_a_directory_its_workers_m
         assert Path(cfg.model.path).parent == Path(mount["mountPath"])  # under the shared directory
         term = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
         assert term["topologyKey"] == "kubernetes.io/hostname"
-        stores = next(o for o in objects if o["kind"] == "StatefulSet")
+        stores = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "mooncake-store")
         assert term["labelSelector"]["matchLabels"] == stores["spec"]["selector"]["matchLabels"]
 
 

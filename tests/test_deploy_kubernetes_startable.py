@@ -51,7 +51,7 @@ def _mounted_keys(objs: list[dict], spec: dict, mount_path: str, into: Path) -> 
 
 def _assert_every_pod_can_start(objs: list[dict], tmp_path: Path) -> None:
     specs = k8s.pod_specs(objs)
-    assert set(specs) == {"conductor", "prefill", "decode", "store"}
+    assert set(specs) == {"conductor", "frontend", "prefill", "decode", "store"}
     for role, spec in specs.items():
         cfg = k8s.effective(objs, spec["containers"][0])
         assert _off_loopback(role, cfg), role  # in a pod every role talks at its pod IP
@@ -73,7 +73,8 @@ def test_the_example_config_deploys_pods_that_can_start(tmp_path):
     assert not any(text.strip() in elsewhere for text in secret["stringData"].values())
     # new manifests with new keys restart every pod (no pod keeps keys the others no longer accept)
     digests = {spec_meta["annotations"]["checksum/curve-keys"] for spec_meta in
-               (o["spec"]["template"]["metadata"] for o in objs if o["kind"] in ("Deployment", "StatefulSet"))}
+               (o["spec"]["template"]["metadata"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                and o["metadata"]["name"] != "mooncake-etcd")}
     assert len(digests) == 1
     again = _deploy(tmp_path / "again", EXAMPLE)
     assert {o["spec"]["template"]["metadata"]["annotations"]["checksum/curve-keys"]
@@ -116,31 +117,35 @@ def test_without_keys_that_cannot_be_generated_deploy_refuses(monkeypatch, break
 
 
 @pytest.mark.parametrize("api_keys", ["", 'api_key = "sk-ops"\napi_keys = ["sk-tenant"]\n', 'api_keys = ["sk-a"]\n'])
-def test_a_service_monitor_and_scrape_annotations_find_the_conductor_metrics(tmp_path, api_keys):
+def test_service_monitors_and_scrape_annotations_find_the_frontend_and_conductor_metrics(tmp_path, api_keys):
     config = tmp_path / "c.toml"
-    config.write_text(f"[conductor]\nport = 8080\n{api_keys}")
+    config.write_text(f"[frontend]\nport = 8080\n{api_keys}")
     objs = _deploy(tmp_path, config)
-    monitor, = yaml.safe_load_all((tmp_path / "out" / SERVICE_MONITOR).read_text())
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "ServiceMonitor"
-    service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "mooncake-conductor")
-    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
-    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    endpoint, = monitor["spec"]["endpoints"]
-    port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
-    conductor = k8s.pod_specs(objs)["conductor"]
-    cfg = k8s.effective(objs, conductor["containers"][0])
-    assert port["port"] == cfg.conductor.port == 8080 and endpoint["path"] == "/metrics"
-    accepted = cfg.conductor.accepted_keys()
-    if accepted:  # /metrics needs a key: Prometheus sends one from the API-key Secret
-        ref = endpoint["bearerTokenSecret"]
-        secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"])
-        assert secret["metadata"]["namespace"] == monitor["metadata"]["namespace"]
-        assert secret["stringData"][ref["key"]] in accepted
-    else:
-        assert "bearerTokenSecret" not in endpoint
-    template = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "mooncake-conductor")
-    annotations = template["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
-    http = next(p for p in conductor["containers"][0]["ports"] if p["name"] == "http")
-    assert annotations["prometheus.io/port"] == str(http["containerPort"]) == "8080"
+    monitors = {m["metadata"]["name"]: m for m in yaml.safe_load_all((tmp_path / "out" / SERVICE_MONITOR).read_text())}
+    assert set(monitors) == {"mooncake-frontend", "mooncake-conductor"}
+    for name, monitor in monitors.items():
+        role = name.removeprefix("mooncake-")
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "ServiceMonitor"
+        service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == name)
+        assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+        assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        endpoint, = monitor["spec"]["endpoints"]
+        port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+        spec = k8s.pod_specs(objs)[role]
+        cfg = k8s.effective(objs, spec["containers"][0])
+        want = cfg.frontend.port if role == "frontend" else cfg.node.health_port
+        assert port["port"] == want and endpoint["path"] == "/metrics"
+        accepted = cfg.frontend.accepted_keys()
+        if accepted and role == "frontend":  # /metrics needs a key: Prometheus sends one from the API-key Secret
+            ref = endpoint["bearerTokenSecret"]
+            secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"])
+            assert secret["metadata"]["namespace"] == monitor["metadata"]["namespace"]
+            assert secret["stringData"][ref["key"]] in accepted
+        else:  # no key: a conductor's health port serves no API
+            assert "bearerTokenSecret" not in endpoint
+        template = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+        annotations = template["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        named = next(p for p in spec["containers"][0]["ports"] if p["name"] == endpoint["port"])
+        assert annotations["prometheus.io/port"] == str(named["containerPort"]) == str(want)

@@ -26,7 +26,7 @@ def _env(**values: object) -> dict[str, str]:
 
 def test_roles_configured_only_by_environment_form_a_cluster(tmp_path, oracle_model, loaded_model):
     http = free_port()
-    shared = dict(conductor_port=http, conductor_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    shared = dict(frontend_port=http, conductor_endpoint=f"tcp://127.0.0.1:{free_port()}",
                   engine_kv_cache_bytes=160 << 20, engine_threads=1, store_dram_bytes=128 << 20,
                   store_lmdb_bytes=256 << 20, store_data_dir=tmp_path / "data", model_device="cpu", model_dtype="float32")
     health = {role: free_port() for role in ("prefill", "decode", "store")}
@@ -42,7 +42,7 @@ def test_roles_configured_only_by_environment_form_a_cluster(tmp_path, oracle_mo
             assert all(p.poll() is None for p in procs.values()), {r: p.returncode for r, p in procs.items()}
             try:
                 return httpx.get(url + "/health", timeout=2).json()["nodes"] == {"prefill": 1, "decode": 1,
-                                                                               "store": 1}
+                                                                               "store": 1, "frontend": 1}
             except (httpx.HTTPError, ValueError):
                 return False
 
@@ -51,7 +51,7 @@ def test_roles_configured_only_by_environment_form_a_cluster(tmp_path, oracle_mo
             r = httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5)
             assert r.status_code == 200 and r.json()["role"] == role
         for role in ("conductor", "prefill", "decode", "store"):
-            env = _env(conductor_port=http, node_health_port=health.get(role, 0))
+            env = _env(frontend_port=http, node_health_port=health.get(role, 0))
             r = subprocess.run([sys.executable, "-m", "mooncake.cli", "probe", "--role", role], env=env,
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, (role, r.stdout, r.stderr)

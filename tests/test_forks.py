@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mooncake import protocol as P
-from mooncake.conductor.forks import Forks
-from mooncake.conductor.request import Finished, Request
+from mooncake.frontend.forks import Forks
+from mooncake.frontend.request import Finished, Request
 
 
 def test_choices_wait_for_the_leaders_prefill_and_can_be_cancelled():

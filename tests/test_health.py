@@ -1,4 +1,4 @@
-"""Probes: the conductor's /health, /health/live, /health/ready; the workers' and stores'
+"""Probes: a frontend's /health, /health/live, /health/ready; the workers' and stores'
 small health server ([node] health_port) and the `mooncake probe` exec probe."""
 
 from __future__ import annotations
@@ -18,44 +18,39 @@ from mooncake.roles.node_health import NodeHealth, probe_url, start_node_health
 from mooncake.testing.ports import free_port
 
 
-class _Cluster:
-    """The one call the health routes make: the registered nodes of a role."""
+class _Frontend:
+    """What the health routes read: the conductor's last node counts, and whether it can serve."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, list[str]] = {"prefill": [], "decode": [], "store": []}
+        self.nodes: dict[str, int] = {}
 
-    def of_role(self, role: str) -> list[str]:
-        return self.nodes[role]
-
-
-class _Conductor:
-    def __init__(self) -> None:
-        self.cluster = _Cluster()
+    def node_counts(self) -> dict[str, int]:
+        return self.nodes
 
     @property
     def ready(self) -> bool:
-        return bool(self.cluster.of_role("prefill")) and bool(self.cluster.of_role("decode"))
+        return self.nodes.get("prefill", 0) > 0 and self.nodes.get("decode", 0) > 0
 
 
-async def test_conductor_live_always_ready_only_with_prefill_and_decode():
-    conductor = _Conductor()
+async def test_frontend_live_always_ready_only_with_prefill_and_decode():
+    frontend = _Frontend()
     app = FastAPI()
-    add_health_routes(app, conductor)
+    add_health_routes(app, frontend)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         assert (await client.get("/health/live")).status_code == 200
         ready = await client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "not ready"
         old = await client.get("/health")
         assert old.status_code == 503 and old.json() == {"status": "starting",
-                                                        "nodes": {"prefill": 0, "decode": 0, "store": 0}}
-        conductor.cluster.nodes["prefill"].append("p0")
+                                                        "nodes": {"prefill": 0, "decode": 0, "store": 0,
+                                                                  "frontend": 0}}
+        frontend.nodes.update(prefill=1)
         assert (await client.get("/health/ready")).status_code == 503  # no decode yet
-        conductor.cluster.nodes["decode"].append("d0")
-        conductor.cluster.nodes["store"] += ["s0", "s1"]
+        frontend.nodes.update(decode=1, store=2, frontend=1)
         assert (await client.get("/health/ready")).status_code == 200
-        assert (await client.get("/health")).json() == {"status": "ok",
-                                                        "nodes": {"prefill": 1, "decode": 1, "store": 2}}
-        conductor.cluster.nodes["decode"].clear()  # workers away: not ready, still live
+        assert (await client.get("/health")).json() == {"status": "ok", "nodes": {"prefill": 1, "decode": 1,
+                                                                                  "store": 2, "frontend": 1}}
+        frontend.nodes["decode"] = 0  # workers away: not ready, still live
         assert (await client.get("/health/ready")).status_code == 503
         assert (await client.get("/health/live")).status_code == 200
 
@@ -103,7 +98,7 @@ async def test_health_port_zero_serves_nothing():
 
 def test_probe_url_of_each_role():
     cfg = Config()
-    cfg.conductor.host, cfg.conductor.port = "0.0.0.0", 8000
+    cfg.frontend.host, cfg.frontend.port = "0.0.0.0", 8000
     assert probe_url(cfg, "conductor", "live") == "http://127.0.0.1:8000/health/live"
     cfg.node.host, cfg.node.health_port = "10.1.1.1", 8081
     assert probe_url(cfg, "decode", "ready") == "http://10.1.1.1:8081/health/ready"

@@ -1,6 +1,7 @@
 """The cluster across hosts: network namespaces on a bridge (mooncake/testing/hosts.py), one
-address each, 1 Gbit/s egress caps. host1: conductor + store; host2: prefill + store;
-host3 and host4: decode. Per-host configs come from config.example.toml's values with
+address each, 1 Gbit/s egress caps. host1: conductor (with its in-process frontend) + store;
+host2: prefill + store; host3: decode; host4: decode + a frontend of its own (tokens stream to
+it from both decode hosts). Per-host configs come from config.example.toml's values with
 only [node] name/host and the conductor's address changed, and CURVE role keys (roles
 off loopback refuse to start without them). Every output is checked against
 transformers (float32 greedy); links are taken down and back up."""
@@ -62,9 +63,11 @@ def cluster(tmp_path_factory):
     base.security.curve_keys_dir = str(work / "keys")
     hosts = Hosts(4, work, rate="1gbit")
     try:
-        layout = {1: ["conductor", "store"], 2: ["store", "prefill"], 3: ["decode"], 4: ["decode"]}
+        layout = {1: ["conductor", "store"], 2: ["store", "prefill"], 3: ["decode"], 4: ["decode", "frontend"]}
         for i, roles in layout.items():
             cfg = hosts.config_for(base, i)
+            if i != 1:  # a frontend of its own serves on its own host's address
+                cfg.frontend.host = hosts[i].address
             cfg.store.data_dir = str(work / f"data{i}")
             if "prefill" in roles:  # a small device cache, so that a test can push a prefix out of it
                 cfg.engine.kv_cache_bytes = 32 * MiB
@@ -79,7 +82,7 @@ def cluster(tmp_path_factory):
                 nodes = httpx.get(c.url + "/health", timeout=2).json()["nodes"]
             except (httpx.HTTPError, ValueError):
                 return False
-            return nodes == {"prefill": 1, "decode": 2, "store": 2}
+            return nodes == {"prefill": 1, "decode": 2, "store": 2, "frontend": 2}
 
         wait_for(ready, 240, "the four hosts' roles to register")
         yield c
@@ -108,7 +111,7 @@ def test_roles_run_on_their_own_hosts_and_match_transformers(cluster, oracle_mod
     hosts = cluster.hosts
     where = {(n["role"], n["name"]) for n in httpx.get(cluster.url + "/cluster", timeout=10).json()["nodes"]}
     assert where == {("store", "host1"), ("store", "host2"), ("prefill", "host2"), ("decode", "host3"),
-                     ("decode", "host4")}
+                     ("decode", "host4"), ("frontend", "host1"), ("frontend", "host4")}
     for n in cluster.nodes("decode") + cluster.nodes("store"):
         endpoint = next(iter(n["endpoints"].values()))
         assert f"//{hosts[cluster.host_of(n)].address}:" in endpoint, n  # bound on its own address
@@ -120,6 +123,22 @@ def test_roles_run_on_their_own_hosts_and_match_transformers(cluster, oracle_mod
     prompt = "The capital of France is"
     expected = oracle(oracle_model, tokenizer, tokenizer.encode(prompt), 24)
     assert text_of(complete(cluster.url, prompt, max_tokens=24, ignore_eos=True)) == expected
+
+
+def test_a_frontend_on_its_own_host_gets_its_tokens_from_both_decode_hosts_under_curve(cluster, oracle_model,
+                                                                                       tokenizer):
+    url = f"http://{cluster.hosts[4].address}:8000"
+    prompts = ["The capital of France is", "Water boils at", "The first president of the United States",
+               "A haiku about autumn:"]
+    expected = [oracle(oracle_model, tokenizer, tokenizer.encode(p), 16) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # enough at once for both decode hosts to take some
+        got = list(pool.map(lambda p: complete(url, p, 16, ignore_eos=True), prompts))
+    assert [text_of(r) for r in got] == expected
+    view = httpx.get(url + "/cluster", timeout=10).json()
+    assert view["leader"] == "host1" and view["frontend"].startswith("host4")
+    tokens = next(n for n in view["nodes"] if n["node_id"] == view["frontend"])["endpoints"]["tokens"]
+    assert f"//{cluster.hosts[4].address}:" in tokens  # decodes reach it across the bridge
+    assert metric(metrics(url), "mooncake:frontend_tokens_refused_total") == 0
 
 
 async def _move_to_remote_store(operator: Curve, hashes: list[bytes], local: str, remote: str) -> None:
@@ -238,4 +257,5 @@ def test_conductor_host_link_down_briefly_loses_no_request(cluster, oracle_model
         got = [f.result() for f in futures]
     assert [text_of(r) for r in got] == expected
     assert metric(metrics(cluster.url), "mooncake:migrations_total") == migrations  # nobody was declared dead
-    assert httpx.get(cluster.url + "/health", timeout=5).json()["nodes"] == {"prefill": 1, "decode": 2, "store": 2}
+    assert httpx.get(cluster.url + "/health", timeout=5).json()["nodes"] == {"prefill": 1, "decode": 2, "store": 2,
+                                                                            "frontend": 2}

@@ -61,7 +61,7 @@ def test_workers_fetch_their_missing_model_from_a_peer_and_serve_it(tmp_path, or
         env = {"MOONCAKE_MODEL_PATH": str(dest), "MOONCAKE_MODEL_P2P_NAME": "smol"}
         nodes.start_worker("n2-prefill", "prefill", "n2", env)
         nodes.start_worker("n2-decode", "decode", "n2", env)
-        url = f"http://127.0.0.1:{cfg.conductor.port}"
+        url = f"http://127.0.0.1:{cfg.frontend.port}"
         wait_workers(url, nodes)
 
         assert digests(dest) == digests(model_dir)

@@ -9,7 +9,7 @@ import httpx
 from fastapi import FastAPI, Request
 
 from mooncake.api.request_id import RequestId, clean_request_id, current_request_id
-from mooncake.conductor.request import request_id as _request_id
+from mooncake.frontend.request import request_id as _request_id
 from mooncake.logs import JSONFormatter
 
 

@@ -59,7 +59,7 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
         hits = metric(httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text,
                       "mooncake:prefix_cache_hits_total")
         assert hits >= 2 * len(PREFIX)
-    cfg.conductor.port = small_config(tmp_path).conductor.port  # SIGTERMed above: start again on the same dir
+    cfg.frontend.port = small_config(tmp_path).frontend.port  # SIGTERMed above: start again on the same dir
     with running_cluster(cfg=cfg) as c:
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "the persisted blocks announced")
         again = ask(c.url, KEY_A)

@@ -46,7 +46,7 @@ def test_cluster_with_curve_serves_requests(cluster):
     r = complete(cluster.url, "Hello there", max_tokens=4)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     nodes = httpx.get(cluster.url + "/cluster").json()["nodes"]
-    assert sorted(n["role"] for n in nodes) == ["decode", "prefill", "store"]
+    assert sorted(n["role"] for n in nodes) == ["decode", "frontend", "prefill", "store"]  # tokens under CURVE too
 
 
 def test_peers_without_the_cluster_key_cannot_register(cluster, tmp_path):

@@ -1,6 +1,6 @@
 """The HTTP guard: API keys, and a body-size limit, as plain ASGI middleware.
 
-With API keys configured (``[conductor] api_key`` and ``api_keys``) every path
+With API keys configured (``[frontend] api_key`` and ``api_keys``) every path
 needs ``Authorization: Bearer <key>`` except the probes (``/health*``), which
 load balancers and Kubernetes call without credentials; ``/cluster`` and
 ``/metrics`` (Prometheus scrapes with ``bearer_token``) are guarded like the API.

@@ -2,7 +2,7 @@
 /cluster.
 
 A completion route is parse -> submit -> format: the body is validated, turned
-into token ids (off the event loop), submitted to the conductor (a refusal
+into token ids (off the event loop), submitted to the conductor by the frontend (a refusal
 becomes its HTTP error), and the request's events are formatted as one JSON
 response or as SSE. Whatever way a response ends — finished, failed, client
 gone — ``_outputs`` cancels the request, the one place that does.
@@ -32,84 +32,66 @@ from mooncake.api.sse import Piece, StreamFormat, sse_stream
 from mooncake.api.structured import request_grammar, tool_calls, tools_for_template
 from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
-from mooncake.conductor import Conductor, Finished, Rejection, Request, RequestError, Tokens
+from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
 
 DISCONNECT_POLL_S = 0.5
 
 
-def build_app(conductor: Conductor) -> FastAPI:
+def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="mooncake", version="0.1.0")
     install_error_handlers(app)
-    cfg = conductor.cfg.conductor
+    cfg = frontend.cfg.frontend
     app.add_middleware(Guard, api_keys=cfg.accepted_keys(), limit=cfg.max_body_bytes)
     app.add_middleware(RequestId, log_access=cfg.access_log)
-    prompts = Prompts(conductor.tokenizer)
+    prompts = Prompts(frontend.tokenizer)
 
-    add_health_routes(app, conductor)
+    add_health_routes(app, frontend)
 
     @app.get("/cluster")
     async def cluster() -> dict:
-        """Nodes with their socket endpoints, last reported load and the scheduler's bookings."""
-        s = conductor.scheduler
-        costs = conductor.costs
-        pw, dw = costs.prefill.weights, costs.decode.weights
-        facts = conductor.facts
-        return {"model": conductor.model_name, "index_blocks": len(conductor.index), "requests": len(conductor.requests),
-                "block_tokens": facts.block_tokens if facts else 0,
-                "estimates": {"prefill_1k_tokens_s": costs.prefill.predict(1000, 0),
-                              "decode_step_batch_8_s": costs.decode.predict(8, 8 * 1024),  # 1k tokens each
-                              "prefill_fixed_s": pw[0], "prefill_per_token_s": pw[1] / 1000,
-                              "prefill_per_pair_s": pw[2] / 1e6, "decode_step_s": dw[0], "decode_per_seq_s": dw[1],
-                              "decode_per_kv_token_s": dw[2] / 1000,
-                              "fetch_block_s": costs.prefill.fetch_block_s,
-                              "dispatch_s": costs.prefill.dispatch.value, "transit_s": costs.prefill.transit.value,
-                              "profiled": sorted(costs.profiled)},
-                "predictions": conductor.predictions.summary(),
-                "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
-                           "endpoints": n.endpoints,
-                           "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
-                           "cpus": n.info.cpus, "threads": n.info.threads, "machine": n.info.machine,
-                           "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),
-                           "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,
-                           "blocks_indexed": conductor.index.blocks_of(n.node_id)}
-                          for n in conductor.cluster.nodes.values()]}
+        """The leader, the frontends, the nodes with their endpoints, last reported load and the
+        scheduler's bookings (the conductor's snapshot, asked now)."""
+        try:
+            return await frontend.cluster_snapshot()
+        except asyncio.TimeoutError:
+            raise APIError(503, "the conductor did not answer", code="no_conductor") from None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(conductor.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
-        facts = conductor.facts
-        return {"object": "list", "data": [{"id": conductor.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mooncake", "max_model_len": conductor.max_model_len,
+        facts = frontend.facts
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mooncake", "max_model_len": frontend.max_model_len,
                                             "model_id": facts.model_id if facts else ""}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
-        _check(conductor, body)
+        _check(frontend, body)
         prompt = body.prompt_input()
         tokens = await prompts.completion(prompt)
-        echo = (prompt if isinstance(prompt, str) else conductor.tokenizer.decode(tokens)) if body.echo else ""
-        return await _serve(conductor, request, body, tokens, Shape(chat=False, echo=echo),
+        echo = (prompt if isinstance(prompt, str) else frontend.tokenizer.decode(tokens)) if body.echo else ""
+        return await _serve(frontend, request, body, tokens, Shape(chat=False, echo=echo),
                             max_tokens=body.max_tokens or 16)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        _check(conductor, body)
+        _check(frontend, body)
         tokens = await prompts.chat(body.messages, tools_for_template(body))
-        limit = body.limit() or max(1, conductor.max_model_len - len(tokens))
+        limit = body.limit() or max(1, frontend.max_model_len - len(tokens))
         shape = Shape(chat=True, grammar=request_grammar(body), tool_mode=body.tool_mode(), body=body)
-        return await _serve(conductor, request, body, tokens, shape, max_tokens=limit)
+        return await _serve(frontend, request, body, tokens, shape, max_tokens=limit)
 
-    add_token_routes(app, conductor, prompts)
+    add_token_routes(app, frontend, prompts)
     return app
 
 
-def _check(conductor: Conductor, body: _Sampling) -> None:
+def _check(frontend: Frontend, body: _Sampling) -> None:
     body.check_supported()
-    if body.model != conductor.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {conductor.model_name!r}",
+    if body.model != frontend.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {frontend.model_name!r}",
                        param="model", code="model_not_found")
 
 
@@ -143,22 +125,23 @@ def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None) 
                       logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar)
 
 
-async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
+async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
                  max_tokens: int) -> Response:
     chat = shape.chat
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed)
-    salt = request_salt(conductor.cfg.conductor.salt_per_api_key, http.scope, body.cache_salt or "")
-    submitted = conductor.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""))
+    salt = request_salt(frontend.cfg.frontend.salt_per_api_key, http.scope, body.cache_salt or "")
+    submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),
+                                      choices=body.n)
     if isinstance(submitted, Rejection):
         raise _error(submitted, chat)
     # the other choices share the prompt's KV: they start once the first one's prefill is done
-    reqs = [submitted] + [conductor.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
+    reqs = [submitted] + [frontend.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
                                                                None if body.seed is None else (body.seed + i) % 2**64))
                           for i in range(1, body.n)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    streams = [_outputs(conductor, r, TextStream(conductor.tokenizer, body.stop or [])) for r in reqs]
-    events = merged(streams, conductor.cfg.conductor.sse_keepalive_s if body.stream else 3600.0)
-    text_of = TokenText(conductor.tokenizer)
+    streams = [_outputs(frontend, r, TextStream(frontend.tokenizer, body.stop or [])) for r in reqs]
+    events = merged(streams, frontend.cfg.frontend.sse_keepalive_s if body.stream else 3600.0)
+    text_of = TokenText(frontend.tokenizer)
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
         fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named",
@@ -166,7 +149,7 @@ async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, token
                            logprobs=None if body.logprobs_wanted() < 0 else (
                                (lambda p, off: chat_logprobs(list(p.logprobs), text_of)) if chat else
                                (lambda p, off: completion_logprobs(list(p.logprobs), text_of, off))))
-        sse = sse_stream(events, rid, conductor.model_name, chat, lambda: _usage(reqs) if usage else None,
+        sse = sse_stream(events, rid, frontend.model_name, chat, lambda: _usage(reqs) if usage else None,
                          lambda e: _error(e, chat).body(), fmt)
         return StreamingResponse(sse, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -195,10 +178,10 @@ async def _serve(conductor: Conductor, http: HTTPRequest, body: _Sampling, token
         await events.aclose()
     if failure:
         raise _error(failure[0], chat)
-    return JSONResponse(_response(conductor, reqs, rid, shape, outs, body.logprobs_wanted() >= 0, text_of))
+    return JSONResponse(_response(frontend, reqs, rid, shape, outs, body.logprobs_wanted() >= 0, text_of))
 
 
-async def _outputs(conductor: Conductor, req: Request, stream: TextStream) -> AsyncIterator[Piece]:
+async def _outputs(frontend: Frontend, req: Request, stream: TextStream) -> AsyncIterator[Piece]:
     """The request's output as text pieces; the last one has a finish reason or an error.
     Ends the request everywhere however the consumer stops (the single cancel path)."""
     try:
@@ -220,7 +203,7 @@ async def _outputs(conductor: Conductor, req: Request, stream: TextStream) -> As
                 yield Piece("", None, event.error or RequestError("the request was cancelled by the server"))
             return
     finally:
-        conductor.cancel(req.req_id)
+        frontend.cancel(req.req_id)
 
 
 def _usage(reqs: list[Request]) -> dict:
@@ -230,9 +213,9 @@ def _usage(reqs: list[Request]) -> dict:
             "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
 
-def _response(conductor: Conductor, reqs: list[Request], rid: str, shape: Shape, outs: list[ChoiceOutput],
+def _response(frontend: Frontend, reqs: list[Request], rid: str, shape: Shape, outs: list[ChoiceOutput],
               logprobs: bool, text_of: TokenText) -> dict:
-    base = {"id": rid, "created": int(time.time()), "model": conductor.model_name, "usage": _usage(reqs)}
+    base = {"id": rid, "created": int(time.time()), "model": frontend.model_name, "usage": _usage(reqs)}
     choices = []
     for i, out in enumerate(outs):
         text, reason = "".join(out.text), out.finish or "stop"

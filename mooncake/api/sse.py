@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from mooncake.conductor import RequestError
+from mooncake.frontend.request import RequestError
 
 KEEPALIVE = b": keep-alive\n\n"
 

@@ -17,7 +17,7 @@ from mooncake.api.schemas import ChatMessage
 
 if TYPE_CHECKING:
     from mooncake.api.prompts import Prompts
-    from mooncake.conductor import Conductor
+    from mooncake.frontend import Frontend
 
 
 class TokenizeRequest(BaseModel):
@@ -42,28 +42,28 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=10_000_000)
 
 
-def _check_model(conductor: "Conductor", model: str | None) -> None:
-    if model is not None and model != conductor.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {conductor.model_name!r}",
+def _check_model(frontend: "Frontend", model: str | None) -> None:
+    if model is not None and model != frontend.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {frontend.model_name!r}",
                        param="model", code="model_not_found")
 
 
-def add_token_routes(app: FastAPI, conductor: "Conductor", prompts: "Prompts") -> None:
-    tokenizer: Any = conductor.tokenizer
+def add_token_routes(app: FastAPI, frontend: "Frontend", prompts: "Prompts") -> None:
+    tokenizer: Any = frontend.tokenizer
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        _check_model(conductor, body.model)
+        _check_model(frontend, body.model)
         if body.messages is not None:
             tokens = await prompts.chat(body.messages, None, body.add_generation_prompt)
         else:
             tokens = await prompts.encode(body.prompt or "", body.add_special_tokens)
         strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": conductor.max_model_len, "tokens": tokens, "token_strs": strs}
+        return {"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        _check_model(conductor, body.model)
+        _check_model(frontend, body.model)
         vocab = len(tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"prefill": (), "decode": ("kv",), "store": ("store",)}  # what each role must advertise
+_ENDPOINTS = {"prefill": (), "decode": ("kv",), "store": ("store",), "frontend": ("tokens",)}  # what each role must advertise
 
 
 def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
@@ -103,7 +103,8 @@ class Membership:
         """Reconciliation: of the requests a registering worker holds (after a conductor restart,
         or back from being declared dead), those whose attempt still runs there; it drops the rest,
         so no reservation waits for a timeout."""
-        keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None and msg.node_id in a.nodes]
+        keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None
+                and (msg.node_id in a.nodes or a.owner == msg.node_id)]
         if len(keep) < len(msg.holding):
             self.metrics.reconciliation_aborts.inc(len(msg.holding) - len(keep))
             log.warning("%s %s held %d requests this conductor does not know there: it drops them",

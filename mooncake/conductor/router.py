@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
+from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.security import Curve, peer_of
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
@@ -35,8 +36,10 @@ Handler = Callable[[Node, P.Msg], None]
 class Router:
     def __init__(self, endpoint: str, cluster: Cluster, curve: Curve | None,
                  on_register: Callable[[bytes, P.Register, str], P.Msg],
-                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
-        """``on_register(routing id, message, peer key)`` answers a registration."""
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES, metrics: Metrics | None = None) -> None:
+        """``on_register(routing id, message, peer key)`` answers a registration; ``metrics``: counts
+        what arrives, by type."""
+        self.counts = metrics.conductor_messages if metrics is not None else None
         self.cluster = cluster
         self.curve = curve
         self.on_register = on_register
@@ -75,6 +78,8 @@ class Router:
         except P.ProtocolError as e:
             log.warning("dropping malformed message from %r: %s", ident[:64], e)
             return
+        if self.counts is not None:
+            self.counts.labels(type(msg).__name__).inc()
         if isinstance(msg, P.Register):
             await self._send_raw(ident, self.on_register(ident, msg, peer_of(frames[1])))
             return

@@ -7,10 +7,13 @@ node name (so that a prefill pod's local store is the one on its machine), the
 pod name as the node id. Secrets (API key, CURVE keys) live in Secrets, never in
 the ConfigMap: every pod is off loopback, so it gets CURVE keys (``deploy/keys.py``:
 the configured ones, or new ones) unless the config allows an insecure network.
-Objects: Namespace, ConfigMap, Secrets, conductor Deployment + Service, prefill and
-decode Deployments, store StatefulSet (a PersistentVolumeClaim per pod for the LMDB
-tier) + headless Service, and apart, in ``monitoring/``, a ServiceMonitor of the
-conductor's /metrics (``deploy/monitoring.py``). With ``[model] p2p_name`` the store fetches
+Objects: Namespace, ConfigMap, Secrets, conductor Deployment + Service (with ``--conductors``
+> 1 the conductors fail over through etcd: ``[coordination] etcd_endpoints``, or a one-member
+etcd StatefulSet + Service rendered here), frontend Deployment (``--frontends`` replicas, the
+OpenAI API) + Service, prefill and decode Deployments, store StatefulSet (a
+PersistentVolumeClaim per pod for the LMDB tier) + headless Service, and apart, in
+``monitoring/``, ServiceMonitors of the frontends' and conductors' /metrics
+(``deploy/monitoring.py``). With ``[model] p2p_name`` the store fetches
 the model into a directory of its node (hostPath ``MODELS_DIR``) that the node's workers
 mount, and workers run only on nodes with a store. Every port a role binds is fixed (0 in
 the config becomes a default): a store's P2P port too, since peers fetch chunks from
@@ -31,11 +34,13 @@ import yaml
 from mooncake.config import GiB, Config, dump_toml, env_name
 from mooncake.deploy.keys import KeysError, pod_key_files
 from mooncake.deploy.monitoring import METRICS_KEY, SERVICE_MONITOR_FILE, scrape_annotations, service_monitor
-from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, store_volume_claim,
-                                  worker_pod)
+from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, etcd_pod,
+                                  frontend_pod, store_volume_claim, worker_pod)
 
 APP = "mooncake"
 DEFAULT_PORTS = {"kv_port": 5560, "store_port": 5570, "p2p_port": 5580, "health_port": 8081}
+DEFAULT_TOKEN_PORT = 5590
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -62,6 +67,8 @@ class Topology:
     prefill: int = 1
     decode: int = 1
     store: int = 1
+    frontend: int = 2
+    conductor: int = 2
 
     def check(self) -> None:
         if not _DNS_LABEL.match(self.namespace):
@@ -73,6 +80,8 @@ class Topology:
                 raise DeployError(f"--{role} must be >= 0")
         if self.prefill < 1 or self.decode < 1:
             raise DeployError("a working cluster needs at least one prefill and one decode replica")
+        if self.frontend < 1 or self.conductor < 1:
+            raise DeployError("a working cluster needs at least one frontend and one conductor replica")
 
 
 def conductor_zmq_port(cfg: Config) -> int:
@@ -90,18 +99,22 @@ def conductor_zmq_port(cfg: Config) -> int:
 
 def pod_ports(cfg: Config) -> PodPorts:
     """Every port the roles bind: fixed ones (0 in the config becomes a default)."""
-    if not cfg.conductor.port:
-        raise DeployError("[conductor] port is 0; a Service needs a fixed HTTP port")
+    if not cfg.frontend.port:
+        raise DeployError("[frontend] port is 0; a Service needs a fixed HTTP port")
     node = {k: getattr(cfg.node, k) or v for k, v in DEFAULT_PORTS.items()}
-    return PodPorts(http=cfg.conductor.port, zmq=conductor_zmq_port(cfg), **node)
+    return PodPorts(http=cfg.frontend.port, zmq=conductor_zmq_port(cfg), tokens=cfg.frontend.token_port or
+                    DEFAULT_TOKEN_PORT, **node)
 
 
-def pod_config(cfg: Config, ports: PodPorts, curve: bool) -> Config:
+def pod_config(cfg: Config, ports: PodPorts, curve: bool, etcd_urls: list[str] | None = None) -> Config:
     """The TOML every pod reads: fixed ports, in-container paths (the key Secret's mount where
-    ``curve``), no secrets."""
+    ``curve``), the etcd the conductors fail over through, no secrets."""
     c = cfg.model_copy(deep=True)
-    c.conductor.api_key, c.conductor.api_keys = "", []  # from the Secret
-    c.conductor.host = "0.0.0.0"
+    c.coordination.etcd_endpoints = list(etcd_urls or cfg.coordination.etcd_endpoints)
+    c.frontend.api_key, c.frontend.api_keys = "", []  # from the Secret
+    c.frontend.host = "0.0.0.0"
+    c.frontend.token_port = ports.tokens
+    c.conductor.frontend = "off"  # frontends of their own serve the API
     c.node.kv_port, c.node.store_port, c.node.health_port = ports.kv_port, ports.store_port, ports.health_port
     c.node.p2p_port = ports.p2p_port  # peers fetch chunks from it (through the headless Service's pod IPs)
     c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
@@ -134,12 +147,14 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     gpu = cfg.model.device == "cuda"
     grace = math.ceil(cfg.conductor.drain_timeout_s) + 15
     common_env = {env_name("conductor", "endpoint"): f"tcp://{conductor_host}:{ports.zmq}"}
+    etcd_urls = cfg.coordination.etcd_endpoints or (
+        [f"http://{APP}-etcd.{ns}.svc.cluster.local:2379"] if topology.conductor > 1 else [])
     try:
         curve = pod_key_files(cfg)
     except KeysError as e:
         raise DeployError(str(e)) from None
     curve_secret = f"{APP}-curve" if curve else ""
-    api_key_secret = f"{APP}-api-key" if cfg.conductor.accepted_keys() else ""
+    api_key_secret = f"{APP}-api-key" if cfg.frontend.accepted_keys() else ""
 
     def meta(name: str, **labels: str) -> dict:
         return {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": APP, **labels}}
@@ -147,7 +162,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     files: dict[str, list[dict]] = {
         "00-namespace.yaml": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}],
         "01-config.yaml": [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{APP}-config"),
-                            "data": {"cluster.toml": dump_toml(pod_config(cfg, ports, bool(curve)))}}],
+                            "data": {"cluster.toml": dump_toml(pod_config(cfg, ports, bool(curve), etcd_urls))}}],
     }
     secrets = []
     if curve:
@@ -155,9 +170,9 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                         "type": "Opaque", "stringData": curve})
     if api_key_secret:
         secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(api_key_secret),
-                        "type": "Opaque", "stringData": {"api-key": cfg.conductor.api_key,
-                                                         "api-keys": ",".join(cfg.conductor.api_keys),
-                                                         METRICS_KEY: cfg.conductor.accepted_keys()[0]}})
+                        "type": "Opaque", "stringData": {"api-key": cfg.frontend.api_key,
+                                                         "api-keys": ",".join(cfg.frontend.api_keys),
+                                                         METRICS_KEY: cfg.frontend.accepted_keys()[0]}})
     if secrets:
         files["02-secrets.yaml"] = secrets
     pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
@@ -167,14 +182,35 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "conductor"}
     files["10-conductor.yaml"] = [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-conductor", **selector),
-         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector},
-                  "template": {"metadata": template_meta(selector, curve, scrape_annotations(ports.http)),
-                               "spec": conductor_pod(api_key_secret=api_key_secret, **pod_args)}}},
+         "spec": {"replicas": topology.conductor, "strategy": {"type": "Recreate"} if topology.conductor == 1 else
+                  {"type": "RollingUpdate"}, "selector": {"matchLabels": selector},
+                  "template": {"metadata": template_meta(selector, curve, scrape_annotations(ports.health_port)),
+                               "spec": conductor_pod(**pod_args)}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-conductor", **selector),
          "spec": {"selector": selector, "ports": [
-             {"name": "http", "port": ports.http, "targetPort": "http", "protocol": "TCP"},
+             {"name": "health", "port": ports.health_port, "targetPort": "health", "protocol": "TCP"},
              {"name": "zmq", "port": ports.zmq, "targetPort": "zmq", "protocol": "TCP"}]}},
     ]
+    front = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "frontend"}
+    files["15-frontend.yaml"] = [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-frontend", **front),
+         "spec": {"replicas": topology.frontend, "selector": {"matchLabels": front},
+                  "template": {"metadata": template_meta(front, curve, scrape_annotations(ports.http)),
+                               "spec": frontend_pod(api_key_secret=api_key_secret, **pod_args)}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-frontend", **front),
+         "spec": {"selector": front, "ports": [{"name": "http", "port": ports.http, "targetPort": "http",
+                                                "protocol": "TCP"}]}},
+    ]
+    if topology.conductor > 1 and not cfg.coordination.etcd_endpoints:
+        etcd = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "etcd"}
+        files["05-etcd.yaml"] = [
+            {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-etcd", **etcd),
+             "spec": {"selector": etcd, "ports": [{"name": "client", "port": 2379, "targetPort": "client"}]}},
+            {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(f"{APP}-etcd", **etcd),
+             "spec": {"serviceName": f"{APP}-etcd", "replicas": 1, "selector": {"matchLabels": etcd},
+                      "template": {"metadata": {"labels": etcd}, "spec": etcd_pod(ETCD_IMAGE)},
+                      "volumeClaimTemplates": [{"metadata": {"name": "etcd-data"}, "spec": {
+                          "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}}]
     for role in ("prefill", "decode"):
         labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": role}
         threads = cfg.engine.threads or 1
@@ -203,7 +239,8 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                       "selector": {"matchLabels": labels}, "podManagementPolicy": "Parallel",
                       "template": {"metadata": template_meta(labels, curve), "spec": spec},
                       "volumeClaimTemplates": [store_volume_claim(quantity(pvc_bytes))]}}]
-    files[SERVICE_MONITOR_FILE] = [service_monitor(meta(f"{APP}-conductor", **selector), selector, ns, api_key_secret)]
+    files[SERVICE_MONITOR_FILE] = [service_monitor(meta(f"{APP}-frontend", **front), front, ns, api_key_secret),
+                                   service_monitor(meta(f"{APP}-conductor", **selector), selector, ns, "", "health")]
     return files
 
 

@@ -1,10 +1,12 @@
-"""Prometheus scraping of a Kubernetes deployment: the conductor serves ``/metrics`` (on its HTTP
-port; with API keys configured, behind ``Authorization: Bearer KEY`` like the API).
+"""Prometheus scraping of a Kubernetes deployment: each frontend serves ``/metrics`` (on its HTTP
+port; with API keys configured, behind ``Authorization: Bearer KEY`` like the API), each conductor
+on its health port (no key: that port serves no API).
 
 Two ways, for the two ways Prometheus finds targets in Kubernetes:
-- a ServiceMonitor (Prometheus Operator, ``monitoring.coreos.com/v1``) selecting the conductor
-  Service's ``http`` port, with ``bearerTokenSecret`` naming the API-key Secret when keys are set;
-- the ``prometheus.io/*`` annotations on the conductor pod (scrape configs that keep annotated
+- ServiceMonitors (Prometheus Operator, ``monitoring.coreos.com/v1``) selecting the frontend
+  Service's ``http`` port, with ``bearerTokenSecret`` naming the API-key Secret when keys are set,
+  and the conductor Service's ``health`` port;
+- the ``prometheus.io/*`` annotations on the frontend and conductor pods (scrape configs that keep annotated
   pods). Only the pod is annotated: the common configs scrape annotated pods and annotated
   Services in two jobs, and both would count every series twice. Annotations carry no
   credentials: with an API key, such a scrape config needs its own ``authorization``.
@@ -22,9 +24,10 @@ def scrape_annotations(http_port: int) -> dict[str, str]:
             "prometheus.io/path": METRICS_PATH}
 
 
-def service_monitor(meta: dict, selector: dict[str, str], namespace: str, api_key_secret: str) -> dict:
-    """Scrapes the conductor Service (labels ``selector``) on its port named ``http``."""
-    endpoint: dict = {"port": "http", "path": METRICS_PATH, "interval": "15s"}
+def service_monitor(meta: dict, selector: dict[str, str], namespace: str, api_key_secret: str,
+                    port: str = "http") -> dict:
+    """Scrapes a Service (labels ``selector``: the frontends', the conductors') on its port named ``port``."""
+    endpoint: dict = {"port": port, "path": METRICS_PATH, "interval": "15s"}
     if api_key_secret:
         endpoint["bearerTokenSecret"] = {"name": api_key_secret, "key": METRICS_KEY}
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta,

@@ -19,8 +19,9 @@ STARTUP_BUDGET_S = 600  # model load (and conversion) before the first probe mus
 
 @dataclass(frozen=True)
 class PodPorts:
-    http: int  # conductor HTTP (OpenAI API, /health/*)
+    http: int  # frontend HTTP (OpenAI API, /health/*)
     zmq: int  # conductor's role endpoint
+    tokens: int  # frontend's token socket (decodes stream to it at the pod IP)
     kv_port: int  # decode KV ingress
     store_port: int  # store object API
     p2p_port: int  # store P2P chunks (peers connect to it at the pod IP)
@@ -37,7 +38,7 @@ def _env(role: str, common_env: dict[str, str], api_key_secret: str = "") -> lis
            {"name": env_name("node", "node_id"), **_field("metadata.name")}]
     env += [{"name": k, "value": v} for k, v in common_env.items()]
     if api_key_secret:
-        env += [{"name": env_name("conductor", field), "valueFrom": {"secretKeyRef": {"name": api_key_secret,
+        env += [{"name": env_name("frontend", field), "valueFrom": {"secretKeyRef": {"name": api_key_secret,
                                                                                   "key": key}}}
                 for field, key in (("api_key", "api-key"), ("api_keys", "api-keys"))]
     return env
@@ -75,16 +76,43 @@ def _command(role: str) -> list[str]:
 
 
 def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
-                  common_env: dict[str, str], api_key_secret: str) -> dict:
-    """The conductor binds its role endpoint on every interface; roles reach it by its Service."""
+                  common_env: dict[str, str]) -> dict:
+    """The conductor binds its role endpoint on every interface (under etcd it announces the pod
+    IP; without, roles reach it by its Service); its probes and /metrics are on the health port."""
     env = {**common_env, env_name("conductor", "endpoint"): f"tcp://0.0.0.0:{ports.zmq}"}
     container = {"name": "conductor", "image": image, "command": _command("conductor"),
-                 "env": _env("conductor", env, api_key_secret),
-                 "ports": [{"name": "http", "containerPort": ports.http, "protocol": "TCP"},
+                 "env": _env("conductor", env),
+                 "ports": [{"name": "health", "containerPort": ports.health_port, "protocol": "TCP"},
                            {"name": "zmq", "containerPort": ports.zmq, "protocol": "TCP"}],
+                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                 **_probes("health", "/health/live")}  # a standby is as healthy as the leader
+    return _pod(container, grace_s, curve_secret, [])
+
+
+def frontend_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+                 common_env: dict[str, str], api_key_secret: str) -> dict:
+    """A frontend: the OpenAI API on the http port, its token socket on the pod IP."""
+    container = {"name": "frontend", "image": image, "command": _command("frontend"),
+                 "env": _env("frontend", common_env, api_key_secret),
+                 "ports": [{"name": "http", "containerPort": ports.http, "protocol": "TCP"},
+                           {"name": "tokens", "containerPort": ports.tokens, "protocol": "TCP"}],
                  "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                  **_probes("http")}
     return _pod(container, grace_s, curve_secret, [])
+
+
+def etcd_pod(image: str) -> dict:
+    """One etcd member for the conductors' election (its data on the pod's volume claim)."""
+    url = "http://0.0.0.0:2379"
+    return {"containers": [{
+        "name": "etcd", "image": image,
+        "command": ["etcd", "--name", "etcd-0", "--data-dir", "/var/lib/etcd", "--listen-client-urls", url,
+                    "--advertise-client-urls", "http://$(POD_IP):2379"],
+        "env": [{"name": "POD_IP", **_field("status.podIP")}],
+        "ports": [{"name": "client", "containerPort": 2379, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "etcd-data", "mountPath": "/var/lib/etcd"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}]}
 
 
 def _models_volume() -> dict:

@@ -32,7 +32,7 @@ from mooncake.logs import log_format, role_tag, tag_logs
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: the kernel sends it SIGTERM when this process dies, however it
     dies (SIGKILL included), so that no role outlives ``mooncake serve --dev`` holding its ports."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -42,26 +42,39 @@ def _die_with_parent() -> None:
 
 class LocalCluster:
     def __init__(self, cfg: Config, prefill: int = 1, decode: int = 1, store: int = 1,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", frontends: int = 1, conductors: int = 1) -> None:
+        """``frontends``: one runs in the conductor's process; more run as processes of their own,
+        on ``[frontend] port``, port + 1, ...; ``urls`` lists where each serves. ``conductors`` > 1
+        (``[coordination]`` set): conductors ``conductor0``... on sockets of their own, one leads,
+        and every frontend is a process of its own."""
         self.cfg = cfg.model_copy(deep=True)
-        self.counts = {"prefill": prefill, "decode": decode, "store": store}
+        self.counts = {"prefill": prefill, "decode": decode, "store": store, "frontend": frontends}
+        self.conductors = conductors
+        self.own_frontends = frontends > 1 or conductors > 1
         self.log_level = log_level
         self.tmp = Path(tempfile.mkdtemp(prefix="mooncake-dev-"))
         self.cfg.conductor.endpoint = f"ipc://{self.tmp}/conductor"
         self.children: dict[str, subprocess.Popen] = {}
-        self.url = f"http://{self.cfg.conductor.host}:{self.cfg.conductor.port}"
+        f = self.cfg.frontend
+        self.urls = [f"http://{f.host}:{f.port + i}" for i in range(frontends)]
+        self.url = self.urls[0]
 
     def spawn(self, role: str, index: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start (or restart) one role process (``env``: variables added to its environment)."""
-        name = f"{role}{index}" if role != "conductor" else "conductor"
+        name = f"{role}{index}" if role != "conductor" or self.conductors > 1 else "conductor"
         path = self.tmp / f"{name}.toml"
         cfg = self.cfg.model_copy(deep=True)
         cfg.node.name = f"node{index}"
         cfg.node.node_id = "" if role == "conductor" else f"node{index}-{role}"
+        cfg.conductor.frontend = "off" if self.own_frontends else "on"
+        if role == "conductor" and self.conductors > 1:
+            cfg.conductor.endpoint = f"ipc://{self.tmp}/conductor{index}"
+        if role == "frontend":
+            cfg.frontend.port += index
         path.write_text(dump_toml(cfg))
         cmd = [sys.executable, "-m", "mooncake.cli", "serve", "--role", role, "--config", str(path),
                "--log-level", self.log_level]
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
                                 env={**os.environ, **env} if env else None,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         tag = role_tag(role, cfg.node.node_id or cfg.node.name)
@@ -72,8 +85,9 @@ class LocalCluster:
     def launch(self) -> None:
         """Start every role, without waiting for them."""
         resolve_model_dir(self.cfg.model)  # convert the model once, before the children race for it
-        self.spawn("conductor")
-        for role in ("store", "prefill", "decode"):
+        for i in range(self.conductors):
+            self.spawn("conductor", i)
+        for role in ("frontend",) * self.own_frontends + ("store", "prefill", "decode"):
             for i in range(self.counts[role]):
                 self.spawn(role, i)
 
@@ -94,9 +108,9 @@ class LocalCluster:
     def wait_ready(self, timeout_s: float, want: dict[str, int] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            conductor = self.children["conductor"]
-            if conductor.poll() is not None:
-                raise RuntimeError(f"the conductor exited with code {conductor.returncode}")
+            conductors = [p for name, p in self.children.items() if name.startswith("conductor")]
+            if all(p.poll() is not None for p in conductors):
+                raise RuntimeError(f"the conductor exited with code {conductors[0].returncode}")
             if self.ready(want):
                 return
             time.sleep(0.25)
@@ -147,13 +161,13 @@ def _forward(proc: subprocess.Popen, tag: str) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str) -> int:
+def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str, frontends: int = 1) -> int:
     """``mooncake serve``: start the cluster, say where it serves once every role has registered,
     restart a role that dies, stop everything on Ctrl-C or SIGTERM."""
     from mooncake.local.supervisor import GaveUp, Supervisor
 
     tag_logs("supervisor", cfg.node.name, quiet_libraries=False)  # a GGUF's conversion shows its progress
-    cluster = LocalCluster(cfg, prefill, decode, store, log_level)
+    cluster = LocalCluster(cfg, prefill, decode, store, log_level, frontends)
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -186,5 +200,6 @@ def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str
 def ready_banner(cluster: LocalCluster, seconds: float) -> str:
     """The first line a user reads: where to send requests, and how to stop."""
     counts = ", ".join(f"{n} {role}" for role, n in cluster.counts.items())
-    return (f"mooncake ready in {seconds:.0f}s ({counts}): OpenAI API at {cluster.url}/v1 "
+    at = " and ".join(f"{url}/v1" for url in cluster.urls)
+    return (f"mooncake ready in {seconds:.0f}s ({counts}): OpenAI API at {at} "
             f"(try: curl {cluster.url}/v1/models); Ctrl-C stops it")

@@ -75,6 +75,7 @@ class DecodeRequest(Msg, tag="decode_req"):
     kv_token: bytes = b""  # random, per attempt: only KV carrying it is admitted (the prefill chosen has it)
     store_from_block: int = -1  # >= 0: write the prompt's full blocks from this one to the store as they become
     # whole here (a pipeline group's stages each hold only their layers, so none of them can)
+    reply_to: str = ""  # the owning frontend's token endpoint: tokens go there, not to the conductor ("")
 
 
 class Reserved(Msg, tag="reserved"):
@@ -189,7 +190,7 @@ class KVLayer(Msg, tag="kv_layer"):
 
 
 class TokenEvent(Msg, tag="tokens"):
-    """Decode -> conductor: generated tokens ``index`` onwards (``index`` counts the request's
+    """Decode -> the request's frontend (``DecodeRequest.reply_to``): generated tokens ``index`` onwards (``index`` counts the request's
     generated tokens before these); ``finished`` set on the last."""
 
     req_id: str

@@ -6,9 +6,10 @@ blocks its KV needs (waiting, in order, until the pool has room) and answers
 straight in the reserved blocks. Memory on decode is therefore bounded by its
 pool, never by what prefill pushes. Once all KV is in and the conductor has
 passed on the first token (``FirstToken``), the sequence joins the batch; each
-step streams one token per sequence. When a step needs blocks the pool no longer
+step streams one token per sequence, straight to the frontend that owns the request
+(``token_outlets.py``). When a step needs blocks the pool no longer
 has, the newest sequences are preempted: their full blocks go to the store and
-the conductor gives them a new attempt, which resumes where they were.
+their frontend gives them a new attempt, which resumes where they were.
 
 KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
 attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.
@@ -28,6 +29,7 @@ from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.kv.ingress import KVIngress, Slot
+from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class DecodeWorker(EngineWorker):
         self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
+        self.outlets = TokenOutlets(self.ctx, self.node_id, self.curve)
         self.kv = KVIngress(self.engine, self.curve, self.rejections, self.incoming, self.running,
                             lambda fn, *args: self.run_engine(fn, *args), self.stores.save_blocks,
                             self._give_up, self._maybe_start, self._join)
@@ -59,6 +62,7 @@ class DecodeWorker(EngineWorker):
 
     def load(self) -> P.Load:
         steps, self.steps = self.steps, []
+        self.outlets.prune({s.msg.reply_to for s in (*self.running.values(), *self.incoming.values())})
         load = super().load()
         load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
         load.progress += self.kv.writes  # landing KV is engine progress
@@ -197,12 +201,22 @@ class DecodeWorker(EngineWorker):
             slot.next_index += 1
             if finished is not None:
                 done.append(slot)
-        if events:  # the step's tokens in one message; a request's last token before its retirement
-            await self.send(events[0] if len(events) == 1 else P.TokenStep(events))
+        if events:  # the step's tokens in one message per frontend; a request's last token before its retirement
+            await self._send_tokens(events, {s.msg.req_id: s.msg.reply_to for s in slots})
         for slot in done:  # still running if the send failed: the step's failure gives them up
             if self.running.get(slot.msg.req_id) is slot:
                 await self._retire(self.running.pop(slot.msg.req_id), write=True)
         return True
+
+    async def _send_tokens(self, events: list[P.TokenEvent], reply_to: dict[str, str]) -> None:
+        by_frontend: dict[str, list[P.TokenEvent]] = {}
+        for e in events:
+            by_frontend.setdefault(reply_to[e.req_id], []).append(e)
+        for endpoint, batch in by_frontend.items():
+            if endpoint:
+                await self.outlets.send(endpoint, batch)
+            else:  # a conductor that takes the tokens itself (no frontend named)
+                await self.send(batch[0] if len(batch) == 1 else P.TokenStep(batch))
 
     async def _make_room(self) -> None:
         """Preempt the newest sequences until the next step's new blocks fit in the pool."""
@@ -233,4 +247,5 @@ class DecodeWorker(EngineWorker):
 
     async def close(self) -> None:
         self.kv.close()
+        self.outlets.close()
         await super().close()

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
-import torch
 import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
+from mooncake.config import CoordinationConfig
+from mooncake.coordination.election import LeaderWatch
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,10 @@ class ConductorLink:
         max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
         holding: Callable[[], list[str]] = list,
         on_orphans: Callable[[list[str]], Awaitable[None]] | None = None,
+        coordination: CoordinationConfig | None = None,
     ) -> None:
+        """With ``coordination`` (etcd endpoints set), ``endpoint`` is only the default: the link
+        connects to the conductor etcd says leads, and follows it when another does."""
         self.endpoint = endpoint
         self.register_msg = register
         self.load = load
@@ -59,9 +66,12 @@ class ConductorLink:
         limit_message_size(self.sock, max_message_bytes)
         if curve is not None:
             curve.client(self.sock, "conductor")
-        self.sock.connect(endpoint)
+        self.watch = LeaderWatch(coordination, self.follow) if coordination and coordination.etcd_endpoints else None
+        if self.watch is None:
+            self.sock.connect(endpoint)
         self._send_lock = asyncio.Lock()
         self._reregistering = False
+        self._connected = self.watch is None
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -73,8 +83,24 @@ class ConductorLink:
         async with self._send_lock:
             await send_multipart(self.sock, frames)
 
+    async def follow(self, endpoint: str) -> None:
+        """Another conductor leads (etcd says): talk to it, and register with it."""
+        if endpoint == self.endpoint and self._connected:
+            return
+        if self._connected:
+            self.sock.disconnect(self.endpoint)
+        self.endpoint, self._connected = endpoint, True
+        self.sock.connect(endpoint)
+        self._reregistering = True
+        await self._register()
+
     async def connect(self, timeout_s: float = 30.0) -> None:
-        """Register, retrying until the conductor answers or ``timeout_s`` passes."""
+        """Register, retrying until the conductor answers or ``timeout_s`` passes (under etcd,
+        once a conductor leads: a cluster may start before its conductors)."""
+        if self.watch is not None:
+            self.endpoint, self._connected = await self.watch.first(), True
+            self.sock.connect(self.endpoint)
+            self._tasks.append(asyncio.create_task(self.watch.run()))
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             await self._register()
@@ -148,3 +174,5 @@ class ConductorLink:
         for t in self._tasks:
             t.cancel()
         self.sock.close(0)
+        if self.watch is not None:
+            asyncio.get_running_loop().create_task(self.watch.close())

@@ -3,7 +3,7 @@
 ``NodeHealth`` serves ``GET /health/live`` (200 while the process serves) and
 ``GET /health/ready`` (200 once the role is registered with the conductor, 503
 before and while it drains) on ``[node] health_port`` with plain asyncio: no web
-framework in the workers. ``probe`` is the client side, used by
+framework in the workers. A conductor without a frontend serves its ``/metrics`` there too. ``probe`` is the client side, used by
 ``mooncake probe --role ROLE`` as an exec probe.
 """
 
@@ -14,6 +14,7 @@ import json
 import logging
 import urllib.error
 import urllib.request
+from typing import Callable
 
 from mooncake.config import Config
 
@@ -24,9 +25,10 @@ READ_TIMEOUT_S = 5.0
 class NodeHealth:
     """A tiny HTTP/1.0 server answering the two probe paths; ``ready`` is set by the role."""
 
-    def __init__(self, role: str, node_id: str) -> None:
+    def __init__(self, role: str, node_id: str, metrics: Callable[[], bytes] | None = None) -> None:
         self.role = role
         self.node_id = node_id
+        self.metrics = metrics  # renders /metrics (Prometheus text), if this process has any
         self.ready = False
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
@@ -37,8 +39,10 @@ class NodeHealth:
         log.info("%s health on http://%s:%d/health/{live,ready}", self.node_id, host, self.port)
         return self.port
 
-    def answer(self, path: str) -> tuple[int, dict]:
-        """Status and JSON body for ``path``."""
+    def answer(self, path: str) -> tuple[int, dict | bytes]:
+        """Status and body (JSON, or the metrics' text) for ``path``."""
+        if path == "/metrics" and self.metrics is not None:
+            return 200, self.metrics()
         if path == "/health/live":
             return 200, {"status": "ok", "role": self.role, "node_id": self.node_id}
         if path == "/health/ready":
@@ -57,9 +61,11 @@ class NodeHealth:
                 status, body = 405, {"error": "only GET"}
             else:
                 status, body = self.answer(parts[1].split("?", 1)[0])
-            payload = json.dumps(body).encode()
+            text = isinstance(body, bytes)
+            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
-            writer.write(f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\n"
+            kind = "text/plain; version=0.0.4" if text else "application/json"
+            writer.write(f"HTTP/1.0 {status} {reason}\r\nContent-Type: {kind}\r\n"
                          f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
                          + (b"" if parts[:1] == ["HEAD"] else payload))
             await writer.drain()
@@ -74,18 +80,21 @@ class NodeHealth:
             await self._server.wait_closed()
 
 
-async def start_node_health(cfg: Config, role: str, node_id: str) -> NodeHealth:
+async def start_node_health(cfg: Config, role: str, node_id: str,
+                            metrics: Callable[[], bytes] | None = None) -> NodeHealth:
     """A NodeHealth, serving on ``[node] health_port`` when that is set (0: not served)."""
-    health = NodeHealth(role, node_id)
+    health = NodeHealth(role, node_id, metrics)
     if cfg.node.health_port:
         await health.start(cfg.node.host, cfg.node.health_port)
     return health
 
 
 def probe_url(cfg: Config, role: str, check: str) -> str:
-    """Where the probe of ``role`` asks: the conductor's HTTP port, or the node's health port."""
-    if role == "conductor":
-        host, port = cfg.conductor.host, cfg.conductor.port
+    """Where the probe of ``role`` asks: the frontend's HTTP port (the conductor's in-process
+    frontend, if it runs one), or the node's health port."""
+    coordinated = bool(cfg.coordination.etcd_endpoints)
+    if role == "frontend" or (role == "conductor" and cfg.conductor.serves_frontend(coordinated)):
+        host, port = cfg.frontend.host, cfg.frontend.port
     else:
         if not cfg.node.health_port:
             raise ValueError(f"{role}: [node] health_port is 0 (MOONCAKE_NODE_HEALTH_PORT); nothing to probe")

@@ -172,7 +172,7 @@ class EngineWorker(ABC):
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
                                   curve=self.curve, max_message_bytes=self.max_message_bytes,
                                   holding=self.held_requests, on_orphans=self._drop_orphans,
-                                  on_registered=self._announce_device_cache)
+                                  on_registered=self._announce_device_cache, coordination=self.cfg.coordination)
         health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
         health.ready = True

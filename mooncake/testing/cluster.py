@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from mooncake.config import Config, MiB
+from mooncake.config import MOVED_TO_FRONTEND, Config, MiB
 from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
@@ -17,9 +17,9 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
     float32 (outputs are compared with transformers token for token)."""
     cfg = Config()
     cfg.model.dtype = "float32"
-    cfg.conductor.port = free_port()
-    for k, v in conductor.items():
-        setattr(cfg.conductor, k, v)
+    cfg.frontend.port = free_port()
+    for k, v in conductor.items():  # the keys that moved to [frontend] are taken here too
+        setattr(cfg.frontend if k in MOVED_TO_FRONTEND else cfg.conductor, k, v)
     cfg.engine.kv_cache_bytes = 160 * MiB
     cfg.engine.threads = 1
     cfg.engine.profile_at_start = False  # a few seconds per role; the admission tests turn it on
@@ -30,12 +30,15 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
 
 
 def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 1, store: int = 1,
-                  cfg: Config | None = None, **conductor: object) -> LocalCluster:
-    """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``."""
+                  cfg: Config | None = None, frontends: int = 1, **conductor: object) -> LocalCluster:
+    """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``;
+    ``frontends`` > 1: frontend processes on consecutive ports (``cluster.urls``)."""
     if cfg is None:
         assert data_dir is not None
         cfg = small_config(data_dir, **conductor)
-    cluster = LocalCluster(cfg, prefill, decode, store)
+    if frontends > 1:
+        cfg.frontend.port = free_port(consecutive=frontends)
+    cluster = LocalCluster(cfg, prefill, decode, store, frontends=frontends)
     try:
         cluster.start(timeout_s=240)
     except BaseException:

@@ -193,7 +193,7 @@ class Hosts:
         conductor = self[conductor_host].address
         port = cfg.conductor.endpoint.rsplit(":", 1)[1]
         cfg.conductor.endpoint = f"tcp://{conductor}:{port}"
-        cfg.conductor.host = conductor
+        cfg.frontend.host = conductor
         return cfg
 
     def spawn(self, i: int, role: str, cfg: Config | None = None, env: dict[str, str] | None = None,

@@ -8,12 +8,12 @@ import time
 from typing import Callable
 
 from mooncake import protocol as P
-from mooncake.conductor.request import Request, RequestError
+from mooncake.frontend.request import Request, RequestError
 
 
 class Forks:
     def __init__(self, start: Callable[[Request], None]) -> None:
-        """``start``: dispatches a released choice (the conductor's, which may finish it)."""
+        """``start``: places a released choice (the frontend's, which may finish it)."""
         self.start = start
         self.waiting: dict[str, Request] = {}
 

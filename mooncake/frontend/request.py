@@ -1,18 +1,20 @@
-"""A request's life as one state machine: its status, its attempts, its events.
+"""A request's life at the frontend that owns it, as one state machine: its status, its
+attempts, its events.
 
 ::
 
-    WAITING ──dispatch──▶ RESERVING ──reserved──▶ PREFILLING ──prefilled──▶ DECODING ──tokens…──▶ FINISHED
-       ▲                      │                        │                        │
-       └──────── migrate / preempted (a new attempt) ──┴────────────────────────┘
-                              any state ──finish (stop, length, abort, error)──▶ FINISHED
+    WAITING ──submitted──▶ PLACED ──started──▶ DECODING ──tokens…──▶ FINISHED
+       ▲                     │                    │
+       └──── the attempt ended (failed, preempted, its node died): a new attempt ┘
+                  any state ──finish (stop, length, abort, error)──▶ FINISHED
 
-An attempt is one try on one prefill/decode pair (``attempt.py``); workers know it by
-its wire id (``<request id>#<attempt>``), so a message of an earlier attempt matches nothing.
-Tokens carry their index among the request's generated tokens: they are emitted
-in index order whatever path (prefill's first token, decode's stream) they came
-by, and an index already emitted is a duplicate. The HTTP layer reads the typed
-events from ``events``; only this module changes a request's state.
+An attempt is one try on one prefill/decode pair, placed by the conductor; workers and the
+conductor know it by its wire id (``<request id>#<attempt>``), so a message of an earlier
+attempt matches nothing. Tokens carry their index among the request's generated tokens:
+they are emitted in index order whatever path (the prefill's first token through the
+conductor, decode's stream straight to this frontend) they came by, and an index already
+emitted is a duplicate. The HTTP layer reads the typed events from ``events``; only this
+module changes a request's state.
 """
 
 from __future__ import annotations
@@ -24,23 +26,19 @@ import uuid
 from dataclasses import dataclass, field
 
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
-from mooncake.conductor.attempt import Attempt
-from mooncake.protocol import FinishReason, ModelFacts, Sampling
-from mooncake.sched.booking import Booking
+from mooncake.protocol import FinishReason, Logprob, ModelFacts, Sampling
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # admitted, not (or no longer) on any instance
-    RESERVING = "reserving"  # the decode instance is reserving KV blocks
-    PREFILLING = "prefilling"  # the prefill instance has it
+    WAITING = "waiting"  # not (or no longer) on any instance: an attempt is being placed
+    PLACED = "placed"  # an attempt is placed: decode reserving, prefill computing
     DECODING = "decoding"  # first token out, the decode instance streams the rest
     FINISHED = "finished"
 
 
 _NEXT = {
-    RequestStatus.WAITING: {RequestStatus.RESERVING},
-    RequestStatus.RESERVING: {RequestStatus.PREFILLING, RequestStatus.WAITING},
-    RequestStatus.PREFILLING: {RequestStatus.DECODING, RequestStatus.WAITING},
+    RequestStatus.WAITING: {RequestStatus.PLACED},
+    RequestStatus.PLACED: {RequestStatus.DECODING, RequestStatus.WAITING},
     RequestStatus.DECODING: {RequestStatus.WAITING},
     RequestStatus.FINISHED: set(),
 }
@@ -66,6 +64,18 @@ class Tokens:
 
     ids: list[int]
     logprobs: list | None = None
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One try of a request, as its frontend knows it."""
+
+    number: int
+    wire_id: str
+    decode: str  # the decode instance: only its tokens are accepted
+    started: float
+    first_token_at: float = 0.0  # when its prefill's token came
+    tokens_before: int = 0  # tokens generated before that one (earlier attempts)
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,9 @@ class Request:
     generated: list[int] = field(default_factory=list)
     held: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens that came early
     held_logprobs: dict[int, list] = field(default_factory=dict)  # index -> their logprobs, if any
+    decode_finished: FinishReason | None = None  # the current attempt's decode sent its last token
     followers: list["Request"] = field(default_factory=list)  # choices of the same prompt waiting for its KV
-    forks: int = 0  # choices forked from this one (``Conductor.fork``)
+    forks: int = 0  # choices forked from this one (``Frontend.fork``)
     cached_tokens: int = 0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -136,22 +147,24 @@ class Request:
 
     # ------------------------------------------------------------ transitions
 
-    def dispatched(self, booking: Booking, now: float) -> Attempt:
-        """A new attempt on ``booking`` (booked under ``next_wire_id``)."""
-        self._to(RequestStatus.RESERVING)
+    def placed(self, decode: str, now: float) -> Attempt:
+        """A new attempt (``next_wire_id``), placed by the conductor with ``decode`` streaming its tokens."""
+        self._to(RequestStatus.PLACED)
         self.attempts += 1
-        self.attempt = Attempt(self, self.attempts, booking, now)
+        self.attempt = Attempt(self.attempts, f"{self.req_id}#{self.attempts}", decode, now)
         self.held.clear()
         self.held_logprobs.clear()
+        self.decode_finished = None
         self.last_progress = now
         return self.attempt
 
-    def reserved(self, now: float) -> None:
-        self._to(RequestStatus.PREFILLING)
-        assert self.attempt is not None
-        self.attempt.reserved_at = self.last_progress = now
+    def hold(self, index: int, ids: list[int], logprobs: list | None = None) -> None:
+        """Tokens that came from decode before the prefill's first token (they are emitted after it)."""
+        self.held[index] = ids
+        if logprobs:
+            self.held_logprobs[index] = logprobs
 
-    def prefilled(self, first_token: int, cached_tokens: int, now: float, logprob: object = None) -> bool:
+    def prefilled(self, first_token: int, cached_tokens: int, now: float, logprob: Logprob | None = None) -> bool:
         """The attempt's prefill is done; its first token is emitted. Returns whether it is
         the request's first token (the time to first token)."""
         self._to(RequestStatus.DECODING)
@@ -169,9 +182,7 @@ class Request:
         how many were emitted."""
         if self.status is not RequestStatus.DECODING:
             raise TransitionError(f"{self.req_id}: tokens while {self.status.value}")
-        self.held[index] = ids
-        if logprobs:
-            self.held_logprobs[index] = logprobs
+        self.hold(index, ids, logprobs)
         emitted = 0
         while self.held:
             at = len(self.generated)

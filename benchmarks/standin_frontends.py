@@ -1,0 +1,152 @@
+"""Stand-in frontends: the conductor's load without HTTP, tokenizer or detokenizer (issue 29).
+
+Each stand-in registers with the conductor as a real frontend does (``ConductorLink``, role
+``frontend``, a token socket the decodes stream to) and keeps ``--concurrency`` requests in
+flight, closed loop: ``Submit`` (prompt tokens and block hashes, computed once up front: half of
+the prompts open with one of 8 shared prefixes) -> ``Admitted`` -> ``Started`` -> the decode's
+tokens on its token socket until the last -> the attempt in the next ``Release`` batch -> the
+next request. That is every message a real frontend exchanges per request, so the conductor
+under it does all the work it would do behind real frontends. Prints one JSON line when done:
+completed requests, seconds, and refusals.
+
+    python benchmarks/standin_frontends.py --config FILE [--frontends 1] [--concurrency 64] [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.blocks import hash_blocks, root_hash
+from mooncake.config import load_config
+from mooncake.roles.link import ConductorLink
+from mooncake.sockets import recv_multipart
+
+from standin_workers import bundled_facts
+
+
+def prompt_pool(facts: P.ModelFacts, n: int, seed: int = 0) -> list[tuple[list[int], list[bytes]]]:
+    """(tokens, hashes) of ``n`` prompts of 200-2,000 tokens; half open with one of 8 shared prefixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(128, 1024))] for _ in range(8)]
+    pool = []
+    for i in range(n):
+        length = rng.randrange(200, 2000)
+        head = prefixes[i % 8][:length] if i % 2 else []
+        tokens = head + [rng.randrange(1000, 20000) for _ in range(length - len(head))]
+        pool.append((tokens, hash_blocks(tokens, facts.block_tokens, facts.model_id)))
+    return pool
+
+
+class StandInFrontend:
+    def __init__(self, ctx: zmq.asyncio.Context, cfg, index: int, facts: P.ModelFacts, pool: list,
+                 max_tokens: int) -> None:
+        self.node_id, self.facts, self.pool, self.max_tokens = f"bench-frontend-{index}", facts, pool, max_tokens
+        self.tokens = ctx.socket(zmq.ROUTER)
+        self.tokens.bind("tcp://127.0.0.1:0")
+        endpoint = self.tokens.getsockopt(zmq.LAST_ENDPOINT).decode()
+        reg = P.Register("frontend", self.node_id, P.NodeInfo(f"bench{index}", os.getpid()), {"tokens": endpoint})
+        self.link = ConductorLink(ctx, cfg.conductor.endpoint, reg, lambda: P.Load(running=len(self.waiting)))
+        self.root = root_hash(facts.model_id)
+        self.waiting: dict[str, asyncio.Future] = {}  # wire id -> set when its last token came
+        self.answers: dict[str, asyncio.Future] = {}  # wire id -> Admitted / Refused
+        self.ended: list[P.Ended] = []
+        self.done = self.refused = 0
+        self.seq = 0
+
+    async def run(self, concurrency: int, until: float) -> None:
+        await self.link.connect(timeout_s=60)
+        self.link.start_heartbeat()
+        tasks = [asyncio.create_task(self._recv()), asyncio.create_task(self._tokens()),
+                 asyncio.create_task(self._release())]
+        await asyncio.gather(*(self._client(until) for _ in range(concurrency)))
+        for t in tasks:
+            t.cancel()
+
+    async def _client(self, until: float) -> None:
+        while time.monotonic() < until:
+            self.seq += 1
+            wire_id = f"b{self.node_id}-{self.seq}#1"
+            tokens, hashes = self.pool[self.seq % len(self.pool)]
+            answer = self.answers[wire_id] = asyncio.get_running_loop().create_future()
+            finished = self.waiting[wire_id] = asyncio.get_running_loop().create_future()
+            await self.link.send(P.Submit(wire_id, self.node_id, tokens, hashes, self.root,
+                                          P.Sampling(max_tokens=self.max_tokens), in_flight=len(self.waiting)))
+            if isinstance(await answer, P.Refused):
+                self.refused += 1
+                self.waiting.pop(wire_id, None)
+                await asyncio.sleep(0.01)
+                continue
+            await finished
+            self.ended.append(P.Ended(wire_id, False, self.max_tokens - 1, 0.0))
+            self.done += 1
+
+    async def _recv(self) -> None:
+        while True:
+            msg, _ = await self.link.recv()
+            if isinstance(msg, (P.Admitted, P.Refused)):
+                f = self.answers.pop(msg.wire_id, None)
+                if f is not None:
+                    f.set_result(msg)
+            elif isinstance(msg, P.Started) and msg.finished is not None:
+                self._finish(msg.wire_id)
+
+    async def _tokens(self) -> None:
+        while True:
+            frames = await recv_multipart(self.tokens)
+            msg, _ = P.decode(frames[1:])
+            for e in msg.events if isinstance(msg, P.TokenStep) else [msg]:
+                if e.finished is not None:
+                    self._finish(e.req_id)
+
+    def _finish(self, wire_id: str) -> None:
+        f = self.waiting.pop(wire_id, None)
+        if f is not None and not f.done():
+            f.set_result(None)
+
+    async def _release(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            if self.ended:
+                ended, self.ended = self.ended, []
+                await self.link.send(P.Release(self.node_id, ended))
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    cfg = load_config(args.config)
+    facts = bundled_facts(cfg)[0]
+    pool = prompt_pool(facts, 512)
+    ctx = zmq.asyncio.Context()
+    fronts = [StandInFrontend(ctx, cfg, i, facts, pool, args.max_tokens) for i in range(args.frontends)]
+    start = time.monotonic()
+    await asyncio.gather(*(f.run(args.concurrency, start + args.duration) for f in fronts))
+    wall = time.monotonic() - start
+    for f in fronts:
+        await f.link.send(P.Release(f.node_id, f.ended))
+        f.link.close()
+        f.tokens.close(0)
+    ctx.term()
+    return {"completed": sum(f.done for f in fronts), "refused": sum(f.refused for f in fronts), "seconds": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, required=True)
+    ap.add_argument("--frontends", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=64, help="requests each stand-in keeps in flight")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    print(json.dumps(asyncio.run(main_async(ap.parse_args()))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

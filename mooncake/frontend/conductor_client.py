@@ -1,0 +1,153 @@
+"""A frontend's conversation with the conductor that leads: placing attempts (``Submit`` ->
+``Admitted`` / ``Refused``, asked again across a change of leader), releasing the attempts that
+ended here (``Release``, batched every ``RELEASE_EVERY_S``), the cluster as the conductor last
+described it (``ClusterView``, on every heartbeat) and ``GET /cluster``'s snapshot (asked now).
+What else the conductor says (``Started``, ``AttemptEnded``) goes to the frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.config import Config
+from mooncake.roles.link import ConductorLink
+from mooncake.security import Curve
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+
+log = logging.getLogger(__name__)
+PLACE_TIMEOUT_S = 10.0  # a conductor that does not answer a Submit this long: the attempt is refused
+RELEASE_EVERY_S = 0.01
+RETRY_NO_WORKERS_S = 0.25
+
+
+class ConductorClient:
+    def __init__(self, cfg: Config, node_id: str, on_message: Callable[[P.Msg], None]) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.on_message = on_message
+        self.view = P.ClusterView("")  # the conductor's last word on the cluster
+        self.link: Any = None  # a ConductorLink once connected (tests put a stand-in here)
+        # a Submit may wait out an election: the lease's TTL, the watch noticing, the new leader's start
+        c = cfg.coordination
+        self.place_timeout_s = PLACE_TIMEOUT_S + (c.lease_ttl_s + 2 * c.poll_s if c.etcd_endpoints else 0)
+        self._placing: dict[str, tuple[P.Submit, asyncio.Future]] = {}  # wire id -> what awaits an answer
+        self._query: asyncio.Future | None = None
+        self.ended: list[P.Ended] = []
+        self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
+        self._tasks: list[asyncio.Task] = []
+
+    async def connect(self, ctx: zmq.asyncio.Context, curve: Curve | None, register: P.Register,
+                      load: Callable[[], P.Load], holding: Callable[[], list[str]],
+                      on_orphans: Callable[[list[str]], Awaitable[None]]) -> None:
+        """Register with the conductor (under etcd: the one that leads, followed when it changes)."""
+        self.link = ConductorLink(ctx, self.cfg.conductor.endpoint, register, load, curve=curve,
+                                  max_message_bytes=self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES,
+                                  holding=holding, on_orphans=on_orphans, on_registered=self._resubmit,
+                                  coordination=self.cfg.coordination)
+        await self.link.connect(timeout_s=60)
+        self.link.start_heartbeat()
+        self._tasks += [asyncio.create_task(self._receive()), asyncio.create_task(self._release_loop())]
+
+    async def close(self) -> None:
+        await self.flush()
+        for t in self._tasks:
+            t.cancel()
+        if self.link is not None:
+            self.link.close()
+
+    # ------------------------------------------------------------ placing and releasing
+
+    async def ask(self, msg: P.Submit) -> P.Admitted | P.Refused | None:
+        """The conductor's answer to ``msg`` (None: none within ``place_timeout_s``). A conductor
+        this frontend has just registered with (a new leader, or a restart) that has no workers yet
+        is asked again for up to ``dead_after_s`` after the registration: its workers are
+        registering with it too. Otherwise "no workers" is the answer."""
+        deadline = time.monotonic() + self.place_timeout_s
+        try:
+            while True:
+                future = asyncio.get_running_loop().create_future()
+                self._placing[msg.wire_id] = (msg, future)
+                await self.link.send(msg)
+                answer = await asyncio.wait_for(future, max(0.01, deadline - time.monotonic()))
+                now = time.monotonic()
+                if not (isinstance(answer, P.Refused) and answer.reason == "no_workers" and now + RETRY_NO_WORKERS_S
+                        < min(deadline, self.registered_at + self.cfg.conductor.dead_after_s)):
+                    return answer
+                await asyncio.sleep(RETRY_NO_WORKERS_S)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._placing.pop(msg.wire_id, None)
+
+    def release(self, ended: P.Ended) -> None:
+        """An attempt that ended here: its booking is released with the next batch."""
+        self.ended.append(ended)
+
+    async def flush(self) -> None:
+        if self.ended and self.link is not None:
+            ended, self.ended = self.ended, []
+            await self.link.send(P.Release(self.node_id, ended))
+
+    async def _release_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RELEASE_EVERY_S)
+            try:
+                await self.flush()
+            except Exception:
+                log.exception("releasing ended attempts failed")
+
+    async def _resubmit(self) -> None:
+        """Registered with a conductor again (another leads, or it restarted): what waits to be
+        placed is asked again (the other never answered, and may never)."""
+        self.registered_at = time.monotonic()
+        for msg, _ in list(self._placing.values()):
+            await self.link.send(msg)
+        if self._query is not None and not self._query.done():
+            await self.link.send(P.ClusterQuery(self.node_id))
+
+    async def snapshot(self) -> dict:
+        """``GET /cluster``: the conductor's snapshot, asked now (callers at the same time share
+        the answer; one that never comes is asked for again by the next caller)."""
+        query = self._query
+        if query is None or query.done():
+            query = self._query = asyncio.get_running_loop().create_future()
+            await self.link.send(P.ClusterQuery(self.node_id))
+        try:
+            view = await asyncio.wait_for(asyncio.shield(query), PLACE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            if self._query is query:
+                self._query = None
+            raise
+        return view.snapshot
+
+    # ------------------------------------------------------------ what the conductor says
+
+    async def _receive(self) -> None:
+        while True:
+            msg, _ = await self.link.recv()
+            try:
+                self.handle(msg)
+            except Exception:  # one bad message never stops the frontend
+                log.exception("error handling %s", type(msg).__name__)
+
+    def handle(self, msg: P.Msg) -> None:
+        if isinstance(msg, (P.Admitted, P.Refused)):
+            _, future = self._placing.get(msg.wire_id, (None, None))
+            if future is not None and not future.done():
+                future.set_result(msg)
+            elif isinstance(msg, P.Admitted):  # placed after this frontend gave up on it
+                self.release(P.Ended(msg.wire_id, abort=True))
+        elif isinstance(msg, P.ClusterView):
+            if msg.snapshot and self._query is not None and not self._query.done():
+                self._query.set_result(msg)
+            if msg.facts is None and self.view.facts is not None:  # a new leader, before its workers registered:
+                msg = msgspec.structs.replace(msg, facts=self.view.facts)  # the model is still what it was
+            self.view = msg
+        else:
+            self.on_message(msg)

@@ -1,0 +1,295 @@
+"""A frontend: the requests of its clients, from admission to their last token. Stateless as far
+as the cluster goes: it holds only its own requests, and any number run side by side.
+
+For each request it asks the conductor to place an attempt (``Submit``, one round trip:
+``Admitted`` or ``Refused``); the conductor drives the attempt to its first token
+(``Started``) and decode streams the rest straight here (``token_inlet.py``). When an attempt
+ends here (finished, cancelled) the frontend tells the conductor (``Release``, batched), which
+releases its booking; when it ends elsewhere (a worker failed, a node died: ``AttemptEnded``)
+the frontend gives the request a new attempt with the prompt and the tokens so far, at most
+``max_migrations`` times (preemptions do not count). A request with no progress for
+``request_timeout_s`` moves too, then fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.config import Config
+from mooncake.frontend.conductor_client import ConductorClient
+from mooncake.frontend.forks import Forks
+from mooncake.frontend.request import Request, RequestError, RequestStatus
+from mooncake.frontend.request_metrics import RequestMetrics
+from mooncake.frontend.token_inlet import TokenInlet
+from mooncake.metrics import Metrics
+from mooncake.sched.admission import Rejection
+from mooncake.security import Curve
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+
+log = logging.getLogger(__name__)
+Reason = P.FinishReason
+
+
+class Frontend:
+    def __init__(self, cfg: Config, tokenizer: Any, model_name: str, metrics: Metrics | None = None,
+                 node_id: str = "") -> None:
+        """``metrics``: a registry to count in (the conductor's, when both share a process)."""
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.node_id = node_id or cfg.node.node_id or f"{cfg.node.name}-frontend-{os.getpid()}"
+        self.metrics = metrics or Metrics(model_name)
+        self.stats = RequestMetrics(self.metrics, model_name)
+        self.metrics.before_render.append(lambda: self.stats.gauges(self.requests.values(), len(self.forks.waiting)))
+        self.requests: dict[str, Request] = {}
+        self.attempts: dict[str, Request] = {}  # wire id -> the request whose current attempt it is
+        self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend")
+        self.ctx = zmq.asyncio.Context()
+        self.conductor = ConductorClient(cfg, self.node_id, self._handle)
+        self.inlet: TokenInlet | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        max_bytes = self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES
+        self.inlet = TokenInlet(self.ctx, self.cfg.node.host, self.cfg.frontend.token_port, self.curve,
+                                self._on_tokens, max_bytes)
+        register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid()),
+                              {"tokens": self.inlet.endpoint})
+        await self.conductor.connect(self.ctx, self.curve, register, self.load, lambda: list(self.attempts),
+                                     self._on_orphans)
+        self._tasks += [asyncio.create_task(self.inlet.serve()), asyncio.create_task(self._liveness_loop())]
+        log.info("frontend %s registered; tokens come in on %s", self.node_id, self.inlet.endpoint)
+
+    async def close(self) -> None:
+        """After the HTTP drain, requests left have no client: their workers drop them."""
+        self.forks.close("the server is shutting down")
+        for req in list(self.requests.values()):
+            self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
+        await self.conductor.close()
+        for t in self._tasks:
+            t.cancel()
+        if self.inlet is not None:
+            self.inlet.close()
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()
+
+    @property
+    def view(self) -> P.ClusterView:
+        return self.conductor.view
+
+    @property
+    def ready(self) -> bool:
+        return self.view.ready
+
+    @property
+    def facts(self) -> P.ModelFacts | None:
+        return self.view.facts
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len if self.facts else 0
+
+    def node_counts(self) -> dict[str, int]:
+        return self.view.nodes
+
+    def load(self) -> P.Load:
+        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING)
+        return P.Load(running=len(self.requests) - waiting, waiting=waiting)
+
+    async def cluster_snapshot(self) -> dict:
+        """What ``GET /cluster`` shows: the conductor's snapshot (asked now), with this frontend."""
+        return {**await self.conductor.snapshot(), "frontend": self.node_id, "frontend_requests": len(self.requests)}
+
+    # ------------------------------------------------------------ requests
+
+    async def submit(self, tokens: list[int], sampling: P.Sampling, cache_salt: str = "",
+                     request_id: str = "", choices: int = 1) -> Request | Rejection:
+        """Admit and place a request; a Rejection says why it is refused. ``request_id`` (the
+        client's X-Request-Id) leads the request's id, so every role's logs carry it; ``choices``
+        > 1: forks of it follow (its prompt's blocks are indexed on its prefill at once)."""
+        if self.facts is None:
+            return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
+        req = Request.new(tokens, sampling, self.facts, time.monotonic(), cache_salt, request_id)
+        answer = await self._place(req, share_prefix=choices > 1)
+        if isinstance(answer, Rejection):
+            return answer
+        self.stats.admitted(req)
+        return req
+
+    def fork(self, leader: Request, sampling: P.Sampling) -> Request:
+        """Another choice of ``leader``'s prompt (``n`` > 1) with its own ``sampling`` (``forks.py``)."""
+        return self.forks.fork(leader, sampling)
+
+    def _start_choice(self, req: Request) -> None:
+        self._tasks.append(asyncio.create_task(self._place_or_fail(req, admitted=True)))
+
+    def cancel(self, req_id: str) -> None:
+        """Free everything the request holds, everywhere (client gone, stop string hit). Idempotent."""
+        self.forks.cancel(req_id)
+        req = self.requests.get(req_id)
+        if req is not None:
+            self._finish(req, Reason.ABORT)
+
+    async def _place(self, req: Request, share_prefix: bool = False) -> P.Admitted | Rejection:
+        """Ask the conductor for a new attempt of ``req`` (prompt + tokens so far). The request is
+        this frontend's meanwhile (a cancel finds it); a first attempt refused leaves it none's."""
+        assert self.facts is not None
+        wire_id = req.next_wire_id
+        due = req.first_token_due(self.cfg.conductor.ttft_slo_ms)
+        in_flight = len(self.requests) - (req.req_id in self.requests)
+        self.requests[req.req_id] = req
+        msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
+                       req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
+                       share_prefix, in_flight)
+        answer = await self.conductor.ask(msg)
+        if answer is None:
+            self.conductor.release(P.Ended(wire_id, abort=True))  # in case it was placed after all
+            answer = P.Refused(wire_id, 503, "no_conductor", "no conductor answered; try again later", "", 1.0)
+        if isinstance(answer, P.Refused):
+            if req.attempts == 0:
+                self.requests.pop(req.req_id, None)
+            return Rejection(answer.status, answer.reason, answer.message, answer.param or None,
+                             answer.retry_after_s or None)
+        if req.done:  # cancelled while it was being placed
+            self.conductor.release(P.Ended(wire_id, abort=True))
+            return answer
+        if not req.generated:
+            req.sampling.max_tokens = answer.max_tokens
+        req.placed(answer.decode, time.monotonic())
+        self.attempts[wire_id] = req
+        return answer
+
+    async def _place_or_fail(self, req: Request, why: str = "", admitted: bool = False) -> None:
+        """A new attempt of a request that has had one (``why`` it moves), or a choice's first
+        (``admitted``: it counts as a new request)."""
+        try:
+            answer = await self._place(req)
+        except Exception as e:  # a bug here must not leave the request waiting forever
+            log.exception("placing %s failed", req.req_id)
+            answer = Rejection(500, "internal_error", f"{type(e).__name__}: {e}")
+        if isinstance(answer, Rejection):
+            if not req.done:
+                self.requests.pop(req.req_id, None)
+                error = RequestError(f"request failed: {why}; no instance to move it to ({answer.message})") if why \
+                    else RequestError(answer.message, answer.status, answer.param, answer.reason)
+                self._done(req, Reason.ERROR, error)
+        elif admitted:
+            self.stats.admitted(req)
+
+    # ------------------------------------------------------------ ending and moving attempts
+
+    def _end_attempt(self, req: Request, abort: bool) -> None:
+        """This frontend is done with the current attempt: the conductor releases its booking
+        (and with ``abort`` its workers drop it)."""
+        a = req.attempt
+        if a is None or self.attempts.pop(a.wire_id, None) is None:
+            return
+        decoded = len(req.generated) - a.tokens_before - 1 if a.first_token_at else 0
+        self.conductor.release(P.Ended(a.wire_id, abort, max(0, decoded),
+                                       req.last_token_at - a.first_token_at if decoded > 0 else 0.0))
+
+    def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
+                abort: bool = True) -> None:
+        """End a request: its workers drop it (unless they ended it themselves)."""
+        if req.done:
+            return
+        self._end_attempt(req, abort)
+        self._done(req, reason, error)
+
+    def _done(self, req: Request, reason: P.FinishReason, error: RequestError | None) -> None:
+        req.finish(reason, error)
+        self.forks.release(req)
+        self.requests.pop(req.req_id, None)
+        self.stats.finished(req, reason, time.monotonic())
+
+    def _move(self, req: Request, why: str, preempted: bool = False, abort: bool = False) -> None:
+        """Give the request a new attempt (prompt + tokens so far) elsewhere or later."""
+        self._end_attempt(req, abort)
+        if not preempted and req.migrations >= self.cfg.conductor.max_migrations:
+            self._finish(req, Reason.ERROR, RequestError(f"request failed: {why}"))
+            return
+        req.requeued(time.monotonic(), counts_as_migration=not preempted)
+        (self.metrics.preemptions if preempted else self.metrics.migrations).inc()
+        self._tasks.append(asyncio.create_task(self._place_or_fail(req, why)))
+
+    async def _on_orphans(self, wire_ids: list[str]) -> None:
+        """The conductor (a new one) does not know these attempts: they move."""
+        for wire_id in wire_ids:
+            req = self.attempts.get(wire_id)
+            if req is not None and not req.done:
+                self._move(req, "the conductor lost its attempt")
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.cfg.conductor.request_timeout_s / 4))
+            self.check_progress(time.monotonic())
+
+    def check_progress(self, now: float) -> None:
+        """A placed request with no progress for ``request_timeout_s`` moves (its workers drop the
+        attempt), and fails once it may move no more."""
+        timeout = self.cfg.conductor.request_timeout_s
+        for req in list(self.requests.values()):
+            if req.status is not RequestStatus.WAITING and now - req.last_progress > timeout:
+                self._move(req, f"no progress for {timeout:.0f}s", abort=True)
+
+    # ------------------------------------------------------------ what the conductor and decodes say
+
+    def _handle(self, msg: P.Msg) -> None:
+        """What the conductor says of this frontend's attempts (beyond placing them)."""
+        if isinstance(msg, P.Started):
+            self._on_started(msg)
+        elif isinstance(msg, P.AttemptEnded):
+            req = self.attempts.get(msg.wire_id)
+            if req is None or req.done:
+                return
+            self.attempts.pop(msg.wire_id, None)  # its booking is gone already
+            if msg.kind == P.FailureKind.FATAL.value:
+                self._finish(req, Reason.ERROR, RequestError(msg.message, msg.status, msg.param or None,
+                                                             "invalid_request"), abort=False)
+            else:
+                self._move(req, msg.message, preempted=msg.kind == P.FailureKind.PREEMPTED.value)
+        else:
+            log.warning("frontend ignores %s", type(msg).__name__)
+
+    def _on_started(self, msg: P.Started) -> None:
+        req = self.attempts.get(msg.wire_id)
+        if req is None or req.status is not RequestStatus.PLACED:
+            return
+        now = time.monotonic()
+        first = req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob)
+        self.stats.started(req, msg, now, first)
+        self.forks.release(req)  # its prompt's blocks are on the prefill now
+        if msg.finished is not None:  # done at its first token: the conductor had decode drop it
+            self._finish(req, msg.finished, abort=False)
+        else:  # tokens that came before the first one are out now
+            self._maybe_done(req)
+
+    def _on_tokens(self, sender: str, msg: P.TokenEvent) -> None:
+        req = self.attempts.get(msg.req_id)
+        if req is None or req.attempt is None or req.attempt.decode != sender or req.done:
+            self.metrics.tokens_refused.inc()
+            return
+        if msg.finished is not None:
+            req.decode_finished = msg.finished
+        if req.status is RequestStatus.PLACED:  # ahead of the first token (it comes by the conductor)
+            req.hold(msg.index, msg.tokens, msg.logprobs or None)
+            return
+        now, last = time.monotonic(), req.last_token_at
+        self.stats.tokens(req.accept(msg.index, msg.tokens, now, msg.logprobs or None), now - last)
+        self._maybe_done(req)
+
+    def _maybe_done(self, req: Request) -> None:
+        """The decode said the request finished and every token up to then is out: it is done."""
+        if req.decode_finished is not None and not req.held:
+            self._finish(req, req.decode_finished, abort=False)

@@ -1,0 +1,215 @@
+"""A frontend's side of a request without a conductor or workers: tokens in index order from
+its decode only, duplicates dropped, failures moving or ending the request, bounded retries,
+timeouts, what a moved request resumes with, the release of what ended here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mooncake import protocol as P
+from mooncake.blocks import hash_blocks
+from mooncake.config import Config
+from mooncake.frontend import Finished, Frontend, Rejection, Request, Tokens
+from mooncake.frontend.request import RequestStatus, TransitionError
+
+FACTS = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8))
+
+
+class Link:
+    """Stands in for the frontend's link to the conductor: records what it sends and answers
+    each Submit (``refuse``: with a Refused)."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.sent: list[P.Msg] = []
+        self.refuse: P.Refused | None = None
+
+    async def send(self, msg: P.Msg) -> None:
+        self.sent.append(msg)
+        if isinstance(msg, P.Submit):
+            answer = P.Refused(msg.wire_id, **{f: getattr(self.refuse, f) for f in ("status", "reason", "message")}) \
+                if self.refuse else P.Admitted(msg.wire_id, "d0", "p0", msg.sampling.max_tokens)
+            asyncio.get_running_loop().call_soon(self.frontend.conductor.handle, answer)
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def frontend():
+    f = Frontend(Config(), tokenizer=None, model_name="m", node_id="f0")
+    f.conductor.link = Link(f)
+    f.conductor.view = P.ClusterView("c0", FACTS, True, {"prefill": 1, "decode": 1})
+    yield f
+    for t in f._tasks:
+        t.cancel()
+
+
+def events(req: Request) -> list:
+    out = []
+    while not req.events.empty():
+        out.append(req.events.get_nowait())
+    return out
+
+
+def start(f: Frontend, req: Request, first: int = 7) -> None:
+    f._handle(P.Started(req.wire_id, first, 0))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_request_streams_from_its_first_token_to_the_decode_s_last(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
+    assert isinstance(req, Request) and req.status is RequestStatus.PLACED
+    submit, = frontend.conductor.link.of(P.Submit)
+    assert submit.node_id == "f0" and submit.tokens == [1, 2, 3] and submit.num_generated == 0
+    start(frontend, req)
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [8, 9]))
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 3, [10], P.FinishReason.LENGTH))
+    assert req.generated == [7, 8, 9, 10] and req.done and events(req)[-1] == Finished(P.FinishReason.LENGTH)
+    assert req.req_id not in frontend.requests
+    (ended,) = frontend.conductor.ended
+    assert ended.wire_id == submit.wire_id and not ended.abort and ended.decoded == 3
+
+
+async def test_tokens_from_another_decode_or_an_ended_attempt_are_refused(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    start(frontend, req)
+    frontend._on_tokens("d9", P.TokenEvent(req.wire_id, 1, [66]))  # not its decode
+    frontend._on_tokens("d0", P.TokenEvent("req-gone#1", 1, [66]))
+    assert req.generated == [7] and frontend.metrics.tokens_refused._value.get() == 2
+
+
+async def test_tokens_that_overtake_the_first_one_wait_for_it(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=3))
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [8]))
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 2, [9], P.FinishReason.LENGTH))
+    assert req.generated == [] and not req.done
+    start(frontend, req)
+    assert req.generated == [7, 8, 9] and req.done
+
+
+async def test_tokens_are_emitted_in_index_order_and_duplicates_dropped(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    start(frontend, req)
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 3, [11]))  # overtook index 1-2: held
+    assert req.generated == [7]
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [9, 10]))
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 2, [10]))  # a duplicate
+    assert req.generated == [7, 9, 10, 11]
+    assert [e.ids for e in events(req) if isinstance(e, Tokens)] == [[7], [9, 10], [11]]
+
+
+async def test_cancel_releases_the_attempt_and_has_its_workers_drop_it(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    frontend.cancel(req.req_id)
+    frontend.cancel(req.req_id)  # idempotent
+    assert req.done and [(e.wire_id, e.abort) for e in frontend.conductor.ended] == [(req.attempt.wire_id, True)]
+    await frontend.conductor.flush()
+    (release,) = frontend.conductor.link.of(P.Release)
+    assert release.node_id == "f0" and len(release.ended) == 1 and not frontend.conductor.ended
+
+
+async def test_a_refusal_is_the_client_s_error(frontend):
+    frontend.conductor.link.refuse = P.Refused("", 503, "overloaded", "too many requests")
+    r = await frontend.submit([1, 2, 3], P.Sampling())
+    assert isinstance(r, Rejection) and r.status == 503 and r.reason == "overloaded" and not frontend.requests
+    frontend.conductor.view = P.ClusterView("c0")
+    r = await frontend.submit([1, 2, 3], P.Sampling())
+    assert isinstance(r, Rejection) and r.reason == "no_workers"
+
+
+async def test_fatal_failures_end_the_request_with_a_client_error(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    frontend._handle(P.AttemptEnded(req.wire_id, "fatal", "bad temperature", 400, "temperature"))
+    assert req.done and req.migrations == 0
+    end = events(req)[-1]
+    assert end.reason is P.FinishReason.ERROR and end.error.status == 400 and end.error.param == "temperature"
+
+
+async def test_retries_are_bounded_and_preemptions_do_not_count(frontend):
+    frontend.cfg.conductor.max_migrations = 1
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    for _ in range(3):
+        frontend._handle(P.AttemptEnded(req.wire_id, "preempted", "pool full"))
+        await settle()
+    assert req.attempts == 4 and req.migrations == 0 and not req.done
+    frontend._handle(P.AttemptEnded(req.wire_id, "retry", "boom"))
+    await settle()
+    assert req.migrations == 1 and not req.done and req.attempts == 5
+    frontend._handle(P.AttemptEnded(req.wire_id, "retry", "boom again"))
+    assert req.done and events(req)[-1].error.status == 503
+
+
+async def test_a_moved_request_resumes_with_its_tokens_and_their_hashes(frontend):
+    req = await frontend.submit(list(range(20)), P.Sampling(max_tokens=30))
+    start(frontend, req)
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, list(range(100, 112))))
+    frontend._handle(P.AttemptEnded(req.wire_id, "retry", "decode died"))
+    await settle()
+    msg = frontend.conductor.link.of(P.Submit)[-1]
+    assert msg.tokens == list(range(20)) + [7] + list(range(100, 112)) and msg.num_generated == 13
+    assert msg.hashes == hash_blocks(msg.tokens, 16, FACTS.model_id) and msg.sampling.max_tokens == 30
+    assert msg.wire_id.endswith("#2") and req.status is RequestStatus.PLACED
+
+
+async def test_a_request_without_progress_moves_then_fails(frontend):
+    frontend.cfg.conductor.request_timeout_s = 10
+    frontend.cfg.conductor.max_migrations = 1
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    t0 = req.last_progress
+    frontend.check_progress(t0 + 5)
+    assert req.attempts == 1
+    frontend.check_progress(t0 + 11)
+    await settle()
+    assert req.attempts == 2 and req.migrations == 1 and not req.done
+    assert frontend.conductor.ended[0].abort  # the stuck attempt is dropped where it runs
+    frontend.check_progress(req.last_progress + 11)
+    assert req.done and "no progress" in events(req)[-1].error.message
+
+
+def test_the_state_machine_refuses_transitions_it_does_not_know():
+    req = Request("r", [1], [], b"", P.Sampling(), 0.0)
+    with pytest.raises(TransitionError):
+        req.prefilled(1, 0, 0.0)
+    with pytest.raises(TransitionError):
+        req.accept(0, [1], 0.0)
+    assert req.finish(P.FinishReason.ABORT) and not req.finish(P.FinishReason.STOP)
+
+
+async def test_a_new_leader_without_workers_yet_does_not_make_the_frontend_forget_the_model(frontend):
+    frontend.conductor.handle(P.ClusterView("c1", None, False, {"frontend": 1}))
+    assert frontend.facts == FACTS and not frontend.ready and frontend.view.leader == "c1"
+    r = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
+    assert isinstance(r, Request)
+
+
+async def test_a_cancel_while_a_move_is_being_placed_releases_the_late_attempt(frontend):
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    link = frontend.conductor.link
+    held: list[P.Admitted] = []
+    link.send_original, answered = link.send, asyncio.Event()
+
+    async def hold_answers(msg: P.Msg) -> None:  # the conductor answers the move only later
+        link.sent.append(msg)
+        if isinstance(msg, P.Submit):
+            held.append(P.Admitted(msg.wire_id, "d0", "p0", 8))
+            answered.set()
+
+    link.send = hold_answers
+    frontend.conductor.handle(P.AttemptEnded(req.wire_id, "retry", "decode died"))
+    await asyncio.wait_for(answered.wait(), 5)
+    frontend.cancel(req.req_id)
+    assert req.done
+    frontend.conductor.handle(held[0])
+    await settle()
+    assert (held[0].wire_id, True) in [(e.wire_id, e.abort) for e in frontend.conductor.ended]
+    assert not frontend.requests and not frontend.attempts
