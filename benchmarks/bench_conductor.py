@@ -260,7 +260,7 @@ def conductor_alone(args: argparse.Namespace) -> str:
     cfg = load_config(path)
     if args.pin:
         os.sched_setaffinity(0, {1})
-    procs = [serve("conductor", path, 0 if args.pin else None, out), standins(path, args)]
+    procs = [serve("conductor", path, 0 if args.pin else None, out, bool(args.profile)), standins(path, args)]
     rows = ["| stand-in frontends × requests in flight | completed req/s (plans/s) | conductor CPU ms/req "
             "| of it GC ms/req | conductor core | stand-ins core | refused |", "|" + "---|" * 7]
     try:
@@ -292,6 +292,9 @@ def conductor_alone(args: argparse.Namespace) -> str:
             print(rows[-1], flush=True)
     finally:
         stop_all(procs[::-1])
+    if args.profile:  # the last step's, under cProfile (slower than without)
+        rows += ["", "| function | own s | calls |", "|---|---|---|"]
+        rows += [f"| {fn} | {tt:.3f} | {n} |" for fn, tt, n in top_functions(out, 25)]
     return "\n".join(rows)
 
 
