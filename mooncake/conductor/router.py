@@ -10,6 +10,12 @@ only when it comes from the node it names (others get ``Reregister`` on a
 heartbeat, else nothing). Queries (``answer``: the P2P object index) are answered to any
 sender, registered or not (under CURVE, any cluster key): the ``mooncake p2p`` command asks
 them. Frames above ``max_message_bytes`` disconnect their sender.
+
+The socket is a plain (blocking-API) ZeroMQ socket read from the event loop's reader callback
+and written with ``NOBLOCK``: a ROUTER never blocks a send (a message to a peer that is gone
+or past its high-water mark is dropped), so no send needs a task or a future, and a wake-up
+reads every message waiting. pyzmq's asyncio socket costs several times more per message,
+which bounded the conductor's plans per second.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
@@ -26,11 +32,12 @@ from mooncake import protocol as P
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.security import Curve, peer_of
-from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Node, P.Msg], None]
+MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
 
 
 class Router:
@@ -45,8 +52,8 @@ class Router:
         self.on_register = on_register
         self.handlers: dict[type, Handler] = {}
         self.queries: dict[type, Callable[[P.Msg], P.Msg]] = {}
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.ctx = zmq.asyncio.Context()  # the CURVE authenticator's (asyncio) ...
+        self.sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)  # ... and the socket's, one libzmq context
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         limit_message_size(self.sock, max_message_bytes)
@@ -54,7 +61,10 @@ class Router:
             curve.server(self.sock, self.ctx)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._pending: set[asyncio.Task] = set()
+        self._count_of: dict[type, Any] = {}  # message type -> its counter (a label lookup costs more than the count)
+        self._draining = False
+        self._drain_soon = False
+        self._closed = asyncio.Event()
 
     def on(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
@@ -64,14 +74,44 @@ class Router:
         self.queries[msg_type] = handler
 
     async def serve(self) -> None:
-        while True:
-            frames = await recv_multipart(self.sock)
-            try:
-                await self._one(frames)
-            except Exception:  # one bad message must never stop the conductor
-                log.exception("error handling a message from %r", frames[0].bytes[:64] if frames else b"")
+        """Handle messages as they arrive, until closed or cancelled."""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        try:
+            self._drain()  # what arrived before the reader was added
+            await self._closed.wait()
+        finally:
+            if not self.sock.closed:
+                loop.remove_reader(self.sock.getsockopt(zmq.FD))
 
-    async def _one(self, frames: list) -> None:
+    def _drain(self, budget: int = MESSAGES_PER_WAKEUP) -> None:
+        """Handle what is waiting (at most ``budget`` messages, then let the loop run others and
+        come back). The socket's descriptor is edge-triggered: it must be read until empty."""
+        self._drain_soon = False
+        if self.sock.closed:
+            return
+        self._draining = True
+        try:
+            for _ in range(budget):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                try:
+                    self._one(frames)
+                except Exception:  # one bad message must never stop the conductor
+                    log.exception("error handling a message from %r", frames[0].bytes[:64] if frames else b"")
+            self._schedule_drain()
+        finally:
+            self._count_of: dict[type, Any] = {}  # message type -> its counter (a label lookup costs more than the count)
+        self._draining = False
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_soon:
+            self._drain_soon = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _one(self, frames: list) -> None:
         ident = frames[0].bytes
         try:
             msg, _ = P.decode(frames[1:])
@@ -79,19 +119,22 @@ class Router:
             log.warning("dropping malformed message from %r: %s", ident[:64], e)
             return
         if self.counts is not None:
-            self.counts.labels(type(msg).__name__).inc()
+            count = self._count_of.get(type(msg))
+            if count is None:
+                count = self._count_of[type(msg)] = self.counts.labels(type(msg).__name__)
+            count.inc()
         if isinstance(msg, P.Register):
-            await self._send_raw(ident, self.on_register(ident, msg, peer_of(frames[1])))
+            self._send_raw(ident, self.on_register(ident, msg, peer_of(frames[1])))
             return
         query = self.queries.get(type(msg))
         if query is not None:
-            await self._send_raw(ident, query(msg))
+            self._send_raw(ident, query(msg))
             return
         node_id = getattr(msg, "node_id", None) or ident.decode(errors="replace")
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None
         if node is None or node.ident != ident:
             if isinstance(msg, P.Heartbeat):
-                await self._send_raw(ident, P.Reregister())
+                self._send_raw(ident, P.Reregister())
             return
         node.last_seen = time.monotonic()
         handler = self.handlers.get(type(msg))
@@ -103,21 +146,30 @@ class Router:
     def send(self, node_id: str, msg: P.Msg) -> None:
         """Queue ``msg`` to the current registration of ``node_id`` (nothing if it is gone)."""
         node = self.cluster.get(node_id)
-        if node is None:
+        if node is not None:
+            self._send_raw(node.ident, msg)
+
+    def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
+        if self.sock.closed:
             return
-        task = asyncio.get_running_loop().create_task(self._send_raw(node.ident, msg))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        try:
+            self.sock.send_multipart([ident, *P.encode(msg)], zmq.NOBLOCK)  # copied: cheaper for small frames
+        except zmq.ZMQError as e:  # a ROUTER drops rather than blocks; anything else is logged
+            log.warning("could not send %s: %s", type(msg).__name__, e)
+        if not self._draining and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule_drain()  # a send may consume the descriptor's edge: read what waits
 
-    async def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
-        await send_multipart(self.sock, [ident, *P.encode(msg)])
-
-    async def flush(self, timeout_s: float = 1.0) -> None:
-        """Wait for queued sends (at shutdown: LINGER is 0)."""
-        if self._pending:
-            await asyncio.wait(set(self._pending), timeout=timeout_s)
+    async def flush(self, grace_s: float = 0.05) -> None:
+        """Give libzmq's I/O thread a moment to pass on what was just sent (at shutdown: LINGER is 0)."""
+        await asyncio.sleep(grace_s)
 
     def close(self) -> None:
+        self._closed.set()
+        if not self.sock.closed:
+            try:
+                asyncio.get_running_loop().remove_reader(self.sock.getsockopt(zmq.FD))
+            except RuntimeError:  # no running loop: nothing was added
+                pass
         self.sock.close(0)
         if self.curve is not None:
             self.curve.stop()
