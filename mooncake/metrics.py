@@ -116,6 +116,8 @@ class Metrics:
                                        "owned them died (nobody would read their streams).", registry=r)
         self.conductor_messages = Counter("mooncake:conductor_messages", "Messages the conductor received, by type.",
                                           ["type"], registry=r)
+        self.fallback_routed = Counter("mooncake:fallback_routed", "Attempts a frontend placed itself, over the "
+                                       "last known workers, while no conductor led.", registry=r)
         self.tokens_refused = Counter("mooncake:frontend_tokens_refused", "Token messages a frontend dropped (an "
                                       "attempt it no longer runs, or from another decode than its own).", registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "

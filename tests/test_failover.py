@@ -1,8 +1,8 @@
 """No single point of failure (issue 29), with real processes and a real etcd: two conductors
 (one leads through etcd, the other stands by), two frontends, a store, a prefill, a decode.
 The leader killed -9 under load loses no request; etcd restarted; both conductors killed (the
-frontends hold requests until a conductor leads again); a frontend killed -9 (the decode frees
-its requests). Fails, never skips, without etcd: ``make test`` installs it."""
+frontends place requests themselves until a conductor leads again); a frontend killed -9 (the
+decode frees its requests). Fails, never skips, without etcd: ``make test`` installs it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from mooncake.testing.api import MODEL, complete, stream
+from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import small_config
 from mooncake.testing.etcd import EtcdServer
 from mooncake.testing.ports import free_port
@@ -124,19 +124,42 @@ def test_etcd_restarted_leaves_the_leader_leading(cluster, etcd, expected):
     assert leader(cluster) == before
 
 
-def test_with_both_conductors_gone_a_request_waits_for_one_to_lead(cluster, expected):
+def fallback_routed(url: str) -> float:
+    return metric(metrics(url), "mooncake:fallback_routed_total")
+
+
+def test_with_both_conductors_gone_frontends_route_by_themselves(cluster, expected):
+    """No conductor: both frontends place requests over the workers they last knew (one of them
+    streaming through a conductor's return); a conductor comes back, leads, places again, and
+    what the frontends placed meanwhile is neither dropped nor left reserved."""
+    before = [fallback_routed(u) for u in cluster.urls]
     for name in ("conductor0", "conductor1"):
         cluster.kill(name)
-    pending: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: pending.append(complete(cluster.urls[0], PROMPTS[1], max_tokens=20)))
-    t.start()
-    time.sleep(2)
-    assert not pending  # held by the frontend, not failed
+    outage = [complete(url, prompt, max_tokens=20) for url, prompt in zip(cluster.urls, PROMPTS[1:3])]
+    for prompt, r in zip(PROMPTS[1:3], outage):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[prompt]
+    assert all(fallback_routed(u) > b for u, b in zip(cluster.urls, before))
+    events: list[list] = []
+    seen = threading.Event()
+    streaming = threading.Thread(target=lambda: events.append(stream(
+        cluster.urls[0], {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 120, "ignore_eos": True,
+                          "temperature": 0}, on_event=lambda n, e: n >= 2 and seen.set() and False)), daemon=True)
+    streaming.start()
+    assert seen.wait(60), "a stream placed with no conductor"
     cluster.spawn("conductor", 0)
-    t.join(timeout=120)
-    assert pending and pending[0].status_code == 200, pending[0].text if pending else "no answer"
-    assert pending[0].json()["choices"][0]["text"] == expected[PROMPTS[1]]
-    assert leader(cluster) == "node0"
+    wait_for(lambda: leader(cluster) == "node0", timeout_s=60, what="a conductor leading again")
+    streaming.join(timeout=180)
+    assert events, "the stream did not end"
+    text = stream_text(events[0])
+    assert text.startswith(expected[PROMPTS[3]]), text
+    routed = [fallback_routed(u) for u in cluster.urls]
+    r = complete(cluster.urls[1], PROMPTS[0], max_tokens=20)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[PROMPTS[0]]
+    assert [fallback_routed(u) for u in cluster.urls] == routed  # the leader placed it
+    nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
+    decode = next(n for n in nodes if n["role"] == "decode")["load"]
+    assert decode["sequences"] == 0 and decode["used_blocks"] == 0
     cluster.spawn("conductor", 1)
 
 

@@ -120,7 +120,10 @@ class Conductor:
     def view(self, snapshot: bool = False) -> P.ClusterView:
         """What frontends are told of the cluster (with ``snapshot``: what ``GET /cluster`` shows)."""
         nodes = {role: len(self.cluster.of_role(role)) for role in ("prefill", "decode", "store", "frontend")}
-        return P.ClusterView(self.name, self.facts, self.ready, nodes, cluster_snapshot(self) if snapshot else {})
+        workers = [P.WorkerRef(n.node_id, role, n.endpoints["orders"], n.endpoints.get("kv", ""))
+                   for role in ("prefill", "decode") for n in self.cluster.of_role(role) if n.endpoints.get("orders")]
+        return P.ClusterView(self.name, self.facts, self.ready, nodes, cluster_snapshot(self) if snapshot else {},
+                             workers)
 
     def _tell_frontends(self) -> None:
         for node in self.cluster.of_role("frontend"):

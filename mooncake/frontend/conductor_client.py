@@ -2,7 +2,9 @@
 ``Admitted`` / ``Refused``, asked again across a change of leader), releasing the attempts that
 ended here (``Release``, batched every ``RELEASE_EVERY_S``), the cluster as the conductor last
 described it (``ClusterView``, on every heartbeat) and ``GET /cluster``'s snapshot (asked now).
-What else the conductor says (``Started``, ``AttemptEnded``) goes to the frontend."""
+What else the conductor says (``Started``, ``AttemptEnded``) goes to the frontend. A conductor
+that says nothing for ``LEADERLESS_AFTER_S`` (it answers every heartbeat) is taken for none:
+``ask`` then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 PLACE_TIMEOUT_S = 10.0  # a conductor that does not answer a Submit this long: the attempt is refused
 RELEASE_EVERY_S = 0.01
 RETRY_NO_WORKERS_S = 0.25
+LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each 1 s heartbeat): none leads
 
 
 class ConductorClient:
@@ -40,6 +43,7 @@ class ConductorClient:
         self._query: asyncio.Future | None = None
         self.ended: list[P.Ended] = []
         self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
+        self.heard_at = time.monotonic()  # when the conductor last said anything
         self._tasks: list[asyncio.Task] = []
 
     async def connect(self, ctx: zmq.asyncio.Context, curve: Curve | None, register: P.Register,
@@ -51,6 +55,7 @@ class ConductorClient:
                                   holding=holding, on_orphans=on_orphans, on_registered=self._resubmit,
                                   coordination=self.cfg.coordination)
         await self.link.connect(timeout_s=60)
+        self.heard_at = time.monotonic()
         self.link.start_heartbeat()
         self._tasks += [asyncio.create_task(self._receive()), asyncio.create_task(self._release_loop())]
 
@@ -63,24 +68,32 @@ class ConductorClient:
 
     # ------------------------------------------------------------ placing and releasing
 
+    @property
+    def leaderless(self) -> bool:
+        """No conductor has been heard from for ``LEADERLESS_AFTER_S``."""
+        return time.monotonic() - self.heard_at > LEADERLESS_AFTER_S
+
     async def ask(self, msg: P.Submit) -> P.Admitted | P.Refused | None:
-        """The conductor's answer to ``msg`` (None: none within ``place_timeout_s``). A conductor
-        this frontend has just registered with (a new leader, or a restart) that has no workers yet
-        is asked again for up to ``dead_after_s`` after the registration: its workers are
-        registering with it too. Otherwise "no workers" is the answer."""
+        """The conductor's answer to ``msg`` (None: none within ``place_timeout_s``, or no
+        conductor leads). A conductor this frontend has just registered with (a new leader, or a
+        restart) that has no workers yet is asked again for up to ``dead_after_s`` after the
+        registration: its workers are registering with it too. Otherwise "no workers" is the answer."""
         deadline = time.monotonic() + self.place_timeout_s
         try:
-            while True:
+            while not self.leaderless:
                 future = asyncio.get_running_loop().create_future()
                 self._placing[msg.wire_id] = (msg, future)
                 await self.link.send(msg)
-                answer = await asyncio.wait_for(future, max(0.01, deadline - time.monotonic()))
+                while not future.done() and not self.leaderless and time.monotonic() < deadline:
+                    await asyncio.wait([future], timeout=min(RETRY_NO_WORKERS_S, max(0.01, deadline - time.monotonic())))
+                if not future.done():
+                    return None
+                answer = future.result()
                 now = time.monotonic()
                 if not (isinstance(answer, P.Refused) and answer.reason == "no_workers" and now + RETRY_NO_WORKERS_S
                         < min(deadline, self.registered_at + self.cfg.conductor.dead_after_s)):
                     return answer
                 await asyncio.sleep(RETRY_NO_WORKERS_S)
-        except asyncio.TimeoutError:
             return None
         finally:
             self._placing.pop(msg.wire_id, None)
@@ -105,7 +118,7 @@ class ConductorClient:
     async def _resubmit(self) -> None:
         """Registered with a conductor again (another leads, or it restarted): what waits to be
         placed is asked again (the other never answered, and may never)."""
-        self.registered_at = time.monotonic()
+        self.registered_at = self.heard_at = time.monotonic()
         for msg, _ in list(self._placing.values()):
             await self.link.send(msg)
         if self._query is not None and not self._query.done():
@@ -131,6 +144,7 @@ class ConductorClient:
     async def _receive(self) -> None:
         while True:
             msg, _ = await self.link.recv()
+            self.heard_at = time.monotonic()
             try:
                 self.handle(msg)
             except Exception:  # one bad message never stops the frontend
@@ -148,6 +162,8 @@ class ConductorClient:
                 self._query.set_result(msg)
             if msg.facts is None and self.view.facts is not None:  # a new leader, before its workers registered:
                 msg = msgspec.structs.replace(msg, facts=self.view.facts)  # the model is still what it was
+            if not msg.workers and self.view.workers:  # likewise: the workers last known (see fallback.py)
+                msg = msgspec.structs.replace(msg, workers=self.view.workers)
             self.view = msg
         else:
             self.on_message(msg)

@@ -8,7 +8,8 @@ ends here (finished, cancelled) the frontend tells the conductor (``Release``, b
 releases its booking; when it ends elsewhere (a worker failed, a node died: ``AttemptEnded``)
 the frontend gives the request a new attempt with the prompt and the tokens so far, at most
 ``max_migrations`` times (preemptions do not count). A request with no progress for
-``request_timeout_s`` moves too, then fails.
+``request_timeout_s`` moves too, then fails. While no conductor leads, the frontend places
+attempts itself over the workers last known (``fallback.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.frontend.conductor_client import ConductorClient
+from mooncake.frontend.fallback import FallbackRouter
 from mooncake.frontend.forks import Forks
 from mooncake.frontend.request import Request, RequestError, RequestStatus
 from mooncake.frontend.request_metrics import RequestMetrics
@@ -55,6 +58,7 @@ class Frontend:
         self.ctx = zmq.asyncio.Context()
         self.conductor = ConductorClient(cfg, self.node_id, self._handle)
         self.inlet: TokenInlet | None = None
+        self.fallback: FallbackRouter | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -63,10 +67,12 @@ class Frontend:
         max_bytes = self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES
         self.inlet = TokenInlet(self.ctx, self.cfg.node.host, self.cfg.frontend.token_port, self.curve,
                                 self._on_tokens, max_bytes)
+        fallback = self.fallback = FallbackRouter(self.ctx, self.curve, self.node_id, self.inlet.endpoint, max_bytes,
+                                                  self._handle)
         register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid()),
                               {"tokens": self.inlet.endpoint})
-        await self.conductor.connect(self.ctx, self.curve, register, self.load, lambda: list(self.attempts),
-                                     self._on_orphans)
+        await self.conductor.connect(self.ctx, self.curve, register, self.load,
+                                     lambda: [w for w in self.attempts if w not in fallback.attempts], self._on_orphans)
         self._tasks += [asyncio.create_task(self.inlet.serve()), asyncio.create_task(self._liveness_loop())]
         log.info("frontend %s registered; tokens come in on %s", self.node_id, self.inlet.endpoint)
 
@@ -76,6 +82,8 @@ class Frontend:
         for req in list(self.requests.values()):
             self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
         await self.conductor.close()
+        if self.fallback is not None:
+            self.fallback.close()
         for t in self._tasks:
             t.cancel()
         if self.inlet is not None:
@@ -145,6 +153,7 @@ class Frontend:
         """Ask the conductor for a new attempt of ``req`` (prompt + tokens so far). The request is
         this frontend's meanwhile (a cancel finds it); a first attempt refused leaves it none's."""
         assert self.facts is not None
+        first = req.attempts == 0
         wire_id = req.next_wire_id
         due = req.first_token_due(self.cfg.conductor.ttft_slo_ms)
         in_flight = len(self.requests) - (req.req_id in self.requests)
@@ -153,16 +162,24 @@ class Frontend:
                        req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
                        share_prefix, in_flight)
         answer = await self.conductor.ask(msg)
+        if answer is None and self.conductor.leaderless and self.fallback is not None and \
+                self.fallback.can_place(self.conductor.view.workers):
+            self.conductor.release(P.Ended(wire_id, abort=True))  # in case a conductor placed it after all
+            req.attempts += 1  # ... that attempt's wire id stays its own
+            msg = msgspec.structs.replace(msg, wire_id=req.next_wire_id)
+            answer = self.fallback.place(msg, self.max_model_len)
+            wire_id = msg.wire_id
+            self.metrics.fallback_routed.inc()
         if answer is None:
             self.conductor.release(P.Ended(wire_id, abort=True))  # in case it was placed after all
             answer = P.Refused(wire_id, 503, "no_conductor", "no conductor answered; try again later", "", 1.0)
         if isinstance(answer, P.Refused):
-            if req.attempts == 0:
+            if first:
                 self.requests.pop(req.req_id, None)
             return Rejection(answer.status, answer.reason, answer.message, answer.param or None,
                              answer.retry_after_s or None)
         if req.done:  # cancelled while it was being placed
-            self.conductor.release(P.Ended(wire_id, abort=True))
+            self._release(P.Ended(wire_id, abort=True))
             return answer
         if not req.generated:
             req.sampling.max_tokens = answer.max_tokens
@@ -196,8 +213,13 @@ class Frontend:
         if a is None or self.attempts.pop(a.wire_id, None) is None:
             return
         decoded = len(req.generated) - a.tokens_before - 1 if a.first_token_at else 0
-        self.conductor.release(P.Ended(a.wire_id, abort, max(0, decoded),
-                                       req.last_token_at - a.first_token_at if decoded > 0 else 0.0))
+        self._release(P.Ended(a.wire_id, abort, max(0, decoded),
+                              req.last_token_at - a.first_token_at if decoded > 0 else 0.0))
+
+    def _release(self, ended: P.Ended) -> None:
+        """Whoever placed the attempt (this frontend's fallback, else the conductor) releases it."""
+        if self.fallback is None or not self.fallback.release(ended):
+            self.conductor.release(ended)
 
     def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
                 abort: bool = True) -> None:

@@ -32,7 +32,7 @@ import msgspec
 
 from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
 from mooncake.protocol.frontend import (Admitted, AttemptEnded, ClusterQuery, ClusterView, Ended, Refused,
-                                        Release, Started, Submit)
+                                        Release, Started, Submit, WorkerRef)
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
 from mooncake.protocol.p2p import P2PMessage
@@ -55,6 +55,7 @@ __all__ = [
     "Release",
     "Started",
     "Submit",
+    "WorkerRef",
     "ALLOWED_DTYPES",
     "Abort",
     "Activations",

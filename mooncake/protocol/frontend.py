@@ -106,12 +106,24 @@ class ClusterQuery(Msg, tag="cluster_query"):
     node_id: str = ""
 
 
+class WorkerRef(msgspec.Struct, array_like=True):
+    """A prefill or decode instance as a frontend needs it to place attempts with no conductor
+    (``frontend/fallback.py``): where it takes orders and, for decode, where its KV goes."""
+
+    node_id: str
+    role: str
+    orders: str
+    kv: str = ""
+
+
 class ClusterView(Msg, tag="cluster_view"):
     """Conductor -> frontend (on heartbeats, on membership changes, on a query): who leads,
-    what the cluster serves, whether it can serve, and (on a query) the ``/cluster`` snapshot."""
+    what the cluster serves, whether it can serve, the workers (for placing while none leads)
+    and (on a query) the ``/cluster`` snapshot."""
 
     leader: str
     facts: ModelFacts | None = None
     ready: bool = False
     nodes: dict[str, int] = {}  # live nodes per role
     snapshot: dict = {}
+    workers: list[WorkerRef] = []

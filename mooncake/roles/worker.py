@@ -1,5 +1,6 @@
 """What the prefill and decode roles share: an engine on its own thread, the conductor
-link, device-cache events, store clients (``kv.store_clients``), failure reports and the role's main loop."""
+link, the orders socket (frontends' attempts while no conductor leads: ``orders.py``), device-cache
+events, store clients (``kv.store_clients``), failure reports and the role's main loop."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from mooncake.kv.store_clients import StoreClients
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
+from mooncake.roles.orders import Orders
 from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
 
@@ -81,6 +83,7 @@ class EngineWorker(ABC):
         self._pending_events: list[tuple[str, list[bytes]]] = []
         self._tasks: list[asyncio.Task] = []
         self.link: ConductorLink | None = None
+        self.orders: Orders | None = None
         self._profile = self.profile()
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
         stall = os.environ.get(STALL_ENV, "")
@@ -122,6 +125,9 @@ class EngineWorker(ABC):
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped)
 
     async def send(self, msg: P.Msg) -> None:
+        """To the conductor, or for an attempt a frontend ordered, to that frontend."""
+        if self.orders is not None and await self.orders.reply(msg):
+            return
         assert self.link is not None
         await self.link.send(msg)
 
@@ -168,10 +174,15 @@ class EngineWorker(ABC):
     # ---- main loop
 
     async def serve(self, endpoints: dict[str, str]) -> None:
-        """Register with the conductor, then handle its messages until stopped."""
-        self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint, self.register_msg(endpoints), self.load,
+        """Register with the conductor, then handle its messages (and frontends' orders) until stopped."""
+        orders = self.orders = Orders(self.ctx, self.cfg.node.host, self.curve, self.max_message_bytes, self.node_id,
+                                      self.handle)
+        self._tasks.append(asyncio.create_task(orders.serve(self.held_requests)))
+        self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint,
+                                  self.register_msg({**endpoints, "orders": orders.endpoint}), self.load,
                                   curve=self.curve, max_message_bytes=self.max_message_bytes,
-                                  holding=self.held_requests, on_orphans=self._drop_orphans,
+                                  holding=lambda: [w for w in self.held_requests() if not orders.ordered(w)],
+                                  on_orphans=self._drop_orphans,
                                   on_registered=self._announce_device_cache, coordination=self.cfg.coordination)
         health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
@@ -234,6 +245,8 @@ class EngineWorker(ABC):
         self.stores.close()
         if self.link is not None:
             self.link.close()
+        if self.orders is not None:
+            self.orders.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.curve is not None:
             self.curve.stop()

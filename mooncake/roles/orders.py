@@ -1,0 +1,92 @@
+"""A worker's second way in: attempts ordered by a frontend while no conductor leads.
+
+A prefill or decode instance binds one ROUTER (``orders`` in its registration; frontends learn
+it from the conductor's ``ClusterView``). While no conductor leads, a frontend places its
+requests itself (``frontend/fallback.py``) and sends here what the conductor would have sent:
+``DecodeRequest``, ``PrefillRequest``, ``FirstToken``, ``Abort``. The worker handles them as
+it handles the conductor's; whatever it reports of such an attempt (``Reserved``,
+``PrefillDone``, ``Failed``) goes back to the frontend that ordered it, never to a conductor.
+A conductor that leads again is not told of these attempts (the worker's registration leaves
+them out, so reconciliation does not drop them): they run to their end under their frontend.
+Under CURVE only frontend (control-plane) keys may order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+import torch
+import zmq
+import zmq.asyncio
+
+from mooncake import protocol as P
+from mooncake.security import Curve, allowed
+from mooncake.sockets import limit_message_size, recv_multipart
+
+log = logging.getLogger(__name__)
+ORDERS = (P.DecodeRequest, P.PrefillRequest, P.FirstToken, P.Abort)
+
+
+class Orders:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, curve: Curve | None, max_message_bytes: int,
+                 node_id: str, handle: Callable[[P.Msg, list[torch.Tensor]], Awaitable[None]]) -> None:
+        """``handle(msg, tensors)``: the worker's own handler of conductor messages."""
+        self.node_id = node_id
+        self.handle = handle
+        self.curve = curve
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        limit_message_size(self.sock, max_message_bytes)
+        if curve is not None:
+            curve.server(self.sock, ctx)
+        self.sock.bind(f"tcp://{host}:*")
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.ordered_by: dict[str, bytes] = {}  # wire id -> routing id of the frontend that ordered it
+
+    async def serve(self, held: Callable[[], list[str]]) -> None:
+        """Handle orders until cancelled; ``held()``: the wire ids the worker still holds (an
+        attempt it no longer holds is forgotten here too)."""
+        while True:
+            frames = await recv_multipart(self.sock)
+            ident = frames[0].bytes
+            if not allowed(self.curve, frames[1], ("conductor",)):
+                log.warning("dropping an order from %r: not a frontend key", ident[:64])
+                continue
+            try:
+                msg, tensors = P.decode(frames[1:])
+            except P.ProtocolError as e:
+                log.warning("dropping a malformed order from %r: %s", ident[:64], e)
+                continue
+            if not isinstance(msg, ORDERS):
+                log.warning("dropping %s from frontend %r: not an order", type(msg).__name__, ident[:64])
+                continue
+            if isinstance(msg, (P.DecodeRequest, P.PrefillRequest)):
+                if len(self.ordered_by) > 64 + 2 * len(self.ordered_by.keys() & set(held())):
+                    keep = set(held())
+                    self.ordered_by = {w: i for w, i in self.ordered_by.items() if w in keep}
+                self.ordered_by[msg.req_id] = ident
+            try:
+                await self.handle(msg, tensors)
+            except Exception as e:  # reported to the frontend, as the conductor's would be
+                log.exception("error handling ordered %s %s", type(msg).__name__, msg.req_id)
+                if not isinstance(msg, P.Abort):
+                    await self.reply(P.Failed(msg.req_id, self.node_id, f"{type(e).__name__}: {e}"))
+
+    async def reply(self, msg: P.Msg) -> bool:
+        """Send ``msg`` to the frontend that ordered its attempt; False if no frontend did (it
+        is the conductor's). A frontend that is gone loses it (a ROUTER never blocks)."""
+        ident = self.ordered_by.get(getattr(msg, "req_id", None) or "")
+        if ident is None:
+            return False
+        try:
+            await self.sock.send_multipart([ident, *P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not report %s to its frontend: %s", type(msg).__name__, e)
+        return True
+
+    def ordered(self, wire_id: str) -> bool:
+        return wire_id in self.ordered_by
+
+    def close(self) -> None:
+        self.sock.close(0)
