@@ -80,7 +80,7 @@ class StandInFrontend:
             answer = self.answers[wire_id] = asyncio.get_running_loop().create_future()
             finished = self.waiting[wire_id] = asyncio.get_running_loop().create_future()
             await self.link.send(P.Submit(wire_id, self.node_id, tokens, hashes, self.root,
-                                          P.Sampling(max_tokens=self.max_tokens), in_flight=len(self.waiting)))
+                                          P.Sampling(max_tokens=self.max_tokens), in_flight=len(self.waiting) - 1, new_request=True))
             if isinstance(await answer, P.Refused):
                 self.refused += 1
                 self.waiting.pop(wire_id, None)

@@ -61,7 +61,7 @@ def submit(c: Conductor, tokens: list[int], max_tokens: int = 8, n: int = 1, own
 
     msg = P.Submit(f"req-{tokens[0] if tokens else 0}-{owner}#{n}", owner, tokens,
                    hash_blocks(tokens, 16, FACTS.model_id), root_hash(FACTS.model_id), P.Sampling(max_tokens=max_tokens),
-                   generated, in_flight=in_flight)
+                   generated, in_flight=in_flight, new_request=n == 1 and not generated)
     c.requests_in_flight[owner] = in_flight
     return c.submit(msg, c.cluster.get(owner).endpoints["tokens"] if c.cluster.get(owner) else "")
 

@@ -136,6 +136,8 @@ class Conductor:
         known = self.attempts.get(msg.wire_id)  # asked again (the frontend re-registered): the same answer
         placed = known if known is not None and known.owner == node.node_id else \
             self.submit(msg, node.endpoints.get("tokens", ""))
+        if msg.new_request and not isinstance(placed, Rejection):
+            self.requests_in_flight[node.node_id] = msg.in_flight + 1  # ... and this one, now
         if isinstance(placed, Rejection):
             self._send(node.node_id, P.Refused(msg.wire_id, placed.status, placed.reason, placed.message,
                                                placed.param or "", placed.retry_after_s or 0.0))
@@ -147,7 +149,7 @@ class Conductor:
         """Admit (a request's first attempt: its prompt and the cluster's limits), place and book an
         attempt, and ask its decode instance to reserve; a Rejection says why it is refused."""
         facts = self.facts
-        if msg.num_generated == 0 and msg.wire_id.endswith("#1"):
+        if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
             rejection = self.admission.check_request(msg.tokens, msg.sampling, facts, pool,
                                                      sum(self.requests_in_flight.values()), self.scheduler.waiting())

@@ -42,6 +42,7 @@ class ConductorClient:
         self._placing: dict[str, tuple[P.Submit, asyncio.Future]] = {}  # wire id -> what awaits an answer
         self._query: asyncio.Future | None = None
         self.ended: list[P.Ended] = []
+        self._ended_any = asyncio.Event()  # set by release(): the release loop sleeps while nothing ends
         self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
         self.heard_at = time.monotonic()  # when the conductor last said anything
         self._tasks: list[asyncio.Task] = []
@@ -101,6 +102,7 @@ class ConductorClient:
     def release(self, ended: P.Ended) -> None:
         """An attempt that ended here: its booking is released with the next batch."""
         self.ended.append(ended)
+        self._ended_any.set()
 
     async def flush(self) -> None:
         if self.ended and self.link is not None:
@@ -109,7 +111,9 @@ class ConductorClient:
 
     async def _release_loop(self) -> None:
         while True:
-            await asyncio.sleep(RELEASE_EVERY_S)
+            await self._ended_any.wait()
+            await asyncio.sleep(RELEASE_EVERY_S)  # what else ends meanwhile goes in the same batch
+            self._ended_any.clear()
             try:
                 await self.flush()
             except Exception:

@@ -160,7 +160,7 @@ class Frontend:
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
                        req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
-                       share_prefix, in_flight)
+                       share_prefix, in_flight, new_request=first)
         answer = await self.conductor.ask(msg)
         if answer is None and self.conductor.leaderless and self.fallback is not None and \
                 self.fallback.can_place(self.conductor.view.workers):

@@ -36,7 +36,8 @@ class Submit(Msg, tag="submit"):
     num_generated: int = 0
     ttft_budget_s: float = 0.0  # > 0: the first token is due this many seconds from now (TTFT SLO)
     share_prefix: bool = False  # other choices of this prompt follow: index its blocks on the prefill at once
-    in_flight: int = 0  # requests the frontend holds (admission counts them cluster-wide)
+    in_flight: int = 0  # requests the frontend holds besides this one (admission counts them cluster-wide)
+    new_request: bool = False  # a request's first attempt: admission checks it against the cluster's limits
 
 
 class Admitted(Msg, tag="admitted"):

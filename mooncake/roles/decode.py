@@ -190,28 +190,27 @@ class DecodeWorker(EngineWorker):
         outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
         self.steps.append((len(slots), kv_tokens, time.perf_counter() - t0))
         self.progress += 1
-        events, done = [], []
+        events: dict[str, list[P.TokenEvent]] = {}  # frontend token endpoint -> this step's events for it
+        done = []
         for slot, out in zip(slots, outs):
             rid = slot.msg.req_id
             if out.token is None or self.running.get(rid) is not slot:
                 continue
             finished = P.FinishReason(out.finished) if out.finished else None
             lps = [out.logprob] if out.logprob is not None else []
-            events.append(P.TokenEvent(rid, slot.next_index, [int(out.token)], finished, lps))
+            events.setdefault(slot.msg.reply_to, []).append(P.TokenEvent(rid, slot.next_index, [int(out.token)],
+                                                                         finished, lps))
             slot.next_index += 1
             if finished is not None:
                 done.append(slot)
         if events:  # the step's tokens in one message per frontend; a request's last token before its retirement
-            await self._send_tokens(events, {s.msg.req_id: s.msg.reply_to for s in slots})
+            await self._send_tokens(events)
         for slot in done:  # still running if the send failed: the step's failure gives them up
             if self.running.get(slot.msg.req_id) is slot:
                 await self._retire(self.running.pop(slot.msg.req_id), write=True)
         return True
 
-    async def _send_tokens(self, events: list[P.TokenEvent], reply_to: dict[str, str]) -> None:
-        by_frontend: dict[str, list[P.TokenEvent]] = {}
-        for e in events:
-            by_frontend.setdefault(reply_to[e.req_id], []).append(e)
+    async def _send_tokens(self, by_frontend: dict[str, list[P.TokenEvent]]) -> None:
         for endpoint, batch in by_frontend.items():
             if endpoint:
                 await self.outlets.send(endpoint, batch)
