@@ -4,9 +4,10 @@ check, probe (an exec health probe) and deploy kubernetes."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import sys
+
+import uvloop
 
 from mooncake.config import ConfigError, load_config
 from mooncake.logs import setup_logging, tag_logs
@@ -106,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     # ≈100 ms of every thread (the GIL) on this machine, now well under 1 ms at start.
     gc.freeze()
     try:
-        asyncio.run(main(cfg))
+        uvloop.run(main(cfg))  # libuv's event loop: every role's messages cost less loop overhead than on asyncio's
     except (ModelLoadError, InsecureNetworkError, CurveError, HandshakeError, P2PError) as e:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2

@@ -31,10 +31,14 @@ async def merged(streams: list[AsyncIterator[Piece]], keepalive_s: float) -> Asy
     try:
         while live:
             try:
-                item = await asyncio.wait_for(queue.get(), keepalive_s)
-            except asyncio.TimeoutError:
-                yield None
-                continue
+                item = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(keepalive_s):  # (no task per wait, as wait_for makes)
+                        item = await queue.get()
+                except TimeoutError:
+                    yield None
+                    continue
             if isinstance(item, Exception):
                 raise item
             if isinstance(item, int):

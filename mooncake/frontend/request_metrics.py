@@ -15,34 +15,39 @@ Reason = P.FinishReason
 
 class RequestMetrics:
     def __init__(self, metrics: Metrics, model_name: str) -> None:
-        self.metrics = metrics
-        self.name = model_name
+        # each series' child for the model, looked up once (a label lookup per token cost more than the count)
+        m, n = metrics, model_name
+        self.prompt_tokens, self.prefix_queries = m.prompt_tokens.labels(n), m.prefix_queries.labels(n)
+        self.prefix_hits, self.ttft, self.queue_time = m.prefix_hits.labels(n), m.ttft.labels(n), m.queue_time.labels(n)
+        self.generation_tokens, self.itl, self.e2e = m.generation_tokens.labels(n), m.itl.labels(n), m.e2e.labels(n)
+        self.num_waiting, self.num_running = m.num_waiting.labels(n), m.num_running.labels(n)
+        self.ended = {reason: m.requests.labels({Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok"))
+                      for reason in Reason}
 
     def admitted(self, req: Request) -> None:
-        self.metrics.prompt_tokens.labels(self.name).inc(len(req.tokens))
-        self.metrics.prefix_queries.labels(self.name).inc(len(req.tokens))
+        self.prompt_tokens.inc(len(req.tokens))
+        self.prefix_queries.inc(len(req.tokens))
 
     def started(self, req: Request, msg: P.Started, now: float, first: bool) -> None:
         """An attempt's first token (``first``: the request's first token)."""
-        m = self.metrics
         if first:
-            m.prefix_hits.labels(self.name).inc(msg.cached_tokens)
-            m.ttft.labels(self.name).observe(now - req.arrived)
-            m.queue_time.labels(self.name).observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
-        m.generation_tokens.labels(self.name).inc()
+            self.prefix_hits.inc(msg.cached_tokens)
+            self.ttft.observe(now - req.arrived)
+            self.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+        self.generation_tokens.inc()
 
     def tokens(self, emitted: int, seconds: float) -> None:
         """``emitted`` tokens ``seconds`` after the last ones."""
         if emitted:
-            self.metrics.itl.labels(self.name).observe(seconds / emitted)
-            self.metrics.generation_tokens.labels(self.name).inc(emitted)
+            self.itl.observe(seconds / emitted)
+            self.generation_tokens.inc(emitted)
 
     def finished(self, req: Request, reason: P.FinishReason, now: float) -> None:
-        self.metrics.e2e.labels(self.name).observe(now - req.arrived)
-        self.metrics.requests.labels({Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok")).inc()
+        self.e2e.observe(now - req.arrived)
+        self.ended[reason].inc()
 
     def gauges(self, requests: Collection[Request], forks_waiting: int) -> None:
         """Waiting and running requests (``forks_waiting``: choices waiting for a prefill)."""
         waiting = sum(1 for r in requests if r.status is RequestStatus.WAITING) + forks_waiting
-        self.metrics.num_waiting.labels(self.name).set(waiting)
-        self.metrics.num_running.labels(self.name).set(len(requests) + forks_waiting - waiting)
+        self.num_waiting.set(waiting)
+        self.num_running.set(len(requests) + forks_waiting - waiting)
