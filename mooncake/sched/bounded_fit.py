@@ -27,7 +27,8 @@ it exactly. Robustness:
 Cost. A refit reads the whole window (~1 ms for 256 samples), and a conductor observes a
 prefill per request: the model refits after every sample while it has few, then once per
 ``1/REFIT_SHARE`` of its window (every 8 samples when full), so each sample costs a few
-microseconds on average and the fit lags by a few samples of hundreds.
+microseconds on average and the fit lags by a few samples of hundreds. A batch of samples
+(``observe_all``: a heartbeat's decode steps) refits once at most.
 """
 
 from __future__ import annotations
@@ -108,8 +109,23 @@ class BoundedLinearModel:
         return dot(self.weights, x)
 
     def observe(self, x: Sequence[float], y: float) -> bool:
-        """Add a sample and refit; False if the sample was ignored (no work, or a duration that
-        is not positive and finite)."""
+        """Add a sample and refit when one is due; False if the sample was ignored (no work, or
+        a duration that is not positive and finite)."""
+        taken = self._take(x, y)
+        self._refit_if_due()
+        return taken
+
+    def observe_all(self, samples: Iterable[tuple[Sequence[float], float]]) -> int:
+        """Add several samples (a heartbeat's decode steps) with one refit at most; how many were taken."""
+        taken = sum(self._take(x, y) for x, y in samples)
+        self._refit_if_due()
+        return taken
+
+    def _refit_if_due(self) -> None:
+        if self._unfitted >= max(1, int(len(self._u) * REFIT_SHARE)):
+            self._refit()
+
+    def _take(self, x: Sequence[float], y: float) -> bool:
         sx = [s * float(v) for s, v in zip(self.scale, x)]
         total = sum(sx)
         if not (y > 0 and math.isfinite(y) and total > 0 and math.isfinite(total)
@@ -118,8 +134,6 @@ class BoundedLinearModel:
         self._z.append([v / total for v in sx])
         self._u.append(float(y) / total)
         self._unfitted += 1
-        if self._unfitted >= max(1, int(len(self._u) * REFIT_SHARE)):
-            self._refit()
         return True
 
     def _refit(self) -> None:

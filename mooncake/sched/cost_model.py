@@ -144,6 +144,10 @@ class DecodeCostModel:
         if batch > 0 and kv_tokens >= 0:
             self.model.observe(self._features(batch, kv_tokens), seconds)
 
+    def observe_all(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """Several steps (batch, KV tokens, seconds), refitted once at most."""
+        self.model.observe_all((self._features(int(b), int(kv)), float(s)) for b, kv, s in steps if b > 0 and kv >= 0)
+
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +193,7 @@ class CostModels:
         self.prefill.transit.observe(prefilled_at - reserved_at - worked_s)
 
     def observe_decode(self, steps: list[tuple[int, int, float]]) -> None:
-        for batch, kv_tokens, seconds in steps:
-            self.decode.observe(int(batch), int(kv_tokens), float(seconds))
+        self.decode.observe_all(steps)
         self.metrics.cost_model_rejected_fits.labels("decode").set(self.decode.model.rejected_fits)
 
     def evidence(self) -> tuple[bool, bool]:
