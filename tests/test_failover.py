@@ -140,6 +140,8 @@ def test_with_both_conductors_gone_frontends_route_by_themselves(cluster, expect
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[prompt]
     assert all(fallback_routed(u) > b for u, b in zip(cluster.urls, before))
+    view = httpx.get(cluster.urls[0] + "/cluster", timeout=5)
+    assert view.status_code == 503 and view.json()["error"]["code"] == "no_conductor"
     events: list[list] = []
     seen = threading.Event()
     streaming = threading.Thread(target=lambda: events.append(stream(

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
+import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.blocks import hash_blocks
 from mooncake.config import Config
 from mooncake.frontend import Finished, Frontend, Rejection, Request, Tokens
+from mooncake.frontend.fallback import FallbackRouter
 from mooncake.frontend.request import RequestStatus, TransitionError
 
 FACTS = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8))
@@ -213,3 +216,26 @@ async def test_a_cancel_while_a_move_is_being_placed_releases_the_late_attempt(f
     await settle()
     assert (held[0].wire_id, True) in [(e.wire_id, e.abort) for e in frontend.conductor.ended]
     assert not frontend.requests and not frontend.attempts
+
+
+async def test_with_no_conductor_heard_from_the_frontend_places_the_request_itself(frontend):
+    frontend.conductor.heard_at -= 60  # silent for a minute: none leads
+    refused = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
+    assert isinstance(refused, Rejection) and refused.reason == "no_conductor"  # no worker known to place on
+    fallback = FallbackRouter(zmq.asyncio.Context.instance(), None, "f0", "tcp://127.0.0.1:9", 1 << 20,
+                              frontend._handle)
+    sent: list[tuple[str, P.Msg]] = []
+    fallback._send = lambda node_id, msg: sent.append((node_id, msg))  # type: ignore[method-assign]
+    frontend.fallback = fallback
+    frontend.conductor.view = msgspec.structs.replace(frontend.conductor.view, workers=[
+        P.WorkerRef("p0", "prefill", "tcp://127.0.0.1:1"), P.WorkerRef("d0", "decode", "tcp://127.0.0.1:2", "tcp://k")])
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
+    assert isinstance(req, Request) and not frontend.conductor.link.of(P.Submit)  # the conductor was not asked
+    assert req.wire_id.endswith("#2") and req.wire_id in fallback.attempts  # #1 stays the conductor's, if it ever was
+    assert [(n, type(m)) for n, m in sent] == [("d0", P.DecodeRequest)]
+    start(frontend, req)  # what the fallback hands on when the prefill reports
+    assert isinstance(events(req)[0], Tokens)
+    frontend.cancel(req.req_id)
+    assert {(n, type(m)) for n, m in sent[1:]} == {("p0", P.Abort), ("d0", P.Abort)} and not fallback.attempts
+    assert not any(e.wire_id == req.wire_id for e in frontend.conductor.ended)  # released where it was placed
+    assert frontend.metrics.fallback_routed._value.get() == 1

@@ -51,6 +51,9 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def cluster() -> dict:
         """The leader, the frontends, the nodes with their endpoints, last reported load and the
         scheduler's bookings (the conductor's snapshot, asked now)."""
+        if frontend.conductor.leaderless:  # answered at once: nobody would answer the question
+            raise APIError(503, "no conductor leads: this frontend places requests over the workers it last knew",
+                           code="no_conductor")
         try:
             return await frontend.cluster_snapshot()
         except asyncio.TimeoutError:

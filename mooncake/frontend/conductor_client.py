@@ -3,7 +3,7 @@
 ended here (``Release``, batched every ``RELEASE_EVERY_S``), the cluster as the conductor last
 described it (``ClusterView``, on every heartbeat) and ``GET /cluster``'s snapshot (asked now).
 What else the conductor says (``Started``, ``AttemptEnded``) goes to the frontend. A conductor
-that says nothing for ``LEADERLESS_AFTER_S`` (it answers every heartbeat) is taken for none:
+that says nothing for ``LEADERLESS_AFTER_S`` or three heartbeats (it answers every one) is taken for none:
 ``ask`` then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ class ConductorClient:
 
     @property
     def leaderless(self) -> bool:
-        """No conductor has been heard from for ``LEADERLESS_AFTER_S``."""
-        return time.monotonic() - self.heard_at > LEADERLESS_AFTER_S
+        """No conductor has been heard from for ``LEADERLESS_AFTER_S`` or three heartbeats."""
+        silent_s = max(LEADERLESS_AFTER_S, 3 * getattr(self.link, "heartbeat_s", 1.0))
+        return time.monotonic() - self.heard_at > silent_s
 
     async def ask(self, msg: P.Submit) -> P.Admitted | P.Refused | None:
         """The conductor's answer to ``msg`` (None: none within ``place_timeout_s``, or no
