@@ -17,7 +17,7 @@ def test_serve_freezes_what_start_up_made(monkeypatch):
         seen.append(gc.get_freeze_count())
         coro.close()
 
-    monkeypatch.setattr(cli.asyncio, "run", run)
+    monkeypatch.setattr(cli.uvloop, "run", run)
     monkeypatch.setattr(cli, "setup_logging", lambda level: None)  # this process's logging stays pytest's
     gc.unfreeze()
     try:
