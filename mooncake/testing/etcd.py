@@ -23,14 +23,15 @@ class EtcdMissing(RuntimeError):
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path | None = None) -> None:
+    def __init__(self, data_dir: Path | None = None, host: str = "127.0.0.1") -> None:
+        """``host``: the address clients reach it on (a test's bridge, for hosts in namespaces)."""
         binary = shutil.which("etcd")
         if binary is None:
             raise EtcdMissing("etcd is not installed (apt-get install etcd-server; make test installs it)")
         self.binary = binary
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="mooncake-etcd-"))
         self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.url = f"http://{host}:{self.client_port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
