@@ -3,11 +3,12 @@
 Each stand-in registers with the conductor as a real frontend does (``ConductorLink``, role
 ``frontend``, a token socket the decodes stream to) and keeps ``--concurrency`` requests in
 flight, closed loop: ``Submit`` (prompt tokens and block hashes, computed once up front: half of
-the prompts open with one of 8 shared prefixes) -> ``Admitted`` -> ``Started`` -> the decode's
-tokens on its token socket until the last -> the attempt in the next ``Release`` batch -> the
-next request. That is every message a real frontend exchanges per request, so the conductor
-under it does all the work it would do behind real frontends. Prints one JSON line when done:
-completed requests, seconds, and refusals.
+the prompts open with one of 8 shared prefixes) -> ``Admitted`` -> the attempt driven along its
+route by the real ``AttemptDriver`` (its prefill reported in the next ``Release`` batch) -> the
+decode's tokens on its token socket until the last -> the attempt in the next ``Release`` batch
+-> the next request. That is every message a real frontend exchanges per request, so the
+conductor under it does all the work it would do behind real frontends. Prints one JSON line
+when done: completed requests, seconds, and refusals.
 
     python benchmarks/standin_frontends.py --config FILE [--frontends 1] [--concurrency 64] [--duration 10]
 """
@@ -28,6 +29,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.blocks import hash_blocks, root_hash
 from mooncake.config import load_config
+from mooncake.frontend.attempt_driver import AttemptDriver, DrivenAttempt
 from mooncake.roles.link import ConductorLink
 from mooncake.sockets import recv_multipart
 
@@ -60,6 +62,9 @@ class StandInFrontend:
         self.waiting: dict[str, asyncio.Future] = {}  # wire id -> set when its last token came
         self.answers: dict[str, asyncio.Future] = {}  # wire id -> Admitted / Refused
         self.ended: list[P.Ended] = []
+        self.prefilled: list[P.Prefilled] = []
+        self.driver = AttemptDriver(ctx, None, self.node_id, endpoint, 64 << 20, self._on_prefilled,
+                                    lambda a, failed: self._finish(a.wire_id))
         self.done = self.refused = 0
         self.seq = 0
 
@@ -71,6 +76,7 @@ class StandInFrontend:
         await asyncio.gather(*(self._client(until) for _ in range(concurrency)))
         for t in tasks:
             t.cancel()
+        self.driver.close()
 
     async def _client(self, until: float) -> None:
         while time.monotonic() < until:
@@ -79,14 +85,18 @@ class StandInFrontend:
             tokens, hashes = self.pool[self.seq % len(self.pool)]
             answer = self.answers[wire_id] = asyncio.get_running_loop().create_future()
             finished = self.waiting[wire_id] = asyncio.get_running_loop().create_future()
-            await self.link.send(P.Submit(wire_id, self.node_id, tokens, hashes, self.root,
-                                          P.Sampling(max_tokens=self.max_tokens), in_flight=len(self.waiting) - 1, new_request=True))
-            if isinstance(await answer, P.Refused):
+            submit = P.Submit(wire_id, self.node_id, tokens, hashes, self.root, P.Sampling(max_tokens=self.max_tokens),
+                              in_flight=len(self.waiting) - 1, new_request=True)
+            await self.link.send(submit)
+            admitted = await answer
+            if isinstance(admitted, P.Refused):
                 self.refused += 1
                 self.waiting.pop(wire_id, None)
                 await asyncio.sleep(0.01)
                 continue
+            self.driver.drive(submit, admitted.route)
             await finished
+            self.driver.end(wire_id, abort=False)
             self.ended.append(P.Ended(wire_id, False, self.max_tokens - 1, 0.0))
             self.done += 1
 
@@ -97,8 +107,6 @@ class StandInFrontend:
                 f = self.answers.pop(msg.wire_id, None)
                 if f is not None:
                     f.set_result(msg)
-            elif isinstance(msg, P.Started) and msg.finished is not None:
-                self._finish(msg.wire_id)
 
     async def _tokens(self) -> None:
         while True:
@@ -108,6 +116,11 @@ class StandInFrontend:
                 if e.finished is not None:
                     self._finish(e.req_id)
 
+    def _on_prefilled(self, a: DrivenAttempt, msg: P.PrefillDone, now: float) -> None:
+        self.prefilled.append(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started))
+        if msg.finished is not None:
+            self._finish(a.wire_id)
+
     def _finish(self, wire_id: str) -> None:
         f = self.waiting.pop(wire_id, None)
         if f is not None and not f.done():
@@ -116,9 +129,10 @@ class StandInFrontend:
     async def _release(self) -> None:
         while True:
             await asyncio.sleep(0.01)
-            if self.ended:
-                ended, self.ended = self.ended, []
-                await self.link.send(P.Release(self.node_id, ended))
+            if self.ended or self.prefilled:
+                msg = P.Release(self.node_id, self.ended, self.prefilled)
+                self.ended, self.prefilled = [], []
+                await self.link.send(msg)
 
 
 async def main_async(args: argparse.Namespace) -> dict:

@@ -1,10 +1,11 @@
-"""Stand-in prefill, decode and store instances that answer the conductor instantly (no model).
+"""Stand-in prefill, decode and store instances that answer at once (no model).
 
 One process holds several node identities, each with its own ``ConductorLink`` (the real
-DEALER socket, registration handshake and heartbeats the real roles use) and registers them
+DEALER socket, registration handshake and heartbeats the real roles use) and ``Orders``
+socket (where the frontends drive their attempts, as on the real roles), and registers them
 with the bundled model's facts (computed from its config, no weights loaded), so that the
 conductor's expected-model check, tokenizer and block hashing all work as in a real cluster.
-Every message is answered at once with what a real worker would send:
+Every order is answered at once with what a real worker would send its frontend:
 
 * decode: ``DecodeRequest`` -> ``Reserved``; ``FirstToken`` -> the request joins the stand-in's
   batch, which steps every ``--step-ms`` (0: as fast as the loop turns): each step gives every
@@ -36,6 +37,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config, load_config
 from mooncake.roles.link import ConductorLink
+from mooncake.roles.orders import Orders
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import machine_id
 
@@ -128,6 +130,10 @@ class StandIn:
         self._stepping: asyncio.Task | None = None
         self.reply_to: dict[str, str] = {}  # decoding request -> its frontend's token endpoint
         self.outlets = TokenOutlets(ctx, self.node_id, None)
+        self.orders = Orders(ctx, "127.0.0.1", None, 64 << 20, self.node_id, lambda msg, _: self.handle(msg)) \
+            if role != "store" else None
+        if self.orders is not None:
+            endpoints = {**endpoints, "orders": self.orders.endpoint}
         info = P.NodeInfo(f"node{index}", os.getpid(), facts, num_blocks if facts else 0,
                           block_bytes if facts else 0, None, cpus=1, threads=1, machine=machine_id())
         self.link = ConductorLink(ctx, cfg.conductor.endpoint, P.Register(role, self.node_id, info, endpoints),
@@ -140,13 +146,20 @@ class StandIn:
     async def serve(self) -> None:
         await self.link.connect(timeout_s=60)
         self.link.start_heartbeat()
+        if self.orders is not None:
+            self.cluster.tasks.append(asyncio.create_task(self.orders.serve(lambda: [*self.decoding, *self.batch])))
         while True:
             msg, _ = await self.link.recv()
-            self.progress += 1
             await self.handle(msg)
 
+    async def send(self, msg: P.Msg) -> None:
+        """To the frontend that ordered the attempt, or to the conductor."""
+        if self.orders is None or not await self.orders.reply(msg):
+            await self.link.send(msg)
+
     async def handle(self, msg: P.Msg) -> None:
-        send = self.link.send
+        send = self.send
+        self.progress += 1
         if isinstance(msg, P.DecodeRequest):
             self.decoding[msg.req_id] = msg
             await send(P.Reserved(msg.req_id, self.node_id))
@@ -188,7 +201,7 @@ class StandIn:
         fetched = sum(f.end - f.start for f in req.fetch)
         reused = max(cached, max((f.end for f in req.fetch), default=0))
         done = None if req.sampling.max_tokens - req.num_generated > 1 else P.FinishReason.LENGTH
-        await self.link.send(P.PrefillDone(req.req_id, self.node_id, FIRST_OUTPUT_ID + req.num_generated,
+        await self.send(P.PrefillDone(req.req_id, self.node_id, FIRST_OUTPUT_ID + req.num_generated,
                                            cached * bt, len(req.tokens) - reused * bt, 0.001, fetched, 0.0, done))
         stored, evicted = self.cache.insert(req.hashes)
         if evicted:
@@ -215,6 +228,7 @@ class StandInCluster:
         self.tokens_per_event, self.step_s, self.per_request_events = tokens_per_event, step_s, per_request_events
         self.ctx = zmq.asyncio.Context()
         self.nodes: list[StandIn] = []
+        self.tasks: list[asyncio.Task] = []  # the orders sockets' loops
         self.stores: dict[str, StandIn] = {}
         store_blocks = cfg.store.dram_bytes // block_bytes
         for i in range(store):
@@ -236,11 +250,13 @@ class StandInCluster:
         tasks = [asyncio.create_task(n.serve()) for n in self.nodes]
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks + [n._stepping for n in self.nodes if n._stepping is not None]:
+        for t in tasks + self.tasks + [n._stepping for n in self.nodes if n._stepping is not None]:
             t.cancel()
         for n in self.nodes:
             n.link.close()
             n.outlets.close()
+            if n.orders is not None:
+                n.orders.close()
         self.ctx.term()
         for t in done:
             if t is not waiter and t.exception() is not None:

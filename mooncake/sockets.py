@@ -44,3 +44,32 @@ def limit_message_size(sock: zmq.Socket, max_bytes: int) -> None:
     """Peers that send a larger message are disconnected by libzmq (``ZMQ_MAXMSGSIZE``: each
     frame is checked against it before it is buffered)."""
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+
+
+def bind_server(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, host: str, port: int,
+                max_bytes: int) -> tuple[zmq.asyncio.Socket, str]:
+    """A socket peers connect to, bound on ``host`` (``port`` 0: any free port), a CURVE server
+    when ``curve`` (a ``security.Curve``) is given; (socket, the endpoint it is bound at)."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    limit_message_size(sock, max_bytes)
+    if curve is not None:
+        curve.server(sock, ctx)
+    sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
+    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def connect_client(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, server_kind: str, endpoint: str,
+                   identity: str = "", max_bytes: int = 0) -> zmq.asyncio.Socket:
+    """A socket connected to ``endpoint``; under CURVE it expects the server to hold the
+    ``server_kind`` key. ``identity``: its routing id (what a ROUTER on the other end sees)."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if max_bytes:
+        limit_message_size(sock, max_bytes)
+    if curve is not None:
+        curve.client(sock, server_kind)
+    sock.connect(endpoint)
+    return sock

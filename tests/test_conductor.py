@@ -1,5 +1,5 @@
 """The conductor's side of a request without workers or frontends: admission, placement and
-booking, the attempt protocol up to the first token, releases, failures passed to the owner,
+booking, the route a frontend drives, the frontend's reports (prefills done, attempts ended),
 attempts ending with lost nodes (a worker's or a frontend's)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from mooncake import protocol as P
 from mooncake.conductor import Conductor
-from mooncake.conductor.attempt import Attempt, Phase
+from mooncake.conductor.attempt import Attempt
 from mooncake.config import Config
 from mooncake.sched.admission import Rejection
 from mooncake.sched.cluster import Node
@@ -48,45 +48,52 @@ async def conductor():
     cfg.conductor.max_requests = 2
     c = Conductor(cfg, model_name="m")
     c.router = Sent()
-    register(c, "p0", "prefill")
-    register(c, "d0", "decode", kv="tcp://127.0.0.1:1")
+    register(c, "p0", "prefill", orders="tcp://127.0.0.1:3")
+    register(c, "d0", "decode", kv="tcp://127.0.0.1:1", orders="tcp://127.0.0.1:4")
     register(c, "f0", "frontend", tokens="tcp://127.0.0.1:9")
     yield c
     await c.close()
 
 
-def submit(c: Conductor, tokens: list[int], max_tokens: int = 8, n: int = 1, owner: str = "f0",
-           generated: int = 0, in_flight: int = 0) -> Attempt | Rejection:
+def submit_msg(tokens: list[int], max_tokens: int = 8, n: int = 1, owner: str = "f0", generated: int = 0,
+               in_flight: int = 0) -> P.Submit:
     from mooncake.blocks import hash_blocks, root_hash
 
-    msg = P.Submit(f"req-{tokens[0] if tokens else 0}-{owner}#{n}", owner, tokens,
-                   hash_blocks(tokens, 16, FACTS.model_id), root_hash(FACTS.model_id), P.Sampling(max_tokens=max_tokens),
-                   generated, in_flight=in_flight, new_request=n == 1 and not generated)
+    return P.Submit(f"req-{tokens[0] if tokens else 0}-{owner}#{n}", owner, tokens,
+                    hash_blocks(tokens, 16, FACTS.model_id), root_hash(FACTS.model_id),
+                    P.Sampling(max_tokens=max_tokens), generated, in_flight=in_flight,
+                    new_request=n == 1 and not generated)
+
+
+def submit(c: Conductor, tokens: list[int], max_tokens: int = 8, n: int = 1, owner: str = "f0",
+           generated: int = 0, in_flight: int = 0) -> Attempt | Rejection:
     c.requests_in_flight[owner] = in_flight
-    return c.submit(msg, c.cluster.get(owner).endpoints["tokens"] if c.cluster.get(owner) else "")
+    return c.submit(submit_msg(tokens, max_tokens, n, owner, generated, in_flight))
 
 
-def run_to_decoding(c: Conductor, a: Attempt, first: int = 7) -> None:
-    c._on_reserved(c.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
-    c._on_prefill_done(c.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", first, 0, len(a.submit.tokens), 0.01))
+def prefilled(c: Conductor, a: Attempt, first: int = 7, owner: str = "f0") -> None:
+    done = P.PrefillDone(a.wire_id, "p0", first, 0, len(a.submit.tokens), 0.01)
+    c._on_release(c.cluster.get(owner), P.Release(owner, prefilled=[P.Prefilled(a.wire_id, done, 0.001, 0.012)]))
 
 
-async def test_an_attempt_reserves_on_decode_before_prefill_starts_and_its_tokens_go_to_the_frontend(conductor):
-    a = submit(conductor, [1, 2, 3], 4)
-    assert isinstance(a, Attempt) and a.phase is Phase.RESERVING
-    (node, dreq), = conductor.router.of(P.DecodeRequest)
-    assert node == "d0" and dreq.reply_to == "tcp://127.0.0.1:9" and not conductor.router.of(P.PrefillRequest)
-    conductor._on_reserved(conductor.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
-    (node, msg), = conductor.router.of(P.PrefillRequest)
-    assert node == "p0" and msg.decode_endpoint == "tcp://127.0.0.1:1" and msg.root == a.submit.root
-    conductor._on_prefill_done(conductor.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", 7, 0, 3, 0.01))
-    assert conductor.router.of(P.FirstToken) == [("d0", P.FirstToken(a.wire_id, 7))]
-    (owner, started), = conductor.router.of(P.Started)
-    assert owner == "f0" and started.first_token == 7 and a.phase is Phase.DECODING
-    assert conductor.scheduler.assigned("d0") == 1
+async def test_a_placed_attempt_is_answered_with_its_route_and_booked_until_its_frontend_reports(conductor):
+    msg = submit_msg([1, 2, 3], 4)
+    conductor._on_submit(conductor.cluster.get("f0"), msg)
+    (owner, admitted), = conductor.router.of(P.Admitted)
+    route = admitted.route
+    assert owner == "f0" and admitted.max_tokens == 4 and route.planned and len(route.kv_token) == 16
+    assert route.decode == P.WorkerRef("d0", "decode", "tcp://127.0.0.1:4", "tcp://127.0.0.1:1")
+    assert route.prefills == [P.WorkerRef("p0", "prefill", "tcp://127.0.0.1:3")] and not route.stages
+    assert [type(m) for _, m in conductor.router.log] == [P.Admitted]  # the frontend drives the workers
+    a = conductor.attempts[msg.wire_id]
+    assert conductor.scheduler.assigned("d0") == 1 and conductor.scheduler.queued("p0") == 1
+    prefilled(conductor, a)
+    assert a.prefilled and conductor.scheduler.queued("p0") == 0 and conductor.scheduler.assigned("d0") == 1
     conductor._on_release(conductor.cluster.get("f0"), P.Release("f0", [P.Ended(a.wire_id, False, 3, 0.3)]))
     assert conductor.scheduler.assigned("d0") == 0 and a.wire_id not in conductor.attempts
     assert not conductor.router.of(P.Abort)  # decode ended it itself
+    conductor._on_submit(conductor.cluster.get("f0"), msg)  # asked again (a re-registered frontend)
+    assert len(conductor.router.of(P.Admitted)) == 2
 
 
 async def test_requests_in_flight_are_bounded_and_an_aborting_release_frees_the_workers(conductor):
@@ -102,7 +109,8 @@ async def test_requests_in_flight_are_bounded_and_an_aborting_release_frees_the_
     b = submit(conductor, [8, 9], in_flight=1)
     register(conductor, "f1", "frontend", tokens="tcp://127.0.0.1:10")
     conductor._on_release(conductor.cluster.get("f1"), P.Release("f1", [P.Ended(b.wire_id, abort=True)]))
-    assert b.wire_id in conductor.attempts
+    prefilled(conductor, b, owner="f1")
+    assert b.wire_id in conductor.attempts and not b.prefilled
 
 
 async def test_prompt_checks_and_max_tokens_clamp(conductor):
@@ -152,31 +160,21 @@ async def test_a_registering_node_keeps_only_the_attempts_that_still_run_there(c
     assert conductor.metrics.reconciliation_aborts._value.get() == 4
 
 
-async def test_messages_of_an_ended_attempt_are_ignored(conductor):
+async def test_reports_of_an_ended_attempt_are_ignored(conductor):
     a = submit(conductor, [1, 2, 3])
-    d0, p0 = conductor.cluster.get("d0"), conductor.cluster.get("p0")
-    conductor._on_failed(d0, P.Failed(a.wire_id, "d0", "decode lost it"))
+    conductor.on_node_lost(conductor.cluster.get("d0"), "decode died")
     (owner, ended), = conductor.router.of(P.AttemptEnded)
-    assert owner == "f0" and ended.kind == "retry" and "decode lost it" in ended.message
-    assert conductor.scheduler.assigned("d0") == 0
-    conductor._on_failed(p0, P.Failed(a.wire_id, "p0", "late failure"))
-    conductor._on_reserved(d0, P.Reserved(a.wire_id, "d0"))
-    conductor._on_prefill_done(p0, P.PrefillDone(a.wire_id, "p0", 7, 0, 3, 0.01))
-    assert len(conductor.router.of(P.AttemptEnded)) == 1
-    assert not conductor.router.of(P.PrefillRequest) and not conductor.router.of(P.Started)
-
-
-async def test_fatal_failures_reach_the_owner_as_client_errors(conductor):
-    a = submit(conductor, [1, 2, 3])
-    conductor._on_failed(conductor.cluster.get("d0"), P.Failed(a.wire_id, "d0", "bad temperature",
-                                                                P.FailureKind.FATAL, "temperature"))
-    (_, ended), = conductor.router.of(P.AttemptEnded)
-    assert (ended.kind, ended.status, ended.param) == ("fatal", 400, "temperature")
+    assert owner == "f0" and ended.kind == "retry" and "decode died" in ended.message
+    assert conductor.scheduler.queued("p0") == 0
+    assert {n for n, _ in conductor.router.of(P.Abort)} == {"p0", "d0"}
+    prefilled(conductor, a)
+    conductor._on_release(conductor.cluster.get("f0"), P.Release("f0", [P.Ended(a.wire_id, abort=True)]))
+    assert len(conductor.router.of(P.Abort)) == 2 and not a.prefilled  # nothing more
 
 
 async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attempts_dropped(conductor):
     a = submit(conductor, [1, 2, 3])
-    run_to_decoding(conductor, a)
+    prefilled(conductor, a)
     conductor.on_node_lost(conductor.cluster.get("d0"), "decode died")
     (_, ended), = conductor.router.of(P.AttemptEnded)
     assert ended.wire_id == a.wire_id and ended.kind == "retry" and "decode died" in ended.message
@@ -188,19 +186,9 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
     assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 
-async def test_a_first_token_that_ends_the_request_frees_the_decode(conductor):
-    a = submit(conductor, [1, 2, 3])
-    conductor._on_reserved(conductor.cluster.get("d0"), P.Reserved(a.wire_id, "d0"))
-    conductor._on_prefill_done(conductor.cluster.get("p0"), P.PrefillDone(a.wire_id, "p0", 2, 0, 3, 0.01,
-                                                                          finished=P.FinishReason.STOP))
-    assert conductor.router.of(P.Started)[0][1].finished is P.FinishReason.STOP
-    assert ("d0", P.Abort(a.wire_id)) in conductor.router.log and not conductor.router.of(P.FirstToken)
-    assert a.wire_id not in conductor.attempts
-
-
 async def test_a_stalled_node_loses_its_attempts_and_recovers_when_it_progresses(conductor):
     conductor.cfg.conductor.stall_after_s = 5
-    register(conductor, "d1", "decode", kv="tcp://127.0.0.1:2")
+    register(conductor, "d1", "decode", kv="tcp://127.0.0.1:2", orders="tcp://127.0.0.1:5")
     a = submit(conductor, [1, 2, 3])
     node = conductor.cluster.get(a.plan.decode.node_id)
     m = conductor.membership

@@ -15,7 +15,6 @@ import tomllib
 from pathlib import Path
 
 import httpx
-import pytest
 
 from mooncake.testing.ports import free_port
 from mooncake import cli

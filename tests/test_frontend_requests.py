@@ -14,10 +14,12 @@ from mooncake import protocol as P
 from mooncake.blocks import hash_blocks
 from mooncake.config import Config
 from mooncake.frontend import Finished, Frontend, Rejection, Request, Tokens
-from mooncake.frontend.fallback import FallbackRouter
+from mooncake.frontend.attempt_driver import AttemptDriver
 from mooncake.frontend.request import RequestStatus, TransitionError
 
 FACTS = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8))
+ROUTE = P.Route(P.WorkerRef("d0", "decode", "tcp://127.0.0.1:4", "tcp://127.0.0.1:14"),
+                [P.WorkerRef("p0", "prefill", "tcp://127.0.0.1:3")], b"k" * 16)
 
 
 class Link:
@@ -33,7 +35,7 @@ class Link:
         self.sent.append(msg)
         if isinstance(msg, P.Submit):
             answer = P.Refused(msg.wire_id, **{f: getattr(self.refuse, f) for f in ("status", "reason", "message")}) \
-                if self.refuse else P.Admitted(msg.wire_id, "d0", "p0", msg.sampling.max_tokens)
+                if self.refuse else P.Admitted(msg.wire_id, ROUTE, msg.sampling.max_tokens)
             asyncio.get_running_loop().call_soon(self.frontend.conductor.handle, answer)
 
     def of(self, kind: type) -> list:
@@ -48,6 +50,10 @@ async def frontend():
     f = Frontend(Config(), tokenizer=None, model_name="m", node_id="f0")
     f.conductor.link = Link(f)
     f.conductor.view = P.ClusterView("c0", FACTS, True, {"prefill": 1, "decode": 1})
+    f.driver = AttemptDriver(zmq.asyncio.Context.instance(), None, "f0", "tcp://127.0.0.1:9", 1 << 20,
+                             f._on_prefilled, f._on_failed)
+    f.driver.sent = []  # what would go to the workers: (node id, message)
+    f.driver._send = lambda worker, msg: f.driver.sent.append((worker.node_id, msg))
     yield f
     for t in f._tasks:
         t.cancel()
@@ -61,7 +67,13 @@ def events(req: Request) -> list:
 
 
 def start(f: Frontend, req: Request, first: int = 7) -> None:
-    f._handle(P.Started(req.wire_id, first, 0))
+    """What the workers report as the attempt runs to its first token."""
+    f.driver.handle("d0", P.Reserved(req.wire_id, "d0"))
+    f.driver.handle("p0", P.PrefillDone(req.wire_id, "p0", first, 0, len(req.tokens), 0.01))
+
+
+def aborted(f: Frontend, wire_id: str) -> set[str]:
+    return {n for n, m in f.driver.sent if m == P.Abort(wire_id)}
 
 
 async def settle() -> None:
@@ -115,7 +127,8 @@ async def test_cancel_releases_the_attempt_and_has_its_workers_drop_it(frontend)
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
     frontend.cancel(req.req_id)
     frontend.cancel(req.req_id)  # idempotent
-    assert req.done and [(e.wire_id, e.abort) for e in frontend.conductor.ended] == [(req.attempt.wire_id, True)]
+    assert req.done and [(e.wire_id, e.abort) for e in frontend.conductor.ended] == [(req.attempt.wire_id, False)]
+    assert aborted(frontend, req.wire_id) == {"p0", "d0"}  # by the frontend, which drives it
     await frontend.conductor.flush()
     (release,) = frontend.conductor.link.of(P.Release)
     assert release.node_id == "f0" and len(release.ended) == 1 and not frontend.conductor.ended
@@ -132,8 +145,8 @@ async def test_a_refusal_is_the_client_s_error(frontend):
 
 async def test_fatal_failures_end_the_request_with_a_client_error(frontend):
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
-    frontend._handle(P.AttemptEnded(req.wire_id, "fatal", "bad temperature", 400, "temperature"))
-    assert req.done and req.migrations == 0
+    frontend.driver.handle("d0", P.Failed(req.wire_id, "d0", "bad temperature", P.FailureKind.FATAL, "temperature"))
+    assert req.done and req.migrations == 0 and aborted(frontend, req.wire_id) == {"p0", "d0"}
     end = events(req)[-1]
     assert end.reason is P.FinishReason.ERROR and end.error.status == 400 and end.error.param == "temperature"
 
@@ -174,7 +187,7 @@ async def test_a_request_without_progress_moves_then_fails(frontend):
     frontend.check_progress(t0 + 11)
     await settle()
     assert req.attempts == 2 and req.migrations == 1 and not req.done
-    assert frontend.conductor.ended[0].abort  # the stuck attempt is dropped where it runs
+    assert aborted(frontend, frontend.conductor.ended[0].wire_id) == {"p0", "d0"}  # dropped where it runs
     frontend.check_progress(req.last_progress + 11)
     assert req.done and "no progress" in events(req)[-1].error.message
 
@@ -204,7 +217,7 @@ async def test_a_cancel_while_a_move_is_being_placed_releases_the_late_attempt(f
     async def hold_answers(msg: P.Msg) -> None:  # the conductor answers the move only later
         link.sent.append(msg)
         if isinstance(msg, P.Submit):
-            held.append(P.Admitted(msg.wire_id, "d0", "p0", 8))
+            held.append(P.Admitted(msg.wire_id, ROUTE, 8))
             answered.set()
 
     link.send = hold_answers
@@ -214,7 +227,9 @@ async def test_a_cancel_while_a_move_is_being_placed_releases_the_late_attempt(f
     assert req.done
     frontend.conductor.handle(held[0])
     await settle()
-    assert (held[0].wire_id, True) in [(e.wire_id, e.abort) for e in frontend.conductor.ended]
+    # booked, never sent to a worker: released, nothing to abort
+    assert (held[0].wire_id, False) in [(e.wire_id, e.abort) for e in frontend.conductor.ended]
+    assert not aborted(frontend, held[0].wire_id)
     assert not frontend.requests and not frontend.attempts
 
 
@@ -222,20 +237,17 @@ async def test_with_no_conductor_heard_from_the_frontend_places_the_request_itse
     frontend.conductor.heard_at -= 60  # silent for a minute: none leads
     refused = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
     assert isinstance(refused, Rejection) and refused.reason == "no_conductor"  # no worker known to place on
-    fallback = FallbackRouter(zmq.asyncio.Context.instance(), None, "f0", "tcp://127.0.0.1:9", 1 << 20,
-                              frontend._handle)
-    sent: list[tuple[str, P.Msg]] = []
-    fallback._send = lambda node_id, msg: sent.append((node_id, msg))  # type: ignore[method-assign]
-    frontend.fallback = fallback
     frontend.conductor.view = msgspec.structs.replace(frontend.conductor.view, workers=[
         P.WorkerRef("p0", "prefill", "tcp://127.0.0.1:1"), P.WorkerRef("d0", "decode", "tcp://127.0.0.1:2", "tcp://k")])
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
     assert isinstance(req, Request) and not frontend.conductor.link.of(P.Submit)  # the conductor was not asked
-    assert req.wire_id.endswith("#2") and req.wire_id in fallback.attempts  # #1 stays the conductor's, if it ever was
-    assert [(n, type(m)) for n, m in sent] == [("d0", P.DecodeRequest)]
-    start(frontend, req)  # what the fallback hands on when the prefill reports
+    assert req.wire_id.endswith("#2")  # #1 stays the conductor's, if it ever was
+    (node, reserve), = frontend.driver.sent
+    assert node == "d0" and isinstance(reserve, P.DecodeRequest) and reserve.fallback
+    start(frontend, req)
     assert isinstance(events(req)[0], Tokens)
     frontend.cancel(req.req_id)
-    assert {(n, type(m)) for n, m in sent[1:]} == {("p0", P.Abort), ("d0", P.Abort)} and not fallback.attempts
-    assert not any(e.wire_id == req.wire_id for e in frontend.conductor.ended)  # released where it was placed
+    assert aborted(frontend, req.wire_id) == {"p0", "d0"} and not frontend.driver.attempts
+    # the conductor hears only of the wire ids it may have placed (#1, in case), not of this attempt
+    assert req.wire_id not in {e.wire_id for e in frontend.conductor.ended} and not frontend.conductor.done_prefills
     assert frontend.metrics.fallback_routed._value.get() == 1

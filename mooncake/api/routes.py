@@ -16,7 +16,6 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import msgspec
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 

@@ -1,22 +1,18 @@
 """The conductor: what must be global in a cluster — the registry and liveness, the KV index,
 the scheduler and its bookings, cost models, admission, hot-block replication, P2P metadata.
-Frontends own requests (``mooncake.frontend``); the conductor places each attempt and drives
-it to its first token. It carries no per-token traffic: decode streams tokens straight to
-the frontend that owns the request.
+Frontends own requests (``mooncake.frontend``) and drive their attempts; the conductor
+places and books each attempt. It carries no per-token traffic, and per attempt it handles
+one round trip and a share of two batches::
 
-One attempt (``attempt.py``)::
+    frontend ──Submit──────────▶ conductor   admit, place, book; answers Admitted (the route) or Refused
+    frontend ──▶ decode, prefill …           the frontend drives the attempt (frontend/attempt_driver.py)
+    frontend ──Release─────────▶ conductor   batched: prefills done (the booked prefill work is over,
+                                             the cost models learn), attempts ended (bookings released)
 
-    frontend ──Submit──────────▶ conductor   admit, place, book; answers Admitted or Refused
-    conductor ──DecodeRequest──▶ decode      reserves the KV blocks, answers Reserved
-    conductor ──PrefillRequest─▶ prefill     computes, pushes KV to decode, reports PrefillDone
-    conductor ──FirstToken─────▶ decode      starts decoding once all KV is in, streams tokens
-    conductor ──Started────────▶ frontend    to the frontend (DecodeRequest.reply_to)
-    frontend ──Release─────────▶ conductor   attempts that ended there (batched): bookings released
-
-A message of an attempt that moved or ended changes nothing. A failure is passed to the
-owner once (``AttemptEnded``, with its kind); the frontend decides whether the request gets
-a new attempt. A node that dies, stalls or restarts takes its attempts with it; a frontend
-that dies takes its attempts too (their workers drop them: nobody will read those streams).
+A report of an attempt that moved or ended changes nothing. A node that dies, stalls or
+restarts takes its attempts with it: their workers drop them and their owners hear it
+(``AttemptEnded``) and move them; a frontend that dies takes its attempts too (their workers
+drop them: nobody will read those streams).
 """
 
 from __future__ import annotations
@@ -27,10 +23,10 @@ import time
 from typing import Any
 
 from mooncake import protocol as P
-from mooncake.conductor.attempt import Attempt, Phase
+from mooncake.conductor.attempt import Attempt, route_of, worker_ref
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
-from mooncake.conductor.pipeline import record_stage, stage_requests
+from mooncake.conductor.pipeline import stage_plans
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.request_metrics import AttemptMetrics
 from mooncake.conductor.router import Router
@@ -85,9 +81,7 @@ class Conductor:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics)
         for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
-                             P.BlockEvent: self._on_block_event, P.Reserved: self._on_reserved,
-                             P.PrefillDone: self._on_prefill_done, P.Failed: self._on_failed,
-                             P.StageDone: self._on_stage_done, P.Submit: self._on_submit,
+                             P.BlockEvent: self._on_block_event, P.Submit: self._on_submit,
                              P.Release: self._on_release}.items():
             r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():
@@ -120,8 +114,8 @@ class Conductor:
     def view(self, snapshot: bool = False) -> P.ClusterView:
         """What frontends are told of the cluster (with ``snapshot``: what ``GET /cluster`` shows)."""
         nodes = {role: len(self.cluster.of_role(role)) for role in ("prefill", "decode", "store", "frontend")}
-        workers = [P.WorkerRef(n.node_id, role, n.endpoints["orders"], n.endpoints.get("kv", ""))
-                   for role in ("prefill", "decode") for n in self.cluster.of_role(role) if n.endpoints.get("orders")]
+        workers = [worker_ref(n) for role in ("prefill", "decode") for n in self.cluster.of_role(role)
+                   if n.endpoints.get("orders")]
         return P.ClusterView(self.name, self.facts, self.ready, nodes, cluster_snapshot(self) if snapshot else {},
                              workers)
 
@@ -135,19 +129,18 @@ class Conductor:
         self.requests_in_flight[node.node_id] = msg.in_flight
         known = self.attempts.get(msg.wire_id)  # asked again (the frontend re-registered): the same answer
         placed = known if known is not None and known.owner == node.node_id else \
-            self.submit(msg, node.endpoints.get("tokens", ""))
+            self.submit(msg)
         if msg.new_request and not isinstance(placed, Rejection):
             self.requests_in_flight[node.node_id] = msg.in_flight + 1  # ... and this one, now
         if isinstance(placed, Rejection):
             self._send(node.node_id, P.Refused(msg.wire_id, placed.status, placed.reason, placed.message,
                                                placed.param or "", placed.retry_after_s or 0.0))
         else:
-            self._send(node.node_id, P.Admitted(msg.wire_id, placed.plan.decode.node_id, placed.plan.prefill.node_id,
-                                                msg.sampling.max_tokens))
+            self._send(node.node_id, P.Admitted(msg.wire_id, placed.route, msg.sampling.max_tokens))
 
-    def submit(self, msg: P.Submit, reply_to: str = "") -> Attempt | Rejection:
+    def submit(self, msg: P.Submit) -> Attempt | Rejection:
         """Admit (a request's first attempt: its prompt and the cluster's limits), place and book an
-        attempt, and ask its decode instance to reserve; a Rejection says why it is refused."""
+        attempt; a Rejection says why it is refused."""
         facts = self.facts
         if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
@@ -164,12 +157,11 @@ class Conductor:
         if isinstance(placed, Rejection):
             self.metrics.rejected.labels(placed.reason).inc()
             return placed
-        attempt = Attempt(msg, placed, time.monotonic(), reply_to)
+        plan = placed.plan
+        attempt = Attempt(msg, placed, time.monotonic(), route_of(plan, stage_plans(plan, facts.block_shape[0])))
         self.attempts[msg.wire_id] = attempt
-        plan = attempt.plan
         self.metrics.plans.inc()
         self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
-        self._send(plan.decode.node_id, attempt.reserve_request())
         self.replicator.note_hits(msg.hashes[: plan.reusable_blocks])
         return attempt
 
@@ -188,7 +180,7 @@ class Conductor:
         assert self.router is not None
         self.router.send(node_id, msg)
 
-    # ------------------------------------------------------------ ending attempts
+    # ------------------------------------------------------------ what frontends report, ending attempts
 
     def _end(self, a: Attempt, abort: bool, tell: tuple[str, str] | None = None, status: int = 503,
              param: str = "") -> None:
@@ -203,8 +195,32 @@ class Conductor:
         if tell is not None:
             self._send(a.owner, P.AttemptEnded(a.wire_id, tell[0], tell[1], status, param))
 
+    def _prefilled(self, a: Attempt, p: P.Prefilled) -> None:
+        """Its frontend says the attempt's prefill is done: the booked prefill work is over."""
+        done, plan = p.done, a.plan
+        prefill = self.cluster.get(plan.prefill.node_id)
+        if done.stages == 1:  # a pipeline's time says nothing of one instance's prefill cost
+            self.costs.observe_prefill(done.computed_tokens, done.cached_tokens, done.prefill_s, done.fetched_blocks,
+                                       done.fetch_s)
+        if plan.stages:
+            self.metrics.pipeline_requests.inc()
+        else:
+            self.costs.observe_dispatch(plan, 0.0, p.reserved_s, p.prefilled_s, done.prefill_s + done.fetch_s)
+        a.prefilled = True
+        a.booking.prefill_finished()
+        if a.submit.share_prefix and not plan.stages:  # its prompt's blocks are on this prefill now
+            self.index.add(plan.prefill.node_id, "device", a.submit.hashes)
+        if prefill is not None:
+            self.stats.prefilled(a, done, prefill, p.prefilled_s)
+            if done.finished is None:
+                self.stats.handed_to_decode(a, done, prefill.info.block_bytes, self.facts.block_tokens)
+
     def _on_release(self, node: Node, msg: P.Release) -> None:
         now = time.monotonic()
+        for p in msg.prefilled:
+            a = self.attempts.get(p.wire_id)
+            if a is not None and a.owner == node.node_id and not a.prefilled:
+                self._prefilled(a, p)
         for e in msg.ended:
             a = self.attempts.get(e.wire_id)
             if a is None or a.owner != node.node_id:
@@ -240,62 +256,6 @@ class Conductor:
                 log.exception("liveness check failed")
 
     # ------------------------------------------------------------ what the workers report
-
-    def _attempt_of(self, node: Node, wire_id: str, role: str) -> Attempt | None:
-        """The live attempt ``wire_id`` if its ``role`` part runs on ``node`` (else it moved or ended)."""
-        a = self.attempts.get(wire_id)
-        return a if a is not None and a.runs(role, node.node_id) else None
-
-    def _on_reserved(self, node: Node, msg: P.Reserved) -> None:
-        a = self._attempt_of(node, msg.req_id, "decode")
-        if a is None or a.prefill is None or a.phase is not Phase.RESERVING:
-            return
-        prefill, a.prefill = a.prefill, None
-        a.phase, a.reserved_at = Phase.PREFILLING, time.monotonic()
-        if a.plan.stages:  # a pipeline group: every stage gets its part
-            assert self.facts is not None
-            for node_id, part in stage_requests(a.plan, prefill, self.facts.block_shape[0]):
-                self._send(node_id, part)
-            return
-        self._send(a.plan.prefill.node_id, prefill)
-
-    def _on_prefill_done(self, node: Node, msg: P.PrefillDone) -> None:
-        if msg.stages == 1:  # a pipeline's time says nothing of one instance's prefill cost
-            self.costs.observe_prefill(msg.computed_tokens, msg.cached_tokens, msg.prefill_s, msg.fetched_blocks,
-                                       msg.fetch_s)
-        a = self._attempt_of(node, msg.req_id, "prefill")
-        if a is None or a.phase is not Phase.PREFILLING:
-            return
-        plan, now = a.plan, time.monotonic()
-        if plan.stages:
-            self.metrics.pipeline_requests.inc()
-        else:
-            self.costs.observe_dispatch(plan, a.started, a.reserved_at, now, msg.prefill_s + msg.fetch_s)
-        a.booking.prefill_finished()
-        if a.submit.share_prefix and not plan.stages:  # its prompt's blocks are on this prefill now
-            self.index.add(node.node_id, "device", a.submit.hashes)
-        a.phase, a.first_token_at = Phase.DECODING, now
-        self.stats.prefilled(a, msg, node, now)
-        self._send(a.owner, P.Started(msg.req_id, msg.first_token, msg.cached_tokens, msg.prefill_s, msg.fetch_s,
-                                      msg.finished, msg.logprob))
-        if msg.finished is not None:  # done at its first token: the decode drops its reservation
-            self._end(a, abort=True)
-            return
-        self.stats.handed_to_decode(a, msg, node.info.block_bytes, self.facts.block_tokens)
-        self._send(plan.decode.node_id, P.FirstToken(msg.req_id, msg.first_token))
-
-    def _on_failed(self, node: Node, msg: P.Failed) -> None:
-        a = self.attempts.get(msg.req_id)
-        if a is None or node.node_id not in a.nodes:
-            return  # a failure of an attempt that already moved or ended
-        log.warning("%s failed %s (%s): %s", node.node_id, msg.req_id, msg.kind.value, msg.message)
-        self._end(a, abort=True, tell=(msg.kind.value, msg.message), status=400 if msg.kind is P.FailureKind.FATAL
-                  else 503, param=msg.param)
-
-    def _on_stage_done(self, node: Node, msg: P.StageDone) -> None:
-        a = self.attempts.get(msg.req_id)
-        if a is not None and node.node_id in a.plan.prefill_ids:
-            record_stage(self.metrics, msg)
 
     def _on_block_event(self, node: Node, msg: P.BlockEvent) -> None:
         if msg.kind == "stored":

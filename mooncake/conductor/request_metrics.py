@@ -17,9 +17,9 @@ class AttemptMetrics:
         self.name = model_name
         self.predictions = predictions
 
-    def prefilled(self, a: Attempt, msg: P.PrefillDone, node: Node, now: float) -> None:
-        """An attempt's prefill is done on ``node``."""
-        self.predictions.ttft(node.node_id, a.plan.est_ttft_s, now - a.started)
+    def prefilled(self, a: Attempt, msg: P.PrefillDone, node: Node, seconds: float) -> None:
+        """An attempt's prefill is done on ``node``, ``seconds`` after it was placed."""
+        self.predictions.ttft(node.node_id, a.plan.est_ttft_s, seconds)
         self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * node.info.block_bytes)
 
     def handed_to_decode(self, a: Attempt, msg: P.PrefillDone, block_bytes: int, block_tokens: int) -> None:

@@ -1,8 +1,9 @@
 """A frontend's conversation with the conductor that leads: placing attempts (``Submit`` ->
-``Admitted`` / ``Refused``, asked again across a change of leader), releasing the attempts that
-ended here (``Release``, batched every ``RELEASE_EVERY_S``), the cluster as the conductor last
-described it (``ClusterView``, on every heartbeat) and ``GET /cluster``'s snapshot (asked now).
-What else the conductor says (``Started``, ``AttemptEnded``) goes to the frontend. A conductor
+``Admitted`` / ``Refused``, asked again across a change of leader), reporting the prefills
+done and the attempts that ended here (``Release``, batched every ``RELEASE_EVERY_S``), the
+cluster as the conductor last described it (``ClusterView``, on every heartbeat) and ``GET
+/cluster``'s snapshot (asked now). What else the conductor says (``AttemptEnded``) goes to the
+frontend. A conductor
 that says nothing for ``LEADERLESS_AFTER_S`` or three heartbeats (it answers every one) is taken for none:
 ``ask`` then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
 
@@ -42,7 +43,9 @@ class ConductorClient:
         self._placing: dict[str, tuple[P.Submit, asyncio.Future]] = {}  # wire id -> what awaits an answer
         self._query: asyncio.Future | None = None
         self.ended: list[P.Ended] = []
-        self._ended_any = asyncio.Event()  # set by release(): the release loop sleeps while nothing ends
+        self.done_prefills: list[P.Prefilled] = []
+        self._urgent = False  # a reported prefill must reach the conductor before the next Submit
+        self._reported = asyncio.Event()  # set by a report: the release loop sleeps while there is none
         self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
         self.heard_at = time.monotonic()  # when the conductor last said anything
         self._tasks: list[asyncio.Task] = []
@@ -85,6 +88,8 @@ class ConductorClient:
             while not self.leaderless:
                 future = asyncio.get_running_loop().create_future()
                 self._placing[msg.wire_id] = (msg, future)
+                if self._urgent:
+                    await self.flush()
                 await self.link.send(msg)
                 while not future.done() and not self.leaderless and time.monotonic() < deadline:
                     await asyncio.wait([future], timeout=min(RETRY_NO_WORKERS_S, max(0.01, deadline - time.monotonic())))
@@ -103,18 +108,26 @@ class ConductorClient:
     def release(self, ended: P.Ended) -> None:
         """An attempt that ended here: its booking is released with the next batch."""
         self.ended.append(ended)
-        self._ended_any.set()
+        self._reported.set()
+
+    def prefilled(self, report: P.Prefilled, urgent: bool = False) -> None:
+        """An attempt's prefill is done (goes with the next batch; ``urgent``: before the next
+        Submit, which may depend on it, as a fork placed by its prompt's blocks does)."""
+        self.done_prefills.append(report)
+        self._urgent |= urgent
+        self._reported.set()
 
     async def flush(self) -> None:
-        if self.ended and self.link is not None:
-            ended, self.ended = self.ended, []
-            await self.link.send(P.Release(self.node_id, ended))
+        if (self.ended or self.done_prefills) and self.link is not None:
+            msg = P.Release(self.node_id, self.ended, self.done_prefills)
+            self.ended, self.done_prefills, self._urgent = [], [], False
+            await self.link.send(msg)
 
     async def _release_loop(self) -> None:
         while True:
-            await self._ended_any.wait()
+            await self._reported.wait()
             await asyncio.sleep(RELEASE_EVERY_S)  # what else ends meanwhile goes in the same batch
-            self._ended_any.clear()
+            self._reported.clear()
             try:
                 await self.flush()
             except Exception:

@@ -2,11 +2,12 @@
 as the cluster goes: it holds only its own requests, and any number run side by side.
 
 For each request it asks the conductor to place an attempt (``Submit``, one round trip:
-``Admitted`` or ``Refused``); the conductor drives the attempt to its first token
-(``Started``) and decode streams the rest straight here (``token_inlet.py``). When an attempt
-ends here (finished, cancelled) the frontend tells the conductor (``Release``, batched), which
-releases its booking; when it ends elsewhere (a worker failed, a node died: ``AttemptEnded``)
-the frontend gives the request a new attempt with the prompt and the tokens so far, at most
+``Admitted`` with the attempt's route, or ``Refused``), drives the attempt along the route to
+its first token (``attempt_driver.py``), and decode streams the rest straight here
+(``token_inlet.py``). The conductor hears, batched (``Release``), when each prefill is done
+and when each attempt ends here (finished, cancelled), and releases the bookings. When an
+attempt fails (a worker's ``Failed``, or a node died: the conductor's ``AttemptEnded``) the
+frontend gives the request a new attempt with the prompt and the tokens so far, at most
 ``max_migrations`` times (preemptions do not count). A request with no progress for
 ``request_timeout_s`` moves too, then fails. While no conductor leads, the frontend places
 attempts itself over the workers last known (``fallback.py``).
@@ -25,8 +26,9 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
+from mooncake.frontend.attempt_driver import AttemptDriver, DrivenAttempt
 from mooncake.frontend.conductor_client import ConductorClient
-from mooncake.frontend.fallback import FallbackRouter
+from mooncake.frontend.fallback import FallbackPlacer
 from mooncake.frontend.forks import Forks
 from mooncake.frontend.request import Request, RequestError, RequestStatus
 from mooncake.frontend.request_metrics import RequestMetrics
@@ -58,7 +60,8 @@ class Frontend:
         self.ctx = zmq.asyncio.Context()
         self.conductor = ConductorClient(cfg, self.node_id, self._handle)
         self.inlet: TokenInlet | None = None
-        self.fallback: FallbackRouter | None = None
+        self.driver: AttemptDriver | None = None
+        self.fallback = FallbackPlacer()
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -67,12 +70,13 @@ class Frontend:
         max_bytes = self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES
         self.inlet = TokenInlet(self.ctx, self.cfg.node.host, self.cfg.frontend.token_port, self.curve,
                                 self._on_tokens, max_bytes)
-        fallback = self.fallback = FallbackRouter(self.ctx, self.curve, self.node_id, self.inlet.endpoint, max_bytes,
-                                                  self._handle)
+        driver = self.driver = AttemptDriver(self.ctx, self.curve, self.node_id, self.inlet.endpoint, max_bytes,
+                                             self._on_prefilled, self._on_failed, self.stats.stage_done)
         register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid()),
                               {"tokens": self.inlet.endpoint})
         await self.conductor.connect(self.ctx, self.curve, register, self.load,
-                                     lambda: [w for w in self.attempts if w not in fallback.attempts], self._on_orphans)
+                                     lambda: [w for w in self.attempts if w not in driver.attempts
+                                              or driver.attempts[w].route.planned], self._on_orphans)
         self._tasks += [asyncio.create_task(self.inlet.serve()), asyncio.create_task(self._liveness_loop())]
         log.info("frontend %s registered; tokens come in on %s", self.node_id, self.inlet.endpoint)
 
@@ -82,8 +86,8 @@ class Frontend:
         for req in list(self.requests.values()):
             self._finish(req, Reason.ABORT, RequestError("the server is shutting down"))
         await self.conductor.close()
-        if self.fallback is not None:
-            self.fallback.close()
+        if self.driver is not None:
+            self.driver.close()
         for t in self._tasks:
             t.cancel()
         if self.inlet is not None:
@@ -162,13 +166,12 @@ class Frontend:
                        req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
                        share_prefix, in_flight, new_request=first)
         answer = await self.conductor.ask(msg)
-        if answer is None and self.conductor.leaderless and self.fallback is not None and \
+        if answer is None and self.conductor.leaderless and self.driver is not None and \
                 self.fallback.can_place(self.conductor.view.workers):
             self.conductor.release(P.Ended(wire_id, abort=True))  # in case a conductor placed it after all
-            req.attempts += 1  # ... that attempt's wire id stays its own
-            msg = msgspec.structs.replace(msg, wire_id=req.next_wire_id)
-            answer = self.fallback.place(msg, self.max_model_len)
-            wire_id = msg.wire_id
+            wire_id = req.skip_attempt()  # ... that attempt's wire id stays its own
+            msg = msgspec.structs.replace(msg, wire_id=wire_id)
+            answer = self.fallback.place(msg, self.max_model_len, self.driver.load())
             self.metrics.fallback_routed.inc()
         if answer is None:
             self.conductor.release(P.Ended(wire_id, abort=True))  # in case it was placed after all
@@ -179,12 +182,15 @@ class Frontend:
             return Rejection(answer.status, answer.reason, answer.message, answer.param or None,
                              answer.retry_after_s or None)
         if req.done:  # cancelled while it was being placed
-            self._release(P.Ended(wire_id, abort=True))
+            if answer.route.planned:  # nothing went to its workers yet: only the booking
+                self.conductor.release(P.Ended(wire_id))
             return answer
         if not req.generated:
             req.sampling.max_tokens = answer.max_tokens
-        req.placed(answer.decode, time.monotonic())
+        req.placed(answer.route.decode.node_id, time.monotonic())
         self.attempts[wire_id] = req
+        assert self.driver is not None
+        self.driver.drive(msg, answer.route)
         return answer
 
     async def _place_or_fail(self, req: Request, why: str = "", admitted: bool = False) -> None:
@@ -217,9 +223,13 @@ class Frontend:
                               req.last_token_at - a.first_token_at if decoded > 0 else 0.0))
 
     def _release(self, ended: P.Ended) -> None:
-        """Whoever placed the attempt (this frontend's fallback, else the conductor) releases it."""
-        if self.fallback is None or not self.fallback.release(ended):
+        """The attempt's workers drop it (with ``abort``), and the conductor releases its booking
+        (unless this frontend's fallback placed it)."""
+        a = self.driver.end(ended.wire_id, ended.abort) if self.driver is not None else None
+        if a is None:  # never driven here: the conductor has its workers drop it, if they must
             self.conductor.release(ended)
+        elif a.route.planned:
+            self.conductor.release(msgspec.structs.replace(ended, abort=False))
 
     def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
                 abort: bool = True) -> None:
@@ -268,31 +278,46 @@ class Frontend:
     # ------------------------------------------------------------ what the conductor and decodes say
 
     def _handle(self, msg: P.Msg) -> None:
-        """What the conductor says of this frontend's attempts (beyond placing them)."""
-        if isinstance(msg, P.Started):
-            self._on_started(msg)
-        elif isinstance(msg, P.AttemptEnded):
-            req = self.attempts.get(msg.wire_id)
-            if req is None or req.done:
-                return
-            self.attempts.pop(msg.wire_id, None)  # its booking is gone already
-            if msg.kind == P.FailureKind.FATAL.value:
-                self._finish(req, Reason.ERROR, RequestError(msg.message, msg.status, msg.param or None,
-                                                             "invalid_request"), abort=False)
-            else:
-                self._move(req, msg.message, preempted=msg.kind == P.FailureKind.PREEMPTED.value)
+        """What the conductor says of this frontend's attempts (beyond placing them): a node of
+        one died, stalled or restarted (its workers were told to drop it, its booking is gone)."""
+        if isinstance(msg, P.AttemptEnded):
+            if self.driver is not None:
+                self.driver.end(msg.wire_id, abort=False)
+            self._attempt_failed(msg.wire_id, msg.kind, msg.message, msg.status, msg.param)
         else:
             log.warning("frontend ignores %s", type(msg).__name__)
 
-    def _on_started(self, msg: P.Started) -> None:
-        req = self.attempts.get(msg.wire_id)
+    def _on_failed(self, a: DrivenAttempt, msg: P.Failed) -> None:
+        """A worker could not serve an attempt: the others drop it, and the request moves (or
+        fails, if the request itself is at fault)."""
+        self._release(P.Ended(a.wire_id, abort=True))
+        log.warning("%s failed %s (%s): %s", msg.node_id, msg.req_id, msg.kind.value, msg.message)
+        fatal = msg.kind is P.FailureKind.FATAL
+        self._attempt_failed(a.wire_id, msg.kind.value, msg.message, 400 if fatal else 503, msg.param)
+
+    def _attempt_failed(self, wire_id: str, kind: str, message: str, status: int, param: str) -> None:
+        req = self.attempts.pop(wire_id, None)
+        if req is None or req.done:
+            return
+        if kind == P.FailureKind.FATAL.value:
+            self._finish(req, Reason.ERROR, RequestError(message, status, param or None, "invalid_request"),
+                         abort=False)
+        else:
+            self._move(req, message, preempted=kind == P.FailureKind.PREEMPTED.value)
+
+    def _on_prefilled(self, a: DrivenAttempt, msg: P.PrefillDone, now: float) -> None:
+        """An attempt's prefill is done: its first token (the conductor hears of it with the next
+        batch; before the forks of its prompt are placed, which it must place by its blocks)."""
+        if a.route.planned:
+            self.conductor.prefilled(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started),
+                                     urgent=a.submit.share_prefix)
+        req = self.attempts.get(a.wire_id)
         if req is None or req.status is not RequestStatus.PLACED:
             return
-        now = time.monotonic()
         first = req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob)
         self.stats.started(req, msg, now, first)
         self.forks.release(req)  # its prompt's blocks are on the prefill now
-        if msg.finished is not None:  # done at its first token: the conductor had decode drop it
+        if msg.finished is not None:  # done at its first token (the driver had decode drop it)
             self._finish(req, msg.finished, abort=False)
         else:  # tokens that came before the first one are out now
             self._maybe_done(req)
@@ -304,7 +329,7 @@ class Frontend:
             return
         if msg.finished is not None:
             req.decode_finished = msg.finished
-        if req.status is RequestStatus.PLACED:  # ahead of the first token (it comes by the conductor)
+        if req.status is RequestStatus.PLACED:  # ahead of the first token (it comes from the prefill)
             req.hold(msg.index, msg.tokens, msg.logprobs or None)
             return
         now, last = time.monotonic(), req.last_token_at

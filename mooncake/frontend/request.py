@@ -136,6 +136,12 @@ class Request:
         """The wire id the next attempt will have (its booking's)."""
         return f"{self.req_id}#{self.attempts + 1}"
 
+    def skip_attempt(self) -> str:
+        """Give up the next wire id (it may have reached a conductor that died: it stays that
+        attempt's) and return the one after it."""
+        self.attempts += 1
+        return self.next_wire_id
+
     @property
     def done(self) -> bool:
         return self.status is RequestStatus.FINISHED
@@ -148,7 +154,7 @@ class Request:
     # ------------------------------------------------------------ transitions
 
     def placed(self, decode: str, now: float) -> Attempt:
-        """A new attempt (``next_wire_id``), placed by the conductor with ``decode`` streaming its tokens."""
+        """A new attempt (``next_wire_id``), placed with ``decode`` streaming its tokens."""
         self._to(RequestStatus.PLACED)
         self.attempts += 1
         self.attempt = Attempt(self.attempts, f"{self.req_id}#{self.attempts}", decode, now)

@@ -1,6 +1,7 @@
 """What a frontend tells Prometheus about its requests (vLLM's series): prompts admitted,
 first tokens (time to first token, queueing, prefix hits), tokens and the gaps between them,
-ends, and the waiting/running gauges read from its live requests before a scrape."""
+ends, the waiting/running gauges read from its live requests before a scrape, and the
+pipeline stages' reports of the attempts it drives."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class RequestMetrics:
         self.prefix_hits, self.ttft, self.queue_time = m.prefix_hits.labels(n), m.ttft.labels(n), m.queue_time.labels(n)
         self.generation_tokens, self.itl, self.e2e = m.generation_tokens.labels(n), m.itl.labels(n), m.e2e.labels(n)
         self.num_waiting, self.num_running = m.num_waiting.labels(n), m.num_running.labels(n)
+        self.metrics = metrics
         self.ended = {reason: m.requests.labels({Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok"))
                       for reason in Reason}
 
@@ -28,7 +30,7 @@ class RequestMetrics:
         self.prompt_tokens.inc(len(req.tokens))
         self.prefix_queries.inc(len(req.tokens))
 
-    def started(self, req: Request, msg: P.Started, now: float, first: bool) -> None:
+    def started(self, req: Request, msg: P.PrefillDone, now: float, first: bool) -> None:
         """An attempt's first token (``first``: the request's first token)."""
         if first:
             self.prefix_hits.inc(msg.cached_tokens)
@@ -51,3 +53,11 @@ class RequestMetrics:
         waiting = sum(1 for r in requests if r.status is RequestStatus.WAITING) + forks_waiting
         self.num_waiting.set(waiting)
         self.num_running.set(len(requests) + forks_waiting - waiting)
+
+    def stage_done(self, msg: P.StageDone) -> None:
+        """A pipeline stage's report: its compute and idle seconds, the activations it handed on."""
+        m, stage = self.metrics, str(msg.stage)
+        m.stage_compute.labels(stage).inc(max(0.0, msg.compute_s))
+        m.stage_idle.labels(stage).inc(max(0.0, msg.idle_s))
+        m.activation_bytes.inc(max(0, msg.activation_bytes))
+        m.stage_kv_inflight.observe(max(0, msg.kv_pending_bytes))

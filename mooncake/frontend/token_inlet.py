@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.security import Curve, allowed
-from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, bind_server, recv_multipart
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,7 @@ class TokenInlet:
         """``on_tokens(decode node id, event)`` for every token event that arrives."""
         self.on_tokens = on_tokens
         self.curve = curve
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        limit_message_size(self.sock, max_message_bytes)
-        if curve is not None:
-            curve.server(self.sock, ctx)
-        self.sock.bind(f"tcp://{host}:{port}")
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sock, self.endpoint = bind_server(ctx, zmq.ROUTER, curve, host, port, max_message_bytes)
 
     async def serve(self) -> None:
         while True:

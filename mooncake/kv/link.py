@@ -12,19 +12,13 @@ import zmq
 import zmq.asyncio
 
 from mooncake.security import Curve
-from mooncake.sockets import limit_message_size
+from mooncake.sockets import bind_server
 
 
 def bind_kv_ingress(ctx: zmq.asyncio.Context, curve: Curve | None, host: str, port: int,
                     max_message_bytes: int) -> tuple[zmq.asyncio.Socket, str]:
     """Decode's KV socket, bound on ``host`` (``port`` 0: any free port); (socket, endpoint)."""
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    limit_message_size(sock, max_message_bytes)
-    if curve is not None:
-        curve.server(sock, ctx)
-    sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
-    return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return bind_server(ctx, zmq.PULL, curve, host, port, max_message_bytes)
 
 
 def connect_kv_egress(ctx: zmq.asyncio.Context, curve: Curve | None, endpoint: str) -> zmq.asyncio.Socket:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 import msgspec
 
 from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
-from mooncake.protocol.frontend import (Admitted, AttemptEnded, ClusterQuery, ClusterView, Ended, Refused,
-                                        Release, Started, Submit, WorkerRef)
+from mooncake.protocol.frontend import (Admitted, AttemptEnded, ClusterQuery, ClusterView, Ended, Prefilled,
+                                        Refused, Release, Route, Submit, WorkerRef)
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
 from mooncake.protocol.p2p import P2PMessage
@@ -51,9 +51,10 @@ __all__ = [
     "ClusterQuery",
     "ClusterView",
     "Ended",
+    "Prefilled",
     "Refused",
     "Release",
-    "Started",
+    "Route",
     "Submit",
     "WorkerRef",
     "ALLOWED_DTYPES",
@@ -120,7 +121,7 @@ Message = Union[
     Ok, Blocks, LayerSlices, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, Failed,
     Activations, StageDone,
-    Submit, Admitted, Refused, Started, AttemptEnded, Release, ClusterQuery, ClusterView,
+    Submit, Admitted, Refused, AttemptEnded, Release, ClusterQuery, ClusterView,
     ShmPut, ShmGet, ShmBlocks,
     P2PMessage,  # p2p.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip

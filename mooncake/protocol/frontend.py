@@ -1,15 +1,15 @@
-"""Frontend <-> conductor: a frontend owns its requests (tokens, retries, the client); the
-conductor places each attempt and drives it to its first token.
+"""Frontend <-> conductor: a frontend owns its requests (tokens, retries, the client) and drives
+their attempts; the conductor places and books each attempt.
 
 ::
 
     frontend ──Submit──────▶ conductor   admission + placement (one round trip)
-    frontend ◀─Admitted/Refused──
-    conductor ─▶ decode, prefill …       as before (reserve, prefill, first token)
-    frontend ◀─Started───── conductor    the prefill's first token
+    frontend ◀─Admitted(Route)/Refused──
+    frontend ─▶ decode, prefill …        reserve, prefill, first token (``frontend/attempt_driver.py``)
     frontend ◀─TokenEvent/TokenStep── decode   every later token, straight from decode
-    frontend ◀─AttemptEnded─ conductor   the attempt failed, was preempted, or its node died
-    frontend ──Release─────▶ conductor   attempts that ended here (batched): bookings are released
+    frontend ◀─AttemptEnded─ conductor   a node of the attempt died, stalled or restarted
+    frontend ──Release─────▶ conductor   prefills done and attempts ended here (batched): the
+                                         cost models learn, bookings are released
 
 A frontend registers like a worker (role ``frontend``, endpoint ``tokens``: where decodes
 send its tokens) and heartbeats; heartbeats are answered with a ``ClusterView``.
@@ -21,7 +21,7 @@ import msgspec
 
 from mooncake.protocol.base import Msg
 from mooncake.protocol.membership import ModelFacts
-from mooncake.protocol.requests import FinishReason, Logprob, Sampling
+from mooncake.protocol.requests import FetchPlan, PrefillDone, Sampling, StagePlan
 
 
 class Submit(Msg, tag="submit"):
@@ -40,12 +40,40 @@ class Submit(Msg, tag="submit"):
     new_request: bool = False  # a request's first attempt: admission checks it against the cluster's limits
 
 
+class WorkerRef(msgspec.Struct, array_like=True):
+    """A prefill or decode instance as a frontend needs it to drive attempts on it: where it
+    takes orders (``roles/orders.py``) and, for decode, where its KV goes."""
+
+    node_id: str
+    role: str
+    orders: str
+    kv: str = ""
+
+
+class Route(msgspec.Struct, array_like=True):
+    """Where an attempt runs and how its KV moves: what the frontend that drives it sends its
+    workers. ``planned``: a conductor placed and booked it (False: the frontend's fallback did,
+    while none led; workers leave such attempts out of a conductor's reconciliation)."""
+
+    decode: WorkerRef
+    prefills: list[WorkerRef]  # one instance, or a pipeline group's stages in order
+    kv_token: bytes  # random, per attempt: decode admits KV only from this attempt's prefill
+    fetch: list[FetchPlan] = []  # store segments the prefill reads, in chain order
+    store_endpoint: str = ""  # where new blocks are written ("": none)
+    stages: list[StagePlan] = []  # a pipeline group's, one per prefill
+    store_from_block: int = -1  # a group's decode writes the prompt's blocks from this one to the store
+    planned: bool = True
+
+    @property
+    def node_ids(self) -> set[str]:
+        return {self.decode.node_id, *(w.node_id for w in self.prefills)}
+
+
 class Admitted(Msg, tag="admitted"):
-    """Conductor -> frontend: the attempt is placed; ``decode`` will stream its tokens."""
+    """Conductor -> frontend: the attempt is placed (``route``); its decode will stream its tokens."""
 
     wire_id: str
-    decode: str  # node id of the decode instance (only its tokens are accepted)
-    prefill: str = ""
+    route: Route
     max_tokens: int = 0  # clamped to the context
 
 
@@ -58,18 +86,6 @@ class Refused(Msg, tag="refused"):
     message: str
     param: str = ""
     retry_after_s: float = 0.0
-
-
-class Started(Msg, tag="started"):
-    """Conductor -> frontend: the attempt's prefill is done; its first token."""
-
-    wire_id: str
-    first_token: int
-    cached_tokens: int
-    prefill_s: float = 0.0
-    fetch_s: float = 0.0
-    finished: FinishReason | None = None
-    logprob: Logprob | None = None
 
 
 class AttemptEnded(Msg, tag="attempt_ended"):
@@ -94,27 +110,30 @@ class Ended(msgspec.Struct, array_like=True):
     decode_s: float = 0.0
 
 
+class Prefilled(msgspec.Struct, array_like=True):
+    """One attempt whose prefill is done, as its frontend saw it: what the prefill reported
+    (``PrefillDone``) and when, in seconds since the frontend was told of its placement,
+    decode had reserved (``reserved_s``) and the prefill reported (``prefilled_s``)."""
+
+    wire_id: str
+    done: PrefillDone
+    reserved_s: float
+    prefilled_s: float
+
+
 class Release(Msg, tag="release"):
-    """Frontend -> conductor: attempts that ended (batched): their bookings are released."""
+    """Frontend -> conductor, batched: prefills done (the booked prefill work is over; the cost
+    models learn) and attempts that ended (their bookings are released)."""
 
     node_id: str
     ended: list[Ended] = []
+    prefilled: list[Prefilled] = []
 
 
 class ClusterQuery(Msg, tag="cluster_query"):
     """Frontend -> conductor: the cluster as ``GET /cluster`` shows it."""
 
     node_id: str = ""
-
-
-class WorkerRef(msgspec.Struct, array_like=True):
-    """A prefill or decode instance as a frontend needs it to place attempts with no conductor
-    (``frontend/fallback.py``): where it takes orders and, for decode, where its KV goes."""
-
-    node_id: str
-    role: str
-    orders: str
-    kv: str = ""
 
 
 class ClusterView(Msg, tag="cluster_view"):

@@ -1,4 +1,5 @@
-"""The request path: conductor <-> prefill / decode, and prefill -> decode (KV)."""
+"""The request path: frontend <-> prefill / decode (a frontend drives each attempt it owns), and
+prefill -> decode (KV)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class FetchPlan(msgspec.Struct, array_like=True):
 
 
 class DecodeRequest(Msg, tag="decode_req"):
-    """Conductor -> decode, at dispatch: reserve KV blocks for ``tokens`` (whose KV prefill
+    """Frontend -> decode, at dispatch: reserve KV blocks for ``tokens`` (whose KV prefill
     will push) and answer ``Reserved`` once they are held. ``hashes`` are the full blocks'
     chained hashes, ``root`` the chain's seed (for blocks the generated tokens fill)."""
 
@@ -76,10 +77,11 @@ class DecodeRequest(Msg, tag="decode_req"):
     store_from_block: int = -1  # >= 0: write the prompt's full blocks from this one to the store as they become
     # whole here (a pipeline group's stages each hold only their layers, so none of them can)
     reply_to: str = ""  # the owning frontend's token endpoint: tokens go there, not to the conductor ("")
+    fallback: bool = False  # placed by its frontend while no conductor led: reconciliation leaves it alone
 
 
 class Reserved(Msg, tag="reserved"):
-    """Decode -> conductor: the blocks for the request are held; its KV may come."""
+    """Decode -> frontend: the blocks for the request are held; its KV may come."""
 
     req_id: str
     node_id: str
@@ -112,6 +114,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     store_endpoint: str = ""  # where new full blocks are written
     kv_token: bytes = b""  # the attempt's token: every KVTransfer to decode carries it
     stage: StagePlan | None = None  # set when the request runs on a pipeline group
+    fallback: bool = False  # as DecodeRequest's
 
 
 class PrefillDone(Msg, tag="prefill_done"):
@@ -143,7 +146,7 @@ class Activations(Msg, tag="activations"):
 
 
 class StageDone(Msg, tag="stage_done"):
-    """Pipeline stage -> conductor, once its part of a prefill is computed: its compute and idle
+    """Pipeline stage -> frontend, once its part of a prefill is computed: its compute and idle
     (waiting for the previous stage) seconds, activation bytes it sent, KV still queued for decode."""
 
     req_id: str
@@ -156,7 +159,7 @@ class StageDone(Msg, tag="stage_done"):
 
 
 class FirstToken(Msg, tag="first_token"):
-    """Conductor -> decode: the token prefill sampled; decoding starts from it once all KV is in."""
+    """Frontend -> decode: the token prefill sampled; decoding starts from it once all KV is in."""
 
     req_id: str
     token: int
@@ -201,8 +204,8 @@ class TokenEvent(Msg, tag="tokens"):
 
 
 class TokenStep(Msg, tag="token_step"):
-    """Decode -> conductor: one decode step's ``TokenEvent`` for each of several requests, in one
-    message (the conductor receives and decodes a batch of n once, not n times)."""
+    """Decode -> frontend: one decode step's ``TokenEvent`` for each of several of its requests, in one
+    message (the frontend receives and decodes a batch of n once, not n times)."""
 
     events: list[TokenEvent]
 
@@ -212,7 +215,7 @@ class Abort(Msg, tag="abort"):
 
 
 class Failed(Msg, tag="failed"):
-    """Worker -> conductor: a request could not be served here (reported once)."""
+    """Worker -> frontend: a request could not be served here (reported once)."""
 
     req_id: str
     node_id: str

@@ -1,13 +1,13 @@
-"""A worker's second way in: attempts ordered by a frontend while no conductor leads.
+"""Where a worker takes its attempts: the frontends that own them order them here.
 
-A prefill or decode instance binds one ROUTER (``orders`` in its registration; frontends learn
-it from the conductor's ``ClusterView``). While no conductor leads, a frontend places its
-requests itself (``frontend/fallback.py``) and sends here what the conductor would have sent:
-``DecodeRequest``, ``PrefillRequest``, ``FirstToken``, ``Abort``. The worker handles them as
-it handles the conductor's; whatever it reports of such an attempt (``Reserved``,
-``PrefillDone``, ``Failed``) goes back to the frontend that ordered it, never to a conductor.
-A conductor that leads again is not told of these attempts (the worker's registration leaves
-them out, so reconciliation does not drop them): they run to their end under their frontend.
+A prefill or decode instance binds one ROUTER (``orders`` in its registration; the conductor
+puts it in every route it plans, and lists it in its ``ClusterView``). A frontend drives each
+attempt it owns (``frontend/attempt_driver.py``) by sending here ``DecodeRequest``,
+``PrefillRequest``, ``FirstToken`` and ``Abort``; whatever the worker reports of the attempt
+(``Reserved``, ``PrefillDone``, ``StageDone``, ``Failed``) goes back to that frontend. The
+conductor only aborts (over the worker's link). Attempts a frontend placed itself while no
+conductor led (``fallback``) are left out of the worker's registration, so a conductor that
+leads again does not drop them in reconciliation: they run to their end under their frontend.
 Under CURVE only frontend (control-plane) keys may order.
 """
 
@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.security import Curve, allowed
-from mooncake.sockets import limit_message_size, recv_multipart
+from mooncake.sockets import bind_server, recv_multipart
 
 log = logging.getLogger(__name__)
 ORDERS = (P.DecodeRequest, P.PrefillRequest, P.FirstToken, P.Abort)
@@ -35,14 +35,9 @@ class Orders:
         self.node_id = node_id
         self.handle = handle
         self.curve = curve
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        limit_message_size(self.sock, max_message_bytes)
-        if curve is not None:
-            curve.server(self.sock, ctx)
-        self.sock.bind(f"tcp://{host}:*")
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sock, self.endpoint = bind_server(ctx, zmq.ROUTER, curve, host, 0, max_message_bytes)
         self.ordered_by: dict[str, bytes] = {}  # wire id -> routing id of the frontend that ordered it
+        self.fallback: set[str] = set()  # wire ids placed by their frontend while no conductor led
 
     async def serve(self, held: Callable[[], list[str]]) -> None:
         """Handle orders until cancelled; ``held()``: the wire ids the worker still holds (an
@@ -62,10 +57,12 @@ class Orders:
                 log.warning("dropping %s from frontend %r: not an order", type(msg).__name__, ident[:64])
                 continue
             if isinstance(msg, (P.DecodeRequest, P.PrefillRequest)):
-                if len(self.ordered_by) > 64 + 2 * len(self.ordered_by.keys() & set(held())):
-                    keep = set(held())
+                if len(self.ordered_by) > 64 + 2 * len(self.ordered_by.keys() & (keep := set(held()))):
                     self.ordered_by = {w: i for w, i in self.ordered_by.items() if w in keep}
+                    self.fallback &= keep
                 self.ordered_by[msg.req_id] = ident
+                if msg.fallback:
+                    self.fallback.add(msg.req_id)
             try:
                 await self.handle(msg, tensors)
             except Exception as e:  # reported to the frontend, as the conductor's would be
@@ -74,8 +71,8 @@ class Orders:
                     await self.reply(P.Failed(msg.req_id, self.node_id, f"{type(e).__name__}: {e}"))
 
     async def reply(self, msg: P.Msg) -> bool:
-        """Send ``msg`` to the frontend that ordered its attempt; False if no frontend did (it
-        is the conductor's). A frontend that is gone loses it (a ROUTER never blocks)."""
+        """Send ``msg`` to the frontend that ordered its attempt; False if none did. A frontend
+        that is gone loses it (a ROUTER never blocks)."""
         ident = self.ordered_by.get(getattr(msg, "req_id", None) or "")
         if ident is None:
             return False
@@ -85,8 +82,9 @@ class Orders:
             log.warning("could not report %s to its frontend: %s", type(msg).__name__, e)
         return True
 
-    def ordered(self, wire_id: str) -> bool:
-        return wire_id in self.ordered_by
+    def planned(self, wire_ids: list[str]) -> list[str]:
+        """Those of ``wire_ids`` a conductor placed (what a registration reports for reconciliation)."""
+        return [w for w in wire_ids if w not in self.fallback]
 
     def close(self) -> None:
         self.sock.close(0)

@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.security import Curve
+from mooncake.sockets import connect_client
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,9 @@ class TokenOutlets:
     def _sock(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self.socks.get(endpoint)
         if sock is None:
-            sock = self.socks[endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
-            if self.curve is not None:
-                self.curve.client(sock, "conductor")  # frontends hold the control plane's key
-            sock.connect(endpoint)
+            # frontends hold the control plane's key
+            sock = self.socks[endpoint] = connect_client(self.ctx, zmq.DEALER, self.curve, "conductor", endpoint,
+                                                         self.node_id)
         return sock
 
     async def send(self, endpoint: str, events: list[P.TokenEvent]) -> None:

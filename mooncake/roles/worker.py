@@ -1,5 +1,5 @@
 """What the prefill and decode roles share: an engine on its own thread, the conductor
-link, the orders socket (frontends' attempts while no conductor leads: ``orders.py``), device-cache
+link, the orders socket (where the frontends drive their attempts: ``orders.py``), device-cache
 events, store clients (``kv.store_clients``), failure reports and the role's main loop."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class EngineWorker(ABC):
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint,
                                   self.register_msg({**endpoints, "orders": orders.endpoint}), self.load,
                                   curve=self.curve, max_message_bytes=self.max_message_bytes,
-                                  holding=lambda: [w for w in self.held_requests() if not orders.ordered(w)],
+                                  holding=lambda: orders.planned(self.held_requests()),
                                   on_orphans=self._drop_orphans,
                                   on_registered=self._announce_device_cache, coordination=self.cfg.coordination)
         health = await start_node_health(self.cfg, self.role, self.node_id)
