@@ -13,9 +13,9 @@ Every order is answered at once with what a real worker would send its frontend:
   ``finished = length``, and sends the step's events as the real decode does, to each request's
   frontend in one ``TokenStep`` (``--per-request-events``: one ``TokenEvent`` message each);
 * prefill: ``PrefillRequest`` -> ``PrefillDone`` (cached tokens from its own device cache, the
-  fetch plan's blocks as fetched), then a device ``BlockEvent`` for the blocks it now caches
+  fetch plan's blocks as fetched), then device ``BlockEvent``s for the blocks it now caches
   (and ``removed`` for those its LRU pool evicts), and, when the request names a store, that
-  store's ``BlockEvent`` for the blocks written to it (as the real store announces a put);
+  store's for the blocks written to it, batched as the real roles batch them (``BlockEvents``);
 * ``Abort``: the request is forgotten. Heartbeats report progress and no pending work.
 
     python benchmarks/standin_workers.py --config FILE [--prefill 4] [--decode 4] [--store 1]
@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config, load_config
+from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.orders import Orders
 from mooncake.roles.token_outlets import TokenOutlets
@@ -130,6 +131,7 @@ class StandIn:
         self._stepping: asyncio.Task | None = None
         self.reply_to: dict[str, str] = {}  # decoding request -> its frontend's token endpoint
         self.outlets = TokenOutlets(ctx, self.node_id, None)
+        self.events = BlockEvents(self.node_id)  # batched as the real roles batch them
         self.orders = Orders(ctx, "127.0.0.1", None, 64 << 20, self.node_id, lambda msg, _: self.handle(msg)) \
             if role != "store" else None
         if self.orders is not None:
@@ -146,6 +148,7 @@ class StandIn:
     async def serve(self) -> None:
         await self.link.connect(timeout_s=60)
         self.link.start_heartbeat()
+        self.cluster.tasks.append(asyncio.create_task(self.events.run(self.link.send)))
         if self.orders is not None:
             self.cluster.tasks.append(asyncio.create_task(self.orders.serve(lambda: [*self.decoding, *self.batch])))
         while True:
@@ -204,10 +207,8 @@ class StandIn:
         await self.send(P.PrefillDone(req.req_id, self.node_id, FIRST_OUTPUT_ID + req.num_generated,
                                            cached * bt, len(req.tokens) - reused * bt, 0.001, fetched, 0.0, done))
         stored, evicted = self.cache.insert(req.hashes)
-        if evicted:
-            await self.link.send(P.BlockEvent(self.node_id, "removed", "device", evicted))
-        if stored:
-            await self.link.send(P.BlockEvent(self.node_id, "stored", "device", stored))
+        self.events.add("removed", "device", evicted)
+        self.events.add("stored", "device", stored)
         store = self.cluster.stores.get(req.store_endpoint)
         if store is not None:
             await store.put(req.hashes[reused:])
@@ -215,10 +216,8 @@ class StandIn:
     async def put(self, hashes: list[bytes]) -> None:
         """A store: blocks written to it, announced as the real store does."""
         stored, evicted = self.cache.insert(hashes)
-        if evicted:
-            await self.link.send(P.BlockEvent(self.node_id, "removed", "dram", evicted))
-        if stored:
-            await self.link.send(P.BlockEvent(self.node_id, "stored", "dram", stored))
+        self.events.add("removed", "dram", evicted)
+        self.events.add("stored", "dram", stored)
 
 
 class StandInCluster:

@@ -116,8 +116,6 @@ async def test_requests_in_flight_are_bounded_and_an_aborting_release_frees_the_
 async def test_prompt_checks_and_max_tokens_clamp(conductor):
     r = submit(conductor, list(range(128)), 4)
     assert isinstance(r, Rejection) and r.reason == "context_length_exceeded" and r.param == "prompt"
-    r = submit(conductor, [5000], 4)
-    assert isinstance(r, Rejection) and r.status == 400 and r.param == "prompt"
     a = submit(conductor, list(range(100)), 500)
     assert a.submit.sampling.max_tokens == 28
 

@@ -134,6 +134,13 @@ async def test_cancel_releases_the_attempt_and_has_its_workers_drop_it(frontend)
     assert release.node_id == "f0" and len(release.ended) == 1 and not frontend.conductor.ended
 
 
+async def test_token_ids_outside_the_vocabulary_are_refused_before_the_conductor_is_asked(frontend):
+    for tokens in ([1, 1000], [-1, 2]):
+        r = await frontend.submit(tokens, P.Sampling())
+        assert isinstance(r, Rejection) and r.status == 400 and r.param == "prompt" and r.reason == "invalid_prompt"
+    assert not frontend.conductor.link.of(P.Submit) and not frontend.requests
+
+
 async def test_a_refusal_is_the_client_s_error(frontend):
     frontend.conductor.link.refuse = P.Refused("", 503, "overloaded", "too many requests")
     r = await frontend.submit([1, 2, 3], P.Sampling())

@@ -34,9 +34,11 @@ class Replicator:
 
     def note_hits(self, hashes: list[bytes]) -> None:
         """A request reused these blocks; replicate the ones that became hot."""
-        hot = [h for h in self.hot.hit(hashes, time.monotonic()) if h not in self._replicating]
         stores = {n.node_id: n for n in self.cluster.of_role("store")}
-        if not hot or len(stores) < 2:
+        if len(stores) < 2:  # nowhere to replicate to
+            return
+        hot = [h for h in self.hot.hit(hashes, time.monotonic()) if h not in self._replicating]
+        if not hot:
             return
         want = min(self.cfg.replicas, len(stores))
         by_pair: dict[tuple[str, str], list[bytes]] = {}

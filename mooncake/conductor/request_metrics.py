@@ -16,16 +16,18 @@ class AttemptMetrics:
         self.metrics = metrics
         self.name = model_name
         self.predictions = predictions
+        self.store_to_prefill, self.prefill_to_decode = (metrics.kv_bytes.labels(way) for way in
+                                                         ("store_to_prefill", "prefill_to_decode"))
 
     def prefilled(self, a: Attempt, msg: P.PrefillDone, node: Node, seconds: float) -> None:
         """An attempt's prefill is done on ``node``, ``seconds`` after it was placed."""
         self.predictions.ttft(node.node_id, a.plan.est_ttft_s, seconds)
-        self.metrics.kv_bytes.labels("store_to_prefill").inc(msg.fetched_blocks * node.info.block_bytes)
+        self.store_to_prefill.inc(msg.fetched_blocks * node.info.block_bytes)
 
     def handed_to_decode(self, a: Attempt, msg: P.PrefillDone, block_bytes: int, block_tokens: int) -> None:
         """The prefill's KV went to the decode instance (the prompt and the tokens before the last)."""
         n_tokens = len(a.submit.tokens) - 1
-        self.metrics.kv_bytes.labels("prefill_to_decode").inc(-(-n_tokens // block_tokens) * block_bytes)
+        self.prefill_to_decode.inc(-(-n_tokens // block_tokens) * block_bytes)
         self.metrics.kv_inflight_at_prefill_end.observe(msg.kv_pending_bytes)
 
     def ended(self, a: Attempt, decoded: int, decode_s: float, now: float) -> None:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Node, P.Msg], None]
 MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
+# frame-level send and receive, without pyzmq's Python wrappers (its flags are Python enums)
+_send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+_NOBLOCK, _NOBLOCK_MORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.RCVMORE)
 
 
 class Router:
@@ -103,8 +106,7 @@ class Router:
                     log.exception("error handling a message from %r", frames[0].bytes[:64] if frames else b"")
             self._schedule_drain()
         finally:
-            self._count_of: dict[type, Any] = {}  # message type -> its counter (a label lookup costs more than the count)
-        self._draining = False
+            self._draining = False
 
     def _schedule_drain(self) -> None:
         if not self._drain_soon:
@@ -152,8 +154,12 @@ class Router:
     def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
         if self.sock.closed:
             return
+        frames = P.encode(msg)
         try:
-            self.sock.send_multipart([ident, *P.encode(msg)], zmq.NOBLOCK)  # copied: cheaper for small frames
+            _send(self.sock, ident, _NOBLOCK_MORE)  # copied: cheaper for small frames
+            for frame in frames[:-1]:
+                _send(self.sock, frame, _NOBLOCK_MORE)
+            _send(self.sock, frames[-1], _NOBLOCK)
         except zmq.ZMQError as e:  # a ROUTER drops rather than blocks; anything else is logged
             log.warning("could not send %s: %s", type(msg).__name__, e)
         if not self._draining and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:

@@ -132,6 +132,10 @@ class Frontend:
         > 1: forks of it follow (its prompt's blocks are indexed on its prefill at once)."""
         if self.facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.facts.vocab_size):
+            bad = min(tokens) if min(tokens) < 0 else max(tokens)
+            return Rejection(400, "invalid_prompt",
+                             f"prompt token id {bad} is outside the vocabulary [0, {self.facts.vocab_size})", "prompt")
         req = Request.new(tokens, sampling, self.facts, time.monotonic(), cache_salt, request_id)
         answer = await self._place(req, share_prefix=choices > 1)
         if isinstance(answer, Rejection):

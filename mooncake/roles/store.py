@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
+from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.protocol.p2p import Forget
@@ -53,10 +54,10 @@ async def run_store(cfg: Config) -> None:
     except DirLocked as e:
         raise SystemExit(f"mooncake store {node_id}: {e}") from None
     link: ConductorLink | None = None
+    events = BlockEvents(node_id)  # sent to the conductor batched, once registered
 
-    async def on_event(event: P.BlockEvent) -> None:  # called on the event loop
-        if link is not None:
-            await link.send(event)
+    def on_event(event: P.BlockEvent) -> None:  # called on the event loop
+        events.add(event.kind, event.tier, event.hashes)
 
     port = cfg.node.store_port
     server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
@@ -102,8 +103,10 @@ async def run_store(cfg: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     drain = asyncio.create_task(_drain(link, p2p))
+    announcing = asyncio.create_task(events.run(link.send))
     await stop.wait()
     drain.cancel()
+    announcing.cancel()
     await p2p.close()
     await server.close()  # no new operations; those in flight have finished
     store.on_event = None

@@ -26,6 +26,7 @@ from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.kv.integrity import Rejections
 from mooncake.kv.store_clients import StoreClients
 from mooncake.protocol.engine_profile import EngineProfile
+from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.roles.orders import Orders
@@ -80,7 +81,7 @@ class EngineWorker(ABC):
         self.rejections = Rejections()  # KV refused (forged or corrupt), by reason
         self.stores = StoreClients(self.curve, self.max_message_bytes, self.rejections, cfg.security,
                                    self.engine.model_id, self.node_id, self._export_blocks)
-        self._pending_events: list[tuple[str, list[bytes]]] = []
+        self.block_events = BlockEvents(self.node_id)
         self._tasks: list[asyncio.Task] = []
         self.link: ConductorLink | None = None
         self.orders: Orders | None = None
@@ -148,10 +149,14 @@ class EngineWorker(ABC):
         loop = asyncio.get_running_loop()
 
         def on_event(kind: str, hashes: list) -> None:  # engine thread
-            loop.call_soon_threadsafe(self._pending_events.append, (kind, [bytes(h) for h in hashes]))
+            loop.call_soon_threadsafe(self.block_events.add, kind, "device", [bytes(h) for h in hashes])
+
+        async def send(msg: P.BlockEvent) -> None:
+            if self.link is not None:
+                await self.link.send(msg)
 
         self.engine.on_block_event = on_event
-        self._tasks.append(asyncio.create_task(self._flush_events()))
+        self._tasks.append(asyncio.create_task(self.block_events.run(send)))
 
     async def _announce_device_cache(self) -> None:
         """After a re-registration (a new conductor, or back from being declared dead): every block
@@ -159,17 +164,7 @@ class EngineWorker(ABC):
         if self.engine.on_block_event is None:
             return
         hashes = await self.run_engine(lambda: [bytes(h) for h in self.engine.blocks.cached])
-        if hashes:
-            self._pending_events.append(("stored", hashes))
-
-    async def _flush_events(self) -> None:
-        while True:
-            await asyncio.sleep(0.02)
-            if not self._pending_events or self.link is None:
-                continue
-            events, self._pending_events = self._pending_events, []
-            for kind, hashes in events:
-                await self.link.send(P.BlockEvent(self.node_id, kind, "device", hashes))
+        self.block_events.add("stored", "device", hashes)
 
     # ---- main loop
 

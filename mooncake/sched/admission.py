@@ -2,7 +2,8 @@
 
 A refusal is a typed ``Rejection`` (HTTP status, reason, message, the request
 field at fault, when to retry); the HTTP layer maps it to OpenAI's error body.
-``check_request`` judges the request against the model and the cluster's caps,
+``check_request`` judges the request against the model's context and the cluster's caps
+(its token ids against the vocabulary are the frontend's to check),
 ``check_plan`` the scheduler's predictions against the SLOs — only predictions with
 evidence behind them (a start-up profile or measurements), and never so long that the
 cluster stops learning: after refusing everything for ``probe_after_s`` it admits one
@@ -51,10 +52,6 @@ class Admission:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt has {len(tokens)} tokens; this model's context is {limit} tokens "
                              f"(at most {limit - 1} prompt tokens)", "prompt")
-        if min(tokens) < 0 or max(tokens) >= facts.vocab_size:
-            bad = min(tokens) if min(tokens) < 0 else max(tokens)
-            return Rejection(400, "invalid_prompt",
-                             f"prompt token id {bad} is outside the vocabulary [0, {facts.vocab_size})", "prompt")
         if sampling.max_tokens < 1:
             return Rejection(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
         need = -(-(len(tokens) + 1) // facts.block_tokens)

@@ -194,9 +194,16 @@ class Scheduler:
         the requests booked on it are served; ``indexed``: its run in the KV index."""
         pending = self.pending.of(node_id)
         run = min(indexed, limit)
-        if not pending:
-            return run
-        while run < limit and (hashes[run] in pending or self.index.holds(node_id, hashes[run])):
+        if pending:  # a booked chain is pending from its block 0 (a block's hash names its whole prefix),
+            lo, hi = run, limit  # so the pending blocks of ``hashes`` are a prefix of it: bisect its end
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in pending:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            run = lo
+        while run < limit and self.index.holds(node_id, hashes[run]):
             run += 1
         return run
 
