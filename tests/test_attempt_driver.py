@@ -162,3 +162,17 @@ async def test_a_worker_takes_only_orders_reports_to_their_frontend_and_leaves_f
         frontend.close(0)
         orders.close()
         ctx.term()
+
+
+async def test_a_worker_forgets_who_ordered_an_attempt_only_once_it_has_not_held_it_at_two_prunes():
+    ctx = zmq.asyncio.Context()
+    orders = Orders(ctx, "127.0.0.1", None, 1 << 20, "d0", lambda msg, tensors: asyncio.sleep(0))
+    try:
+        orders.ordered_by, orders.fallback = {"r1#1": b"fe", "r2#1": b"fe"}, {"r2#1"}
+        orders._prune({"r1#1"})  # r2 just let go: its failure may still be on its way to the frontend
+        assert await orders.reply(P.Failed("r2#1", "d0", "preempted", P.FailureKind.PREEMPTED))
+        orders._prune({"r1#1"})
+        assert set(orders.ordered_by) == {"r1#1"} and not orders.fallback
+    finally:
+        orders.close()
+        ctx.term()

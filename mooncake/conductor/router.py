@@ -38,9 +38,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Node, P.Msg], None]
 MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
-# frame-level send and receive, without pyzmq's Python wrappers (its flags are Python enums)
-_send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
-_NOBLOCK, _NOBLOCK_MORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.RCVMORE)
+_send = zmq.backend.Socket.send  # a frame's send without pyzmq's Python wrapper (its flags are Python enums)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 class Router:

@@ -28,6 +28,7 @@ from mooncake.security import Curve
 from mooncake.sockets import connect_client, recv_multipart
 
 log = logging.getLogger(__name__)
+CLOSE_LINGER_MS = 200
 
 
 @dataclass(eq=False)
@@ -133,6 +134,9 @@ class AttemptDriver:
         key = (worker.node_id, worker.orders)
         sock = self._socks.get(key)
         if sock is None and worker.orders:
+            for old in [k for k in self._socks if k[0] == worker.node_id]:  # it restarted elsewhere
+                self._tasks.pop(old).cancel()
+                self._socks.pop(old).close(0)
             sock = self._socks[key] = connect_client(self.ctx, zmq.DEALER, self.curve, "worker", worker.orders,
                                                      self.node_id, self.max_message_bytes)
             self._tasks[key] = asyncio.create_task(self._receive(worker.node_id, sock))
@@ -150,10 +154,12 @@ class AttemptDriver:
                 log.exception("error handling a message from %s", node_id)
 
     def close(self) -> None:
+        """Close the sockets (what was just sent, such as the aborts at shutdown, has
+        ``CLOSE_LINGER_MS`` to go out)."""
         for t in self._tasks.values():
             t.cancel()
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(CLOSE_LINGER_MS)
         self._socks.clear()
 
 

@@ -260,11 +260,12 @@ class Frontend:
         self._tasks.append(asyncio.create_task(self._place_or_fail(req, why)))
 
     async def _on_orphans(self, wire_ids: list[str]) -> None:
-        """The conductor (a new one) does not know these attempts: they move."""
+        """The conductor (a new one) does not know these attempts: they move (their workers drop
+        them, if reconciliation has not had them do so already)."""
         for wire_id in wire_ids:
             req = self.attempts.get(wire_id)
             if req is not None and not req.done:
-                self._move(req, "the conductor lost its attempt")
+                self._move(req, "the conductor lost its attempt", abort=True)
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -283,10 +284,11 @@ class Frontend:
 
     def _handle(self, msg: P.Msg) -> None:
         """What the conductor says of this frontend's attempts (beyond placing them): a node of
-        one died, stalled or restarted (its workers were told to drop it, its booking is gone)."""
+        one died, stalled or restarted (its booking is gone; the conductor told its workers to drop
+        it, and so does the frontend: an order of its own may have overtaken the conductor's)."""
         if isinstance(msg, P.AttemptEnded):
-            if self.driver is not None:
-                self.driver.end(msg.wire_id, abort=False)
+            if self.driver is not None:  # its aborts too: they go after this frontend's orders, on their sockets
+                self.driver.end(msg.wire_id, abort=True)
             self._attempt_failed(msg.wire_id, msg.kind, msg.message, msg.status, msg.param)
         else:
             log.warning("frontend ignores %s", type(msg).__name__)

@@ -1,7 +1,7 @@
 """A prefill's KV egress: one PUSH socket per decode instance, and the send of one KV message.
 
-A send gives up when its request is aborted (e.g. the conductor found the decode dead and moved
-the request) or after ``SEND_TIMEOUT_S``; then the socket is dropped, since its queue may hold
+A send gives up when its request is aborted (e.g. the conductor found the decode dead and the
+request moved) or after ``SEND_TIMEOUT_S``; then the socket is dropped, since its queue may hold
 parts of that request. Every message carries the attempt's token and a checksum per frame (a
 block, or a layer of blocks).
 """

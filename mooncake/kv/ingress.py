@@ -1,7 +1,7 @@
 """Decode's KV ingress: KV from prefill landing in the blocks decode reserved for it.
 
 Trust: the KV ingress admits only KV from worker keys (under CURVE) that carries the
-attempt's token (the conductor gave it to this decode and to the prefill it chose)
+attempt's token (its route gave it to this decode and to the prefill chosen)
 and whose blocks match their checksums and the model's block shape and dtype.
 Forged KV (wrong token, unknown sender) is dropped; corrupt KV fails the attempt,
 which is recomputed. Each refusal is counted by reason.

@@ -1,10 +1,10 @@
 """Decode role: reserve KV blocks, receive KV from prefill, decode in a continuous batch.
 
-A request arrives from the conductor as a ``DecodeRequest``: decode reserves the
-blocks its KV needs (waiting, in order, until the pool has room) and answers
-``Reserved``; only then does the conductor send the prefill, whose KV lands
+A request arrives from the frontend that drives its attempt as a ``DecodeRequest``:
+decode reserves the blocks its KV needs (waiting, in order, until the pool has room)
+and answers ``Reserved``; only then does the frontend send the prefill, whose KV lands
 straight in the reserved blocks. Memory on decode is therefore bounded by its
-pool, never by what prefill pushes. Once all KV is in and the conductor has
+pool, never by what prefill pushes. Once all KV is in and the frontend has
 passed on the first token (``FirstToken``), the sequence joins the batch; each
 step streams one token per sequence, straight to the frontend that owns the request
 (``token_outlets.py``). When a step needs blocks the pool no longer
@@ -70,7 +70,7 @@ class DecodeWorker(EngineWorker):
         load.pending = bool(self.running) or self.kv.landing > 0
         return load
 
-    # ------------------------------------------------------------ conductor messages
+    # ------------------------------------------------------------ orders (frontends) and aborts (conductor)
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.DecodeRequest):
@@ -90,7 +90,7 @@ class DecodeWorker(EngineWorker):
         return [*(m.req_id for m in self.pending), *self.incoming, *self.running]
 
     async def _drop(self, req_id: str) -> None:
-        """Forget a request wherever it is (aborted by the conductor)."""
+        """Forget a request wherever it is (aborted by its frontend or the conductor)."""
         self.pending = deque(m for m in self.pending if m.req_id != req_id)
         slot = self.incoming.pop(req_id, None)
         if slot is not None:
@@ -153,7 +153,7 @@ class DecodeWorker(EngineWorker):
             self._wake.set()
 
     async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
-        """Free a reserved or running request and report it to the conductor."""
+        """Free a reserved or running request and report it to its frontend."""
         rid = slot.msg.req_id
         self.incoming.pop(rid, None)
         self.running.pop(rid, None)
@@ -214,7 +214,7 @@ class DecodeWorker(EngineWorker):
         for endpoint, batch in by_frontend.items():
             if endpoint:
                 await self.outlets.send(endpoint, batch)
-            else:  # a conductor that takes the tokens itself (no frontend named)
+            else:  # no token endpoint named (a bare DecodeRequest, as unit tests send): with the reports
                 await self.send(batch[0] if len(batch) == 1 else P.TokenStep(batch))
 
     async def _make_room(self) -> None:

@@ -38,6 +38,7 @@ class Orders:
         self.sock, self.endpoint = bind_server(ctx, zmq.ROUTER, curve, host, 0, max_message_bytes)
         self.ordered_by: dict[str, bytes] = {}  # wire id -> routing id of the frontend that ordered it
         self.fallback: set[str] = set()  # wire ids placed by their frontend while no conductor led
+        self._unheld: set[str] = set()  # not held at the last prune
 
     async def serve(self, held: Callable[[], list[str]]) -> None:
         """Handle orders until cancelled; ``held()``: the wire ids the worker still holds (an
@@ -58,8 +59,7 @@ class Orders:
                 continue
             if isinstance(msg, (P.DecodeRequest, P.PrefillRequest)):
                 if len(self.ordered_by) > 64 + 2 * len(self.ordered_by.keys() & (keep := set(held()))):
-                    self.ordered_by = {w: i for w, i in self.ordered_by.items() if w in keep}
-                    self.fallback &= keep
+                    self._prune(keep)
                 self.ordered_by[msg.req_id] = ident
                 if msg.fallback:
                     self.fallback.add(msg.req_id)
@@ -69,6 +69,15 @@ class Orders:
                 log.exception("error handling ordered %s %s", type(msg).__name__, msg.req_id)
                 if not isinstance(msg, P.Abort):
                     await self.reply(P.Failed(msg.req_id, self.node_id, f"{type(e).__name__}: {e}"))
+
+    def _prune(self, held: set[str]) -> None:
+        """Forget the attempts the worker no longer holds at two prunes in a row (one it has
+        just let go may still have a report on its way: a failure, a preemption)."""
+        gone = {w for w in self.ordered_by if w not in held}
+        drop = gone & self._unheld
+        self.ordered_by = {w: i for w, i in self.ordered_by.items() if w not in drop}
+        self.fallback -= drop
+        self._unheld = gone - drop
 
     async def reply(self, msg: P.Msg) -> bool:
         """Send ``msg`` to the frontend that ordered its attempt; False if none did. A frontend

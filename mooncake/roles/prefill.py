@@ -5,13 +5,13 @@ conductor's fetch plan names stores holding the next blocks (local node first)
 and they are imported; the rest is computed chunk by chunk. New KV leaves for the decode instance
 layer by layer as the engine computes it (``[engine] kv_transfer = "layer"``, see
 ``mooncake/kv/layers.py``), or block by block after each chunk (``"block"``), while
-later work computes. The first token goes to the conductor; each chunk's newly
+later work computes. The first token goes to the frontend driving the attempt; each chunk's newly
 completed full blocks are written to the node's store in the background. Every KV
 movement goes through the request's connector (``mooncake/kv/prefill_kv.py``).
 
 Trust: blocks read from a store must be the ones asked for, in the model's block
 shape and dtype (else a miss, recomputed: ``mooncake/kv/prefix_load.py``); every KV transfer
-to decode carries the attempt's token from the conductor and a checksum per block.
+to decode carries the attempt's token (from its route) and a checksum per block.
 
 A request with a ``StagePlan`` runs this instance as one stage of a pipeline group
 (``prefill_stage.py``): the same prefix handling and KV path, its own layers only.

@@ -102,7 +102,7 @@ async def run_stage(req: P.PrefillRequest, seq: Sequence, kv: PrefillKV, fetched
                     progressed: Callable[[], None]) -> None:
     """This instance's part of a group prefill: its layers of every chunk, its KV to decode (through
     ``kv``, attached to ``seq``), its hidden states to the next stage (``ship``), reports to the
-    conductor (``report``)."""
+    frontend driving the attempt (``report``)."""
     st = req.stage
     assert st is not None
     T = engine.block_tokens

@@ -117,7 +117,7 @@ class EngineWorker(ABC):
         """A copy of ``seq``'s blocks ``[first, end)`` (for a store), read on the engine thread."""
         return await self.run_engine(self.engine.kv.export_sequence, seq, first, end)
 
-    # ---- reports to the conductor
+    # ---- reports
 
     def load(self) -> P.Load:
         st = self.engine.stats()
@@ -126,7 +126,7 @@ class EngineWorker(ABC):
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped)
 
     async def send(self, msg: P.Msg) -> None:
-        """To the conductor, or for an attempt a frontend ordered, to that frontend."""
+        """An attempt's report to the frontend that ordered it; anything else to the conductor."""
         if self.orders is not None and await self.orders.reply(msg):
             return
         assert self.link is not None
@@ -232,7 +232,7 @@ class EngineWorker(ABC):
 
     @abstractmethod
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
-        """A message from the conductor."""
+        """An order from a frontend, or a message from the conductor."""
 
     async def close(self) -> None:
         for t in self._tasks:
