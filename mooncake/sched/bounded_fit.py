@@ -24,10 +24,11 @@ it exactly. Robustness:
 - a fit whose prediction at any reference size leaves ``[1/max_factor, max_factor]`` times
   the prior's is discarded: the model keeps its last sane fit (at first, the prior).
 
-Cost. A refit reads the whole window (~1 ms for 256 samples), and a conductor observes a
-prefill per request: the model refits after every sample while it has few, then once per
-``1/REFIT_SHARE`` of its window (every 8 samples when full), so each sample costs a few
-microseconds on average and the fit lags by a few samples of hundreds. A batch of samples
+Cost. A refit reads the whole window (0.2-1 ms for 256 samples), and a conductor observes a
+prefill per request and each decode's steps once a second: the model refits after every sample
+while it has few, then once per ``REFIT_SHARE`` of its window (every 32 samples when full), so
+each sample costs a few microseconds on average, the fit lags by tens of samples of hundreds,
+and a decode's learning costs a refit every few heartbeats, not every one. A batch of samples
 (``observe_all``: a heartbeat's decode steps) refits once at most.
 """
 
@@ -45,7 +46,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FLOOR_SHARE = 0.05  # least share of the anchor's prior prediction a term's scale carries
-REFIT_SHARE = 1 / 32  # new samples, as a share of those held, that make a refit due
+REFIT_SHARE = 1 / 8  # new samples, as a share of those held, that make a refit due
 
 
 def solve_box_qp(A: list[list[float]], b: list[float], lo: Sequence[float], hi: Sequence[float],
