@@ -160,8 +160,10 @@ def test_restarted_store_serves_its_lmdb_blocks_again(single):
 
 def test_a_decode_frozen_past_dead_after_s_frees_its_pool_once_back(single):
     """Declared dead while it held a long request, the decode's reservation is an orphan the
-    conductor no longer knows: on its return it re-registers saying what it holds, is told to keep
-    nothing, and frees the blocks at once (without reconciliation it decoded on for minutes)."""
+    conductor no longer knows: on its return it frees the blocks at once — the frontend's abort
+    (sent when the conductor said the attempt ended) waits on its orders socket, and were that
+    lost, its re-registration says what it holds and it is told to keep nothing (reconciliation,
+    ``test_link_reconcile.py``). Without either it decoded on for minutes."""
     body = {"model": MODEL, "prompt": list(range(3000, 3600)), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     decode = single.children["decode0"].pid
@@ -182,7 +184,6 @@ def test_a_decode_frozen_past_dead_after_s_frees_its_pool_once_back(single):
         wait_for(lambda: used() and used()["used_blocks"] == 0 and used()["sequences"] == 0, 30,
                  "the returned decode's pool to be free")
         assert time.monotonic() - back < 30
-    assert metric(metrics(single.url), "mooncake:reconciliation_aborts_total") >= 1
 
 
 def test_a_prefill_back_from_being_declared_dead_announces_its_device_cache_again(single):
