@@ -94,7 +94,7 @@ class Conductor:
     async def close(self) -> None:
         """Attempts left have no client: workers drop them, then the socket closes."""
         for a in list(self.attempts.values()):
-            self._end(a, abort=True, tell=("retry", "the conductor is shutting down"))
+            self._end(a, abort=True, why="the conductor is shutting down")
         if self.router is not None:
             await self.router.flush()
         for t in self._tasks:
@@ -182,18 +182,17 @@ class Conductor:
 
     # ------------------------------------------------------------ what frontends report, ending attempts
 
-    def _end(self, a: Attempt, abort: bool, tell: tuple[str, str] | None = None, status: int = 503,
-             param: str = "") -> None:
-        """Release the attempt's booking; with ``abort`` its workers drop it; with ``tell`` (kind,
-        message) its owner hears that it ended."""
+    def _end(self, a: Attempt, abort: bool, why: str = "") -> None:
+        """Release the attempt's booking; with ``abort`` its workers drop it; with ``why`` its
+        owner hears that it ended and gives the request another attempt."""
         if self.attempts.pop(a.wire_id, None) is None:
             return
         a.booking.release()
         if abort:
             for node_id in a.nodes:
                 self._send(node_id, P.Abort(a.wire_id))
-        if tell is not None:
-            self._send(a.owner, P.AttemptEnded(a.wire_id, tell[0], tell[1], status, param))
+        if why:
+            self._send(a.owner, P.AttemptEnded(a.wire_id, P.FailureKind.RETRY.value, why))
 
     def _prefilled(self, a: Attempt, p: P.Prefilled) -> None:
         """Its frontend says the attempt's prefill is done: the booked prefill work is over."""
@@ -242,7 +241,7 @@ class Conductor:
                 self._end(a, abort=True)
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
-                self._end(a, abort=True, tell=("retry", why))
+                self._end(a, abort=True, why=why)
         if node.role != "store":
             self._tell_frontends()
 
