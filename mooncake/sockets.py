@@ -1,5 +1,6 @@
 """Receiving and sending on asyncio ZeroMQ sockets without losing a loop to a spurious EAGAIN,
-and the size limit every socket gets.
+plain sockets read from the event loop's reader callback (``PlainSocket``), and the size limit
+every socket gets.
 
 libzmq may report a socket readable (``ZMQ_EVENTS`` has ``POLLIN``) and then answer the
 non-blocking receive with EAGAIN: it happens routinely on a CURVE server socket while a
@@ -12,12 +13,18 @@ retry instead.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import asyncio
+import logging
+from typing import Any, Callable, Sequence
 
 import zmq
 import zmq.asyncio
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_MSG_BYTES = 64 << 20  # a socket's limit when the role does not know its block size
+MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
+_send = zmq.backend.Socket.send  # a frame's send without pyzmq's Python wrapper (its flags are Python enums)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = False) -> list[Any]:
@@ -46,11 +53,16 @@ def limit_message_size(sock: zmq.Socket, max_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
 
 
+def _socket(ctx: zmq.asyncio.Context, socket_type: int, plain: bool) -> Any:
+    return (zmq.Context.shadow(ctx.underlying) if plain else ctx).socket(socket_type)
+
+
 def bind_server(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, host: str, port: int,
-                max_bytes: int) -> tuple[zmq.asyncio.Socket, str]:
+                max_bytes: int, plain: bool = False) -> tuple[Any, str]:
     """A socket peers connect to, bound on ``host`` (``port`` 0: any free port), a CURVE server
-    when ``curve`` (a ``security.Curve``) is given; (socket, the endpoint it is bound at)."""
-    sock = ctx.socket(socket_type)
+    when ``curve`` (a ``security.Curve``) is given; (socket, the endpoint it is bound at).
+    ``plain``: a blocking-API socket (for ``PlainSocket``) instead of an asyncio one."""
+    sock = _socket(ctx, socket_type, plain)
     sock.setsockopt(zmq.LINGER, 0)
     limit_message_size(sock, max_bytes)
     if curve is not None:
@@ -60,10 +72,11 @@ def bind_server(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, host: st
 
 
 def connect_client(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, server_kind: str, endpoint: str,
-                   identity: str = "", max_bytes: int = 0) -> zmq.asyncio.Socket:
+                   identity: str = "", max_bytes: int = 0, plain: bool = False) -> Any:
     """A socket connected to ``endpoint``; under CURVE it expects the server to hold the
-    ``server_kind`` key. ``identity``: its routing id (what a ROUTER on the other end sees)."""
-    sock = ctx.socket(socket_type)
+    ``server_kind`` key. ``identity``: its routing id (what a ROUTER on the other end sees);
+    ``plain``: as for ``bind_server``."""
+    sock = _socket(ctx, socket_type, plain)
     sock.setsockopt(zmq.LINGER, 0)
     if identity:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -73,3 +86,65 @@ def connect_client(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, serve
         curve.client(sock, server_kind)
     sock.connect(endpoint)
     return sock
+
+
+class PlainSocket:
+    """A blocking-API ZeroMQ socket driven by the event loop: read from the loop's reader callback
+    (every message waiting, ``MESSAGES_PER_WAKEUP`` at a time, each to ``on_frames``) and written
+    with ``NOBLOCK``, so no message costs a task or a future. pyzmq's asyncio socket costs several
+    times more per message. A send that would block fails at once (``zmq.Again``): a ROUTER drops
+    instead, a DEALER with no peer or a full queue raises, and the caller says what is lost."""
+
+    def __init__(self, sock: zmq.Socket, on_frames: Callable[[list[zmq.Frame]], None]) -> None:
+        self.sock = sock
+        self.on_frames = on_frames
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_soon = False
+
+    def start(self) -> None:
+        """Start reading (from the running loop), what arrived before included."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_drain()
+
+    def send(self, frames: Sequence[Any]) -> None:
+        """Queue a message (its frames) now; raises ``zmq.ZMQError`` when it cannot."""
+        for frame in frames[:-1]:
+            _send(self.sock, frame, _NOBLOCK_MORE)
+        _send(self.sock, frames[-1], _NOBLOCK)
+        if not self._draining and self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule_drain()  # a send may consume the descriptor's edge: read what waits
+
+    def _drain(self) -> None:
+        """The descriptor is edge-triggered: read until empty (or the budget, then come back)."""
+        self._drain_soon = False
+        if self.sock.closed:
+            return
+        self._draining = True
+        try:
+            for _ in range(MESSAGES_PER_WAKEUP):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                try:
+                    self.on_frames(frames)
+                except Exception:  # one bad message never stops the reader
+                    log.exception("error handling a message")
+            self._schedule_drain()
+        finally:
+            self._draining = False
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_soon and self._loop is not None:
+            self._drain_soon = True
+            self._loop.call_soon(self._drain)
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self.sock.closed:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self.sock.close(linger_ms)

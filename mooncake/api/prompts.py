@@ -8,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mooncake.api.codec import Codec
 from mooncake.api.errors import APIError
 from mooncake.api.schemas import ChatMessage
 from mooncake.api.structured import tool_call_text, tools_system_text
@@ -36,8 +37,9 @@ def _args(arguments: str) -> object:
 
 
 class Prompts:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, codec: Codec | None = None) -> None:
+        self.tokenizer = tokenizer  # the chat template's
+        self.codec = codec or Codec(tokenizer)  # text <-> ids
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one tokenizer, one thread
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -46,13 +48,13 @@ class Prompts:
     async def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
-        return await self._run(self.tokenizer.encode, prompt)
+        return await self._run(self.codec.encode, prompt)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return await self._run(self.codec.encode, text, add_special_tokens)
 
     async def decode(self, tokens: list[int]) -> str:
-        return await self._run(self.tokenizer.decode, tokens)
+        return await self._run(self.codec.decode, tokens)
 
     async def chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
                    add_generation_prompt: bool = True) -> list[int]:
@@ -79,7 +81,7 @@ class Prompts:
         except Exception as e:  # the template refused the conversation (jinja raise_exception, bad roles)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="chat_template_error") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.codec.encode(text, add_special_tokens=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

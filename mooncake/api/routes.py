@@ -42,7 +42,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     cfg = frontend.cfg.frontend
     app.add_middleware(Guard, api_keys=cfg.accepted_keys(), limit=cfg.max_body_bytes)
     app.add_middleware(RequestId, log_access=cfg.access_log)
-    prompts = Prompts(frontend.tokenizer)
+    prompts = Prompts(frontend.tokenizer, frontend.codec)
 
     add_health_routes(app, frontend)
 
@@ -74,7 +74,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         _check(frontend, body)
         prompt = body.prompt_input()
         tokens = await prompts.completion(prompt)
-        echo = (prompt if isinstance(prompt, str) else frontend.tokenizer.decode(tokens)) if body.echo else ""
+        echo = (prompt if isinstance(prompt, str) else frontend.codec.decode(tokens)) if body.echo else ""
         return await _serve(frontend, request, body, tokens, Shape(chat=False, echo=echo),
                             max_tokens=body.max_tokens or 16)
 
@@ -141,9 +141,9 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
                                                                None if body.seed is None else (body.seed + i) % 2**64))
                           for i in range(1, body.n)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    streams = [_outputs(frontend, r, TextStream(frontend.tokenizer, body.stop or [])) for r in reqs]
+    streams = [_outputs(frontend, r, TextStream(frontend.codec, body.stop or [])) for r in reqs]
     events = merged(streams, frontend.cfg.frontend.sse_keepalive_s if body.stream else 3600.0)
-    text_of = TokenText(frontend.tokenizer)
+    text_of = TokenText(frontend.codec)
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
         fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named",

@@ -11,10 +11,9 @@ heartbeat, else nothing). Queries (``answer``: the P2P object index) are answere
 sender, registered or not (under CURVE, any cluster key): the ``mooncake p2p`` command asks
 them. Frames above ``max_message_bytes`` disconnect their sender.
 
-The socket is a plain (blocking-API) ZeroMQ socket read from the event loop's reader callback
-and written with ``NOBLOCK``: a ROUTER never blocks a send (a message to a peer that is gone
-or past its high-water mark is dropped), so no send needs a task or a future, and a wake-up
-reads every message waiting. pyzmq's asyncio socket costs several times more per message,
+The socket is a ``PlainSocket`` (read from the event loop's reader callback, written with
+``NOBLOCK``; a ROUTER never blocks a send: a message to a peer that is gone or past its
+high-water mark is dropped): pyzmq's asyncio socket costs several times more per message,
 which bounded the conductor's plans per second.
 """
 
@@ -32,14 +31,11 @@ from mooncake import protocol as P
 from mooncake.metrics import Metrics
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.security import Curve, peer_of
-from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size
+from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, PlainSocket, limit_message_size
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Node, P.Msg], None]
-MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
-_send = zmq.backend.Socket.send  # a frame's send without pyzmq's Python wrapper (its flags are Python enums)
-_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 class Router:
@@ -55,17 +51,16 @@ class Router:
         self.handlers: dict[type, Handler] = {}
         self.queries: dict[type, Callable[[P.Msg], P.Msg]] = {}
         self.ctx = zmq.asyncio.Context()  # the CURVE authenticator's (asyncio) ...
-        self.sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)  # ... and the socket's, one libzmq context
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        limit_message_size(self.sock, max_message_bytes)
+        sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)  # ... and the socket's, one libzmq context
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        limit_message_size(sock, max_message_bytes)
         if curve is not None:
-            curve.server(self.sock, self.ctx)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            curve.server(sock, self.ctx)
+        sock.bind(endpoint)
+        self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sock = PlainSocket(sock, self._one)
         self._count_of: dict[type, Any] = {}  # message type -> its counter (a label lookup costs more than the count)
-        self._draining = False
-        self._drain_soon = False
         self._closed = asyncio.Event()
 
     def on(self, msg_type: type, handler: Handler) -> None:
@@ -77,40 +72,11 @@ class Router:
 
     async def serve(self) -> None:
         """Handle messages as they arrive, until closed or cancelled."""
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self.sock.start()
         try:
-            self._drain()  # what arrived before the reader was added
             await self._closed.wait()
         finally:
-            if not self.sock.closed:
-                loop.remove_reader(self.sock.getsockopt(zmq.FD))
-
-    def _drain(self, budget: int = MESSAGES_PER_WAKEUP) -> None:
-        """Handle what is waiting (at most ``budget`` messages, then let the loop run others and
-        come back). The socket's descriptor is edge-triggered: it must be read until empty."""
-        self._drain_soon = False
-        if self.sock.closed:
-            return
-        self._draining = True
-        try:
-            for _ in range(budget):
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    return
-                try:
-                    self._one(frames)
-                except Exception:  # one bad message must never stop the conductor
-                    log.exception("error handling a message from %r", frames[0].bytes[:64] if frames else b"")
-            self._schedule_drain()
-        finally:
-            self._draining = False
-
-    def _schedule_drain(self) -> None:
-        if not self._drain_soon:
-            self._drain_soon = True
-            asyncio.get_running_loop().call_soon(self._drain)
+            self.sock.close()
 
     def _one(self, frames: list) -> None:
         ident = frames[0].bytes
@@ -151,18 +117,12 @@ class Router:
             self._send_raw(node.ident, msg)
 
     def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
-        if self.sock.closed:
+        if self.sock.sock.closed:
             return
-        frames = P.encode(msg)
         try:
-            _send(self.sock, ident, _NOBLOCK_MORE)  # copied: cheaper for small frames
-            for frame in frames[:-1]:
-                _send(self.sock, frame, _NOBLOCK_MORE)
-            _send(self.sock, frames[-1], _NOBLOCK)
+            self.sock.send([ident, *P.encode(msg)])
         except zmq.ZMQError as e:  # a ROUTER drops rather than blocks; anything else is logged
             log.warning("could not send %s: %s", type(msg).__name__, e)
-        if not self._draining and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._schedule_drain()  # a send may consume the descriptor's edge: read what waits
 
     async def flush(self, grace_s: float = 0.05) -> None:
         """Give libzmq's I/O thread a moment to pass on what was just sent (at shutdown: LINGER is 0)."""
@@ -170,12 +130,7 @@ class Router:
 
     def close(self) -> None:
         self._closed.set()
-        if not self.sock.closed:
-            try:
-                asyncio.get_running_loop().remove_reader(self.sock.getsockopt(zmq.FD))
-            except RuntimeError:  # no running loop: nothing was added
-                pass
-        self.sock.close(0)
+        self.sock.close()
         if self.curve is not None:
             self.curve.stop()
         self.ctx.term()

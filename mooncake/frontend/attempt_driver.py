@@ -12,7 +12,6 @@ or from a worker not on its route, change nothing. One DEALER per worker, opened
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.security import Curve
-from mooncake.sockets import connect_client, recv_multipart
+from mooncake.sockets import PlainSocket, connect_client
 
 log = logging.getLogger(__name__)
 CLOSE_LINGER_MS = 200
@@ -65,8 +64,7 @@ class AttemptDriver:
         self.on_failed = on_failed
         self.on_stage = on_stage
         self.attempts: dict[str, DrivenAttempt] = {}  # wire id -> an attempt being driven
-        self._socks: dict[tuple[str, str], zmq.asyncio.Socket] = {}  # (node id, orders endpoint) -> its socket
-        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._socks: dict[tuple[str, str], PlainSocket] = {}  # (node id, orders endpoint) -> its socket
 
     def drive(self, submit: P.Submit, route: P.Route) -> DrivenAttempt:
         """Start ``submit``'s attempt along ``route``: its decode reserves (the rest follows the replies)."""
@@ -127,44 +125,34 @@ class AttemptDriver:
         if sock is None:
             log.warning("no orders endpoint known for %s: %s dropped", worker.node_id, type(msg).__name__)
             return
-        sent = sock.send_multipart(P.encode(msg), flags=zmq.NOBLOCK)
-        sent.add_done_callback(lambda f: _report_unsent(f, msg, worker.node_id))
+        try:
+            sock.send(P.encode(msg))
+        except zmq.ZMQError as e:  # its queue is full (it is gone or stuck): the attempt times out
+            log.warning("could not send %s to %s: %s", type(msg).__name__, worker.node_id, e)
 
-    def _sock(self, worker: P.WorkerRef) -> zmq.asyncio.Socket | None:
+    def _sock(self, worker: P.WorkerRef) -> PlainSocket | None:
         key = (worker.node_id, worker.orders)
         sock = self._socks.get(key)
         if sock is None and worker.orders:
             for old in [k for k in self._socks if k[0] == worker.node_id]:  # it restarted elsewhere
-                self._tasks.pop(old).cancel()
-                self._socks.pop(old).close(0)
-            sock = self._socks[key] = connect_client(self.ctx, zmq.DEALER, self.curve, "worker", worker.orders,
-                                                     self.node_id, self.max_message_bytes)
-            self._tasks[key] = asyncio.create_task(self._receive(worker.node_id, sock))
+                self._socks.pop(old).close()
+            plain = connect_client(self.ctx, zmq.DEALER, self.curve, "worker", worker.orders, self.node_id,
+                                   self.max_message_bytes, plain=True)
+            sock = self._socks[key] = PlainSocket(plain, lambda frames: self._one(worker.node_id, frames))
+            sock.start()
         return sock
 
-    async def _receive(self, node_id: str, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await recv_multipart(sock)
-            try:
-                msg, _ = P.decode(frames)
-                self.handle(node_id, msg)
-            except P.ProtocolError as e:
-                log.warning("dropping a malformed message from %s: %s", node_id, e)
-            except Exception:  # one bad message never stops the frontend
-                log.exception("error handling a message from %s", node_id)
+    def _one(self, node_id: str, frames: list) -> None:
+        try:
+            msg, _ = P.decode(frames)
+        except P.ProtocolError as e:
+            log.warning("dropping a malformed message from %s: %s", node_id, e)
+            return
+        self.handle(node_id, msg)
 
     def close(self) -> None:
         """Close the sockets (what was just sent, such as the aborts at shutdown, has
         ``CLOSE_LINGER_MS`` to go out)."""
-        for t in self._tasks.values():
-            t.cancel()
         for sock in self._socks.values():
             sock.close(CLOSE_LINGER_MS)
         self._socks.clear()
-
-
-def _report_unsent(sent: asyncio.Future, msg: P.Msg, node_id: str) -> None:
-    """A send that failed (the worker's queue is full: it is gone or stuck; the attempt times out)."""
-    error = None if sent.cancelled() else sent.exception()
-    if error is not None:
-        log.warning("could not send %s to %s: %s", type(msg).__name__, node_id, error)

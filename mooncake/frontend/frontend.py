@@ -25,6 +25,7 @@ import msgspec
 import zmq.asyncio
 
 from mooncake import protocol as P
+from mooncake.api.codec import Codec
 from mooncake.config import Config
 from mooncake.frontend.attempt_driver import AttemptDriver, DrivenAttempt
 from mooncake.frontend.conductor_client import ConductorClient
@@ -48,6 +49,7 @@ class Frontend:
         """``metrics``: a registry to count in (the conductor's, when both share a process)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)  # text <-> ids, the hot paths' (prompts, streams)
         self.model_name = model_name
         self.node_id = node_id or cfg.node.node_id or f"{cfg.node.name}-frontend-{os.getpid()}"
         self.metrics = metrics or Metrics(model_name)
@@ -77,7 +79,8 @@ class Frontend:
         await self.conductor.connect(self.ctx, self.curve, register, self.load,
                                      lambda: [w for w in self.attempts if w not in driver.attempts
                                               or driver.attempts[w].route.planned], self._on_orphans)
-        self._tasks += [asyncio.create_task(self.inlet.serve()), asyncio.create_task(self._liveness_loop())]
+        self.inlet.start()
+        self._tasks += [asyncio.create_task(self._liveness_loop())]
         log.info("frontend %s registered; tokens come in on %s", self.node_id, self.inlet.endpoint)
 
     async def close(self) -> None:
