@@ -110,6 +110,8 @@ class Metrics:
                                              "held that the conductor no longer knew there (dropped).", registry=r)
         self.plans = Counter("mooncake:plans", "Attempts the conductor placed (its plans; their rate is plans "
                              "per second).", registry=r)
+        self.adopted_attempts = Counter("mooncake:adopted_attempts", "Attempts running when this conductor "
+                                        "started that it adopted (their frontends claimed them).", registry=r)
         self.leader_changes = Counter("mooncake:leader_changes", "Times this conductor took the lead (once "
                                       "without [coordination]).", registry=r)
         self.frontend_aborts = Counter("mooncake:frontend_aborts", "Attempts dropped because the frontend that "

@@ -12,6 +12,7 @@ import torch
 
 from mooncake import protocol as P
 from mooncake.conductor.expected_model import ExpectedModel, expected_model
+from mooncake.conductor.adoption import Adoption
 from mooncake.conductor.membership import Membership
 from mooncake.config import Config, MiB
 from mooncake.kv.integrity import checksums
@@ -28,7 +29,7 @@ EXPECTED = ExpectedModel("m@0123456789abcdef", None, 16, SHAPE)
 
 def membership(keys_required: bool = True) -> Membership:
     return Membership(Config().conductor, Cluster(), KVIndex(), Metrics(), lambda n, why: None, {},
-                      EXPECTED, keys_required)
+                      Adoption(0.0), EXPECTED, keys_required)
 
 
 def register(m: Membership, node_id: str, role: str, peer: str, facts: P.ModelFacts | None = FACTS) -> P.Msg:

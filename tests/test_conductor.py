@@ -4,6 +4,9 @@ attempts ending with lost nodes (a worker's or a frontend's)."""
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import pytest
 
 from mooncake import protocol as P
@@ -152,10 +155,71 @@ async def test_a_registering_node_keeps_only_the_attempts_that_still_run_there(c
     assert reply.keep == [a.wire_id]
     reply = conductor.membership.register(b"p9", P.Register("prefill", "p9", info, holding=[a.wire_id]), 1.0)
     assert reply.keep == []  # the attempt runs, but not on p9
-    reply = conductor.membership.register(b"f0", P.Register("frontend", "f0", P.NodeInfo("n0", 1), {"tokens": "t"},
-                                                            holding=[a.wire_id, "gone#2"]), 1.0)
-    assert reply.keep == [a.wire_id]  # its owner keeps it
-    assert conductor.metrics.reconciliation_aborts._value.get() == 4
+    assert conductor.metrics.reconciliation_aborts._value.get() == 3
+
+
+def started() -> Conductor:
+    """A conductor that has just started (its adoption window open), with frontend f0 registered."""
+    c = Conductor(Config(), model_name="m")
+    c.router = Sent()
+    c.adoption.begin(time.monotonic())
+    register(c, "f0", "frontend", tokens="tcp://127.0.0.1:9")
+    return c
+
+
+def register_holding(c: Conductor, node_id: str, role: str, holding: list[str]) -> P.Registered:
+    info = P.NodeInfo("n0", 1, FACTS, num_blocks=64)
+    endpoints = {"kv": "tcp://127.0.0.1:1", "orders": "tcp://127.0.0.1:4"} if role == "decode" else \
+        {"orders": "tcp://127.0.0.1:3"}
+    return c._on_register(node_id.encode(), P.Register(role, node_id, info, endpoints, holding=holding))
+
+
+async def test_a_new_conductor_adopts_what_its_frontends_claim_and_drops_what_nobody_claims(conductor):
+    a = submit(conductor, [1, 2, 3] * 20, max_tokens=8)  # placed by the conductor that is gone
+    c = started()
+    assert register_holding(c, "p0", "prefill", [a.wire_id, "orphan#1"]).keep == [a.wire_id, "orphan#1"]
+    c._on_claims(c.cluster.get("f0"), P.Claims("f0", [P.Claim(a.submit, a.route)]))
+    assert a.wire_id not in c.attempts  # its decode has not registered yet
+    assert register_holding(c, "d0", "decode", [a.wire_id]).keep == [a.wire_id]
+    adopted = c.attempts[a.wire_id]
+    assert adopted.owner == "f0" and adopted.nodes == {"p0", "d0"} and adopted.route == a.route
+    assert c.scheduler.queued("p0") == 1 and c.scheduler.assigned("d0") == 1
+    assert c.metrics.adopted_attempts._value.get() == 1
+    prefilled(c, adopted)
+    assert c.scheduler.queued("p0") == 0 and adopted.prefilled
+    c._settle_adoption(time.monotonic())  # in the window: nothing yet
+    assert not c.router.of(P.Abort)
+    c._settle_adoption(time.monotonic() + 60)
+    assert c.router.of(P.Abort) == [("p0", P.Abort("orphan#1"))]
+    assert c.metrics.reconciliation_aborts._value.get() == 1 and not c.router.of(P.AttemptEnded)
+    c._on_release(c.cluster.get("f0"), P.Release("f0", [P.Ended(a.wire_id)]))
+    assert not c.attempts and c.scheduler.assigned("d0") == 0
+
+
+async def test_a_claim_whose_instances_do_not_come_back_ends_when_the_window_closes(conductor):
+    a, b = submit(conductor, [1, 2, 3]), submit(conductor, [4, 5, 6])
+    c = started()
+    register_holding(c, "p0", "prefill", [])
+    c._on_claims(c.cluster.get("f0"), P.Claims("f0", [P.Claim(a.submit, a.route), P.Claim(b.submit, b.route)]))
+    c._on_release(c.cluster.get("f0"), P.Release("f0", [P.Ended(b.wire_id)]))  # b ends before it is adopted
+    c._settle_adoption(time.monotonic() + 60)
+    (owner, ended), = c.router.of(P.AttemptEnded)
+    assert owner == "f0" and ended.wire_id == a.wire_id and ended.kind == "retry"
+    assert not c.attempts and not c.adoption.claims
+
+
+async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_placed_it_itself(conductor):
+    a, b = submit(conductor, [1, 2, 3]), submit(conductor, [4, 5, 6])
+    for attempt in (a, b):
+        conductor._end(attempt, abort=False)  # e.g. its frontend was declared dead meanwhile
+    fallback = msgspec.structs.replace(b.route, planned=False)
+    conductor._on_claims(conductor.cluster.get("f0"), P.Claims("f0", [P.Claim(a.submit, a.route),
+                                                                     P.Claim(b.submit, fallback, prefilled=True)]))
+    (owner, ended), = conductor.router.of(P.AttemptEnded)
+    assert owner == "f0" and ended.wire_id == a.wire_id
+    assert list(conductor.attempts) == [b.wire_id] and conductor.attempts[b.wire_id].prefilled
+    conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")  # now its frontend's death frees it
+    assert ("d0", P.Abort(b.wire_id)) in conductor.router.of(P.Abort)
 
 
 async def test_reports_of_an_ended_attempt_are_ignored(conductor):

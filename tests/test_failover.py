@@ -85,9 +85,12 @@ def test_frontends_serve_side_by_side_and_show_the_leader(cluster, expected):
 
 
 def test_killing_the_leader_under_load_loses_no_request(cluster, expected):
+    """Nothing is lost, and a stream running through the change of leader runs on where it is:
+    the new leader adopts it (its frontend claims it, its workers keep it), nothing moves."""
     old = leader(cluster)
     results: list[tuple[str, httpx.Response]] = []
     stop = threading.Event()
+    moved_before = sum(metric(metrics(u), "mooncake:migrations_total") for u in cluster.urls)
 
     def client(i: int) -> None:
         n = 0
@@ -96,22 +99,33 @@ def test_killing_the_leader_under_load_loses_no_request(cluster, expected):
             results.append((prompt, complete(cluster.urls[i % 2], prompt, max_tokens=20)))
             n += 1
 
+    long: list[list] = []
+    streaming = threading.Event()
+    through = threading.Thread(target=lambda: long.append(stream(
+        cluster.urls[0], {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True,
+                          "temperature": 0}, on_event=lambda n, e: n >= 2 and streaming.set() and False, timeout=300)),
+        daemon=True)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client, i) for i in range(4)]
-        wait_for(lambda: len(results) >= 4, timeout_s=120, what="requests before the kill")
+        through.start()
+        wait_for(lambda: len(results) >= 4 and streaming.is_set(), timeout_s=120, what="requests before the kill")
         cluster.kill(conductor_named(old))
         killed_at = time.monotonic()
         wait_for(lambda: leader(cluster) not in (None, old), timeout_s=LEASE_TTL_S + 30, what="a new leader")
         took = time.monotonic() - killed_at
+        assert through.is_alive(), "the long stream ended before a new leader led"
         done_before = len(results)
         wait_for(lambda: len(results) >= done_before + 4, timeout_s=180, what="requests after the failover")
         stop.set()
         for f in futures:
             f.result()
+    through.join(timeout=300)
     assert took <= LEASE_TTL_S + 5, f"a standby led {took:.1f}s after the leader died"
     for prompt, r in results:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[prompt]
+    assert long and stream_text(long[0]).startswith(expected[PROMPTS[2]])
+    assert sum(metric(metrics(u), "mooncake:migrations_total") for u in cluster.urls) == moved_before
     cluster.spawn("conductor", int(old.removeprefix("node")))  # back, as the standby
 
 

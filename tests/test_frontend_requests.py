@@ -258,3 +258,17 @@ async def test_with_no_conductor_heard_from_the_frontend_places_the_request_itse
     # the conductor hears only of the wire ids it may have placed (#1, in case), not of this attempt
     assert req.wire_id not in {e.wire_id for e in frontend.conductor.ended} and not frontend.conductor.done_prefills
     assert frontend.metrics.fallback_routed._value.get() == 1
+
+
+async def test_registering_again_tells_the_conductor_every_attempt_driven_here_before_asking_again(frontend):
+    frontend.conductor.claims = frontend.driver.claims
+    placed = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
+    waiting = await frontend.submit([4, 5, 6], P.Sampling(max_tokens=8))
+    start(frontend, placed)
+    frontend.conductor._placing["w#1"] = (frontend.conductor.link.of(P.Submit)[-1], None)  # an answer awaited
+    frontend.conductor.link.sent.clear()
+    await frontend.conductor._resubmit()
+    claims, resubmitted = frontend.conductor.link.sent
+    assert isinstance(claims, P.Claims) and isinstance(resubmitted, P.Submit)
+    assert [(c.submit.wire_id, c.route, c.prefilled) for c in claims.attempts] == \
+        [(placed.wire_id, ROUTE, True), (waiting.wire_id, ROUTE, False)]

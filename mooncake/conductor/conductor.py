@@ -12,7 +12,8 @@ one round trip and a share of two batches::
 A report of an attempt that moved or ended changes nothing. A node that dies, stalls or
 restarts takes its attempts with it: their workers drop them and their owners hear it
 (``AttemptEnded``) and move them; a frontend that dies takes its attempts too (their workers
-drop them: nobody will read those streams).
+drop them: nobody will read those streams). A conductor that has just started (a new leader, a
+restart) adopts the attempts its frontends claim and its workers hold (``adoption.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from mooncake import protocol as P
+from mooncake.conductor.adoption import Adoption, adopted_plan
 from mooncake.conductor.attempt import Attempt, route_of, worker_ref
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
@@ -67,8 +69,10 @@ class Conductor:
         self.admission = Admission(cfg.conductor, self.metrics)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
         self.attempts: dict[str, Attempt] = {}  # wire id -> a live attempt
-        self.membership = Membership(cfg.conductor, self.cluster, self.index, self.metrics, self.on_node_lost,
-                                     self.attempts, expected, keys_required=self.curve is not None)
+        c = cfg.conductor
+        self.adoption = Adoption(c.dead_after_s + 2 * c.heartbeat_s)  # frontends and workers find this one
+        self.membership = Membership(c, self.cluster, self.index, self.metrics, self.on_node_lost,
+                                     self.attempts, self.adoption, expected, keys_required=self.curve is not None)
         self.router: Router | None = None
         self.p2p = P2PIndex(self.cluster, self._send)  # who holds which chunks of the P2P objects
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
@@ -82,12 +86,13 @@ class Conductor:
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics)
         for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
                              P.BlockEvent: self._on_block_event, P.Submit: self._on_submit,
-                             P.Release: self._on_release}.items():
+                             P.Release: self._on_release, P.Claims: self._on_claims}.items():
             r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():
             r.answer(msg_type, handler)
         r.answer(P.ClusterQuery, lambda m: self.view(snapshot=True))
         self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
+        self.adoption.begin(time.monotonic())
         log.info("conductor listening for roles on %s", r.endpoint)
         return r.endpoint
 
@@ -220,12 +225,64 @@ class Conductor:
             a = self.attempts.get(p.wire_id)
             if a is not None and a.owner == node.node_id and not a.prefilled:
                 self._prefilled(a, p)
+            elif a is None and (c := self.adoption.claims.get(p.wire_id)) is not None and c.submit.node_id == node.node_id:
+                c.prefilled = True
         for e in msg.ended:
             a = self.attempts.get(e.wire_id)
+            if a is None and e.wire_id in self.adoption.claims and \
+                    self.adoption.claims[e.wire_id].submit.node_id == node.node_id:
+                self.adoption.forget(e.wire_id)
             if a is None or a.owner != node.node_id:
                 continue
             self.stats.ended(a, e.decoded, e.decode_s, now)
             self._end(a, abort=e.abort)
+
+    # ------------------------------------------------------------ adopting attempts after a start
+
+    def _on_claims(self, node: Node, msg: P.Claims) -> None:
+        """A frontend registered again and tells what it drives: adopted, or ended (see ``adoption.py``)."""
+        now = time.monotonic()
+        for claim in msg.attempts:
+            wire_id = claim.submit.wire_id
+            if claim.submit.node_id != node.node_id or wire_id in self.attempts:
+                continue  # a frontend claims its own; one known here runs on
+            if not self.adoption.take(claim, now):
+                self._send(node.node_id, P.AttemptEnded(wire_id, P.FailureKind.RETRY.value,
+                                                        "the conductor ended this attempt"))
+        self._adopt_ready(now)
+
+    def _adopt_ready(self, now: float) -> None:
+        """Book the claims whose route's instances have all registered."""
+        facts = self.facts
+        if facts is None:
+            return
+        for wire_id, claim in list(self.adoption.claims.items()):
+            plan = adopted_plan(claim, self.cluster, self.scheduler.prefill_cost, self.scheduler.decode_cost,
+                                facts.block_tokens, now)
+            if plan is None:
+                continue
+            del self.adoption.claims[wire_id]
+            self.adoption.held.pop(wire_id, None)
+            booking = self.scheduler.book(wire_id, plan)
+            if claim.prefilled:
+                booking.prefill_finished()
+            self.attempts[wire_id] = Attempt(claim.submit, booking, now, claim.route, prefilled=claim.prefilled)
+            self.metrics.adopted_attempts.inc()
+
+    def _settle_adoption(self, now: float) -> None:
+        """After the window: a claim whose instances did not come back ends; what no frontend
+        claimed is dropped where it is held."""
+        lost, orphans = self.adoption.settle(now, lambda w: w in self.attempts)
+        for claim in lost:
+            if claim.route.planned:
+                self._send(claim.submit.node_id, P.AttemptEnded(claim.submit.wire_id, P.FailureKind.RETRY.value,
+                                                                "its instances did not come back to the conductor"))
+        for wire_id, nodes in orphans.items():
+            for node_id in nodes:
+                self._send(node_id, P.Abort(wire_id))
+            self.metrics.reconciliation_aborts.inc(len(nodes))
+        if orphans:
+            log.warning("dropped %d attempts no frontend claimed", len(orphans))
 
     def on_node_lost(self, node: Node, why: str) -> None:
         """A node died, stalled or restarted: its attempts end (their owners move them); its
@@ -250,7 +307,9 @@ class Conductor:
         while True:
             await asyncio.sleep(min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4))
             try:
-                self.membership.check(time.monotonic())
+                now = time.monotonic()
+                self.membership.check(now)
+                self._settle_adoption(now)
             except Exception:  # the loop that finds failures must not fail itself
                 log.exception("liveness check failed")
 
@@ -266,6 +325,8 @@ class Conductor:
     def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
         reply = self.membership.register(ident, msg, time.monotonic(), peer)
         if isinstance(reply, P.Registered):
+            if self.adoption.claims:
+                self._adopt_ready(time.monotonic())
             if msg.info.profile is not None and self.costs.seed(msg.role, msg.info.profile):
                 self.scheduler.prefill_cost, self.scheduler.decode_cost = self.costs.prefill, self.costs.decode
             asyncio.get_running_loop().call_soon(self._tell_frontends)  # after the answer to this one

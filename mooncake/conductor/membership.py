@@ -28,6 +28,7 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.security import ROLE_KIND, kind_of
 
 if TYPE_CHECKING:
+    from mooncake.conductor.adoption import Adoption
     from mooncake.conductor.attempt import Attempt
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
 
 class Membership:
     def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
-                 on_lost: Callable[[Node, str], None], attempts: Mapping[str, Attempt],
+                 on_lost: Callable[[Node, str], None], attempts: Mapping[str, Attempt], adoption: Adoption,
                  expected: ExpectedModel | None = None, keys_required: bool = False) -> None:
         """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted).
         ``expected``: the conductor's own model (None: the first engine's facts rule);
@@ -70,6 +71,7 @@ class Membership:
         self.metrics = metrics
         self.on_lost = on_lost
         self.attempts = attempts  # wire id -> the attempt: what a registering worker may keep
+        self.adoption = adoption  # ... and, just after the conductor started, what a frontend may still claim
         self.expected = expected
         self.keys_required = keys_required
         self.facts: P.ModelFacts | None = None  # what the cluster serves: the first engine matching ``expected``
@@ -97,14 +99,15 @@ class Membership:
         self._count(msg.role)
         if old is None or restarted:
             log.info("%s %s registered%s", msg.role, msg.node_id, " (restarted)" if restarted else "")
-        return P.Registered(msg.node_id, self.cfg.heartbeat_s, self._keep(msg))
+        return P.Registered(msg.node_id, self.cfg.heartbeat_s, self._keep(msg, now))
 
-    def _keep(self, msg: P.Register) -> list[str]:
+    def _keep(self, msg: P.Register, now: float) -> list[str]:
         """Reconciliation: of the requests a registering worker holds (after a conductor restart,
-        or back from being declared dead), those whose attempt still runs there; it drops the rest,
-        so no reservation waits for a timeout."""
-        keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None
-                and (msg.node_id in a.nodes or a.owner == msg.node_id)]
+        or back from being declared dead), those whose attempt still runs there, and just after
+        the conductor started those a frontend may still claim (``adoption.py``); it drops the
+        rest, so no reservation waits for a timeout."""
+        keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None and msg.node_id in a.nodes
+                or a is None and self.adoption.hold(w, msg.node_id, now)]
         if len(keep) < len(msg.holding):
             self.metrics.reconciliation_aborts.inc(len(msg.holding) - len(keep))
             log.warning("%s %s held %d requests this conductor does not know there: it drops them",

@@ -37,6 +37,7 @@ class DrivenAttempt:
     started: float  # when this frontend started driving it
     prefills: list[tuple[str, P.PrefillRequest]] = field(default_factory=list)  # sent once decode has reserved
     reserved_at: float = 0.0
+    prefilled: bool = False  # its prefill reported done
 
     @property
     def wire_id(self) -> str:
@@ -88,6 +89,10 @@ class AttemptDriver:
             self._abort(a, a.route.prefills + [a.route.decode])
         return a
 
+    def claims(self) -> list[P.Claim]:
+        """Every attempt driven here, as a conductor that has just started adopts them."""
+        return [P.Claim(a.submit, a.route, a.prefilled) for a in self.attempts.values()]
+
     def load(self) -> Counter[str]:
         """node id -> the attempts this frontend drives on it."""
         return Counter(n for a in self.attempts.values() for n in a.route.node_ids)
@@ -112,6 +117,7 @@ class AttemptDriver:
                 self._send(a.route.decode, P.FirstToken(msg.req_id, msg.first_token))
             else:  # done at its first token: the decode drops its reservation
                 self._abort(a, [a.route.decode])
+            a.prefilled = True
             self.on_prefilled(a, msg, time.monotonic())
         elif isinstance(msg, P.StageDone):
             self.on_stage(msg)

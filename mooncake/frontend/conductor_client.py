@@ -1,6 +1,7 @@
 """A frontend's conversation with the conductor that leads: placing attempts (``Submit`` ->
 ``Admitted`` / ``Refused``, asked again across a change of leader), reporting the prefills
 done and the attempts that ended here (``Release``, batched every ``RELEASE_EVERY_S``), the
+attempts it drives when it registers with a conductor again (``Claims``: a new one adopts them), the
 cluster as the conductor last described it (``ClusterView``, on every heartbeat) and ``GET
 /cluster``'s snapshot (asked now). What else the conductor says (``AttemptEnded``) goes to the
 frontend. A conductor
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import msgspec
 import zmq.asyncio
@@ -37,6 +38,7 @@ class ConductorClient:
         self.on_message = on_message
         self.view = P.ClusterView("")  # the conductor's last word on the cluster
         self.link: Any = None  # a ConductorLink once connected (tests put a stand-in here)
+        self.claims: Callable[[], list[P.Claim]] = list
         # a Submit may wait out an election: the lease's TTL, the watch noticing, the new leader's start
         c = cfg.coordination
         self.place_timeout_s = PLACE_TIMEOUT_S + (c.lease_ttl_s + 2 * c.poll_s if c.etcd_endpoints else 0)
@@ -51,13 +53,13 @@ class ConductorClient:
         self._tasks: list[asyncio.Task] = []
 
     async def connect(self, ctx: zmq.asyncio.Context, curve: Curve | None, register: P.Register,
-                      load: Callable[[], P.Load], holding: Callable[[], list[str]],
-                      on_orphans: Callable[[list[str]], Awaitable[None]]) -> None:
-        """Register with the conductor (under etcd: the one that leads, followed when it changes)."""
+                      load: Callable[[], P.Load], claims: Callable[[], list[P.Claim]]) -> None:
+        """Register with the conductor (under etcd: the one that leads, followed when it changes);
+        ``claims()``: the attempts this frontend drives, told to a conductor it registers with again."""
+        self.claims = claims
         self.link = ConductorLink(ctx, self.cfg.conductor.endpoint, register, load, curve=curve,
                                   max_message_bytes=self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES,
-                                  holding=holding, on_orphans=on_orphans, on_registered=self._resubmit,
-                                  coordination=self.cfg.coordination)
+                                  on_registered=self._resubmit, coordination=self.cfg.coordination)
         await self.link.connect(timeout_s=60)
         self.heard_at = time.monotonic()
         self.link.start_heartbeat()
@@ -134,9 +136,11 @@ class ConductorClient:
                 log.exception("releasing ended attempts failed")
 
     async def _resubmit(self) -> None:
-        """Registered with a conductor again (another leads, or it restarted): what waits to be
-        placed is asked again (the other never answered, and may never)."""
+        """Registered with a conductor again (another leads, or it restarted): it hears the
+        attempts this frontend drives (a new one adopts them), and what waits to be placed is
+        asked again (the other never answered, and may never)."""
         self.registered_at = self.heard_at = time.monotonic()
+        await self.link.send(P.Claims(self.node_id, self.claims()))
         for msg, _ in list(self._placing.values()):
             await self.link.send(msg)
         if self._query is not None and not self._query.done():

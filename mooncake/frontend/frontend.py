@@ -76,9 +76,7 @@ class Frontend:
                                              self._on_prefilled, self._on_failed, self.stats.stage_done)
         register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid()),
                               {"tokens": self.inlet.endpoint})
-        await self.conductor.connect(self.ctx, self.curve, register, self.load,
-                                     lambda: [w for w in self.attempts if w not in driver.attempts
-                                              or driver.attempts[w].route.planned], self._on_orphans)
+        await self.conductor.connect(self.ctx, self.curve, register, self.load, driver.claims)
         self.inlet.start()
         self._tasks += [asyncio.create_task(self._liveness_loop())]
         log.info("frontend %s registered; tokens come in on %s", self.node_id, self.inlet.endpoint)
@@ -261,14 +259,6 @@ class Frontend:
         req.requeued(time.monotonic(), counts_as_migration=not preempted)
         (self.metrics.preemptions if preempted else self.metrics.migrations).inc()
         self._tasks.append(asyncio.create_task(self._place_or_fail(req, why)))
-
-    async def _on_orphans(self, wire_ids: list[str]) -> None:
-        """The conductor (a new one) does not know these attempts: they move (their workers drop
-        them, if reconciliation has not had them do so already)."""
-        for wire_id in wire_ids:
-            req = self.attempts.get(wire_id)
-            if req is not None and not req.done:
-                self._move(req, "the conductor lost its attempt", abort=True)
 
     async def _liveness_loop(self) -> None:
         while True:

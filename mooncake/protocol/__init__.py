@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 import msgspec
 
 from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
-from mooncake.protocol.frontend import (Admitted, AttemptEnded, ClusterQuery, ClusterView, Ended, Prefilled,
+from mooncake.protocol.frontend import (Admitted, AttemptEnded, Claim, Claims, ClusterQuery, ClusterView, Ended, Prefilled,
                                         Refused, Release, Route, Submit, WorkerRef)
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad)
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Admitted",
     "AttemptEnded",
+    "Claim",
+    "Claims",
     "ClusterQuery",
     "ClusterView",
     "Ended",
@@ -121,7 +123,7 @@ Message = Union[
     Ok, Blocks, LayerSlices, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, Failed,
     Activations, StageDone,
-    Submit, Admitted, Refused, AttemptEnded, Release, ClusterQuery, ClusterView,
+    Submit, Admitted, Refused, AttemptEnded, Release, Claims, ClusterQuery, ClusterView,
     ShmPut, ShmGet, ShmBlocks,
     P2PMessage,  # p2p.py: object metadata (conductor) and Forget (conductor -> store)
 ]  # fmt: skip

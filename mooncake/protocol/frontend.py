@@ -10,6 +10,8 @@ their attempts; the conductor places and books each attempt.
     frontend ◀─AttemptEnded─ conductor   a node of the attempt died, stalled or restarted
     frontend ──Release─────▶ conductor   prefills done and attempts ended here (batched): the
                                          cost models learn, bookings are released
+    frontend ──Claims──────▶ conductor   on registering again (a new leader, a restart, a return
+                                         from leaderless): the attempts it drives, to adopt
 
 A frontend registers like a worker (role ``frontend``, endpoint ``tokens``: where decodes
 send its tokens) and heartbeats; heartbeats are answered with a ``ClusterView``.
@@ -128,6 +130,23 @@ class Release(Msg, tag="release"):
     node_id: str
     ended: list[Ended] = []
     prefilled: list[Prefilled] = []
+
+
+class Claim(msgspec.Struct, array_like=True):
+    """An attempt a frontend drives, as it tells a conductor it registers with again."""
+
+    submit: Submit
+    route: Route
+    prefilled: bool = False  # its prefill reported done
+
+
+class Claims(Msg, tag="claims"):
+    """Frontend -> conductor, after registering again: every attempt it drives. A new conductor
+    adopts them (books them on their route; their workers keep them); one that ended an attempt
+    (a node of it lost, its frontend declared dead) answers ``AttemptEnded`` and it moves."""
+
+    node_id: str
+    attempts: list[Claim] = []
 
 
 class ClusterQuery(Msg, tag="cluster_query"):

@@ -1,0 +1,90 @@
+"""A conductor that has just started (a new leader, a restart) adopts the attempts already running.
+
+Its workers and frontends come to it with what they hold: each worker re-registers listing the
+requests it holds, each frontend sends the attempts it drives (``Claims``: the submit and the
+route). For ``window_s`` after the start a worker keeps what it holds even when no frontend has
+claimed it yet (the frontend may come a moment later), and a claim is adopted (booked on its
+route, as if placed here) once every instance of its route has registered. When the window
+closes, what nobody claimed is aborted on the workers that hold it (the frontend that drove it
+is gone) and a claim whose instances did not come back ends (its frontend moves the request).
+
+After the window, a claim this conductor does not know means it ended the attempt (a node of
+it was lost, its frontend was declared dead): the frontend hears ``AttemptEnded``. Attempts a
+frontend placed itself while no conductor led (``route.planned`` False) are adopted whenever
+they are claimed: no conductor ever knew them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from mooncake import protocol as P
+from mooncake.sched.cluster import Cluster
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
+from mooncake.sched.plan import Plan
+
+
+class Adoption:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.until = -math.inf  # closed until ``begin``
+        self.claims: dict[str, P.Claim] = {}  # wire id -> claimed, not adopted yet (its route's instances missing)
+        self.held: dict[str, set[str]] = {}  # wire id -> the workers keeping it unclaimed
+
+    def begin(self, now: float) -> None:
+        self.until = now + self.window_s
+
+    def is_open(self, now: float) -> bool:
+        return now < self.until
+
+    def hold(self, wire_id: str, node_id: str, now: float) -> bool:
+        """A registering worker holds an attempt this conductor does not know: whether it keeps it
+        for now (in the window: its frontend may claim it)."""
+        if not self.is_open(now):
+            return False
+        self.held.setdefault(wire_id, set()).add(node_id)
+        return True
+
+    def take(self, claim: P.Claim, now: float) -> bool:
+        """A claim of an attempt this conductor does not know: whether it may be adopted."""
+        if self.is_open(now) or not claim.route.planned:
+            self.claims[claim.submit.wire_id] = claim
+            return True
+        return False
+
+    def forget(self, wire_id: str) -> None:
+        """Its frontend ended it before it was adopted."""
+        self.claims.pop(wire_id, None)
+        self.held.pop(wire_id, None)
+
+    def settle(self, now: float, known: Callable[[str], bool]) -> tuple[list[P.Claim], dict[str, set[str]]]:
+        """After the window: (the claims that cannot be adopted, the unclaimed attempts and the
+        workers holding them); both are forgotten. ``known(wire_id)``: adopted since."""
+        if self.is_open(now) or not (self.claims or self.held):
+            return [], {}
+        lost, self.claims = list(self.claims.values()), {}
+        orphans = {w: nodes for w, nodes in self.held.items() if not known(w)}
+        self.held = {}
+        return lost, orphans
+
+
+def adopted_plan(claim: P.Claim, cluster: Cluster, prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel,
+                 block_tokens: int, now: float) -> Plan | None:
+    """The plan a claimed attempt is booked under: its route, with predictions made now (the
+    whole prompt to compute unless its prefill is done); None while an instance of the route
+    has not registered."""
+    prefills = [cluster.get(w.node_id) for w in claim.route.prefills]
+    decode = cluster.get(claim.route.decode.node_id)
+    if decode is None or not prefills or any(p is None for p in prefills):
+        return None
+    s = claim.submit
+    n_tokens, remaining = len(s.tokens), max(1, s.sampling.max_tokens - s.num_generated)
+    prefill_s = 0.0 if claim.prefilled else prefill_cost.predict(n_tokens, 0)
+    kv_tokens = n_tokens + remaining // 2
+    tbt = decode_cost.predict(1, kv_tokens)
+    full = min(len(s.hashes), n_tokens // block_tokens)
+    return Plan(prefills[-1], decode, list(claim.route.fetch), claim.route.store_endpoint, 0, 0, prefill_s, prefill_s,
+                prefill_s, 1, tbt, now + prefill_s + remaining * tbt,
+                decode_blocks=-(-(n_tokens + remaining) // block_tokens) + 1, decode_kv_tokens=kv_tokens,
+                hashes=s.hashes[:full], stages=prefills if len(prefills) > 1 else [])
