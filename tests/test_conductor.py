@@ -208,6 +208,21 @@ async def test_a_claim_whose_instances_do_not_come_back_ends_when_the_window_clo
     assert not c.attempts and not c.adoption.claims
 
 
+async def test_a_worker_keeps_what_a_frontend_placed_alone_until_it_is_claimed_or_past_due(conductor):
+    info = P.NodeInfo("n0", 1, FACTS, num_blocks=64)
+    reply = conductor.membership.register(b"d0", P.Register("decode", "d0", info, {"kv": "tcp://127.0.0.1:1"},
+                                                            holding=["alone#1", "alone#2", "gone#1"],
+                                                            fallback=["alone#1", "alone#2"]), 1.0)
+    assert reply.keep == ["alone#1", "alone#2"]  # the window is closed: a planned one unknown here goes
+    msg = submit_msg([1, 2, 3])
+    route = msgspec.structs.replace(submit(conductor, [9, 9, 9]).route, planned=False)
+    claim = P.Claim(msgspec.structs.replace(msg, wire_id="alone#1"), route)
+    conductor._on_claims(conductor.cluster.get("f0"), P.Claims("f0", [claim]))
+    assert "alone#1" in conductor.attempts
+    conductor._settle_adoption(time.monotonic() + 60)
+    assert conductor.router.of(P.Abort) == [("d0", P.Abort("alone#2"))]  # its frontend never claimed it
+
+
 async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_placed_it_itself(conductor):
     a, b = submit(conductor, [1, 2, 3]), submit(conductor, [4, 5, 6])
     for attempt in (a, b):
@@ -219,7 +234,7 @@ async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_pl
     assert owner == "f0" and ended.wire_id == a.wire_id
     assert list(conductor.attempts) == [b.wire_id] and conductor.attempts[b.wire_id].prefilled
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")  # now its frontend's death frees it
-    assert ("d0", P.Abort(b.wire_id)) in conductor.router.of(P.Abort)
+    assert not conductor.attempts and ("d0", P.FrontendGone("f0")) in conductor.router.of(P.FrontendGone)
 
 
 async def test_reports_of_an_ended_attempt_are_ignored(conductor):
@@ -244,7 +259,7 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
     conductor.router.log.clear()
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")
     assert b.wire_id not in conductor.attempts and conductor.scheduler.assigned("d0") == 0
-    assert {n for n, m in conductor.router.of(P.Abort) if m.req_id == b.wire_id} == {"p0", "d0"}
+    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0")), ("d0", P.FrontendGone("f0"))]
     assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 

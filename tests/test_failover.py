@@ -211,3 +211,45 @@ def test_a_frontend_killed_has_its_requests_freed_on_decode(cluster):
              what="the dead frontend's requests freed on decode")
     r = complete(cluster.urls[0], PROMPTS[0], max_tokens=8)
     assert r.status_code == 200
+
+
+def test_a_frontend_killed_while_no_conductor_leads_has_its_requests_freed_once_one_leads(cluster, expected):
+    """What a frontend placed by itself, with no conductor to know it, is freed on decode when
+    a conductor leads again and the frontend that drove it never claims it (it died meanwhile)."""
+    cluster.spawn("frontend", 1)  # the last test killed it
+
+    def serving() -> bool:
+        try:
+            return complete(cluster.urls[1], PROMPTS[0], max_tokens=4).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(serving, timeout_s=120, what="the frontend back and serving")
+    started = threading.Event()
+
+    def long_stream() -> None:
+        try:
+            stream(cluster.urls[1], {"model": MODEL, "prompt": "Write a long story about a lighthouse.",
+                                     "max_tokens": 2000, "ignore_eos": True, "temperature": 0},  # a minute or more
+                   on_event=lambda n, e: started.set() and False, timeout=300)
+        except (httpx.HTTPError, AssertionError):
+            pass  # its frontend is killed under it
+
+    for name in ("conductor0", "conductor1"):
+        cluster.kill(name)
+    wait_for(lambda: leader(cluster, cluster.urls[1]) is None, timeout_s=30, what="no conductor leading")
+    threading.Thread(target=long_stream, daemon=True).start()
+    assert started.wait(120), "a stream placed with no conductor"
+    cluster.kill("frontend1")
+    cluster.spawn("conductor", 0)
+    wait_for(lambda: leader(cluster) == "node0", timeout_s=60, what="a conductor leading again")
+
+    def decode_idle() -> bool:
+        nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
+        load = next(n for n in nodes if n["role"] == "decode")["load"]
+        return load["sequences"] == 0 and load["used_blocks"] == 0
+
+    wait_for(decode_idle, timeout_s=20, what="the dead frontend's stream freed on decode")
+    r = complete(cluster.urls[0], PROMPTS[0], max_tokens=20)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[PROMPTS[0]]
+    cluster.spawn("conductor", 1)

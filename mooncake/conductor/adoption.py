@@ -4,14 +4,15 @@ Its workers and frontends come to it with what they hold: each worker re-registe
 requests it holds, each frontend sends the attempts it drives (``Claims``: the submit and the
 route). For ``window_s`` after the start a worker keeps what it holds even when no frontend has
 claimed it yet (the frontend may come a moment later), and a claim is adopted (booked on its
-route, as if placed here) once every instance of its route has registered. When the window
-closes, what nobody claimed is aborted on the workers that hold it (the frontend that drove it
-is gone) and a claim whose instances did not come back ends (its frontend moves the request).
+route, as if placed here) once every instance of its route has registered. ``window_s`` after
+it was first heard of, what nobody claimed is aborted on the workers that hold it (the frontend
+that drove it is gone) and a claim whose instances did not come back ends (its frontend moves
+the request).
 
 After the window, a claim this conductor does not know means it ended the attempt (a node of
 it was lost, its frontend was declared dead): the frontend hears ``AttemptEnded``. Attempts a
-frontend placed itself while no conductor led (``route.planned`` False) are adopted whenever
-they are claimed: no conductor ever knew them.
+frontend placed itself while no conductor led (``route.planned`` False; a worker's registration
+marks them) are kept and adopted the same way whenever they come: no conductor ever knew them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Adoption:
         self.until = -math.inf  # closed until ``begin``
         self.claims: dict[str, P.Claim] = {}  # wire id -> claimed, not adopted yet (its route's instances missing)
         self.held: dict[str, set[str]] = {}  # wire id -> the workers keeping it unclaimed
+        self.due: dict[str, float] = {}  # wire id (claimed or held) -> when it is settled if not adopted
 
     def begin(self, now: float) -> None:
         self.until = now + self.window_s
@@ -38,34 +40,37 @@ class Adoption:
     def is_open(self, now: float) -> bool:
         return now < self.until
 
-    def hold(self, wire_id: str, node_id: str, now: float) -> bool:
+    def hold(self, wire_id: str, node_id: str, now: float, fallback: bool = False) -> bool:
         """A registering worker holds an attempt this conductor does not know: whether it keeps it
-        for now (in the window: its frontend may claim it)."""
-        if not self.is_open(now):
+        for now (in the window, or placed by a frontend alone: its frontend may claim it)."""
+        if not (self.is_open(now) or fallback):
             return False
         self.held.setdefault(wire_id, set()).add(node_id)
+        self.due.setdefault(wire_id, now + self.window_s)
         return True
 
     def take(self, claim: P.Claim, now: float) -> bool:
         """A claim of an attempt this conductor does not know: whether it may be adopted."""
         if self.is_open(now) or not claim.route.planned:
             self.claims[claim.submit.wire_id] = claim
+            self.due.setdefault(claim.submit.wire_id, now + self.window_s)
             return True
         return False
 
     def forget(self, wire_id: str) -> None:
-        """Its frontend ended it before it was adopted."""
+        """Adopted, or its frontend ended it before it was."""
         self.claims.pop(wire_id, None)
         self.held.pop(wire_id, None)
+        self.due.pop(wire_id, None)
 
     def settle(self, now: float, known: Callable[[str], bool]) -> tuple[list[P.Claim], dict[str, set[str]]]:
-        """After the window: (the claims that cannot be adopted, the unclaimed attempts and the
+        """(the claims past due that cannot be adopted, the unclaimed attempts past due and the
         workers holding them); both are forgotten. ``known(wire_id)``: adopted since."""
-        if self.is_open(now) or not (self.claims or self.held):
-            return [], {}
-        lost, self.claims = list(self.claims.values()), {}
-        orphans = {w: nodes for w, nodes in self.held.items() if not known(w)}
-        self.held = {}
+        late = [w for w, t in self.due.items() if t <= now]
+        lost = [c for w in late if (c := self.claims.get(w)) is not None]
+        orphans = {w: nodes for w in late if (nodes := self.held.get(w)) and not known(w)}
+        for w in late:
+            self.forget(w)
         return lost, orphans
 
 

@@ -261,8 +261,7 @@ class Conductor:
                                 facts.block_tokens, now)
             if plan is None:
                 continue
-            del self.adoption.claims[wire_id]
-            self.adoption.held.pop(wire_id, None)
+            self.adoption.forget(wire_id)
             booking = self.scheduler.book(wire_id, plan)
             if claim.prefilled:
                 booking.prefill_finished()
@@ -286,16 +285,18 @@ class Conductor:
 
     def on_node_lost(self, node: Node, why: str) -> None:
         """A node died, stalled or restarted: its attempts end (their owners move them); its
-        stores' clients go; a frontend's attempts are dropped everywhere."""
+        stores' clients go; a frontend's attempts are dropped everywhere (``FrontendGone``)."""
         self.scheduler.forget_node(node.node_id)
         if node.role == "store":
             self.replicator.forget(node.endpoints.get("store", ""))
             self.p2p.drop_node(node.node_id)
-        if node.role == "frontend":
+        if node.role == "frontend":  # its workers drop all it ordered, what it placed alone too
             self.requests_in_flight.pop(node.node_id, None)
             for a in [a for a in self.attempts.values() if a.owner == node.node_id]:
                 self.metrics.frontend_aborts.inc()
-                self._end(a, abort=True)
+                self._end(a, abort=False)
+            for worker in (*self.cluster.of_role("prefill"), *self.cluster.of_role("decode")):
+                self._send(worker.node_id, P.FrontendGone(node.node_id))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
                 self._end(a, abort=True, why=why)

@@ -103,11 +103,12 @@ class Membership:
 
     def _keep(self, msg: P.Register, now: float) -> list[str]:
         """Reconciliation: of the requests a registering worker holds (after a conductor restart,
-        or back from being declared dead), those whose attempt still runs there, and just after
-        the conductor started those a frontend may still claim (``adoption.py``); it drops the
-        rest, so no reservation waits for a timeout."""
+        or back from being declared dead), those whose attempt still runs there, and those a
+        frontend may still claim (just after the conductor started, or placed by a frontend
+        alone: ``adoption.py``); it drops the rest, so no reservation waits for a timeout."""
+        alone = set(msg.fallback)
         keep = [w for w in msg.holding if (a := self.attempts.get(w)) is not None and msg.node_id in a.nodes
-                or a is None and self.adoption.hold(w, msg.node_id, now)]
+                or a is None and self.adoption.hold(w, msg.node_id, now, fallback=w in alone)]
         if len(keep) < len(msg.holding):
             self.metrics.reconciliation_aborts.inc(len(msg.holding) - len(keep))
             log.warning("%s %s held %d requests this conductor does not know there: it drops them",

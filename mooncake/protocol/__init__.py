@@ -37,6 +37,7 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.p2p import P2PMessage
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
+                                        FrontendGone,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         StageDone, StagePlan, TokenEvent, TokenStep)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
@@ -72,6 +73,7 @@ __all__ = [
     "FetchPlan",
     "FinishReason",
     "FirstToken",
+    "FrontendGone",
     "Get",
     "GetLayers",
     "Heartbeat",
@@ -121,7 +123,7 @@ Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
     Put, Get, GetLayers, Exists, Remove, Replicate, StatsQuery,
     Ok, Blocks, LayerSlices, Error, BlockEvent,
-    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, Failed,
+    DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, FrontendGone, Failed,
     Activations, StageDone,
     Submit, Admitted, Refused, AttemptEnded, Release, Claims, ClusterQuery, ClusterView,
     ShmPut, ShmGet, ShmBlocks,

@@ -64,6 +64,7 @@ class Register(Msg, tag="register"):
     info: NodeInfo
     endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}
     holding: list[str] = []  # wire ids of the requests it holds (queued, reserved, running)
+    fallback: list[str] = []  # of ``holding``, those a frontend placed itself while no conductor led
 
 
 class Registered(Msg, tag="registered"):

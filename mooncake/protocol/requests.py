@@ -214,6 +214,13 @@ class Abort(Msg, tag="abort"):
     req_id: str
 
 
+class FrontendGone(Msg, tag="frontend_gone"):
+    """Conductor -> every prefill and decode instance: this frontend died; drop every attempt it
+    ordered (nobody will read those streams), those it placed itself while no conductor led too."""
+
+    node_id: str
+
+
 class Failed(Msg, tag="failed"):
     """Worker -> frontend: a request could not be served here (reported once)."""
 

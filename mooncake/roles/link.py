@@ -47,6 +47,7 @@ class ConductorLink:
         curve: Curve | None = None,
         max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
         holding: Callable[[], list[str]] = list,
+        fallback: Callable[[list[str]], list[str]] = lambda held: [],
         on_orphans: Callable[[list[str]], Awaitable[None]] | None = None,
         coordination: CoordinationConfig | None = None,
     ) -> None:
@@ -57,6 +58,7 @@ class ConductorLink:
         self.load = load
         self.on_registered = on_registered
         self.holding = holding
+        self.fallback = fallback
         self.on_orphans = on_orphans
         self._held: list[str] = []  # what the last registration said this role holds
         self.heartbeat_s = 1.0
@@ -160,7 +162,7 @@ class ConductorLink:
 
     async def _register(self) -> None:
         self._held = self.holding()
-        await self.send(msgspec.structs.replace(self.register_msg, holding=self._held))
+        await self.send(msgspec.structs.replace(self.register_msg, holding=self._held, fallback=self.fallback(self._held)))
 
     def _reconcile(self, msg: P.Registered) -> None:
         """Drop what this role held that the conductor no longer knows here (once per registration)."""

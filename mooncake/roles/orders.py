@@ -5,9 +5,10 @@ puts it in every route it plans, and lists it in its ``ClusterView``). A fronten
 attempt it owns (``frontend/attempt_driver.py``) by sending here ``DecodeRequest``,
 ``PrefillRequest``, ``FirstToken`` and ``Abort``; whatever the worker reports of the attempt
 (``Reserved``, ``PrefillDone``, ``StageDone``, ``Failed``) goes back to that frontend. The
-conductor only aborts (over the worker's link). Attempts a frontend placed itself while no
-conductor led (``fallback``) are left out of the worker's registration, so a conductor that
-leads again does not drop them in reconciliation: they run to their end under their frontend.
+conductor only aborts (over the worker's link), and when a frontend dies has the worker drop
+every attempt that frontend ordered here. Attempts a frontend placed itself while no conductor
+led (``fallback``) are marked so in the worker's registration: a conductor keeps them until
+their frontend claims them (``conductor/adoption.py``), and drops them if it never does.
 Under CURVE only frontend (control-plane) keys may order.
 """
 
@@ -91,9 +92,14 @@ class Orders:
             log.warning("could not report %s to its frontend: %s", type(msg).__name__, e)
         return True
 
-    def planned(self, wire_ids: list[str]) -> list[str]:
-        """Those of ``wire_ids`` a conductor placed (what a registration reports for reconciliation)."""
-        return [w for w in wire_ids if w not in self.fallback]
+    def placed_alone(self, wire_ids: list[str]) -> list[str]:
+        """Those of ``wire_ids`` a frontend placed itself while no conductor led."""
+        return [w for w in wire_ids if w in self.fallback]
+
+    def ordered_by_frontend(self, node_id: str, wire_ids: list[str]) -> list[str]:
+        """Those of ``wire_ids`` frontend ``node_id`` ordered here."""
+        ident = node_id.encode()
+        return [w for w in wire_ids if self.ordered_by.get(w) == ident]
 
     def close(self) -> None:
         self.sock.close(0)

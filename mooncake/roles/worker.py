@@ -176,7 +176,7 @@ class EngineWorker(ABC):
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint,
                                   self.register_msg({**endpoints, "orders": orders.endpoint}), self.load,
                                   curve=self.curve, max_message_bytes=self.max_message_bytes,
-                                  holding=lambda: orders.planned(self.held_requests()),
+                                  holding=self.held_requests, fallback=orders.placed_alone,
                                   on_orphans=self._drop_orphans,
                                   on_registered=self._announce_device_cache, coordination=self.cfg.coordination)
         health = await start_node_health(self.cfg, self.role, self.node_id)
@@ -223,6 +223,9 @@ class EngineWorker(ABC):
         while True:
             msg, tensors = await self.link.recv()
             try:
+                if isinstance(msg, P.FrontendGone):
+                    await self._drop_orphans(self.orders.ordered_by_frontend(msg.node_id, self.held_requests()))
+                    continue
                 await self.handle(msg, tensors)
             except Exception as e:  # a bad message never kills the role; its request is reported
                 req_id = getattr(msg, "req_id", "")
