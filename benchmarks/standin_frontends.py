@@ -87,7 +87,7 @@ class StandInFrontend:
             finished = self.waiting[wire_id] = asyncio.get_running_loop().create_future()
             submit = P.Submit(wire_id, self.node_id, tokens, hashes, self.root, P.Sampling(max_tokens=self.max_tokens),
                               in_flight=len(self.waiting) - 1, new_request=True)
-            await self.link.send(submit)
+            await self.link.send(submit.for_conductor())
             admitted = await answer
             if isinstance(admitted, P.Refused):
                 self.refused += 1

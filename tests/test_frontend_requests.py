@@ -85,7 +85,8 @@ async def test_a_request_streams_from_its_first_token_to_the_decode_s_last(front
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
     assert isinstance(req, Request) and req.status is RequestStatus.PLACED
     submit, = frontend.conductor.link.of(P.Submit)
-    assert submit.node_id == "f0" and submit.tokens == [1, 2, 3] and submit.num_generated == 0
+    assert submit.node_id == "f0" and submit.n_tokens == 3 and submit.num_generated == 0
+    assert not submit.tokens and frontend.driver.attempts[submit.wire_id].submit.tokens == [1, 2, 3]  # for workers
     start(frontend, req)
     frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [8, 9]))
     frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 3, [10], P.FinishReason.LENGTH))
@@ -178,8 +179,10 @@ async def test_a_moved_request_resumes_with_its_tokens_and_their_hashes(frontend
     frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, list(range(100, 112))))
     frontend._handle(P.AttemptEnded(req.wire_id, "retry", "decode died"))
     await settle()
-    msg = frontend.conductor.link.of(P.Submit)[-1]
+    asked = frontend.conductor.link.of(P.Submit)[-1]
+    msg = frontend.driver.attempts[asked.wire_id].submit
     assert msg.tokens == list(range(20)) + [7] + list(range(100, 112)) and msg.num_generated == 13
+    assert asked.n_tokens == 33 and asked.num_generated == 13 and asked.hashes == msg.hashes
     assert msg.hashes == hash_blocks(msg.tokens, 16, FACTS.model_id) and msg.sampling.max_tokens == 30
     assert msg.wire_id.endswith("#2") and req.status is RequestStatus.PLACED
 

@@ -84,7 +84,7 @@ def adopted_plan(claim: P.Claim, cluster: Cluster, prefill_cost: PrefillCostMode
     if decode is None or not prefills or any(p is None for p in prefills):
         return None
     s = claim.submit
-    n_tokens, remaining = len(s.tokens), max(1, s.sampling.max_tokens - s.num_generated)
+    n_tokens, remaining = s.n_tokens, max(1, s.sampling.max_tokens - s.num_generated)
     prefill_s = 0.0 if claim.prefilled else prefill_cost.predict(n_tokens, 0)
     kv_tokens = n_tokens + remaining // 2
     tbt = decode_cost.predict(1, kv_tokens)

@@ -149,7 +149,7 @@ class Conductor:
         facts = self.facts
         if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
-            rejection = self.admission.check_request(msg.tokens, msg.sampling, facts, pool,
+            rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
                                                      sum(self.requests_in_flight.values()), self.scheduler.waiting())
             if rejection is not None:
                 self.metrics.rejected.labels(rejection.reason).inc()
@@ -157,7 +157,7 @@ class Conductor:
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if msg.num_generated == 0:  # what the context leaves (a moved request was clamped on its first)
-            msg.sampling.max_tokens = max(1, min(msg.sampling.max_tokens, facts.max_model_len - len(msg.tokens)))
+            msg.sampling.max_tokens = max(1, min(msg.sampling.max_tokens, facts.max_model_len - msg.n_tokens))
         placed = self._place(msg, facts)
         if isinstance(placed, Rejection):
             self.metrics.rejected.labels(placed.reason).inc()
@@ -174,7 +174,7 @@ class Conductor:
         shape = pipeline_shape(self.cfg, facts, self.cluster, self.scheduler.prefill_cost.fetch_block_s)
         now = time.monotonic()
         t0 = time.perf_counter()
-        placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, len(msg.tokens),
+        placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, msg.n_tokens,
                        msg.sampling.max_tokens - msg.num_generated, facts.block_tokens, now, pipeline=shape,
                        deadline=now + msg.ttft_budget_s if msg.ttft_budget_s > 0 else float("inf"),
                        evidence=self.costs.evidence())

@@ -26,7 +26,7 @@ class AttemptMetrics:
 
     def handed_to_decode(self, a: Attempt, msg: P.PrefillDone, block_bytes: int, block_tokens: int) -> None:
         """The prefill's KV went to the decode instance (the prompt and the tokens before the last)."""
-        n_tokens = len(a.submit.tokens) - 1
+        n_tokens = a.submit.n_tokens - 1
         self.prefill_to_decode.inc(-(-n_tokens // block_tokens) * block_bytes)
         self.metrics.kv_inflight_at_prefill_end.observe(msg.kv_pending_bytes)
 

@@ -91,7 +91,7 @@ class AttemptDriver:
 
     def claims(self) -> list[P.Claim]:
         """Every attempt driven here, as a conductor that has just started adopts them."""
-        return [P.Claim(a.submit, a.route, a.prefilled) for a in self.attempts.values()]
+        return [P.Claim(a.submit.for_conductor(), a.route, a.prefilled) for a in self.attempts.values()]
 
     def load(self) -> Counter[str]:
         """node id -> the attempts this frontend drives on it."""

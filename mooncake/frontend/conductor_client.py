@@ -92,7 +92,7 @@ class ConductorClient:
                 self._placing[msg.wire_id] = (msg, future)
                 if self._urgent:
                     await self.flush()
-                await self.link.send(msg)
+                await self.link.send(msg.for_conductor())
                 while not future.done() and not self.leaderless and time.monotonic() < deadline:
                     await asyncio.wait([future], timeout=min(RETRY_NO_WORKERS_S, max(0.01, deadline - time.monotonic())))
                 if not future.done():
@@ -142,7 +142,7 @@ class ConductorClient:
         self.registered_at = self.heard_at = time.monotonic()
         await self.link.send(P.Claims(self.node_id, self.claims()))
         for msg, _ in list(self._placing.values()):
-            await self.link.send(msg)
+            await self.link.send(msg.for_conductor())
         if self._query is not None and not self._query.done():
             await self.link.send(P.ClusterQuery(self.node_id))
 

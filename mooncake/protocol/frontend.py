@@ -31,7 +31,7 @@ class Submit(Msg, tag="submit"):
 
     wire_id: str  # <request id>#<attempt>
     node_id: str  # the frontend's
-    tokens: list[int]
+    tokens: list[int]  # the prompt and the tokens so far; none on the way to the conductor (``for_conductor``)
     hashes: list[bytes]
     root: bytes
     sampling: Sampling  # max_tokens: the request's, ``num_generated`` of them generated already
@@ -40,6 +40,16 @@ class Submit(Msg, tag="submit"):
     share_prefix: bool = False  # other choices of this prompt follow: index its blocks on the prefill at once
     in_flight: int = 0  # requests the frontend holds besides this one (admission counts them cluster-wide)
     new_request: bool = False  # a request's first attempt: admission checks it against the cluster's limits
+    n_tokens: int = 0  # len(tokens), what the conductor is told of them (set from ``tokens`` when 0)
+
+    def __post_init__(self) -> None:
+        if not self.n_tokens:
+            self.n_tokens = len(self.tokens)
+
+    def for_conductor(self) -> "Submit":
+        """This attempt as the conductor is sent it: without its tokens (it needs only their
+        number and the blocks' hashes; decoding a long prompt's ids cost it ~40 µs a request)."""
+        return msgspec.structs.replace(self, tokens=[])
 
 
 class WorkerRef(msgspec.Struct, array_like=True):

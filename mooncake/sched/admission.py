@@ -40,21 +40,22 @@ class Admission:
         self.last_admitted = float("-inf")  # when a plan was last admitted
         self._last: bool | None = None  # the last decision (admitted?), to count flips
 
-    def check_request(self, tokens: list[int], sampling: Sampling, facts: ModelFacts | None,
+    def check_request(self, n_tokens: int, sampling: Sampling, facts: ModelFacts | None,
                       pool_blocks: int, in_flight: int, waiting: int) -> Rejection | None:
-        """``pool_blocks``: the largest KV pool among the instances that would serve it."""
+        """A prompt of ``n_tokens``; ``pool_blocks``: the largest KV pool among the instances
+        that would serve it."""
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
-        if not tokens:
+        if not n_tokens:
             return Rejection(400, "invalid_prompt", "the prompt is empty", "prompt")
         limit = facts.max_model_len
-        if len(tokens) >= limit:
+        if n_tokens >= limit:
             return Rejection(400, "context_length_exceeded",
-                             f"the prompt has {len(tokens)} tokens; this model's context is {limit} tokens "
+                             f"the prompt has {n_tokens} tokens; this model's context is {limit} tokens "
                              f"(at most {limit - 1} prompt tokens)", "prompt")
         if sampling.max_tokens < 1:
             return Rejection(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
-        need = -(-(len(tokens) + 1) // facts.block_tokens)
+        need = -(-(n_tokens + 1) // facts.block_tokens)
         if pool_blocks and need > pool_blocks:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt needs {need} KV blocks; the largest instance holds {pool_blocks}", "prompt")
