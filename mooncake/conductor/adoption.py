@@ -57,6 +57,11 @@ class Adoption:
             return True
         return False
 
+    def claim(self, wire_id: str, owner: str) -> P.Claim | None:
+        """``owner``'s claim of ``wire_id``, not adopted yet."""
+        c = self.claims.get(wire_id)
+        return c if c is not None and c.submit.node_id == owner else None
+
     def forget(self, wire_id: str) -> None:
         """Adopted, or its frontend ended it before it was."""
         self.claims.pop(wire_id, None)

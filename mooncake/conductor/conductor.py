@@ -225,13 +225,12 @@ class Conductor:
             a = self.attempts.get(p.wire_id)
             if a is not None and a.owner == node.node_id and not a.prefilled:
                 self._prefilled(a, p)
-            elif a is None and (c := self.adoption.claims.get(p.wire_id)) is not None and c.submit.node_id == node.node_id:
-                c.prefilled = True
+            elif a is None and (claim := self.adoption.claim(p.wire_id, node.node_id)) is not None:
+                claim.prefilled = True  # not adopted yet
         for e in msg.ended:
             a = self.attempts.get(e.wire_id)
-            if a is None and e.wire_id in self.adoption.claims and \
-                    self.adoption.claims[e.wire_id].submit.node_id == node.node_id:
-                self.adoption.forget(e.wire_id)
+            if a is None and self.adoption.claim(e.wire_id, node.node_id) is not None:
+                self.adoption.forget(e.wire_id)  # ended before it was adopted
             if a is None or a.owner != node.node_id:
                 continue
             self.stats.ended(a, e.decoded, e.decode_s, now)
