@@ -111,11 +111,14 @@ class PlainSocket:
 
     def send(self, frames: Sequence[Any]) -> None:
         """Queue a message (its frames) now; raises ``zmq.ZMQError`` when it cannot."""
-        for frame in frames[:-1]:
-            _send(self.sock, frame, _NOBLOCK_MORE)
-        _send(self.sock, frames[-1], _NOBLOCK)
-        if not self._draining and self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._schedule_drain()  # a send may consume the descriptor's edge: read what waits
+        try:
+            for frame in frames[:-1]:
+                _send(self.sock, frame, _NOBLOCK_MORE)
+            _send(self.sock, frames[-1], _NOBLOCK)
+        finally:  # a send, even one that fails, may consume the descriptor's edge: read what waits
+            if not self._draining and self._loop is not None and not self.sock.closed \
+                    and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._schedule_drain()
 
     def _drain(self) -> None:
         """The descriptor is edge-triggered: read until empty (or the budget, then come back)."""
@@ -125,6 +128,8 @@ class PlainSocket:
         self._draining = True
         try:
             for _ in range(MESSAGES_PER_WAKEUP):
+                if self.sock.closed:  # a handler closed it
+                    return
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:

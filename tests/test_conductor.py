@@ -234,7 +234,7 @@ async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_pl
     assert owner == "f0" and ended.wire_id == a.wire_id
     assert list(conductor.attempts) == [b.wire_id] and conductor.attempts[b.wire_id].prefilled
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")  # now its frontend's death frees it
-    assert not conductor.attempts and ("d0", P.FrontendGone("f0")) in conductor.router.of(P.FrontendGone)
+    assert not conductor.attempts and ("d0", P.FrontendGone("f0", 1)) in conductor.router.of(P.FrontendGone)
 
 
 async def test_reports_of_an_ended_attempt_are_ignored(conductor):
@@ -259,7 +259,7 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
     conductor.router.log.clear()
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")
     assert b.wire_id not in conductor.attempts and conductor.scheduler.assigned("d0") == 0
-    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0")), ("d0", P.FrontendGone("f0"))]
+    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0", 1)), ("d0", P.FrontendGone("f0", 1))]
     assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 
@@ -287,3 +287,31 @@ async def test_frontends_hear_of_the_cluster_on_heartbeats(conductor):
     assert view.ready and view.facts == FACTS and view.nodes["decode"] == 1 and view.nodes["frontend"] == 1
     assert conductor.requests_in_flight["f0"] == 4 and not view.snapshot
     assert conductor.view(snapshot=True).snapshot["frontends"] == ["f0"]
+
+
+async def test_a_claim_on_an_instance_that_restarted_ends_and_a_dead_frontend_s_claims_go(conductor):
+    a, b = submit(conductor, [1, 2, 3]), submit(conductor, [4, 5, 6])
+    c = started()
+    register(c, "f1", "frontend", tokens="tcp://127.0.0.1:8")
+    register_holding(c, "p0", "prefill", [])
+    c._on_claims(c.cluster.get("f0"), P.Claims("f0", [P.Claim(a.submit, a.route)]))
+    other = msgspec.structs.replace(b.submit, node_id="f1")
+    c._on_claims(c.cluster.get("f1"), P.Claims("f1", [P.Claim(other, b.route)]))
+    c.on_node_lost(c.cluster.get("f1"), "frontend died")
+    assert list(c.adoption.claims) == [a.wire_id]  # f1's went with it
+    info = P.NodeInfo("n0", 2, FACTS, num_blocks=64)  # d0 is back as another process: orders elsewhere
+    c._on_register(b"d0", P.Register("decode", "d0", info, {"kv": "tcp://127.0.0.1:1", "orders": "tcp://127.0.0.1:7"},
+                                     holding=[]))
+    (owner, ended), = c.router.of(P.AttemptEnded)
+    assert owner == "f0" and ended.wire_id == a.wire_id and "restarted" in ended.message
+    assert not c.attempts and not c.adoption.claims
+
+
+async def test_a_worker_registering_after_the_window_keeps_what_a_frontend_has_claimed(conductor):
+    a = submit(conductor, [1, 2, 3])
+    c = started()
+    c._on_claims(c.cluster.get("f0"), P.Claims("f0", [P.Claim(a.submit, a.route)]))
+    c.adoption.until = 0.0  # the window closed before p0 and d0 came back
+    assert register_holding(c, "p0", "prefill", [a.wire_id]).keep == [a.wire_id]
+    assert register_holding(c, "d0", "decode", [a.wire_id, "other#1"]).keep == [a.wire_id]
+    assert a.wire_id in c.attempts

@@ -275,3 +275,17 @@ async def test_registering_again_tells_the_conductor_every_attempt_driven_here_b
     assert isinstance(claims, P.Claims) and isinstance(resubmitted, P.Submit)
     assert [(c.submit.wire_id, c.route, c.prefilled) for c in claims.attempts] == \
         [(placed.wire_id, ROUTE, True), (waiting.wire_id, ROUTE, False)]
+
+
+async def test_an_attempt_placed_with_no_conductor_is_reported_once_a_conductor_was_told_of_it(frontend):
+    frontend.conductor.view = P.ClusterView("c0", FACTS, True, {"prefill": 1, "decode": 1},
+                                            workers=[ROUTE.decode, *ROUTE.prefills])
+    frontend.conductor.heard_at = -1e9  # no conductor heard from: the frontend places it itself
+    req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=4))
+    a = frontend.driver.attempts[req.wire_id]
+    assert not a.route.planned and not a.booked
+    frontend.driver.claims()  # told to a conductor that leads again
+    start(frontend, req)
+    frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [8, 9, 10], P.FinishReason.LENGTH))
+    assert [p.wire_id for p in frontend.conductor.done_prefills] == [req.wire_id]
+    assert req.wire_id in {e.wire_id for e in frontend.conductor.ended}  # the booking the conductor made goes

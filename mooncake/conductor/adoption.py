@@ -4,15 +4,18 @@ Its workers and frontends come to it with what they hold: each worker re-registe
 requests it holds, each frontend sends the attempts it drives (``Claims``: the submit and the
 route). For ``window_s`` after the start a worker keeps what it holds even when no frontend has
 claimed it yet (the frontend may come a moment later), and a claim is adopted (booked on its
-route, as if placed here) once every instance of its route has registered. ``window_s`` after
-it was first heard of, what nobody claimed is aborted on the workers that hold it (the frontend
-that drove it is gone) and a claim whose instances did not come back ends (its frontend moves
-the request).
+route, as if placed here) once every instance of its route has registered, unless one of them
+registered as another process (it restarted: the attempt ends, and its frontend moves the
+request). ``window_s`` after it was first heard of, what nobody claimed is aborted on the workers
+that hold it (the frontend that drove it is gone) and a claim whose instances did not come back
+ends. A frontend that dies takes its pending claims with it. A frontend reports the prefill and
+the end of every attempt it claimed, as of one a conductor placed, so every booking is released.
 
 After the window, a claim this conductor does not know means it ended the attempt (a node of
 it was lost, its frontend was declared dead): the frontend hears ``AttemptEnded``. Attempts a
 frontend placed itself while no conductor led (``route.planned`` False; a worker's registration
-marks them) are kept and adopted the same way whenever they come: no conductor ever knew them.
+marks them) are kept and adopted the same way whenever they come: no conductor ever knew them
+(one whose instances never register here is forgotten, not ended: its frontend drives it on).
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ class Adoption:
 
     def hold(self, wire_id: str, node_id: str, now: float, fallback: bool = False) -> bool:
         """A registering worker holds an attempt this conductor does not know: whether it keeps it
-        for now (in the window, or placed by a frontend alone: its frontend may claim it)."""
-        if not (self.is_open(now) or fallback):
+        for now (in the window, placed by a frontend alone, or already claimed: its frontend may
+        claim it, or has)."""
+        if not (self.is_open(now) or fallback or wire_id in self.claims):
             return False
         self.held.setdefault(wire_id, set()).add(node_id)
         self.due.setdefault(wire_id, now + self.window_s)
@@ -61,6 +65,11 @@ class Adoption:
         """``owner``'s claim of ``wire_id``, not adopted yet."""
         c = self.claims.get(wire_id)
         return c if c is not None and c.submit.node_id == owner else None
+
+    def forget_owner(self, owner: str) -> None:
+        """Frontend ``owner`` died: its claims go (what workers hold of them is dropped when due)."""
+        for wire_id in [w for w, c in self.claims.items() if c.submit.node_id == owner]:
+            del self.claims[wire_id]
 
     def forget(self, wire_id: str) -> None:
         """Adopted, or its frontend ended it before it was."""
@@ -80,14 +89,19 @@ class Adoption:
 
 
 def adopted_plan(claim: P.Claim, cluster: Cluster, prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel,
-                 block_tokens: int, now: float) -> Plan | None:
+                 block_tokens: int, now: float) -> Plan | str | None:
     """The plan a claimed attempt is booked under: its route, with predictions made now (the
     whole prompt to compute unless its prefill is done); None while an instance of the route
-    has not registered."""
-    prefills = [cluster.get(w.node_id) for w in claim.route.prefills]
-    decode = cluster.get(claim.route.decode.node_id)
+    has not registered; why it cannot be adopted, when an instance of the route registered
+    since as another process (its orders socket elsewhere: what it held is gone)."""
+    route = claim.route
+    prefills = [cluster.get(w.node_id) for w in route.prefills]
+    decode = cluster.get(route.decode.node_id)
     if decode is None or not prefills or any(p is None for p in prefills):
         return None
+    for ref, node in zip([route.decode, *route.prefills], [decode, *prefills]):
+        if node is not None and node.endpoints.get("orders", "") != ref.orders:
+            return f"{ref.role} instance {ref.node_id} restarted"
     s = claim.submit
     n_tokens, remaining = s.n_tokens, max(1, s.sampling.max_tokens - s.num_generated)
     prefill_s = 0.0 if claim.prefilled else prefill_cost.predict(n_tokens, 0)

@@ -97,9 +97,8 @@ class Conductor:
         return r.endpoint
 
     async def close(self) -> None:
-        """Attempts left have no client: workers drop them, then the socket closes."""
-        for a in list(self.attempts.values()):
-            self._end(a, abort=True, why="the conductor is shutting down")
+        """Stop (shut down, or no longer leading): the attempts run on under their frontends, which
+        tell the next conductor of them (``adoption.py``); the socket closes."""
         if self.router is not None:
             await self.router.flush()
         for t in self._tasks:
@@ -256,11 +255,17 @@ class Conductor:
         if facts is None:
             return
         for wire_id, claim in list(self.adoption.claims.items()):
+            if self.cluster.get(claim.submit.node_id) is None:  # its frontend is gone
+                self.adoption.forget_owner(claim.submit.node_id)
+                continue
             plan = adopted_plan(claim, self.cluster, self.scheduler.prefill_cost, self.scheduler.decode_cost,
                                 facts.block_tokens, now)
             if plan is None:
                 continue
             self.adoption.forget(wire_id)
+            if isinstance(plan, str):  # an instance of it restarted: the attempt is lost there
+                self._send(claim.submit.node_id, P.AttemptEnded(wire_id, P.FailureKind.RETRY.value, plan))
+                continue
             booking = self.scheduler.book(wire_id, plan)
             if claim.prefilled:
                 booking.prefill_finished()
@@ -291,11 +296,12 @@ class Conductor:
             self.p2p.drop_node(node.node_id)
         if node.role == "frontend":  # its workers drop all it ordered, what it placed alone too
             self.requests_in_flight.pop(node.node_id, None)
+            self.adoption.forget_owner(node.node_id)
             for a in [a for a in self.attempts.values() if a.owner == node.node_id]:
                 self.metrics.frontend_aborts.inc()
                 self._end(a, abort=False)
             for worker in (*self.cluster.of_role("prefill"), *self.cluster.of_role("decode")):
-                self._send(worker.node_id, P.FrontendGone(node.node_id))
+                self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.pid))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
                 self._end(a, abort=True, why=why)

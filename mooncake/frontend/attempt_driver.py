@@ -13,6 +13,7 @@ or from a worker not on its route, change nothing. One DEALER per worker, opened
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +39,12 @@ class DrivenAttempt:
     prefills: list[tuple[str, P.PrefillRequest]] = field(default_factory=list)  # sent once decode has reserved
     reserved_at: float = 0.0
     prefilled: bool = False  # its prefill reported done
+    claimed: bool = False  # told to a conductor (``claims``): it reports the attempt's prefill and end
+
+    @property
+    def booked(self) -> bool:
+        """Whether a conductor books it (it placed it, or adopted it when claimed)."""
+        return self.route.planned or self.claimed
 
     @property
     def wire_id(self) -> str:
@@ -59,6 +66,7 @@ class AttemptDriver:
         self.ctx = ctx
         self.curve = curve
         self.node_id = node_id
+        self.identity = P.orders_identity(node_id, os.getpid()).decode()  # what workers know this process by
         self.reply_to = reply_to
         self.max_message_bytes = max_message_bytes
         self.on_prefilled = on_prefilled
@@ -90,7 +98,10 @@ class AttemptDriver:
         return a
 
     def claims(self) -> list[P.Claim]:
-        """Every attempt driven here, as a conductor that has just started adopts them."""
+        """Every attempt driven here, as a conductor that has just started adopts them (from now
+        on each is reported to the conductor, as one it placed is)."""
+        for a in self.attempts.values():
+            a.claimed = True
         return [P.Claim(a.submit.for_conductor(), a.route, a.prefilled) for a in self.attempts.values()]
 
     def load(self) -> Counter[str]:
@@ -142,7 +153,7 @@ class AttemptDriver:
         if sock is None and worker.orders:
             for old in [k for k in self._socks if k[0] == worker.node_id]:  # it restarted elsewhere
                 self._socks.pop(old).close()
-            plain = connect_client(self.ctx, zmq.DEALER, self.curve, "worker", worker.orders, self.node_id,
+            plain = connect_client(self.ctx, zmq.DEALER, self.curve, "worker", worker.orders, self.identity,
                                    self.max_message_bytes, plain=True)
             sock = self._socks[key] = PlainSocket(plain, lambda frames: self._one(worker.node_id, frames))
             sock.start()

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 PLACE_TIMEOUT_S = 10.0  # a conductor that does not answer a Submit this long: the attempt is refused
 RELEASE_EVERY_S = 0.01
 RETRY_NO_WORKERS_S = 0.25
+CLAIMS_PER_MESSAGE = 256  # attempts per Claims message (each carries its prompt's block hashes)
 LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each 1 s heartbeat): none leads
 
 
@@ -140,7 +141,9 @@ class ConductorClient:
         attempts this frontend drives (a new one adopts them), and what waits to be placed is
         asked again (the other never answered, and may never)."""
         self.registered_at = self.heard_at = time.monotonic()
-        await self.link.send(P.Claims(self.node_id, self.claims()))
+        claims = self.claims()
+        for i in range(0, len(claims), CLAIMS_PER_MESSAGE):
+            await self.link.send(P.Claims(self.node_id, claims[i:i + CLAIMS_PER_MESSAGE]))
         for msg, _ in list(self._placing.values()):
             await self.link.send(msg.for_conductor())
         if self._query is not None and not self._query.done():

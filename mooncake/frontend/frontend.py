@@ -229,11 +229,11 @@ class Frontend:
 
     def _release(self, ended: P.Ended) -> None:
         """The attempt's workers drop it (with ``abort``), and the conductor releases its booking
-        (unless this frontend's fallback placed it)."""
+        (unless this frontend's fallback placed it and no conductor has adopted it)."""
         a = self.driver.end(ended.wire_id, ended.abort) if self.driver is not None else None
         if a is None:  # never driven here: the conductor has its workers drop it, if they must
             self.conductor.release(ended)
-        elif a.route.planned:
+        elif a.booked:
             self.conductor.release(msgspec.structs.replace(ended, abort=False))
 
     def _finish(self, req: Request, reason: P.FinishReason, error: RequestError | None = None,
@@ -307,7 +307,7 @@ class Frontend:
     def _on_prefilled(self, a: DrivenAttempt, msg: P.PrefillDone, now: float) -> None:
         """An attempt's prefill is done: its first token (the conductor hears of it with the next
         batch; before the forks of its prompt are placed, which it must place by its blocks)."""
-        if a.route.planned:
+        if a.booked:
             self.conductor.prefilled(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started),
                                      urgent=a.submit.share_prefix)
         req = self.attempts.get(a.wire_id)

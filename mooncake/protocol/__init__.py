@@ -37,7 +37,7 @@ from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, No
                                           Reregister, TierLoad)
 from mooncake.protocol.p2p import P2PMessage
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
-                                        FrontendGone,
+                                        FrontendGone, orders_identity,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         StageDone, StagePlan, TokenEvent, TokenStep)
 from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
@@ -115,6 +115,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "encode",
+    "orders_identity",
     "frame_tensor",
     "tensor_frame",
 ]

@@ -215,10 +215,18 @@ class Abort(Msg, tag="abort"):
 
 
 class FrontendGone(Msg, tag="frontend_gone"):
-    """Conductor -> every prefill and decode instance: this frontend died; drop every attempt it
-    ordered (nobody will read those streams), those it placed itself while no conductor led too."""
+    """Conductor -> every prefill and decode instance: this frontend process died; drop every
+    attempt it ordered (nobody will read those streams), those it placed itself while no
+    conductor led too. A process that restarted under the same node id orders as another
+    (``orders_identity``), so what it orders is not dropped."""
 
     node_id: str
+    pid: int
+
+
+def orders_identity(node_id: str, pid: int) -> bytes:
+    """The routing id a frontend process's orders come from (on every worker's ``orders`` socket)."""
+    return f"{node_id}@{pid}".encode()
 
 
 class Failed(Msg, tag="failed"):

@@ -96,9 +96,9 @@ class Orders:
         """Those of ``wire_ids`` a frontend placed itself while no conductor led."""
         return [w for w in wire_ids if w in self.fallback]
 
-    def ordered_by_frontend(self, node_id: str, wire_ids: list[str]) -> list[str]:
-        """Those of ``wire_ids`` frontend ``node_id`` ordered here."""
-        ident = node_id.encode()
+    def ordered_by_frontend(self, gone: P.FrontendGone, wire_ids: list[str]) -> list[str]:
+        """Those of ``wire_ids`` the frontend process that is ``gone`` ordered here."""
+        ident = P.orders_identity(gone.node_id, gone.pid)
         return [w for w in wire_ids if self.ordered_by.get(w) == ident]
 
     def close(self) -> None:

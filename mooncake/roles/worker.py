@@ -224,7 +224,7 @@ class EngineWorker(ABC):
             msg, tensors = await self.link.recv()
             try:
                 if isinstance(msg, P.FrontendGone):
-                    await self._drop_orphans(self.orders.ordered_by_frontend(msg.node_id, self.held_requests()))
+                    await self._drop_orphans(self.orders.ordered_by_frontend(msg, self.held_requests()))
                     continue
                 await self.handle(msg, tensors)
             except Exception as e:  # a bad message never kills the role; its request is reported
