@@ -10,7 +10,7 @@ adds what grew since the last report). Series of a node that left are removed
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -24,7 +24,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         self.before_render: list[Callable[[], None]] = []  # refresh the gauges read from live state
-        self._node_series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
+        # node -> (metric's id, label values) -> (metric, child): a label lookup costs more than the count
+        self._node_series: dict[str, dict[tuple[int, tuple[str, ...]], tuple[MetricWrapperBase, Any]]] = {}
         self._reported: dict[tuple[int, tuple[str, ...]], float] = {}
         m = ["model_name"]
 
@@ -127,9 +128,14 @@ class Metrics:
 
     def of_node(self, metric: MetricWrapperBase, node_id: str, *labels: str) -> MetricWrapperBase:
         """``metric``'s child for ``node_id`` (its first label), remembered for ``forget_node``."""
-        values = (node_id, *labels)
-        self._node_series.setdefault(node_id, set()).add((metric, values))
-        return metric.labels(*values)
+        series = self._node_series.get(node_id)
+        if series is None:
+            series = self._node_series[node_id] = {}
+        key = (id(metric), (node_id, *labels))
+        known = series.get(key)
+        if known is None:
+            known = series[key] = (metric, metric.labels(*key[1]))
+        return known[1]
 
     def report(self, counter: Counter, node_id: str, labels: tuple[str, ...], total: float) -> None:
         """A node's running total of ``counter``: the counter grows by what the total grew
@@ -143,12 +149,12 @@ class Metrics:
 
     def forget_node(self, node_id: str) -> None:
         """Remove every series of a node that left."""
-        for metric, values in self._node_series.pop(node_id, set()):
+        for key, (metric, _) in self._node_series.pop(node_id, {}).items():
             try:
-                metric.remove(*values)
+                metric.remove(*key[1])
             except KeyError:
                 pass
-            self._reported.pop((id(metric), values), None)
+            self._reported.pop(key, None)
 
     def render(self) -> bytes:
         for refresh in self.before_render:

@@ -61,9 +61,10 @@ class Conductor:
         self.metrics = metrics or Metrics(model_name)
         self.predictions = Predictions(self.metrics)
         self.stats = AttemptMetrics(self.metrics, model_name, self.predictions)
-        self.metrics.before_render.append(lambda: self.stats.kv_usage(self.cluster))
         self.cluster = Cluster()
         self.index = KVIndex()
+        self.metrics.before_render += [lambda: self.stats.kv_usage(self.cluster),
+                                       lambda: self.metrics.index_blocks.set(len(self.index))]
         self.costs = CostModels(self.metrics)
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
         self.admission = Admission(cfg.conductor, self.metrics)
@@ -326,7 +327,6 @@ class Conductor:
             self.index.add(node.node_id, msg.tier, msg.hashes)
         else:
             self.index.remove(node.node_id, msg.hashes)
-        self.metrics.index_blocks.set(len(self.index))
 
     def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
         reply = self.membership.register(ident, msg, time.monotonic(), peer)

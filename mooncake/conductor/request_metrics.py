@@ -22,7 +22,8 @@ class AttemptMetrics:
     def prefilled(self, a: Attempt, msg: P.PrefillDone, node: Node, seconds: float) -> None:
         """An attempt's prefill is done on ``node``, ``seconds`` after it was placed."""
         self.predictions.ttft(node.node_id, a.plan.est_ttft_s, seconds)
-        self.store_to_prefill.inc(msg.fetched_blocks * node.info.block_bytes)
+        if msg.fetched_blocks:
+            self.store_to_prefill.inc(msg.fetched_blocks * node.info.block_bytes)
 
     def handed_to_decode(self, a: Attempt, msg: P.PrefillDone, block_bytes: int, block_tokens: int) -> None:
         """The prefill's KV went to the decode instance (the prompt and the tokens before the last)."""

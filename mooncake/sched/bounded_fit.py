@@ -24,8 +24,8 @@ it exactly. Robustness:
 - a fit whose prediction at any reference size leaves ``[1/max_factor, max_factor]`` times
   the prior's is discarded: the model keeps its last sane fit (at first, the prior).
 
-Cost. A refit reads the whole window (0.2-1 ms for 256 samples), and a conductor observes a
-prefill per request and each decode's steps once a second: the model refits after every sample
+Cost. A refit reads the whole window (~0.1 ms for 256 samples, kept as one numpy array), and a
+conductor observes a prefill per request and each decode's steps once a second: the model refits after every sample
 while it has few, then once per ``REFIT_SHARE`` of its window (every 32 samples when full), so
 each sample costs a few microseconds on average, the fit lags by tens of samples of hundreds,
 and a decode's learning costs a refit every few heartbeats, not every one. A batch of samples
@@ -96,15 +96,17 @@ class BoundedLinearModel:
         # the prior's prediction at each reference (the floored scale's where the prior says 0)
         self._ref_prior = [dot(self.prior, x) or dot(self.scale, x) for x in self.references]
         self.strength, self.max_factor, self.clip = strength, max_factor, clip
-        self._z: deque[list[float]] = deque(maxlen=window)
-        self._u: deque[float] = deque(maxlen=window)
+        # the window: a ring of rows (z, u), numpy from the start (converting lists cost a refit ~0.3 ms)
+        self._zu = np.zeros((window, len(self.prior) + 1))
+        self._held = 0
+        self._next = 0
         self.rejected_fits = 0  # fits discarded as implausible
         self._unfitted = 0  # samples taken since the last refit
         self._streak = 0  # of those, in a row (warned about once)
 
     @property
     def samples(self) -> int:
-        return len(self._u)
+        return self._held
 
     def predict(self, x: Sequence[float]) -> float:
         return dot(self.weights, x)
@@ -123,7 +125,7 @@ class BoundedLinearModel:
         return taken
 
     def _refit_if_due(self) -> None:
-        if self._unfitted >= max(1, int(len(self._u) * REFIT_SHARE)):
+        if self._unfitted >= max(1, int(self._held * REFIT_SHARE)):
             self._refit()
 
     def _take(self, x: Sequence[float], y: float) -> bool:
@@ -132,15 +134,18 @@ class BoundedLinearModel:
         if not (y > 0 and math.isfinite(y) and total > 0 and math.isfinite(total)
                 and all(v >= 0 for v in sx)):
             return False
-        self._z.append([v / total for v in sx])
-        self._u.append(float(y) / total)
+        sx.append(float(y))
+        row = self._next
+        self._zu[row] = [v / total for v in sx]
+        self._next = (row + 1) % len(self._zu)
+        self._held = min(self._held + 1, len(self._zu))
         self._unfitted += 1
         return True
 
     def _refit(self) -> None:
         self._unfitted = 0
-        Z = np.array(self._z)
-        u = np.array(self._u)
+        held = self._zu[: self._held]  # in ring order, which a fit does not care about
+        Z, u = held[:, :-1], held[:, -1]
         pred = np.maximum(Z @ np.array(self.theta), 1e-9)
         u = np.clip(u, pred / self.clip, pred * self.clip)
         d = Z.shape[1]

@@ -160,6 +160,7 @@ class CostModels:
         self.prefill = PrefillCostModel()
         self.decode = DecodeCostModel()
         self.profiled: set[str] = set()  # roles whose start-up profile seeded their model
+        self._rejected = {role: metrics.cost_model_rejected_fits.labels(role) for role in ("prefill", "decode")}
 
     def seed(self, role: str, profile: EngineProfile) -> bool:
         """Start ``role``'s model from its first instance's profile; True if it did."""
@@ -180,7 +181,7 @@ class CostModels:
     def observe_prefill(self, computed: int, cached: int, prefill_s: float, fetched: int, fetch_s: float) -> None:
         self.prefill.observe(computed, cached, prefill_s)
         self.prefill.observe_fetch(fetched, fetch_s)
-        self.metrics.cost_model_rejected_fits.labels("prefill").set(self.prefill.model.rejected_fits)
+        self._rejected["prefill"].set(self.prefill.model.rejected_fits)
 
     def observe_dispatch(self, plan: Plan, started: float, reserved_at: float, prefilled_at: float,
                          worked_s: float) -> None:
@@ -194,7 +195,7 @@ class CostModels:
 
     def observe_decode(self, steps: list[tuple[int, int, float]]) -> None:
         self.decode.observe_all(steps)
-        self.metrics.cost_model_rejected_fits.labels("decode").set(self.decode.model.rejected_fits)
+        self._rejected["decode"].set(self.decode.model.rejected_fits)
 
     def evidence(self) -> tuple[bool, bool]:
         """Whether the (prefill, decode) models rest on measurements of this machine."""

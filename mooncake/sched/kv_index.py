@@ -4,14 +4,16 @@ Fed by the stored/removed events of engines (device tier) and stores. Lookups
 walk a request's hash chain once; a node's dead-state removal is O(its blocks).
 The walk of ``prefix_runs`` runs in C over a flat copy of block -> holders
 (``fingerprint_table.py``, a bit per node) where that can be built, else over
-each node's own dict of blocks; both give the same answer. Holders are a bit mask per block
-here too, in the same bits.
+each node's own dict of blocks; both give the same answer. Each node's dict is the only
+Python copy: adding and removing a batch of blocks are C loops over it (no Python step per
+block), and the holders of one block are found by asking each node (a cluster has tens).
 """
 
 from __future__ import annotations
 
 import heapq
-from itertools import chain, islice, takewhile
+from collections import deque
+from itertools import chain, islice, repeat, takewhile
 from typing import Collection, Iterable, Sequence
 
 from mooncake.sched.fingerprint_table import FingerprintTable
@@ -20,9 +22,8 @@ from mooncake.sched.fingerprint_table import FingerprintTable
 class KVIndex:
     def __init__(self, native: bool = True) -> None:
         """``native``: walk chains in C where it can be built (False: always in Python)."""
-        # Nothing below holds an object the garbage collector tracks per block (bytes, ints, str):
+        # Nothing below holds an object the garbage collector tracks per block (bytes, str):
         # a full collection does not walk a million blocks (it did, for ≈200 ms, with a dict per block).
-        self._where: dict[bytes, int] = {}  # hash -> its holders' bits
         self._by_node: dict[str, dict[bytes, str]] = {}  # node -> {hash: tier}
         self._table = FingerprintTable.create() if native else None
         self._bit_of: dict[str, int] = {}  # node -> its bit, from its first add to drop_node
@@ -43,26 +44,24 @@ class KVIndex:
             self._bit_of[node_id] = bit
         return bit
 
-    def _nodes(self, bits: int) -> list[str]:
-        """The nodes of a holder mask, in bit order."""
-        nodes, node_at = [], self._node_at
-        while bits:
-            low = bits & -bits
-            nodes.append(node_at[low.bit_length() - 1])
-            bits ^= low
+    def _holders(self, h: bytes) -> list[str]:
+        """The nodes holding block ``h``, in the order of their bits."""
+        nodes = [node for node, mine in self._by_node.items() if h in mine]
+        if len(nodes) > 1:
+            nodes.sort(key=self._bit_of.__getitem__)
         return nodes
 
     def __len__(self) -> int:
-        return len(self._where)
+        """Distinct blocks indexed."""
+        if self._table is not None:
+            return len(self._table)
+        return len(set().union(*self._by_node.values()))
 
     def add(self, node_id: str, tier: str, hashes: Iterable[bytes]) -> None:
         bit = self._bit(node_id)
         mine = self._by_node.setdefault(node_id, {})
         hashes = list(hashes)
-        where, b = self._where, 1 << bit
-        for h in hashes:
-            where[h] = where.get(h, 0) | b
-            mine[h] = tier
+        mine.update(zip(hashes, repeat(tier)))
         if self._table is not None and hashes:
             self._table.add(bit, hashes)
 
@@ -70,14 +69,8 @@ class KVIndex:
         bit = self._bit_of.get(node_id)
         if bit is None:
             return
-        mine, where, keep = self._by_node[node_id], self._where, ~(1 << bit)
         hashes = list(hashes)
-        for h in hashes:
-            if mine.pop(h, None) is not None:
-                if where[h] & keep:
-                    where[h] &= keep
-                else:
-                    del where[h]
+        deque(map(self._by_node[node_id].pop, hashes, repeat(None)), maxlen=0)  # each popped, in C
         if self._table is not None and hashes:
             self._table.remove(bit, hashes)
 
@@ -86,12 +79,6 @@ class KVIndex:
         bit = self._bit_of.pop(node_id, None)
         mine = self._by_node.pop(node_id, {})
         if bit is not None:
-            where, keep = self._where, ~(1 << bit)
-            for h in mine:
-                if where[h] & keep:
-                    where[h] &= keep
-                else:
-                    del where[h]
             if self._table is not None:
                 self._table.clear_bit(bit)
             heapq.heappush(self._free_bits, bit)
@@ -102,7 +89,7 @@ class KVIndex:
 
     def holders(self, h: bytes) -> dict[str, str]:
         """The nodes holding block ``h`` (in the order they got their bits) and their tiers."""
-        return {node: self._by_node[node][h] for node in self._nodes(self._where.get(h, 0))}
+        return {node: self._by_node[node][h] for node in self._holders(h)}
 
     def holds(self, node_id: str, h: bytes) -> bool:
         return h in self._by_node.get(node_id, ())
@@ -120,17 +107,13 @@ class KVIndex:
             pairs, store_end = self._table.walk(hashes, mask)
             node_at, it = self._node_at, iter(pairs)
             return {node_at[bit]: run for bit, run in zip(it, it)}, store_end
-        runs: dict[str, int] = {}
-        bits = self._where.get(hashes[0]) if hashes else None
-        if not bits:
-            return runs, 0
-        for node in self._nodes(bits):
-            runs[node] = self._run(node, hashes, 0)
+        if not hashes:
+            return {}, 0
+        runs = {node: self._run(node, hashes, 0) for node in self._holders(hashes[0])}
         store_end = max((r for node, r in runs.items() if node in stores), default=0)
         while 0 < store_end < len(hashes):  # another store may go on where the longest one stops
-            bits = self._where.get(hashes[store_end])
-            more = max((self._run(s, hashes, store_end) for s in self._nodes(bits) if s in stores), default=0) \
-                if bits else 0
+            more = max((self._run(s, hashes, store_end) for s in self._holders(hashes[store_end]) if s in stores),
+                       default=0)
             if not more:
                 break
             store_end += more
@@ -154,10 +137,9 @@ class KVIndex:
         segments: list[tuple[int, int, str]] = []
         i, n = start, len(hashes)
         while i < n:
-            bits = self._where.get(hashes[i])
-            if not bits:
+            locs = self._holders(hashes[i])
+            if not locs:
                 break
-            locs = self._nodes(bits)
             for node in chain(prefer, locs):  # the first preferred holder, else the first holder
                 if node in locs and node in nodes:
                     break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Any
 
 from mooncake.metrics import Metrics
 
@@ -17,6 +18,7 @@ class Predictions:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.errors: dict[str, deque[float]] = {"ttft": deque(maxlen=WINDOW), "tbt": deque(maxlen=WINDOW)}
+        self._ratios: dict[tuple[str, str], Any] = {}  # (kind, instance) -> its histogram (looked up once)
 
     def ttft(self, instance: str, predicted_s: float, actual_s: float) -> None:
         self._record("ttft", instance, predicted_s, actual_s)
@@ -27,7 +29,10 @@ class Predictions:
     def _record(self, kind: str, instance: str, predicted_s: float, actual_s: float) -> None:
         if predicted_s <= 0 or actual_s <= 0:
             return
-        self.metrics.prediction_ratio.labels(kind, instance).observe(actual_s / predicted_s)
+        ratio = self._ratios.get((kind, instance))
+        if ratio is None:
+            ratio = self._ratios[kind, instance] = self.metrics.prediction_ratio.labels(kind, instance)
+        ratio.observe(actual_s / predicted_s)
         self.errors[kind].append(abs(predicted_s - actual_s) / actual_s)
 
     def summary(self) -> dict[str, dict[str, float]]:

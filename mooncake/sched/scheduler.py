@@ -194,8 +194,11 @@ class Scheduler:
         the requests booked on it are served; ``indexed``: its run in the KV index."""
         pending = self.pending.of(node_id)
         run = min(indexed, limit)
-        if pending:  # a booked chain is pending from its block 0 (a block's hash names its whole prefix),
-            lo, hi = run, limit  # so the pending blocks of ``hashes`` are a prefix of it: bisect its end
+        # A booked chain is pending from its block 0 (a block's hash names its whole prefix) where
+        # the index does not hold it, so what is pending of ``hashes`` starts at ``run``, if at all:
+        # bisect its end; then what the index holds past it.
+        if pending and run < limit and hashes[run] in pending:
+            lo, hi = run + 1, limit
             while lo < hi:
                 mid = (lo + hi) // 2
                 if hashes[mid] in pending:
@@ -203,7 +206,7 @@ class Scheduler:
                 else:
                     hi = mid
             run = lo
-        while run < limit and self.index.holds(node_id, hashes[run]):
+        while run < limit and self.index.holds(node_id, hashes[run]):  # ``indexed`` may stop short of ``limit``
             run += 1
         return run
 
