@@ -56,3 +56,30 @@ def test_work_per_token_does_not_grow_with_the_output(tok):
     counting = Counting()
     run(TextStream(counting), ids)
     assert counting.ids < 8 * len(ids)  # a full re-decode per token would be ~len(ids)**2 / 2
+
+
+class CountingDecodes:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.ids = tok, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.ids += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("kind", ["special", "lead byte"])
+def test_ids_that_add_no_text_cost_linear_work_and_keep_the_text_exact(tok, kind):
+    """Special tokens (skipped) or lone UTF-8 lead bytes (never complete), as ``logit_bias`` can
+    force: 4× the ids cost at most 6× the decoding (each id re-decoded would be 16×), and the text
+    is what decoding everything at once gives, a word after them included."""
+    filler = tok.eos_token_id if kind == "special" else tok.convert_tokens_to_ids("Ã")  # byte 0xC3: a lead
+    assert tok.decode([filler], skip_special_tokens=True) == ("" if kind == "special" else "\ufffd")
+    work = []
+    for n in (300, 1200):
+        ids = tok.encode("Hi") + [filler] * n + tok.encode(" there")
+        counting = CountingDecodes(tok)
+        assert run(TextStream(counting), ids) == tok.decode(ids, skip_special_tokens=True)
+        work.append(counting.ids)
+    assert work[1] <= 6 * work[0]

@@ -6,11 +6,20 @@ a word's leading space specially decode the same way) plus the new ones — and
 keeps what the new ids add. Text ending in an incomplete UTF-8 sequence is held
 until the ids that complete it arrive, and so is a tail that may still grow into
 a stop string. A stop string is never emitted.
+
+Ids that add no text yet (special tokens, which are skipped; a lone "▁" that may become a
+space) or that never complete a character (lone UTF-8 lead bytes, which ``logit_bias`` can
+force) keep the window from moving: decoding the growing window on every token would cost
+quadratic work. Past ``MAX_HELD_IDS`` held ids the window is decoded again only when the held
+ids have doubled since the last try (and at the end), so the work stays linear and the text
+exact (committing them as "no text" early could drop the space a later id gives them).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+MAX_HELD_IDS = 8
 
 class TextStream:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
@@ -22,6 +31,7 @@ class TextStream:
         self.text = ""  # decoded so far (a stop string and what follows cut off)
         self.emitted = 0  # characters of ``text`` already handed out
         self.stopped = False
+        self._retry_at = 0  # with more than MAX_HELD_IDS held: how many held ids make the next try
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -50,11 +60,16 @@ class TextStream:
 
     def _advance(self, final: bool) -> None:
         """Turn the ids after ``read`` into text, unless they end inside a character."""
-        if self.read == len(self.ids):
+        held = len(self.ids) - self.read
+        if held == 0 or (not final and held < self._retry_at):
             return
         before = self._decode(self.ids[self.prefix:self.read])
         window = self._decode(self.ids[self.prefix:])
-        if final or (len(window) > len(before) and not window.endswith("\ufffd")):
+        if not (final or (len(window) > len(before) and not window.endswith("\ufffd"))):
+            if held > MAX_HELD_IDS:
+                self._retry_at = 2 * held
+        else:
+            self._retry_at = 0
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
             for s in self.stop:
