@@ -90,7 +90,7 @@ class FrontendConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0: any free port.")
     api_key: str = Field("", description="If set, /v1/*, /cluster and /metrics need 'Authorization: Bearer <key>' (this key or one of api_keys); /health* stay open.")
     api_keys: list[str] = Field(default_factory=list, description="More accepted API keys (e.g. one per tenant, or the Prometheus scraper's), beside api_key.")
-    salt_per_api_key: bool = Field(False, description="Derive the KV cache salt from the caller's API key (combined with any request cache_salt), so tenants with different keys never share or probe each other's blocks.")
+    salt_per_api_key: Literal["auto"] | bool = Field("auto", description="Derive the KV cache salt from the caller's API key (combined with any request cache_salt), so tenants with different keys never share or probe each other's blocks (usage.cached_tokens would tell one tenant what another sent). auto: on when more than one key is accepted; false shares the cache across keys.")
     token_port: int = Field(0, ge=0, le=65535, description="Port (on [node] host) where decode instances stream this frontend's tokens; 0: any free port.")
     max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
     sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
@@ -105,6 +105,12 @@ class FrontendConfig(_Section):
     def accepted_keys(self) -> list[str]:
         """Every API key the HTTP server accepts (none: the API is open)."""
         return [k for k in (self.api_key, *self.api_keys) if k]
+
+    def salts_per_key(self) -> bool:
+        """Whether each key gets its own cache salt: as set, or (auto) when several keys are accepted."""
+        if self.salt_per_api_key != "auto":
+            return bool(self.salt_per_api_key)
+        return len(set(self.accepted_keys())) > 1
 
 
 class ConductorConfig(_Section):

@@ -8,7 +8,7 @@ import argparse
 
 from mooncake.api.guard import Guard, key_salt, matching_key, request_salt
 from mooncake.cli import _overrides
-from mooncake.config import load_config
+from mooncake.config import FrontendConfig, load_config
 
 KEYS = [b"sk-one", b"sk-two"]
 
@@ -47,3 +47,12 @@ def test_several_keys_from_toml_environment_and_cli(tmp_path):
     args = argparse.Namespace(model=None, host=None, port=None, data_dir=None, api_key=["p", "q,r"])
     cfg = load_config(None, _overrides(args), env={})
     assert cfg.frontend.api_key == "p" and cfg.frontend.accepted_keys() == ["p", "q", "r"]
+
+
+def test_several_keys_salt_per_key_unless_the_operator_shares_the_cache():
+    assert not FrontendConfig().salts_per_key() and not FrontendConfig(api_key="a").salts_per_key()
+    assert FrontendConfig(api_key="a", api_keys=["b"]).salts_per_key()
+    assert not FrontendConfig(api_key="a", api_keys=["a"]).salts_per_key()  # one key, named twice
+    assert not FrontendConfig(api_key="a", api_keys=["b"], salt_per_api_key=False).salts_per_key()
+    assert FrontendConfig(api_key="a", salt_per_api_key=True).salts_per_key()
+    assert FrontendConfig(salt_per_api_key="false").salt_per_api_key is False  # as MOONCAKE_FRONTEND_SALT_PER_API_KEY

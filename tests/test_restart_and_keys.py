@@ -40,8 +40,7 @@ def store_blocks(url: str) -> int:
 
 
 def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
-    cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], salt_per_api_key=True,
-                       drain_timeout_s=20.0)
+    cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], drain_timeout_s=20.0)  # salts: the default
     with running_cluster(cfg=cfg) as c:
         for path in ("/cluster", "/metrics"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401

@@ -131,7 +131,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
                  max_tokens: int) -> Response:
     chat = shape.chat
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed)
-    salt = request_salt(frontend.cfg.frontend.salt_per_api_key, http.scope, body.cache_salt or "")
+    salt = request_salt(frontend.cfg.frontend.salts_per_key(), http.scope, body.cache_salt or "")
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),
                                       choices=body.n)
     if isinstance(submitted, Rejection):
