@@ -170,3 +170,13 @@ def test_echo_with_logprobs_and_messages_without_content_are_refused(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1)
     with pytest.raises(BadRequestError, match="content"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=2)
+
+
+def test_a_token_prompt_past_the_context_is_refused_before_its_echo_is_decoded(cluster):
+    limit = httpx.get(cluster.url + "/v1/models").json()["data"][0]["max_model_len"]
+    for n in (limit, 4 * limit):
+        r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": [1000] * n, "echo": True,
+                                                               "max_tokens": 1}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded", r.text
+        assert f"has {n} tokens" in err["message"]

@@ -32,6 +32,7 @@ from mooncake.api.structured import request_grammar, tool_calls, tools_for_templ
 from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
 from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
+from mooncake.sched.admission import context_rejection
 
 DISCONNECT_POLL_S = 0.5
 
@@ -74,7 +75,10 @@ def build_app(frontend: Frontend) -> FastAPI:
         _check(frontend, body)
         prompt = body.prompt_input()
         tokens = await prompts.completion(prompt)
-        echo = (prompt if isinstance(prompt, str) else frontend.codec.decode(tokens)) if body.echo else ""
+        too_long = context_rejection(len(tokens), frontend.max_model_len)
+        if too_long is not None:  # before the echo's decoding: refused at the cost of its length
+            raise _error(too_long, chat=False)
+        echo = (prompt if isinstance(prompt, str) else await prompts.decode(tokens)) if body.echo else ""
         return await _serve(frontend, request, body, tokens, Shape(chat=False, echo=echo),
                             max_tokens=body.max_tokens or 16)
 

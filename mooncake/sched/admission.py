@@ -33,6 +33,15 @@ class Rejection:
 Evidence = tuple[bool, bool]
 
 
+def context_rejection(n_tokens: int, max_model_len: int) -> Rejection | None:
+    """A prompt of ``n_tokens`` that leaves the model's context no token to generate (0: unknown)."""
+    if max_model_len and n_tokens >= max_model_len:
+        return Rejection(400, "context_length_exceeded",
+                         f"the prompt has {n_tokens} tokens; this model's context is {max_model_len} tokens "
+                         f"(at most {max_model_len - 1} prompt tokens)", "prompt")
+    return None
+
+
 class Admission:
     def __init__(self, cfg: ConductorConfig, metrics: Metrics) -> None:
         self.cfg = cfg
@@ -48,11 +57,9 @@ class Admission:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
             return Rejection(400, "invalid_prompt", "the prompt is empty", "prompt")
-        limit = facts.max_model_len
-        if n_tokens >= limit:
-            return Rejection(400, "context_length_exceeded",
-                             f"the prompt has {n_tokens} tokens; this model's context is {limit} tokens "
-                             f"(at most {limit - 1} prompt tokens)", "prompt")
+        rejection = context_rejection(n_tokens, facts.max_model_len)
+        if rejection is not None:
+            return rejection
         if sampling.max_tokens < 1:
             return Rejection(400, "invalid_value", "max_tokens must be at least 1", "max_tokens")
         need = -(-(n_tokens + 1) // facts.block_tokens)
