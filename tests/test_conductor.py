@@ -315,3 +315,18 @@ async def test_a_worker_registering_after_the_window_keeps_what_a_frontend_has_c
     assert register_holding(c, "p0", "prefill", [a.wire_id]).keep == [a.wire_id]
     assert register_holding(c, "d0", "decode", [a.wire_id, "other#1"]).keep == [a.wire_id]
     assert a.wire_id in c.attempts
+
+
+async def test_a_request_with_n_choices_counts_n_against_the_caps(conductor):
+    """max_requests is 2 here: a request with 3 choices would bring 3, refused whole (its forks are
+    admitted with it and never refused later); with 2 it is admitted and counts 2 in flight."""
+    msg = submit_msg(list(range(40)), 4)
+    msg.choices = 3
+    r = conductor.submit(msg)
+    assert isinstance(r, Rejection) and r.reason == "overloaded"
+    msg = submit_msg(list(range(1, 41)), 4)
+    msg.choices = 2
+    conductor._on_submit(conductor.cluster.get("f0"), msg)
+    assert msg.wire_id in conductor.attempts and conductor.requests_in_flight["f0"] == 2
+    fork = submit_msg(list(range(1, 41)), 4, n=2, in_flight=2)  # a fork's first attempt: not a new request
+    assert not fork.new_request and not isinstance(conductor.submit(fork), Rejection)

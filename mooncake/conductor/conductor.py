@@ -136,7 +136,7 @@ class Conductor:
         placed = known if known is not None and known.owner == node.node_id else \
             self.submit(msg)
         if msg.new_request and not isinstance(placed, Rejection):
-            self.requests_in_flight[node.node_id] = msg.in_flight + 1  # ... and this one, now
+            self.requests_in_flight[node.node_id] = msg.in_flight + msg.choices  # ... and this one, now
         if isinstance(placed, Rejection):
             self._send(node.node_id, P.Refused(msg.wire_id, placed.status, placed.reason, placed.message,
                                                placed.param or "", placed.retry_after_s or 0.0))
@@ -150,7 +150,8 @@ class Conductor:
         if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
             rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
-                                                     sum(self.requests_in_flight.values()), self.scheduler.waiting())
+                                                     sum(self.requests_in_flight.values()), self.scheduler.waiting(),
+                                                     max(1, msg.choices))
             if rejection is not None:
                 self.metrics.rejected.labels(rejection.reason).inc()
                 return rejection

@@ -118,7 +118,7 @@ class Frontend:
 
     def load(self) -> P.Load:
         waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING)
-        return P.Load(running=len(self.requests) - waiting, waiting=waiting)
+        return P.Load(running=len(self.requests) - waiting, waiting=waiting + len(self.forks.waiting))
 
     async def cluster_snapshot(self) -> dict:
         """What ``GET /cluster`` shows: the conductor's snapshot (asked now), with this frontend."""
@@ -138,7 +138,7 @@ class Frontend:
             return Rejection(400, "invalid_prompt",
                              f"prompt token id {bad} is outside the vocabulary [0, {self.facts.vocab_size})", "prompt")
         req = Request.new(tokens, sampling, self.facts, time.monotonic(), cache_salt, request_id)
-        answer = await self._place(req, share_prefix=choices > 1)
+        answer = await self._place(req, choices=choices)
         if isinstance(answer, Rejection):
             return answer
         self.stats.admitted(req)
@@ -158,18 +158,21 @@ class Frontend:
         if req is not None:
             self._finish(req, Reason.ABORT)
 
-    async def _place(self, req: Request, share_prefix: bool = False) -> P.Admitted | Rejection:
+    async def _place(self, req: Request, choices: int = 1, admitted: bool = False) -> P.Admitted | Rejection:
         """Ask the conductor for a new attempt of ``req`` (prompt + tokens so far). The request is
-        this frontend's meanwhile (a cancel finds it); a first attempt refused leaves it none's."""
+        this frontend's meanwhile (a cancel finds it); a first attempt refused leaves it none's.
+        ``choices`` > 1: a new request whose forks follow (admitted with it, its prompt's blocks
+        indexed on its prefill at once); ``admitted``: a fork's first attempt (its leader's admission
+        counted it)."""
         assert self.facts is not None
         first = req.attempts == 0
         wire_id = req.next_wire_id
         due = req.first_token_due(self.cfg.conductor.ttft_slo_ms)
-        in_flight = len(self.requests) - (req.req_id in self.requests)
+        in_flight = len(self.requests) - (req.req_id in self.requests) + len(self.forks.waiting)  # forks: admitted
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
                        req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
-                       share_prefix, in_flight, new_request=first)
+                       choices > 1, in_flight, new_request=first and not admitted, choices=choices)
         answer = await self.conductor.ask(msg)
         if answer is None and self.conductor.leaderless and self.driver is not None and \
                 self.fallback.can_place(self.conductor.view.workers):
@@ -202,7 +205,7 @@ class Frontend:
         """A new attempt of a request that has had one (``why`` it moves), or a choice's first
         (``admitted``: it counts as a new request)."""
         try:
-            answer = await self._place(req)
+            answer = await self._place(req, admitted=admitted)
         except Exception as e:  # a bug here must not leave the request waiting forever
             log.exception("placing %s failed", req.req_id)
             answer = Rejection(500, "internal_error", f"{type(e).__name__}: {e}")

@@ -41,6 +41,7 @@ class Submit(Msg, tag="submit"):
     in_flight: int = 0  # requests the frontend holds besides this one (admission counts them cluster-wide)
     new_request: bool = False  # a request's first attempt: admission checks it against the cluster's limits
     n_tokens: int = 0  # len(tokens), what the conductor is told of them (set from ``tokens`` when 0)
+    choices: int = 1  # a new request's choices (``n``): its forks are admitted with it, counted against the caps
 
     def __post_init__(self) -> None:
         if not self.n_tokens:

@@ -50,9 +50,10 @@ class Admission:
         self._last: bool | None = None  # the last decision (admitted?), to count flips
 
     def check_request(self, n_tokens: int, sampling: Sampling, facts: ModelFacts | None,
-                      pool_blocks: int, in_flight: int, waiting: int) -> Rejection | None:
+                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1) -> Rejection | None:
         """A prompt of ``n_tokens``; ``pool_blocks``: the largest KV pool among the instances
-        that would serve it."""
+        that would serve it; ``choices``: the requests it brings (its ``n``: the forks that follow
+        it are admitted with it and count against the caps now)."""
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
@@ -66,9 +67,9 @@ class Admission:
         if pool_blocks and need > pool_blocks:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt needs {need} KV blocks; the largest instance holds {pool_blocks}", "prompt")
-        if in_flight >= self.cfg.max_requests:
+        if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
-        if waiting >= self.cfg.max_waiting:
+        if waiting + choices > self.cfg.max_waiting:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", retry_after_s=1)
         return None
 
