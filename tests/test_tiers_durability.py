@@ -125,6 +125,27 @@ def test_write_through_under_concurrent_puts_removes_and_reads(tmp_path):
     disk.close()
 
 
+def test_write_through_queue_is_bounded_and_counts_what_it_drops():
+    from mooncake.tiers.write_through import WriteThrough
+
+    gate, written = threading.Event(), []
+
+    def slow_disk(keys: list[bytes]) -> int:
+        gate.wait(10)
+        written.extend(keys)
+        return len(keys)
+
+    w = WriteThrough(slow_disk, batch_blocks=2, max_queued=4)
+    w.submit([b"a", b"b"])  # taken by the writer, which waits on the disk
+    wait_for(lambda: w.queued == 0, 5, "the first batch taken")
+    w.submit([b"c", b"d", b"e", b"f", b"g", b"h"])  # 4 fit behind it, 2 do not
+    assert w.queued == 4 and w.dropped == 2
+    gate.set()
+    assert w.wait_idle(10)
+    assert written == [b"a", b"b", b"c", b"d", b"e", b"f"] and w.dropped == 2
+    w.close(5)
+
+
 def test_one_store_per_directory(tmp_path):
     first = LmdbTier(tmp_path / "node0-store", MiB)
     with pytest.raises(DirLocked, match=r"locked by another store \(pid \d+\).*node_id"):

@@ -212,7 +212,7 @@ class TieredStore:
             snap["disk_write_errors"] = sum(getattr(t, "write_errors", 0) for t in self.tiers)
             if self.writer is not None:
                 snap["write_through"] = {"written": self.writer.written, "batches": self.writer.batches,
-                                         "queued": self.writer.queued}
+                                         "queued": self.writer.queued, "dropped": self.writer.dropped}
             return snap
 
     def persist(self, deadline: float) -> tuple[int, int]:

@@ -4,7 +4,10 @@ Every block a put admits is queued here by key; the thread copies queued keys
 to the persistent tier in batches (one LMDB transaction each), off the event
 loop and off the put path, so a crash loses at most the batch being written and
 what was queued behind it. Keys that left the store, or already have a copy on
-disk, are skipped by the store's ``write_copies``.
+disk, are skipped by the store's ``write_copies``. The queue is bounded
+(``max_queued`` keys): when puts outrun the disk, the excess is dropped and
+counted (``dropped``) rather than queued without limit; those blocks reach the
+disk as any block does without write-through (demoted, or on shutdown).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class WriteThrough:
-    def __init__(self, write: Callable[[list[bytes]], int], batch_blocks: int = 64) -> None:
+    def __init__(self, write: Callable[[list[bytes]], int], batch_blocks: int = 64,
+                 max_queued: int = 1 << 16) -> None:
         """``write(keys)`` copies a batch to disk and returns how many it wrote."""
         self._write = write
         self.batch_blocks = batch_blocks
+        self.max_queued = max_queued
+        self.dropped = 0  # keys not queued: the queue was full
         self._queue: deque[bytes] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -32,7 +38,15 @@ class WriteThrough:
         self._thread.start()
 
     def submit(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
         with self._cv:
+            room = max(0, self.max_queued - len(self._queue))
+            if len(keys) > room:
+                if not self.dropped:
+                    log.warning("write-through queue full (%d blocks): dropping what the disk cannot keep up "
+                                "with (counted in the store's stats as write_through.dropped)", self.max_queued)
+                self.dropped += len(keys) - room
+                keys = keys[:room]
             self._queue.extend(keys)
             self._cv.notify()
 
