@@ -65,25 +65,6 @@ def verified_prefix(blocks: Sequence[torch.Tensor], sums: Sequence[int]) -> int:
     return len(blocks)
 
 
-class BlockSums:
-    """A store's checksums of the blocks it was given (hash -> xxh3_64), kept while it holds them."""
-
-    def __init__(self) -> None:
-        self._sums: dict[bytes, int] = {}
-
-    def remember(self, hashes: Sequence[bytes], sums: Sequence[int]) -> None:
-        if not sums:  # put without checksums: nothing known about these bytes
-            self.forget(hashes)
-        self._sums.update(zip((bytes(h) for h in hashes), sums))
-
-    def forget(self, hashes: Sequence[bytes]) -> None:
-        for h in hashes:
-            self._sums.pop(bytes(h), None)
-
-    def of(self, hashes: Sequence[bytes]) -> list[int]:
-        return [self._sums.get(bytes(h), 0) for h in hashes]
-
-
 class Rejections:
     """KV refused by this process, by reason (reported in heartbeats, exported as a metric)."""
 

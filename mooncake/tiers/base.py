@@ -20,6 +20,7 @@ import torch
 class StoredBlock(NamedTuple):
     tensor: torch.Tensor
     model_id: str = ""
+    checksum: int = 0  # xxh3_64 its writer sent with it (0: none), kept in every tier, on disk too
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,9 @@
 """The LMDB tier's record: ``b"MCK1" | u32 header length | msgpack BlockHeader | raw tensor bytes``.
 
-The header carries dtype, shape, model identity, byte count and an xxh3-64
-checksum of the raw bytes; ``parse_header`` raises ``CorruptRecord`` when a
-record does not check out.
+The header carries dtype, shape, model identity, byte count, an xxh3-64
+checksum of the raw bytes, and the checksum the block's writer sent with it (the
+end-to-end one readers verify; 0 in records written before it was kept);
+``parse_header`` raises ``CorruptRecord`` when a record does not check out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class BlockHeader(msgspec.Struct, array_like=True):
     model_id: str
     nbytes: int
     checksum: int
+    sent_checksum: int = 0
 
 
 class CorruptRecord(ValueError):
@@ -39,7 +41,8 @@ _dec = msgspec.msgpack.Decoder(BlockHeader)
 
 def encode_header(block: StoredBlock, raw: memoryview) -> bytes:
     t = block.tensor
-    hdr = BlockHeader(dtype_name(t.dtype), tuple(t.shape), block.model_id, raw.nbytes, xxhash.xxh3_64_intdigest(raw))
+    hdr = BlockHeader(dtype_name(t.dtype), tuple(t.shape), block.model_id, raw.nbytes, xxhash.xxh3_64_intdigest(raw),
+                      block.checksum)
     h = _enc.encode(hdr)
     return _PREFIX.pack(MAGIC, len(h)) + h
 
@@ -100,9 +103,9 @@ def decode_record(v: memoryview) -> StoredBlock | None:
         return None
     dtype = dtype_from_name(hdr.dtype)
     if hdr.nbytes == 0:
-        return StoredBlock(torch.empty(hdr.shape, dtype=dtype), hdr.model_id)
+        return StoredBlock(torch.empty(hdr.shape, dtype=dtype), hdr.model_id, hdr.sent_checksum)
     out = torch.empty(hdr.nbytes, dtype=torch.uint8)
     with warnings.catch_warnings():  # read-only map buffer: we only read from it
         warnings.simplefilter("ignore", UserWarning)
         out.copy_(torch.frombuffer(raw, dtype=torch.uint8))
-    return StoredBlock(out.view(dtype).view(hdr.shape), hdr.model_id)
+    return StoredBlock(out.view(dtype).view(hdr.shape), hdr.model_id, hdr.sent_checksum)

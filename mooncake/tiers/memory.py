@@ -81,7 +81,7 @@ class MemoryTier(Tier):
         src = block.tensor
         t = self._alloc(src)
         t.copy_(src.reshape(t.shape) if not src.is_contiguous() else src)
-        self._blocks[key] = StoredBlock(t, block.model_id)
+        self._blocks[key] = block._replace(tensor=t)
         self.used_bytes += n
         return True
 

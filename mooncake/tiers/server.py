@@ -102,8 +102,6 @@ class StoreServer:
         return self.store.stored()
 
     def _store_event(self, kind: str, tier: str, keys: list[bytes]) -> None:
-        if kind == "removed" and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.requests.forget_sums, list(keys))
         if self.on_event is None or self._loop is None or self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(self._emit, BlockEvent(self.node_id, kind, tier, list(keys)))

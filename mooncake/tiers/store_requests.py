@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ..kv.integrity import BlockSums, Rejections, checksums, first_corrupt
+from ..kv.integrity import Rejections, checksums, first_corrupt
 from ..protocol import (Blocks, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
                         ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, encode)
 from ..security import Curve
@@ -41,7 +41,6 @@ class StoreRequests:
         self.rejections = rejections
         self.node_id = node_id
         self.curve = curve
-        self.sums = BlockSums()  # checksums of the blocks put, returned with them to readers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-io")
         self._segments = SegmentCache()
         self._peers: dict[str, StoreClient] = {}
@@ -58,10 +57,6 @@ class StoreRequests:
     async def _run(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def forget_sums(self, keys: list[bytes]) -> None:
-        """Blocks gone from every tier take their checksums with them (on the event loop)."""
-        self.sums.forget([k for k, held in zip(keys, self.store.exists(keys)) if not held])
-
     async def handle(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
         """The reply (encoded frames) to one request."""
         s = self.store
@@ -69,12 +64,11 @@ class StoreRequests:
             if len(msg.hashes) != len(tensors):
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
-            self.sums.remember(msg.hashes, msg.checksums)
-            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id)))
+            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
             keys = [k for k, _ in found]
-            return encode(Blocks(keys, [], self.sums.of(keys)), [b.tensor for _, b in found])
+            return encode(Blocks(keys, [], [b.checksum for _, b in found]), [b.tensor for _, b in found])
         if isinstance(msg, Exists):
             return encode(Ok(flags=s.exists(msg.hashes)))
         if isinstance(msg, Remove):
@@ -107,8 +101,7 @@ class StoreRequests:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
-        self.sums.remember(msg.hashes, msg.checksums)
-        return self.store.put_many(msg.hashes, views, msg.model_id)
+        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)
@@ -123,7 +116,7 @@ class StoreRequests:
             off = aligned(off + nbytes)
             n += 1
         keys = [k for k, _ in found]
-        return ShmBlocks(keys, refs, checksums=self.sums.of(keys)), [b.tensor for _, b in found[n:]]
+        return ShmBlocks(keys, refs, checksums=[b.checksum for _, b in found]), [b.tensor for _, b in found[n:]]
 
     def _verify(self, blocks: list[torch.Tensor], sums: list[int]) -> None:
         """Refuse a put whose blocks do not match the checksums they came with (when they came with any)."""
@@ -165,7 +158,7 @@ class StoreRequests:
                       if b.tensor.shape != first.shape or b.tensor.dtype != first.dtype), len(found))
             found = found[:n]
         keys = [k for k, _ in found]
-        sums = self.sums.of(keys)
+        sums = [b.checksum for _, b in found]
         blocks = [b.tensor for _, b in found]
         layers = blocks[0].shape[0] if blocks and blocks[0].dim() > 0 else 0
         step = max(1, msg.layers_per_frame)

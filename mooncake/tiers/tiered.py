@@ -88,19 +88,22 @@ class TieredStore:
 
     # ---------------------------------------------------------------- object API
 
-    def put_many(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], model_id: str = "") -> int:
-        """Store blocks (in the top tier that takes them); returns how many are now held."""
+    def put_many(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], model_id: str = "",
+                 checksums: Sequence[int] = ()) -> int:
+        """Store blocks (in the top tier that takes them) with the checksums their writer sent
+        (none: 0, not known); returns how many are now held."""
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
+        sums = checksums if len(checksums) == len(keys) else [0] * len(keys)
         held, copy = 0, []
         with self.placement.lock:
             try:
-                for key, t in zip(keys, tensors):
+                for key, t, sent in zip(keys, tensors, sums):
                     key = bytes(key)
                     i = self.placement.where.get(key)
                     if i is not None:
                         self.placement.unlink(i, key)  # replace: the new value wins, same key
-                    if self.placement.insert(0, key, StoredBlock(t, model_id)) is None:
+                    if self.placement.insert(0, key, StoredBlock(t, model_id, sent)) is None:
                         self.stats.rejected += 1
                         if i is not None:
                             self.placement.forget(i, key)
