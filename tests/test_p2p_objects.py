@@ -258,29 +258,50 @@ def test_index_tracks_holders_conflicts_and_removal(tmp_path):
     cluster = _cluster(("a-store", "a"), ("b-store", "b"))
     index = P2PIndex(cluster, lambda node_id, msg: sent.append((node_id, msg)))
     h = index.handlers()
-    assert isinstance(h[Locate](Locate("obj")), Failure)
-    assert isinstance(h[Publish](Publish("a-store", m)), Done)
-    conflict = h[Publish](Publish("b-store", other))
+    assert isinstance(h[Locate](Locate("obj"), ""), Failure)
+    assert isinstance(h[Publish](Publish("a-store", m), ""), Done)
+    conflict = h[Publish](Publish("b-store", other), "")
     assert isinstance(conflict, Failure) and conflict.code == "conflict" and "different content" in conflict.message
-    assert isinstance(h[Publish](Publish("b-store", m)), Done)  # same content: another holder
+    assert isinstance(h[Publish](Publish("b-store", m), ""), Done)  # same content: another holder
     index.drop_node("b-store")
-    assert isinstance(h[Have](Have("b-store", "obj", m.version, [0, 1])), Done)
-    assert isinstance(h[Have](Have("b-store", "obj", "0" * 64, [2])), Failure)  # wrong version
-    assert isinstance(h[Fetching](Fetching("b-store", "obj", [2, 3])), Done)  # being fetched: soon held
-    loc = h[Locate](Locate("obj"))
+    assert isinstance(h[Have](Have("b-store", "obj", m.version, [0, 1]), ""), Done)
+    assert isinstance(h[Have](Have("b-store", "obj", "0" * 64, [2]), ""), Failure)  # wrong version
+    assert isinstance(h[Fetching](Fetching("b-store", "obj", [2, 3]), ""), Done)  # being fetched: soon held
+    loc = h[Locate](Locate("obj"), "")
     assert isinstance(loc, Located) and loc.fetching[:5] == [0, 0, 1, 1, 0]
     held = {x.node_name: bits(x.chunks) for x in loc.holders}
     assert held == {"a": list(range(len(m.checksums))), "b": [0, 1]}
     del cluster.nodes["a-store"]  # a holder whose store is gone is not listed
     cluster.reindex()
-    assert [x.node_name for x in h[Locate](Locate("obj")).holders] == ["b"]
-    listing = h[ListObjects](ListObjects())
+    assert [x.node_name for x in h[Locate](Locate("obj"), "").holders] == ["b"]
+    listing = h[ListObjects](ListObjects(), "")
     assert isinstance(listing, Listing) and listing.objects[0].holders == {"b": 2}
-    assert isinstance(h[FindStore](FindStore("b")), StoreAt)
-    assert "no store registered for node 'z'" in h[FindStore](FindStore("z")).message
-    assert isinstance(h[RemoveObject](RemoveObject("obj")), Done)
+    assert isinstance(h[FindStore](FindStore("b"), ""), StoreAt)
+    assert "no store registered for node 'z'" in h[FindStore](FindStore("z"), "").message
+    assert isinstance(h[RemoveObject](RemoveObject("obj"), ""), Done)
     assert sorted(n for n, msg in sent if isinstance(msg, Forget)) == ["a-store", "b-store"]
-    assert isinstance(h[Locate](Locate("obj")), Failure)
+    assert isinstance(h[Locate](Locate("obj"), ""), Failure)
+
+
+def test_index_writes_only_from_the_node_they_name_and_manifests_bounded(tmp_path):
+    """Under CURVE a store speaks only for itself (the key its node registered with); a manifest
+    whose sizes would make a huge chunk list is refused by counting, not by listing its chunks."""
+    import msgspec
+
+    _, m = build_manifest("obj", make_tree(tmp_path / "src"), CHUNK)
+    keys = {"a-store": "store:AAA", "b-store": "store:BBB"}
+    index = P2PIndex(_cluster(("a-store", "a"), ("b-store", "b")), lambda node_id, msg: None,
+                     lambda node_id, peer: keys.get(node_id) == peer)
+    h = index.handlers()
+    for msg in (Publish("b-store", m), Have("b-store", "obj", m.version, [0]), Fetching("b-store", "obj", [1])):
+        refused = h[type(msg)](msg, "store:AAA")
+        assert isinstance(refused, Failure) and refused.code == "unauthorized", msg
+    assert "obj" not in index.objects
+    assert isinstance(h[Publish](Publish("a-store", m), "store:AAA"), Done)
+    first = m.files[0]
+    huge = msgspec.structs.replace(m, files=[type(first)(first.path, 2**62, first.sha256)])
+    failure = h[Publish](Publish("a-store", huge), "store:AAA")
+    assert isinstance(failure, Failure) and failure.code == "bad_manifest" and "more than" in failure.message
 
 
 async def test_gets_of_one_object_that_arrive_together_start_one_fetch(tmp_path, monkeypatch):

@@ -75,7 +75,8 @@ class Conductor:
         self.membership = Membership(c, self.cluster, self.index, self.metrics, self.on_node_lost,
                                      self.attempts, self.adoption, expected, keys_required=self.curve is not None)
         self.router: Router | None = None
-        self.p2p = P2PIndex(self.cluster, self._send)  # who holds which chunks of the P2P objects
+        self.p2p = P2PIndex(self.cluster, self._send,  # who holds which chunks of the P2P objects
+                            lambda node_id, peer: self.curve is None or self.membership.peers.get(node_id) == peer)
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self.requests_in_flight: dict[str, int] = {}  # frontend -> requests it holds (admission counts them)
         self._tasks: list[asyncio.Task] = []
@@ -91,7 +92,7 @@ class Conductor:
             r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():
             r.answer(msg_type, handler)
-        r.answer(P.ClusterQuery, lambda m: self.view(snapshot=True))
+        r.answer(P.ClusterQuery, lambda m, peer: self.view(snapshot=True))
         self._tasks += [asyncio.create_task(r.serve()), asyncio.create_task(self._liveness_loop())]
         self.adoption.begin(time.monotonic())
         log.info("conductor listening for roles on %s", r.endpoint)

@@ -49,7 +49,7 @@ class Router:
         self.curve = curve
         self.on_register = on_register
         self.handlers: dict[type, Handler] = {}
-        self.queries: dict[type, Callable[[P.Msg], P.Msg]] = {}
+        self.queries: dict[type, Callable[[P.Msg, str], P.Msg]] = {}
         self.ctx = zmq.asyncio.Context()  # the CURVE authenticator's (asyncio) ...
         sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)  # ... and the socket's, one libzmq context
         sock.setsockopt(zmq.LINGER, 0)
@@ -66,8 +66,8 @@ class Router:
     def on(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
 
-    def answer(self, msg_type: type, handler: Callable[[P.Msg], P.Msg]) -> None:
-        """Reply ``handler(msg)`` to whoever sends a ``msg_type``."""
+    def answer(self, msg_type: type, handler: Callable[[P.Msg, str], P.Msg]) -> None:
+        """Reply ``handler(msg, sender's peer key)`` to whoever sends a ``msg_type``."""
         self.queries[msg_type] = handler
 
     async def serve(self) -> None:
@@ -95,7 +95,7 @@ class Router:
             return
         query = self.queries.get(type(msg))
         if query is not None:
-            self._send_raw(ident, query(msg))
+            self._send_raw(ident, query(msg, peer_of(frames[1])))
             return
         node_id = getattr(msg, "node_id", None) or ident.decode(errors="replace")
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None

@@ -3,7 +3,9 @@
 Stores announce what they hold (``Publish`` for a whole object, ``Have`` per verified
 chunk as a fetch goes); fetchers ask ``Locate`` for the manifest and the live holders.
 A holder is listed only while its store is registered: a dead store drops out with its
-registration (``drop_node``), and re-announces everything when it registers again.
+registration (``drop_node``), and re-announces everything when it registers again. A store
+speaks only for itself: under CURVE a ``Publish``, ``Have`` or ``Fetching`` naming a node is
+accepted only from the key that node registered with (``owns``).
 """
 
 from __future__ import annotations
@@ -27,15 +29,29 @@ class Entry:
 
 
 class P2PIndex:
-    def __init__(self, cluster: Any, send: Callable[[str, P2PMsg], None]) -> None:
-        """``cluster``: the conductor's node registry; ``send(node_id, msg)`` reaches a registered node."""
+    def __init__(self, cluster: Any, send: Callable[[str, P2PMsg], None],
+                 owns: Callable[[str, str], bool] = lambda node_id, peer: True) -> None:
+        """``cluster``: the conductor's node registry; ``send(node_id, msg)`` reaches a registered node;
+        ``owns(node_id, peer)``: whether a sender with this peer key may speak for that node."""
         self.cluster = cluster
         self.send = send
+        self.owns = owns
         self.objects: dict[str, Entry] = {}
 
-    def handlers(self) -> dict[type, Callable[[Any], P2PMsg]]:
-        return {Publish: self.publish, Have: self.have, Fetching: self.fetching, Locate: self.locate, ListObjects: self.list,
-                RemoveObject: self.remove, FindStore: self.find_store}
+    def handlers(self) -> dict[type, Callable[[Any, str], P2PMsg]]:
+        """Message type -> its answer, given the message and the sender's peer key."""
+        writes = {Publish: self.publish, Have: self.have, Fetching: self.fetching}
+        reads = {Locate: self.locate, ListObjects: self.list, RemoveObject: self.remove, FindStore: self.find_store}
+        return {**{t: self._as_owner(h) for t, h in writes.items()},
+                **{t: (lambda h: lambda msg, peer: h(msg))(h) for t, h in reads.items()}}
+
+    def _as_owner(self, handler: Callable[[Any], P2PMsg]) -> Callable[[Any, str], P2PMsg]:
+        def checked(msg: Any, peer: str) -> P2PMsg:
+            if not self.owns(msg.node_id, peer):
+                log.warning("p2p: %s for node %s from another key: refused", type(msg).__name__, msg.node_id)
+                return Failure(f"only node {msg.node_id!r} may say what it holds", "unauthorized")
+            return handler(msg)
+        return checked
 
     def _store(self, node_id: str) -> Any:
         node = self.cluster.get(node_id)

@@ -14,6 +14,8 @@ import xxhash
 from mooncake.protocol.p2p import FileEntry, Manifest, encoder
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+MAX_FILES = 1 << 16  # files of one object
+MAX_CHUNKS = 1 << 20  # chunks of one object (16 TiB at the default chunk size)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}$")
 
 
@@ -103,11 +105,15 @@ def validate(m: Manifest) -> Manifest:
     check_name(m.name)
     if m.chunk_bytes < 4096:
         raise ObjectError(f"{m.name}: chunk size {m.chunk_bytes} too small")
+    if len(m.files) > MAX_FILES:
+        raise ObjectError(f"{m.name}: {len(m.files)} files, more than {MAX_FILES}")
     for f in m.files:
         p = PurePosixPath(f.path)
         if p.is_absolute() or ".." in p.parts or not f.path or "\\" in f.path or f.size < 0:
             raise ObjectError(f"{m.name}: unsafe file path {f.path!r}")
-    n = len(spans(m))
+    n = sum(-(-f.size // m.chunk_bytes) for f in m.files)  # counted, not listed: a size may be anything
+    if n > MAX_CHUNKS:
+        raise ObjectError(f"{m.name}: {n} chunks of {m.chunk_bytes} bytes, more than {MAX_CHUNKS}")
     if len(m.checksums) != n or len(m.digests) != n or any(len(d) != 32 for d in m.digests):
         raise ObjectError(f"{m.name}: {len(m.checksums)} checksums and {len(m.digests)} BLAKE3 digests for {n} chunks")
     if content_version(m.name, m.chunk_bytes, m.files, m.checksums, m.digests) != m.version:
