@@ -233,3 +233,22 @@ def test_sigterm_on_a_worker_drains_its_requests_and_takes_no_new_work(tmp_path)
         assert c.children["decode0"].wait(timeout=30) == 0
     finally:
         c.stop()
+
+
+def test_sigterm_on_a_store_says_leave_before_it_drains(tmp_path):
+    """A store told to stop tells the conductor first (it is listed draining, so fetch plans stop
+    naming it), then persists and exits 0; it is not merely found silent later."""
+    c = _start(tmp_path, prefill=1, decode=1, store=1)
+    try:
+        assert complete(c.url, "Hello there", max_tokens=2).status_code == 200
+        os.killpg(c.children["store0"].pid, signal.SIGTERM)
+
+        def store_draining() -> bool:
+            stores = [n for n in httpx.get(c.url + "/cluster").json()["nodes"] if n["role"] == "store"]
+            return bool(stores) and stores[0]["draining"]
+
+        wait_for(store_draining, 20, "the store to be listed draining")
+        assert c.children["store0"].wait(timeout=60) == 0
+        assert complete(c.url, "Hello there", max_tokens=2).status_code == 200  # served without it
+    finally:
+        c.stop()

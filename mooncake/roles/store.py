@@ -105,6 +105,10 @@ async def run_store(cfg: Config) -> None:
     drain = asyncio.create_task(_drain(link, p2p))
     announcing = asyncio.create_task(events.run(link.send))
     await stop.wait()
+    try:  # plans stop naming this store now, not when it is found silent
+        await asyncio.wait_for(link.send(P.Leave(node_id)), 1.0)
+    except Exception as e:  # no conductor to tell: it finds the store gone
+        log.warning("store %s could not tell the conductor it leaves: %s", node_id, e)
     drain.cancel()
     announcing.cancel()
     await p2p.close()
