@@ -56,7 +56,7 @@ class StandInFrontend:
         self.tokens = ctx.socket(zmq.ROUTER)
         self.tokens.bind("tcp://127.0.0.1:0")
         endpoint = self.tokens.getsockopt(zmq.LAST_ENDPOINT).decode()
-        reg = P.Register("frontend", self.node_id, P.NodeInfo(f"bench{index}", os.getpid()), {"tokens": endpoint})
+        reg = P.Register("frontend", self.node_id, P.NodeInfo(f"bench{index}", os.getpid(), instance=P.process_instance()), {"tokens": endpoint})
         self.link = ConductorLink(ctx, cfg.conductor.endpoint, reg, lambda: P.Load(running=len(self.waiting)))
         self.root = root_hash(facts.model_id)
         self.waiting: dict[str, asyncio.Future] = {}  # wire id -> set when its last token came

@@ -137,7 +137,8 @@ class StandIn:
         if self.orders is not None:
             endpoints = {**endpoints, "orders": self.orders.endpoint}
         info = P.NodeInfo(f"node{index}", os.getpid(), facts, num_blocks if facts else 0,
-                          block_bytes if facts else 0, None, cpus=1, threads=1, machine=machine_id())
+                          block_bytes if facts else 0, None, cpus=1, threads=1, machine=machine_id(),
+                          instance=P.process_instance())
         self.link = ConductorLink(ctx, cfg.conductor.endpoint, P.Register(role, self.node_id, info, endpoints),
                                   self.load)
 

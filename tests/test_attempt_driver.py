@@ -142,7 +142,7 @@ async def test_a_worker_takes_only_orders_reports_to_their_frontend_and_knows_wh
     serving = asyncio.create_task(orders.serve(lambda: ["r1#1", "r2#1"]))
     frontend = ctx.socket(zmq.DEALER)
     frontend.setsockopt(zmq.LINGER, 0)
-    frontend.setsockopt(zmq.IDENTITY, P.orders_identity("f0", 7))
+    frontend.setsockopt(zmq.IDENTITY, P.orders_identity("f0", "a1"))
     frontend.connect(orders.endpoint)
     try:
         await frontend.send_multipart(P.encode(P.Heartbeat("x", P.Load())))  # not an order: dropped
@@ -154,8 +154,8 @@ async def test_a_worker_takes_only_orders_reports_to_their_frontend_and_knows_wh
             await asyncio.sleep(0.01)
         assert [type(m) for m in handled] == [P.DecodeRequest, P.DecodeRequest]
         assert orders.placed_alone(["r1#1", "r2#1", "r3#1"]) == ["r2#1"]  # marked so in a registration
-        assert orders.ordered_by_frontend(P.FrontendGone("f0", 7), ["r1#1", "r2#1", "r3#1"]) == ["r1#1", "r2#1"]
-        assert orders.ordered_by_frontend(P.FrontendGone("f0", 8), ["r1#1", "r2#1"]) == []  # it restarted
+        assert orders.ordered_by_frontend(P.FrontendGone("f0", "a1"), ["r1#1", "r2#1", "r3#1"]) == ["r1#1", "r2#1"]
+        assert orders.ordered_by_frontend(P.FrontendGone("f0", "b2"), ["r1#1", "r2#1"]) == []  # it restarted
         assert await orders.reply(P.Reserved("r1#1", "d0"))
         assert not await orders.reply(P.Reserved("r3#1", "d0"))  # no frontend ordered it
         msg, _ = P.decode(await asyncio.wait_for(frontend.recv_multipart(), 5))

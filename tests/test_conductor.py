@@ -146,6 +146,17 @@ async def test_block_events_feed_the_index_and_a_dead_node_leaves_it(conductor):
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
 
 
+async def test_a_node_restarted_under_the_same_pid_is_told_apart_by_its_instance(conductor):
+    """In a container every role may be pid 1: a registration from another process start (another
+    ``instance``) drops what the old one held from the index; the same start re-registering keeps it."""
+    p0 = conductor.cluster.get("p0")
+    conductor._on_block_event(p0, P.BlockEvent("p0", "stored", "device", [b"b" * 32]))
+    for instance, kept in (("", True), ("second-start", False)):
+        info = P.NodeInfo("n0", 1, FACTS, num_blocks=64, instance=instance)
+        conductor.membership.register(b"p0", P.Register("prefill", "p0", info, {"orders": "tcp://127.0.0.1:3"}), 1.0)
+        assert (conductor.index.holders(b"b" * 32) == {"p0": "device"}) is kept
+
+
 async def test_a_registering_node_keeps_only_the_attempts_that_still_run_there(conductor):
     a = submit(conductor, [1, 2, 3])
     info = P.NodeInfo("n0", 1, FACTS, num_blocks=64)
@@ -234,7 +245,7 @@ async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_pl
     assert owner == "f0" and ended.wire_id == a.wire_id
     assert list(conductor.attempts) == [b.wire_id] and conductor.attempts[b.wire_id].prefilled
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")  # now its frontend's death frees it
-    assert not conductor.attempts and ("d0", P.FrontendGone("f0", 1)) in conductor.router.of(P.FrontendGone)
+    assert not conductor.attempts and ("d0", P.FrontendGone("f0", "")) in conductor.router.of(P.FrontendGone)
 
 
 async def test_reports_of_an_ended_attempt_are_ignored(conductor):
@@ -259,7 +270,7 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
     conductor.router.log.clear()
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")
     assert b.wire_id not in conductor.attempts and conductor.scheduler.assigned("d0") == 0
-    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0", 1)), ("d0", P.FrontendGone("f0", 1))]
+    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0", "")), ("d0", P.FrontendGone("f0", ""))]
     assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 

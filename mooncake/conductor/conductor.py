@@ -304,7 +304,7 @@ class Conductor:
                 self.metrics.frontend_aborts.inc()
                 self._end(a, abort=False)
             for worker in (*self.cluster.of_role("prefill"), *self.cluster.of_role("decode")):
-                self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.pid))
+                self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.instance))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
                 self._end(a, abort=True, why=why)

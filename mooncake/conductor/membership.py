@@ -88,7 +88,7 @@ class Membership:
         node = Node(msg.node_id, msg.role, ident, dict(msg.endpoints), msg.info, now, progress_at=now)
         old = self.cluster.upsert(node)
         self.peers[msg.node_id] = peer
-        restarted = old is not None and old.info.pid != msg.info.pid
+        restarted = old is not None and (old.info.pid, old.info.instance) != (msg.info.pid, msg.info.instance)
         if restarted:  # a new process under the same id: what the old one held is gone
             self.index.drop_node(node.node_id)
         if old is not None:

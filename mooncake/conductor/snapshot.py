@@ -29,7 +29,7 @@ def cluster_snapshot(c: Conductor) -> dict:
             "predictions": c.predictions.summary(),
             "frontends": [n.node_id for n in c.cluster.nodes.values() if n.role == "frontend"],
             "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
-                       "endpoints": n.endpoints,
+                       "instance": n.info.instance, "endpoints": n.endpoints,
                        "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
                        "cpus": n.info.cpus, "threads": n.info.threads, "machine": n.info.machine,
                        "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),

@@ -13,7 +13,6 @@ or from a worker not on its route, change nothing. One DEALER per worker, opened
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ class AttemptDriver:
         self.ctx = ctx
         self.curve = curve
         self.node_id = node_id
-        self.identity = P.orders_identity(node_id, os.getpid()).decode()  # what workers know this process by
+        self.identity = P.orders_identity(node_id, P.process_instance()).decode()  # what workers know this process by
         self.reply_to = reply_to
         self.max_message_bytes = max_message_bytes
         self.on_prefilled = on_prefilled

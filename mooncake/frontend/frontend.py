@@ -74,7 +74,7 @@ class Frontend:
                                 self._on_tokens, max_bytes)
         driver = self.driver = AttemptDriver(self.ctx, self.curve, self.node_id, self.inlet.endpoint, max_bytes,
                                              self._on_prefilled, self._on_failed, self.stats.stage_done)
-        register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid()),
+        register = P.Register("frontend", self.node_id, P.NodeInfo(self.cfg.node.name, os.getpid(), instance=P.process_instance()),
                               {"tokens": self.inlet.endpoint})
         await self.conductor.connect(self.ctx, self.curve, register, self.load, driver.claims)
         self.inlet.start()

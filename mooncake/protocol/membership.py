@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import msgspec
 
 from mooncake.protocol.base import Msg
 from mooncake.protocol.engine_profile import EngineProfile
 
+_instance: tuple[int, str] = (0, "")
+
+
+def process_instance() -> str:
+    """A random id of this process start, the same for all it sends: a restarted process differs
+    from the one it replaces even where pids repeat (in a container every role may be pid 1)."""
+    global _instance
+    if _instance[0] != os.getpid():  # a forked child is another process
+        _instance = (os.getpid(), secrets.token_hex(8))
+    return _instance[1]
 
 class ModelFacts(msgspec.Struct, frozen=True):
     """What an engine serves; every engine of a cluster must agree on these."""
@@ -31,6 +44,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     cpus: int = 0  # CPU cores the process may run on (engine roles)
     threads: int = 0  # compute threads the engine uses (engine roles)
     machine: str = ""  # the same for every process sharing one machine's cores (engine roles)
+    instance: str = ""  # this process start's id (``process_instance``): a restart shows where pids repeat
 
 
 class TierLoad(msgspec.Struct, frozen=True):

@@ -221,12 +221,12 @@ class FrontendGone(Msg, tag="frontend_gone"):
     (``orders_identity``), so what it orders is not dropped."""
 
     node_id: str
-    pid: int
+    instance: str  # the process start that died (``NodeInfo.instance``)
 
 
-def orders_identity(node_id: str, pid: int) -> bytes:
+def orders_identity(node_id: str, instance: str) -> bytes:
     """The routing id a frontend process's orders come from (on every worker's ``orders`` socket)."""
-    return f"{node_id}@{pid}".encode()
+    return f"{node_id}@{instance}".encode()
 
 
 class Failed(Msg, tag="failed"):

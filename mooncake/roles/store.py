@@ -90,7 +90,7 @@ async def run_store(cfg: Config) -> None:
                       kv_rejected=server.rejections.snapshot())
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},
-                     info=P.NodeInfo(cfg.node.name, os.getpid()))
+                     info=P.NodeInfo(cfg.node.name, os.getpid(), instance=P.process_instance()))
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve,
                          max_message_bytes=max_message_bytes, coordination=cfg.coordination)
     health = await start_node_health(cfg, "store", node_id)
