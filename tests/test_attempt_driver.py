@@ -156,6 +156,7 @@ async def test_a_worker_takes_only_orders_reports_to_their_frontend_and_knows_wh
         assert orders.placed_alone(["r1#1", "r2#1", "r3#1"]) == ["r2#1"]  # marked so in a registration
         assert orders.ordered_by_frontend(P.FrontendGone("f0", "a1"), ["r1#1", "r2#1", "r3#1"]) == ["r1#1", "r2#1"]
         assert orders.ordered_by_frontend(P.FrontendGone("f0", "b2"), ["r1#1", "r2#1"]) == []  # it restarted
+        assert orders.ordered_by_frontend(P.FrontendGone("f0", "", 7), ["r1#1"]) == []  # an older frontend's pid
         assert await orders.reply(P.Reserved("r1#1", "d0"))
         assert not await orders.reply(P.Reserved("r3#1", "d0"))  # no frontend ordered it
         msg, _ = P.decode(await asyncio.wait_for(frontend.recv_multipart(), 5))

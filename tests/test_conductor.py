@@ -245,7 +245,7 @@ async def test_after_the_window_a_claim_unknown_here_ends_unless_the_frontend_pl
     assert owner == "f0" and ended.wire_id == a.wire_id
     assert list(conductor.attempts) == [b.wire_id] and conductor.attempts[b.wire_id].prefilled
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")  # now its frontend's death frees it
-    assert not conductor.attempts and ("d0", P.FrontendGone("f0", "")) in conductor.router.of(P.FrontendGone)
+    assert not conductor.attempts and ("d0", P.FrontendGone("f0", "", 1)) in conductor.router.of(P.FrontendGone)
 
 
 async def test_reports_of_an_ended_attempt_are_ignored(conductor):
@@ -270,7 +270,7 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
     conductor.router.log.clear()
     conductor.on_node_lost(conductor.cluster.get("f0"), "frontend died")
     assert b.wire_id not in conductor.attempts and conductor.scheduler.assigned("d0") == 0
-    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0", "")), ("d0", P.FrontendGone("f0", ""))]
+    assert conductor.router.of(P.FrontendGone) == [("p0", P.FrontendGone("f0", "", 1)), ("d0", P.FrontendGone("f0", "", 1))]
     assert not conductor.router.of(P.AttemptEnded) and conductor.metrics.frontend_aborts._value.get() == 1
 
 
@@ -329,12 +329,19 @@ async def test_a_worker_registering_after_the_window_keeps_what_a_frontend_has_c
 
 
 async def test_a_request_with_n_choices_counts_n_against_the_caps(conductor):
-    """max_requests is 2 here: a request with 3 choices would bring 3, refused whole (its forks are
-    admitted with it and never refused later); with 2 it is admitted and counts 2 in flight."""
+    """max_requests is 2 here: a request with 3 choices could never be taken (a 400 naming n); with
+    2 choices beside 1 in flight it would bring 3 (503, try again); alone it is admitted and counts 2
+    (its forks are admitted with it, not as new requests)."""
     msg = submit_msg(list(range(40)), 4)
     msg.choices = 3
     r = conductor.submit(msg)
+    assert isinstance(r, Rejection) and r.status == 400 and r.param == "n"
+    msg = submit_msg(list(range(40)), 4, in_flight=1)
+    msg.choices = 2
+    conductor.requests_in_flight["f0"] = 1
+    r = conductor.submit(msg)
     assert isinstance(r, Rejection) and r.reason == "overloaded"
+    conductor.requests_in_flight["f0"] = 0
     msg = submit_msg(list(range(1, 41)), 4)
     msg.choices = 2
     conductor._on_submit(conductor.cluster.get("f0"), msg)

@@ -11,8 +11,9 @@ Ids that add no text yet (special tokens, which are skipped; a lone "▁" that m
 space) or that never complete a character (lone UTF-8 lead bytes, which ``logit_bias`` can
 force) keep the window from moving: decoding the growing window on every token would cost
 quadratic work. Past ``MAX_HELD_IDS`` held ids the window is decoded again only when the held
-ids have doubled since the last try (and at the end), so the work stays linear and the text
-exact (committing them as "no text" early could drop the space a later id gives them).
+ids have grown by a quarter since the last try (and at the end), so the work stays linear, text
+that follows them waits at most a quarter of their number, and the text is exact (committing them
+as "no text" early could drop the space a later id gives them).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class TextStream:
         window = self._decode(self.ids[self.prefix:])
         if not (final or (len(window) > len(before) and not window.endswith("\ufffd"))):
             if held > MAX_HELD_IDS:
-                self._retry_at = 2 * held
+                self._retry_at = held + held // 4
         else:
             self._retry_at = 0
             self.text += window[len(before):]

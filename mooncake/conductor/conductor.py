@@ -132,7 +132,8 @@ class Conductor:
     # ------------------------------------------------------------ placing attempts
 
     def _on_submit(self, node: Node, msg: P.Submit) -> None:
-        self.requests_in_flight[node.node_id] = msg.in_flight
+        # a fork's or a moved request's in_flight leaves it out, but it was admitted: it counts
+        self.requests_in_flight[node.node_id] = msg.in_flight + (not msg.new_request)
         known = self.attempts.get(msg.wire_id)  # asked again (the frontend re-registered): the same answer
         placed = known if known is not None and known.owner == node.node_id else \
             self.submit(msg)
@@ -304,7 +305,7 @@ class Conductor:
                 self.metrics.frontend_aborts.inc()
                 self._end(a, abort=False)
             for worker in (*self.cluster.of_role("prefill"), *self.cluster.of_role("decode")):
-                self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.instance))
+                self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.instance, node.info.pid))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
                 self._end(a, abort=True, why=why)

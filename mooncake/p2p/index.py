@@ -55,7 +55,8 @@ class P2PIndex:
 
     def _store(self, node_id: str) -> Any:
         node = self.cluster.get(node_id)
-        return node if node is not None and node.role == "store" and "p2p" in node.endpoints else None
+        return node if node is not None and node.role == "store" and "p2p" in node.endpoints and node.takes_work \
+            else None
 
     def publish(self, msg: Publish) -> P2PMsg:
         try:

@@ -221,7 +221,8 @@ class FrontendGone(Msg, tag="frontend_gone"):
     (``orders_identity``), so what it orders is not dropped."""
 
     node_id: str
-    instance: str  # the process start that died (``NodeInfo.instance``)
+    instance: str = ""  # the process start that died (``NodeInfo.instance``; "" from a frontend without one)
+    pid: int = 0  # ... and its pid, which such a frontend ordered under
 
 
 def orders_identity(node_id: str, instance: str) -> bytes:

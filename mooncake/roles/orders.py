@@ -98,7 +98,7 @@ class Orders:
 
     def ordered_by_frontend(self, gone: P.FrontendGone, wire_ids: list[str]) -> list[str]:
         """Those of ``wire_ids`` the frontend process that is ``gone`` ordered here."""
-        ident = P.orders_identity(gone.node_id, gone.instance)
+        ident = P.orders_identity(gone.node_id, gone.instance or str(gone.pid))
         return [w for w in wire_ids if self.ordered_by.get(w) == ident]
 
     def close(self) -> None:

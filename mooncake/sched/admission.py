@@ -67,6 +67,9 @@ class Admission:
         if pool_blocks and need > pool_blocks:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt needs {need} KV blocks; the largest instance holds {pool_blocks}", "prompt")
+        if choices > min(self.cfg.max_requests, self.cfg.max_waiting):
+            return Rejection(400, "invalid_value", f"n={choices} choices are more requests than this cluster takes at "
+                             f"once ({min(self.cfg.max_requests, self.cfg.max_waiting)})", "n")
         if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
         if waiting + choices > self.cfg.max_waiting:

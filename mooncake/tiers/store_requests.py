@@ -21,6 +21,7 @@ from ..kv.integrity import Rejections, checksums, first_corrupt
 from ..protocol import (Blocks, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
                         ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, encode)
 from ..security import Curve
+from .base import StoredBlock
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
@@ -132,14 +133,18 @@ class StoreRequests:
         peer = self._peers.get(msg.target)
         if peer is None:
             peer = self._peers[msg.target] = StoreClient(msg.target, curve=self.curve)
-        by_model: dict[str, list[tuple[bytes, torch.Tensor]]] = {}
+        by_model: dict[str, list[tuple[bytes, StoredBlock]]] = {}
         for k, b in found:
-            by_model.setdefault(b.model_id, []).append((k, b.tensor))
+            by_model.setdefault(b.model_id, []).append((k, b))
         n = 0
         try:
             for model_id, items in by_model.items():
-                blocks = [t for _, t in items]
-                n += await peer.put([k for k, _ in items], blocks, model_id, await self._run(checksums, blocks))
+                blocks = [b.tensor for _, b in items]
+                sums = [b.checksum for _, b in items]  # the writer's: a copy corrupted here is refused there
+                if not all(sums):
+                    computed = await self._run(checksums, blocks)
+                    sums = [s or c for s, c in zip(sums, computed)]
+                n += await peer.put([k for k, _ in items], blocks, model_id, sums)
         except StoreError:
             self._peers.pop(msg.target, None)
             peer.close()
