@@ -29,6 +29,7 @@ class P2PNodes:
         base.conductor.drain_timeout_s = 2.0
         base.store.dram_bytes, base.store.lmdb_bytes = 16 << 20, 0
         base.store.p2p_chunk_bytes, base.store.p2p_stall_timeout_s = chunk_bytes, stall_timeout_s
+        base.node.p2p_root = str(self.workdir.parent)  # the tests' trees lie beside the work dir
         self.base = base
         self.procs: dict[str, subprocess.Popen] = {}
 

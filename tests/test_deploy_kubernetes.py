@@ -169,7 +169,9 @@ def test_a_p2p_model_is_fetched_by_the_node_store_into_a_directory_its_workers_m
         assert wmount["mountPath"] == mount["mountPath"] and wmount["readOnly"] is True
         cfg = k8s.effective(objects, spec["containers"][0])
         assert cfg.model.p2p_name == "smollm2@v1"
-        assert Path(cfg.model.path).parent == Path(mount["mountPath"])  # under the shared directory
+        assert Path(cfg.model.path).parent == Path(cfg.node.p2p_root)  # fetched where the store may write
+        assert Path(cfg.node.p2p_root).parent == Path(mount["mountPath"])  # under the shared directory
+        assert Path(cfg.node.p2p_key_file).parent == Path(mount["mountPath"])  # beside it: workers read the key
         term = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
         assert term["topologyKey"] == "kubernetes.io/hostname"
         stores = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "mooncake-store")

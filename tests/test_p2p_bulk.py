@@ -165,7 +165,8 @@ async def test_a_configured_bulk_port_is_the_one_listened_on_and_a_taken_one_is_
     holder, dst = published(tmp_path)
     port = free_port()
     ctx = zmq.asyncio.Context()
-    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", bulk_port=port)
+    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", bulk_port=port,
+                         root=tmp_path, node_key="k" * 64)
     service.start()
     service.objects.add(holder)
     sock = ctx.socket(zmq.DEALER)
@@ -219,7 +220,8 @@ async def test_a_store_grants_bulk_tokens_without_curve_and_never_under_curve(tm
         generate_keys(tmp_path / "keys")
         curve, client_curve = Curve(tmp_path / "keys", "store"), Curve(tmp_path / "keys", "store")
     ctx = zmq.asyncio.Context()
-    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", curve)
+    service = P2PService(ctx, "n1-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1", curve,
+                         root=tmp_path, node_key="k" * 64)
     service.start()
     service.objects.add(holder)
     sock = ctx.socket(zmq.DEALER)

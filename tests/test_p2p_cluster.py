@@ -16,6 +16,7 @@ import pytest
 from p2p_nodes import P2PNodes
 from mooncake.config import load_config
 from mooncake.p2p.client import P2PClient, fetch_model
+from mooncake.p2p.rpc import P2PError
 from mooncake.p2p.service import CORRUPT_ENV
 
 pytestmark = pytest.mark.timeout(180)
@@ -185,3 +186,57 @@ def test_the_command_never_imports_torch(nodes):
     assert r.returncode == 0, r.stderr
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "mooncake.p2p.client" in imported and not {"torch", "transformers", "numpy"} & imported
+
+
+def test_a_store_publishes_and_fetches_only_under_its_p2p_root(nodes, tmp_path):
+    """``[node] p2p_root`` (here the tests' temporary tree): /etc, a fetch into a directory
+    outside it, and a link in a published tree that leads out of it are refused, naming
+    p2p_root, and nothing is published or written."""
+    r = nodes.cli("n1", "put", "loot", "/etc")
+    assert r.returncode == 1 and "outside this store's p2p_root" in r.stderr, r.stderr
+    leaky = tree(tmp_path / "leaky", 10, mib=1)
+    (leaky / "passwd").symlink_to("/etc/passwd")
+    r = nodes.cli("n1", "put", "leaky", str(leaky))
+    assert r.returncode == 1 and "outside this store's p2p_root" in r.stderr and "/etc/passwd" in r.stderr
+    assert "loot" not in ok(nodes.cli("n1", "ls")) and "leaky" not in ok(nodes.cli("n1", "ls"))
+    ok(nodes.cli("n1", "put", "fine", str(tree(tmp_path / "fine", 11, mib=1))))
+    outside = Path("/var/tmp") / f"mooncake-outside-{os.getpid()}-{time.monotonic_ns()}"
+    r = nodes.cli("n2", "get", "fine", str(outside))
+    assert r.returncode == 1 and "outside this store's p2p_root" in r.stderr and not outside.exists()
+    ok(nodes.cli("n2", "get", "fine", str(tmp_path / "inside")))  # under it: fetched
+    assert same_tree(tmp_path / "fine", tmp_path / "inside")
+
+
+def test_only_the_node_itself_may_make_its_store_publish_or_fetch(nodes, tmp_path):
+    """The P2P port is open to every peer: an object request without the node key (which only
+    processes that can read the store's data_dir have) is refused and does nothing."""
+    src = tree(tmp_path / "src", 12, mib=1)
+
+    async def as_stranger(key: str) -> str:
+        client = P2PClient(load_config(nodes.config("n1"), env={}))
+        try:
+            await client.store()
+            client.key = key
+            with pytest.raises(P2PError) as e:
+                await client.put("stranger", src)
+            with pytest.raises(P2PError):
+                await client.get("anything", tmp_path / "stranger-dst")
+            return e.value.code
+        finally:
+            client.close()
+
+    assert asyncio.run(as_stranger("")) == "forbidden"
+    assert asyncio.run(as_stranger("0" * 64)) == "forbidden"
+    assert "stranger" not in ok(nodes.cli("n1", "ls")) and not (tmp_path / "stranger-dst").exists()
+    other = load_config(nodes.config("n2"), env={})
+    other.store.data_dir = str(tmp_path / "elsewhere")  # another machine's view: no key there
+
+    async def without_the_key() -> None:
+        client = P2PClient(other)
+        try:
+            with pytest.raises(P2PError, match="cannot read this node's P2P key"):
+                await client.put("stranger", src)
+        finally:
+            client.close()
+
+    asyncio.run(without_the_key())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -53,10 +55,16 @@ def test_workers_fetch_their_missing_model_from_a_peer_and_serve_it(tmp_path, or
     cfg = nodes.base
     cfg.model.dtype, cfg.model.name = "float32", MODEL
     cfg.engine.kv_cache_bytes, cfg.engine.threads, cfg.engine.profile_at_start = 64 * MiB, 1, False
-    model_dir, _ = resolve_model_dir(cfg.model)  # what the conductor reads; n1 publishes it
+    model_dir, _ = resolve_model_dir(cfg.model)  # what the conductor reads; n1 publishes a copy under p2p_root
+    published = tmp_path / "published"
+    try:
+        shutil.copytree(model_dir, published, copy_function=os.link)
+    except OSError:  # another filesystem
+        shutil.rmtree(published, ignore_errors=True)
+        shutil.copytree(model_dir, published)
     dest = tmp_path / "models" / "smol"
     with nodes:
-        r = nodes.cli("n1", "put", "smol", str(model_dir))
+        r = nodes.cli("n1", "put", "smol", str(published))
         assert r.returncode == 0, r.stderr
         env = {"MOONCAKE_MODEL_PATH": str(dest), "MOONCAKE_MODEL_P2P_NAME": "smol"}
         nodes.start_worker("n2-prefill", "prefill", "n2", env)

@@ -219,13 +219,13 @@ def test_records_survive_a_restart_and_corruption_is_found(tmp_path):
     raw[CHUNK + 10] ^= 0xFF  # the weights' second chunk (index 3 overall) changes on disk
     w.write_bytes(bytes(raw))
     again = ObjectStore(tmp_path / "p2p")
-    [obj] = again.load()
+    [obj] = again.load(tmp_path.resolve())
     weights_chunks = [s.index for s in obj.spans if m.files[s.file].path == "weights.bin"]
     assert obj.done == set(range(len(m.checksums))) - {weights_chunks[1]}
     with pytest.raises(ChunkCorrupt, match="corrupt on disk"):
         obj.read_chunk(weights_chunks[1])
     assert again.forget("obj") and not again.forget("obj")
-    assert ObjectStore(tmp_path / "p2p").load() == []
+    assert ObjectStore(tmp_path / "p2p").load(tmp_path.resolve()) == []
     assert w.exists()  # forgetting never deletes the files
 
 
@@ -298,6 +298,10 @@ def test_index_writes_only_from_the_node_they_name_and_manifests_bounded(tmp_pat
         assert isinstance(refused, Failure) and refused.code == "unauthorized", msg
     assert "obj" not in index.objects
     assert isinstance(h[Publish](Publish("a-store", m), "store:AAA"), Done)
+    refused = h[RemoveObject](RemoveObject("obj"), "worker:WWW")  # removal is cluster-wide: a store's key only
+    assert isinstance(refused, Failure) and refused.code == "forbidden" and "obj" in index.objects
+    assert isinstance(h[RemoveObject](RemoveObject("obj"), "store:BBB"), Done)
+    assert isinstance(h[Publish](Publish("a-store", m), "store:AAA"), Done)
     first = m.files[0]
     huge = msgspec.structs.replace(m, files=[type(first)(first.path, 2**62, first.sha256)])
     failure = h[Publish](Publish("a-store", huge), "store:AAA")
@@ -317,7 +321,8 @@ async def test_gets_of_one_object_that_arrive_together_start_one_fetch(tmp_path,
 
     _, m = build_manifest("model", make_tree(tmp_path / "src"), CHUNK)
     ctx = zmq.asyncio.Context()
-    service = P2PService(ctx, "n2-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1")
+    service = P2PService(ctx, "n2-store", tmp_path / "p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1",
+                         root=tmp_path, node_key="k" * 64)
 
     async def locate(msg: Locate) -> Located:
         await asyncio.sleep(0.05)  # both gets wait here on the conductor

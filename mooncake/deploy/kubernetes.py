@@ -120,7 +120,9 @@ def pod_config(cfg: Config, ports: PodPorts, curve: bool, etcd_urls: list[str] |
     c.node.host, c.node.name, c.node.node_id = "127.0.0.1", "node0", ""  # per pod, from the environment
     c.store.data_dir = DATA_MOUNT
     if cfg.model.p2p_name:  # fetched by the node's store into the node's model directory
-        c.model.path = f"{MODELS_DIR}/{cfg.model.p2p_name}"
+        c.node.p2p_root = f"{MODELS_DIR}/objects"
+        c.model.path = f"{c.node.p2p_root}/{cfg.model.p2p_name}"
+        c.node.p2p_key_file = f"{MODELS_DIR}/p2p-node.key"  # the workers beside the store read it there
     c.security.curve_keys_dir = CURVE_MOUNT if curve else ""
     return c
 

@@ -1,6 +1,7 @@
 """The node side of ``mooncake p2p`` (and of ``[model] p2p_name``): finds this node's store
-through the conductor by ``[node] name`` and asks it to publish or fetch; lists and
-removes objects at the conductor."""
+through the conductor by ``[node] name`` and asks it to publish or fetch (with the node key its
+store wrote into ``[store] data_dir``: only the node's own processes can); lists and removes
+objects at the conductor."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import zmq.asyncio
 from mooncake.config import Config
 from mooncake.protocol.p2p import (Done, FindStore, GetObject, ListObjects, Listing, Progress, ProgressReport,
                                    PutObject, RemoveObject, StoreAt)
+from mooncake.p2p.manifest import ObjectError
+from mooncake.p2p.node_access import read_node_key
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.security import Curve, check_network
 
@@ -28,6 +31,7 @@ class P2PClient:
         self.ctx = zmq.asyncio.Context()
         self.conductor = Rpc(self.ctx, cfg.conductor.endpoint, self.curve, "conductor")
         self._store: Rpc | None = None
+        self.key = ""
 
     async def store(self, wait_s: float = 0.0) -> Rpc:
         """This node's store; ``wait_s``: how long to wait for it (and the conductor) to come up."""
@@ -41,11 +45,15 @@ class P2PClient:
                 await asyncio.sleep(0.5)
                 continue
             assert isinstance(at, StoreAt)
+            try:  # written by the store as it starts, so read once it is up
+                self.key = read_node_key(self.cfg)
+            except ObjectError as e:
+                raise P2PError(str(e), "forbidden") from None
             self._store = Rpc(self.ctx, at.endpoint, self.curve, "store", timeout_s=600.0)
         return self._store
 
     async def put(self, name: str, path: str | Path) -> str:
-        reply = await (await self.store()).call(PutObject(name, str(Path(path).expanduser().resolve())))
+        reply = await (await self.store()).call(PutObject(name, str(Path(path).expanduser().resolve()), self.key))
         assert isinstance(reply, Done)
         return reply.message
 
@@ -56,9 +64,9 @@ class P2PClient:
         failure. ``only_from``: node names to fetch from (default: every holder)."""
         dest = Path(dest).expanduser().resolve()
         store = await self.store()
-        await store.call(GetObject(name, str(dest), list(only_from or ())))
+        await store.call(GetObject(name, str(dest), list(only_from or ()), self.key))
         while True:  # each answer comes after poll_s, or at once when the fetch ends
-            report = await store.call(Progress(name, wait_s=poll_s), timeout_s=30.0)
+            report = await store.call(Progress(name, wait_s=poll_s, key=self.key), timeout_s=30.0)
             assert isinstance(report, ProgressReport)
             if on_progress is not None:
                 on_progress(report)
@@ -70,7 +78,8 @@ class P2PClient:
     async def knows(self, name: str) -> bool:
         """Whether this node's store holds or fetches ``name`` (completely or in part)."""
         try:
-            await (await self.store()).call(Progress(name))
+            store = await self.store()
+            await store.call(Progress(name, key=self.key))
         except P2PError as e:
             if e.code == "unknown":
                 return False

@@ -5,7 +5,8 @@ chunk as a fetch goes); fetchers ask ``Locate`` for the manifest and the live ho
 A holder is listed only while its store is registered: a dead store drops out with its
 registration (``drop_node``), and re-announces everything when it registers again. A store
 speaks only for itself: under CURVE a ``Publish``, ``Have`` or ``Fetching`` naming a node is
-accepted only from the key that node registered with (``owns``).
+accepted only from the key that node registered with (``owns``), and only a store's key (a node's
+CLI presents its store's) may remove an object cluster-wide.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mooncake.p2p.manifest import ObjectError, validate
+from mooncake.security import kind_of
 from mooncake.protocol.p2p import (Done, Failure, Fetching, FindStore, Forget, Have, Holder, ListObjects, Listing,
                                    Locate, Located, Manifest, ObjectInfo, P2PMsg, Publish, RemoveObject, StoreAt, bitmap)
 
@@ -39,11 +41,16 @@ class P2PIndex:
         self.objects: dict[str, Entry] = {}
 
     def handlers(self) -> dict[type, Callable[[Any, str], P2PMsg]]:
-        """Message type -> its answer, given the message and the sender's peer key."""
+        """Message type -> its answer, given the message and the sender's peer key ("" without CURVE)."""
         writes = {Publish: self.publish, Have: self.have, Fetching: self.fetching}
-        reads = {Locate: self.locate, ListObjects: self.list, RemoveObject: self.remove, FindStore: self.find_store}
         return {**{t: self._as_owner(h) for t, h in writes.items()},
-                **{t: (lambda h: lambda msg, peer: h(msg))(h) for t, h in reads.items()}}
+                Locate: lambda msg, peer: self.locate(msg), ListObjects: lambda msg, peer: self.list(msg),
+                FindStore: lambda msg, peer: self.find_store(msg), RemoveObject: self._remove_by_store}
+
+    def _remove_by_store(self, msg: RemoveObject, peer: str) -> P2PMsg:
+        if peer and kind_of(peer) != "store":
+            return Failure(f"removing {msg.name} takes a store's key (mooncake p2p rm on a node)", "forbidden")
+        return self.remove(msg)
 
     def _as_owner(self, handler: Callable[[Any], P2PMsg]) -> Callable[[Any, str], P2PMsg]:
         def checked(msg: Any, peer: str) -> P2PMsg:

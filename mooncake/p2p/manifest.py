@@ -64,23 +64,34 @@ def digester() -> "blake3.blake3":
     return blake3.blake3()
 
 
-def source_files(path: Path) -> tuple[Path, list[str]]:
-    """(root, relative file paths) of a file or a directory tree (regular files, sorted)."""
+def source_files(path: Path, within: Path | None = None) -> tuple[Path, list[str]]:
+    """(root, relative file paths) of a file or a directory tree (regular files, sorted; at most
+    MAX_FILES). ``within``: a link in the tree that leads out of it is refused."""
     path = path.expanduser().resolve()
     if path.is_file():
         return path.parent, [path.name]
     if not path.is_dir():
         raise ObjectError(f"{path}: no such file or directory")
-    rels = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    rels = []
+    for p in path.rglob("*"):
+        if not p.is_file():
+            continue
+        if within is not None and not p.resolve().is_relative_to(within):
+            raise ObjectError(f"{p} links to {p.resolve()}, outside this store's p2p_root ({within})")
+        rels.append(p.relative_to(path).as_posix())
+        if len(rels) > MAX_FILES:
+            raise ObjectError(f"{path}: more than {MAX_FILES} files")
     if not rels:
         raise ObjectError(f"{path}: no files to publish")
-    return path, rels
+    return path, sorted(rels)
 
 
-def build_manifest(name: str, path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Path, Manifest]:
-    """(root, manifest) of the file or directory at ``path``; reads every byte once."""
+def build_manifest(name: str, path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   within: Path | None = None) -> tuple[Path, Manifest]:
+    """(root, manifest) of the file or directory at ``path``; reads every byte once (a blocking call:
+    run it in a thread). ``within``: see ``source_files``."""
     check_name(name)
-    root, rels = source_files(path)
+    root, rels = source_files(path, within)
     files, sums, digests = [], [], []
     for rel in rels:
         sha = hashlib.sha256()

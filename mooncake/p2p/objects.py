@@ -167,8 +167,11 @@ class LocalObject:
         m = self.manifest
         need = 0
         before: dict[int, int] = {}  # file -> bytes it held before: only these can hold chunks already
+        root = self.root.resolve()
         for fi, f in enumerate(m.files):
             p = self.root / f.path
+            if not p.resolve().is_relative_to(root):  # a link already there must not lead the write out
+                raise ObjectError(f"{m.name}: {p} leads outside {self.root} (a link): not written")
             before[fi] = p.stat().st_size if p.is_file() else 0
             need += max(0, f.size - before[fi])
         free = free_bytes(self.root)
@@ -247,14 +250,19 @@ class ObjectStore:
     def _record_path(self, name: str) -> Path:
         return self.dir / f"{quote(name, safe='')}.mpk"
 
-    def load(self) -> list[LocalObject]:
-        """Read every record; chunks are re-verified on disk (files may have changed while we were down)."""
+    def load(self, within: Path) -> list[LocalObject]:
+        """Read every record; chunks are re-verified on disk (files may have changed while we were down).
+        A record of an object outside ``within`` (the store's p2p_root now) is left unserved."""
         for p in sorted(self.dir.glob("*.mpk")):
             try:
                 rec = msgspec.msgpack.decode(p.read_bytes(), type=Record)
                 validate(rec.manifest)
             except (msgspec.DecodeError, msgspec.ValidationError, ObjectError) as e:
                 log.warning("ignoring unreadable P2P record %s: %s", p, e)
+                continue
+            if not Path(rec.root).resolve().is_relative_to(within):
+                log.warning("not serving P2P object %s: %s is outside p2p_root (%s)", rec.manifest.name, rec.root,
+                            within)
                 continue
             obj = LocalObject(rec.manifest, Path(rec.root))
             obj.done = obj.verified_on_disk()

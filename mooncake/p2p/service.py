@@ -3,7 +3,8 @@ its node (``mooncake p2p put/get``, a worker's ``[model] p2p_name``), and keeps 
 conductor's index told of what it holds.
 
 One ROUTER socket. Peers send ``ChunkGet`` (store keys only, under CURVE); the node's
-CLI and workers send ``PutObject`` / ``GetObject`` / ``Progress`` (store or worker keys).
+CLI and workers send ``PutObject`` / ``GetObject`` / ``Progress`` (store or worker keys under
+CURVE, and always the node key), for paths under ``p2p_root`` only (mooncake/p2p/node_access.py).
 Chunks are read and checked in a thread, at most ``READERS`` at a time, and leave as one
 zero-copy frame each. A chunk that no longer verifies on disk is not served: it is
 dropped from this store's holdings (announced) and the asker goes to another holder.
@@ -31,6 +32,7 @@ import zmq.asyncio
 from mooncake.p2p.bulk_server import BulkServer
 from mooncake.p2p.fetch import Fetch
 from mooncake.p2p.manifest import DEFAULT_CHUNK_BYTES, ObjectError, build_manifest, check_name, validate
+from mooncake.p2p.node_access import confined, same_key
 from mooncake.protocol.p2p import (ChunkBad, ChunkData, ChunkGet, Done, Failure, GetObject, Have, Located, Locate, P2PMsg,
                                    Progress, ProgressReport, Publish, PutObject, decoder, encoder)
 from mooncake.p2p.objects import ChunkCorrupt, LocalObject, NotHeld, ObjectStore
@@ -45,14 +47,18 @@ BULK_RECEIVERS = 16  # chunks this store's fetches receive on bulk ports at once
 CORRUPT_ENV = "MOONCAKE_FAULT_P2P_CORRUPT_SERVE"
 ACCESS = {ChunkGet: ("store",), ChunkBad: ("store",), PutObject: ("store", "worker"), GetObject: ("store", "worker"),
           Progress: ("store", "worker")}
+NODE_ONLY = (PutObject, GetObject, Progress)  # these carry the node key
 
 
 class P2PService:
     def __init__(self, ctx: zmq.asyncio.Context, node_id: str, directory: Path, bind: str,
                  conductor_endpoint: str, curve: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0, bulk_port: int = 0) -> None:
-        """``bulk_port``: the TCP port chunk bytes leave on without CURVE (0: any free one)."""
+                 in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0, bulk_port: int = 0, *,
+                 root: Path, node_key: str) -> None:
+        """``bulk_port``: the TCP port chunk bytes leave on without CURVE (0: any free one); ``root``: the
+        only tree objects are published from and fetched into; ``node_key``: what object requests carry."""
         self.ctx, self.node_id, self.curve = ctx, node_id, curve
+        self.root, self.node_key = Path(root).resolve(), node_key
         self.chunk_bytes, self.in_flight_per_peer, self.stall_timeout_s = chunk_bytes, in_flight_per_peer, stall_timeout_s
         self.objects = ObjectStore(directory)
         self.fetches: dict[str, Fetch] = {}
@@ -77,7 +83,7 @@ class P2PService:
             self._bulk_receivers = ThreadPoolExecutor(BULK_RECEIVERS, thread_name_prefix="p2p-bulk-recv")
 
     def start(self) -> None:
-        loaded = self.objects.load()
+        loaded = self.objects.load(self.root)
         if loaded:
             log.info("p2p: %d objects on disk (%d complete)", len(loaded), sum(o.complete for o in loaded))
         self._spawn(self._serve())
@@ -138,6 +144,10 @@ class P2PService:
             kinds = ACCESS.get(type(msg))
             if kinds is None or (self.curve is not None and kind_of(peer_of(frames[1])) not in kinds):
                 await self._reply(ident, Failure(f"{type(msg).__name__} not accepted here", "forbidden"))
+                continue
+            if isinstance(msg, NODE_ONLY) and not same_key(msg.key, self.node_key):
+                await self._reply(ident, Failure(f"{type(msg).__name__}: only this store's own node may ask (its CLI "
+                                                 f"and roles, with its configuration and data_dir)", "forbidden"))
                 continue
             if isinstance(msg, ChunkBad):  # no reply
                 self._spawn(self._complaint(msg))
@@ -234,9 +244,8 @@ class P2PService:
 
     async def _put(self, msg: PutObject) -> P2PMsg:
         check_name(msg.name)
-        if not os.path.isabs(msg.path):
-            raise ObjectError(f"{msg.path}: give an absolute path (the store resolves it on its machine)")
-        root, manifest = await asyncio.to_thread(build_manifest, msg.name, Path(msg.path), self.chunk_bytes)
+        path = confined(self.root, msg.path)
+        root, manifest = await asyncio.to_thread(build_manifest, msg.name, path, self.chunk_bytes, self.root)
         await self.meta.call(Publish(self.node_id, manifest))
         obj = LocalObject(manifest, root, set(range(len(manifest.checksums))))
         self.objects.add(obj)
@@ -245,20 +254,18 @@ class P2PService:
 
     async def _get(self, msg: GetObject) -> P2PMsg:
         check_name(msg.name)
-        if not os.path.isabs(msg.dest):
-            raise ObjectError(f"{msg.dest}: give an absolute path (the store resolves it on its machine)")
+        dest = confined(self.root, msg.dest)
         if (fetching := self._fetching(msg)) is not None:
             return fetching
         loc = await self.meta.call(Locate(msg.name))
         assert isinstance(loc, Located)
-        manifest = validate(loc.manifest)
+        # checked and its chunk table listed (up to MAX_CHUNKS spans) off the loop
+        obj = await asyncio.to_thread(lambda: LocalObject(validate(loc.manifest), dest))
         if (fetching := self._fetching(msg)) is not None:  # a get that came meanwhile started it
             return fetching
         have = self.objects.objects.get(msg.name)
-        if have is not None and have.manifest.version == manifest.version and have.root == Path(msg.dest) \
-                and have.complete:
+        if have is not None and have.manifest.version == obj.manifest.version and have.root == dest and have.complete:
             return Done("already complete")
-        obj = LocalObject(manifest, Path(msg.dest))
         self.objects.add(obj)
         fetch = Fetch(self.ctx, self.curve, self.meta, self.node_id, obj, self.objects.save,
                       self.in_flight_per_peer, self.stall_timeout_s, only_from=msg.only_from,
@@ -273,7 +280,7 @@ class P2PService:
         fetch = self.fetches.get(msg.name)
         if fetch is None or fetch.state != "fetching":
             return None
-        if fetch.obj.root != Path(msg.dest):
+        if fetch.obj.root != confined(self.root, msg.dest):
             raise ObjectError(f"{msg.name} is being fetched into {fetch.obj.root} already")
         return Done("already fetching")
 

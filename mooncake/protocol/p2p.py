@@ -149,6 +149,7 @@ class PutObject(P2PMsg, tag="p2p_put"):
 
     name: str
     path: str
+    key: str = ""  # the node key (mooncake/p2p/node_access.py)
 
 
 class GetObject(P2PMsg, tag="p2p_get"):
@@ -157,6 +158,7 @@ class GetObject(P2PMsg, tag="p2p_get"):
     name: str
     dest: str
     only_from: list[str] = []  # node names to fetch from; empty: every holder
+    key: str = ""  # the node key (mooncake/p2p/node_access.py)
 
 
 class Progress(P2PMsg, tag="p2p_progress"):
@@ -164,6 +166,7 @@ class Progress(P2PMsg, tag="p2p_progress"):
 
     name: str
     wait_s: float = 0.0
+    key: str = ""  # the node key (mooncake/p2p/node_access.py)
 
 
 class ProgressReport(P2PMsg, tag="p2p_progress_report"):

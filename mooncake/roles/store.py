@@ -30,6 +30,7 @@ from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.protocol.p2p import Forget
+from mooncake.p2p.node_access import node_key, p2p_root
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -64,11 +65,13 @@ async def run_store(cfg: Config) -> None:
                          node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
     endpoint = await server.start()
     p2p_port = cfg.node.p2p_port
+    root = p2p_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
     try:
         p2p = P2PService(ctx, node_id, Path(cfg.store.data_dir).expanduser() / f"{node_id}-p2p",
                          f"tcp://{cfg.node.host}:{p2p_port or '*'}", cfg.conductor.endpoint, curve,
                          cfg.store.p2p_chunk_bytes, cfg.store.p2p_in_flight_per_peer, cfg.store.p2p_stall_timeout_s,
-                         cfg.node.p2p_bulk_port)
+                         cfg.node.p2p_bulk_port, root=root, node_key=node_key(cfg))
     except OSError as e:  # the bulk port taken
         raise SystemExit(f"mooncake store {node_id}: {e.strerror or e}") from None
     p2p.start()

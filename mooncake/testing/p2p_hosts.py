@@ -29,6 +29,7 @@ class P2PHosts:
         base = load_config(SOURCE_ROOT / "config.example.toml", env={})  # fixed ports: each host has its own stack
         base.store.dram_bytes, base.store.lmdb_bytes = 16 << 20, 0
         base.store.p2p_stall_timeout_s = stall_timeout_s
+        base.node.p2p_root = str(self.workdir.parent)  # the tests' trees lie beside the work dir
         if in_flight_per_peer is not None:
             base.store.p2p_in_flight_per_peer = in_flight_per_peer
         base.conductor.heartbeat_s, base.conductor.dead_after_s, base.conductor.drain_timeout_s = 0.5, 4.0, 2.0
