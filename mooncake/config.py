@@ -94,6 +94,7 @@ class FrontendConfig(_Section):
     token_port: int = Field(0, ge=0, le=65535, description="Port (on [node] host) where decode instances stream this frontend's tokens; 0: any free port.")
     max_body_bytes: int = Field(4 * MiB, ge=1024, description="Largest accepted HTTP body.")
     sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
+    sse_write_timeout_s: float = Field(30.0, gt=0, description="A stream the client takes nothing of for this long (it stopped reading; the server's buffer is full) ends: its request is cancelled and its KV freed.")
     access_log: bool = Field(False, description="Log one line per HTTP request (method, path, status, seconds, X-Request-Id).")
 
     @field_validator("api_keys", mode="before")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from mooncake import protocol as P
 from mooncake.api.errors import APIError, install_error_handlers
@@ -27,7 +27,7 @@ from mooncake.api.request_id import RequestId
 from mooncake.api.health import add_health_routes
 from mooncake.api.choices import ChoiceOutput, TokenText, chat_logprobs, completion_logprobs, merged
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from mooncake.api.sse import Piece, StreamFormat, sse_stream
+from mooncake.api.sse import Piece, SSEResponse, StreamFormat, sse_stream
 from mooncake.api.structured import request_grammar, tool_calls, tools_for_template
 from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
@@ -157,8 +157,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
                                (lambda p, off: completion_logprobs(list(p.logprobs), text_of, off))))
         sse = sse_stream(events, rid, frontend.model_name, chat, lambda: _usage(reqs) if usage else None,
                          lambda e: _error(e, chat).body(), fmt)
-        return StreamingResponse(sse, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(sse, frontend.cfg.frontend.sse_write_timeout_s)
     outs = [ChoiceOutput() for _ in reqs]
     failure: list[RequestError] = []
 

@@ -6,15 +6,45 @@ proxies with idle timeouts from cutting the stream."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
+
 from mooncake.frontend.request import RequestError
 
 KEEPALIVE = b": keep-alive\n\n"
+log = logging.getLogger(__name__)
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose every write must be taken by the client within ``write_timeout_s``
+    (the server's buffer full: the client stopped reading). Past it the stream ends, which ends
+    its requests everywhere (their KV freed), and the connection is closed: what a client that
+    never reads makes the server hold is what arrives in that time, not the whole output."""
+
+    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            log.warning("a client took no event stream data for %.0f s: its request is cancelled",
+                        self.write_timeout_s)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
