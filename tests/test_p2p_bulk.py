@@ -1,5 +1,6 @@
 """The bulk data path for chunk bytes (mooncake/p2p/bulk.py, bulk_server.py): in process (tokens, cut, stalled,
-truncated and corrupt streams, a port refusing or ignoring connections, a configured port),
+truncated and corrupt streams, a port refusing or ignoring connections, a configured port; a holder's bounds
+against hostile peers: idle connections, the connection cap, failed accepts, grant floods),
 through a store's P2P socket (a token under plain TCP, never under CURVE), and end to end
 between real stores on loopback (a holder whose bulk port is closed served over ZeroMQ) and
 across network namespaces."""
@@ -7,9 +8,12 @@ across network namespaces."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
+import logging
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake.p2p.bulk import HEADER, BulkLost, BulkPool, BulkUnreachable
-from mooncake.p2p.bulk_server import CLOSED_ENV, CUT_ENV, BulkServer
+from mooncake.p2p.bulk_server import CLOSED_ENV, CUT_ENV, MAX_GRANTS, MAX_GRANTS_PER_PEER, BulkServer
 from mooncake.p2p.manifest import build_manifest
 from mooncake.protocol.p2p import ChunkData, ChunkGet, decoder, encoder
 from mooncake.p2p.objects import LocalObject
@@ -111,6 +115,145 @@ async def test_cut_truncated_and_corrupt_streams_never_count(tmp_path, monkeypat
     finally:
         for s in (cut, truncated, corrupt):
             await s.close()
+        dst.close()
+
+
+async def wait_until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def closed_by_peer(sock: socket.socket, timeout_s: float = 3.0) -> bool:
+    """Whether the other end closes ``sock`` within ``timeout_s`` (sending nothing)."""
+    sock.settimeout(timeout_s)
+    try:
+        return await asyncio.to_thread(sock.recv, 1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def recv_chunk(sock: socket.socket) -> int:
+    """In a thread: a chunk's header and bytes; its length."""
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            got = sock.recv(n - len(buf))
+            assert got, "closed mid-chunk"
+            buf += got
+        return buf
+
+    length = HEADER.unpack(exact(HEADER.size))[0]
+    exact(length)
+    return length
+
+
+async def test_a_connection_that_brings_no_whole_token_in_time_is_closed(tmp_path):
+    holder, dst = published(tmp_path)
+    server = BulkServer("127.0.0.1", idle_timeout_s=0.3)
+    server.start()
+    silent, halfway, after = (socket.create_connection(("127.0.0.1", server.port)) for _ in range(3))
+    try:
+        halfway.sendall(b"x" * 8)  # half a token, then nothing
+        after.sendall(server.grant(holder, 0, "127.0.0.1"))  # a chunk, then nothing
+        assert await asyncio.to_thread(recv_chunk, after) == holder.spans[0].length
+        for sock in (silent, halfway, after):
+            assert await closed_by_peer(sock)
+        await wait_until(lambda: not server._conns)
+    finally:
+        for sock in (silent, halfway, after):
+            sock.close()
+        await server.close()
+        dst.close()
+
+
+async def test_a_fetcher_does_not_reuse_a_connection_the_holder_may_have_closed(tmp_path):
+    holder, dst = published(tmp_path)
+    server = BulkServer("127.0.0.1", idle_timeout_s=0.3)
+    server.start()
+    pool = BulkPool("127.0.0.1", server.port, reuse_s=0.15)
+    try:
+        assert await fetch(pool, server.grant(holder, 0, "127.0.0.1"), dst, 0)
+        await asyncio.sleep(0.6)  # the holder closed the idle connection
+        assert await fetch(pool, server.grant(holder, 1, "127.0.0.1"), dst, 1)  # on a new one
+        assert len(pool._idle) == 1
+    finally:
+        pool.close()
+        await server.close()
+        dst.close()
+
+
+async def test_connections_over_the_global_cap_are_closed_at_once_and_logged_once_in_a_while(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="mooncake.p2p.bulk_server")
+    holder, dst = published(tmp_path)
+    server = BulkServer("127.0.0.1", max_connections=2)
+    server.start()
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+    over: list[socket.socket] = []
+    pool = BulkPool("127.0.0.1", server.port, timeout_s=3)
+    try:
+        await wait_until(lambda: len(server._conns) == 2)
+        for _ in range(3):
+            over.append(socket.create_connection(("127.0.0.1", server.port)))
+            assert await closed_by_peer(over[-1])
+        refused = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
+        assert refused == ["p2p bulk: connection refused: 2 open (1x)"]  # the others counted for the next line
+        held.pop().close()
+        await wait_until(lambda: len(server._conns) == 1)
+        assert await fetch(pool, server.grant(holder, 0, "127.0.0.1"), dst, 0)  # under the cap: served
+    finally:
+        for sock in held + over:
+            sock.close()
+        pool.close()
+        await server.close()
+        dst.close()
+
+
+async def test_failed_accepts_do_not_stop_the_bulk_port(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="mooncake.p2p.bulk_server")
+    holder, dst = published(tmp_path)
+    loop = asyncio.get_running_loop()
+    accept, failures = loop.sock_accept, 3
+
+    async def out_of_files(sock: socket.socket) -> tuple[socket.socket, object]:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return await accept(sock)
+
+    monkeypatch.setattr(loop, "sock_accept", out_of_files)
+    server = BulkServer("127.0.0.1")
+    server.start()
+    pool = BulkPool("127.0.0.1", server.port, timeout_s=3)
+    try:
+        assert await fetch(pool, server.grant(holder, 0, "127.0.0.1"), dst, 0)
+        assert failures == 0
+        failed = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+        assert failed == [f"p2p bulk: accept failed: {os.strerror(errno.EMFILE)} (1x)"]  # not one line each
+    finally:
+        pool.close()
+        await server.close()
+        dst.close()
+
+
+async def test_one_peer_flooding_grants_drops_its_own_not_another_peers(tmp_path):
+    holder, dst = published(tmp_path)
+    server = BulkServer("127.0.0.1")
+    server.start()
+    other = server.grant(holder, 0, "127.0.0.1")
+    flood = [server.grant(holder, 1, "127.0.0.2") for _ in range(MAX_GRANTS)]
+    try:
+        assert await fetch(BulkPool("127.0.0.1", server.port), other, dst, 0)
+        assert len(server._grants) == MAX_GRANTS_PER_PEER  # the flooder's newest only
+        with pytest.raises(BulkLost, match="closed the connection"):  # the flooder's oldest went first
+            await fetch(BulkPool("127.0.0.1", server.port, source="127.0.0.2"), flood[0], dst, 1)
+        assert await fetch(BulkPool("127.0.0.1", server.port, source="127.0.0.2"), flood[-1], dst, 1)
+    finally:
+        await server.close()
         dst.close()
 
 

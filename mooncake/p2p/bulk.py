@@ -9,7 +9,8 @@ time into a reused buffer that is hashed and written while still in cache
 (``LocalObject.write_slices``): the passes of a raw socket copy, plus BLAKE3 on cached data.
 
 A connection sends a one-time token (``TOKEN_BYTES``, granted over the control channel) and
-gets ``HEADER`` (the chunk's length) and the bytes; it then may send the next token.
+gets ``HEADER`` (the chunk's length) and the bytes; it then may send the next token, within
+``IDLE_TIMEOUT_S`` (else the holder closes it; a fetcher reuses a connection idle at most half that).
 The fetcher checks every chunk against its BLAKE3 digest (the manifest's), exactly as a
 chunk received over ZeroMQ. A stream that ends early or stalls (a holder dead or its file
 truncated) raises ``BulkLost``: the fetch asks another holder (mooncake/p2p/fetch.py). A bulk
@@ -30,6 +31,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import Executor
 from typing import Iterator
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 TOKEN_BYTES = 16
 HEADER = struct.Struct("!Q")  # the chunk's length, then its bytes
 CONNECT_TIMEOUT_S = 5.0  # a bulk port silent this long is taken as firewalled (a LAN connects in ms)
+IDLE_TIMEOUT_S = 10.0  # a holder closes a connection that brings no whole token this long after connecting or a chunk
 
 
 class BulkLost(Exception):
@@ -61,11 +64,13 @@ class BulkPool:
     per chunk in flight to that holder: the fetch's bound)."""
 
     def __init__(self, host: str, port: int, timeout_s: float = 20.0, source: str | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        """``source``: the local address to connect from (tests)."""
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, reuse_s: float = IDLE_TIMEOUT_S / 2) -> None:
+        """``source``: the local address to connect from (tests); ``reuse_s``: a connection idle
+        longer is closed, not reused (the holder may have closed it: ``IDLE_TIMEOUT_S``)."""
         self.host, self.port, self.timeout_s, self.source = host, port, timeout_s, source
         self.connect_timeout_s = min(connect_timeout_s, timeout_s)
-        self._idle: list[socket.socket] = []
+        self.reuse_s = reuse_s
+        self._idle: list[tuple[socket.socket, float]] = []  # with when each became idle, oldest first
         self._busy: set[socket.socket] = set()
         self._lock = threading.Lock()  # fetches of several chunks share the pool, each in its thread
         self._closed = False
@@ -74,7 +79,12 @@ class BulkPool:
         with self._lock:
             if self._closed:
                 raise BulkLost("the holder was dropped")
-            sock = self._idle.pop() if self._idle else None
+            fresh = time.monotonic() - self.reuse_s
+            stale = [s for s, since in self._idle if since < fresh]
+            self._idle = [(s, since) for s, since in self._idle if since >= fresh]
+            sock = self._idle.pop()[0] if self._idle else None
+        for s in stale:
+            s.close()
         if sock is None:
             try:
                 sock = socket.create_connection((self.host, self.port), self.connect_timeout_s,
@@ -111,7 +121,7 @@ class BulkPool:
                 self._busy.discard(sock)
                 keep = keep and not self._closed
                 if keep:
-                    self._idle.append(sock)
+                    self._idle.append((sock, time.monotonic()))
             if not keep:
                 sock.close()
 
@@ -146,7 +156,7 @@ class BulkPool:
         """Close the idle connections and cut the busy ones (their threads end with BulkLost)."""
         with self._lock:
             self._closed = True
-            idle, busy = list(self._idle), list(self._busy)
+            idle, busy = [s for s, _ in self._idle], list(self._busy)
             self._idle.clear()
         for sock in idle:
             sock.close()
