@@ -97,7 +97,7 @@ class Router:
         if query is not None:
             self._send_raw(ident, query(msg, peer_of(frames[1])))
             return
-        node_id = getattr(msg, "node_id", None) or ident.decode(errors="replace")
+        node_id = getattr(msg, "node_id", None) or P.node_of(ident)
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None
         if node is None or node.ident != ident:
             if isinstance(msg, P.Heartbeat):

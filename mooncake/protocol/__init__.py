@@ -34,7 +34,8 @@ from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
 from mooncake.protocol.frontend import (Admitted, AttemptEnded, Claim, Claims, ClusterQuery, ClusterView, Ended, Prefilled,
                                         Refused, Release, Route, Submit, WorkerRef)
 from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
-                                          Reregister, TierLoad, process_instance)
+                                          Reregister, TierLoad, node_of, process_instance,
+                                          routing_id)
 from mooncake.protocol.p2p import P2PMessage
 from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Failed, FailureKind, FetchPlan, FinishReason, FirstToken,
                                         FrontendGone, orders_identity,

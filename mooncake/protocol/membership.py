@@ -81,6 +81,19 @@ class Register(Msg, tag="register"):
     fallback: list[str] = []  # of ``holding``, those a frontend placed itself while no conductor led
 
 
+def routing_id(register: Register) -> bytes:
+    """A role's routing id on the conductor's ROUTER: its node id and its process start's instance.
+    A restarted role is a new peer there even while its old connection lingers (libzmq refuses a
+    connection under a routing id in use: the restarted role would never be heard)."""
+    return f"{register.node_id}@{register.info.instance or register.info.pid}".encode()
+
+
+def node_of(routing_id: bytes) -> str:
+    """The node id in a routing id (for messages that do not name their node)."""
+    text = routing_id.decode(errors="replace")
+    return text.rpartition("@")[0] or text
+
+
 class Registered(Msg, tag="registered"):
     node_id: str
     heartbeat_s: float

@@ -64,7 +64,7 @@ class ConductorLink:
         self.heartbeat_s = 1.0
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, register.node_id.encode())
+        self.sock.setsockopt(zmq.IDENTITY, P.routing_id(register))
         limit_message_size(self.sock, max_message_bytes)
         if curve is not None:
             curve.client(self.sock, "conductor")
