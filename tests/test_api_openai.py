@@ -180,3 +180,17 @@ def test_a_token_prompt_past_the_context_is_refused_before_its_echo_is_decoded(c
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded", r.text
         assert f"has {n} tokens" in err["message"]
+
+
+def test_a_non_streamed_response_too_large_to_hold_is_refused_before_any_work(cluster):
+    """n=16 with 20 top logprobs over a whole context would be held whole (hundreds of MB) before
+    its first byte: a 400 naming n; streamed, or with a small max_tokens, it is served."""
+    body = {"model": MODEL, "messages": ASK, "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 8000}
+    before = metric(metrics(cluster.url), "mooncake:generation_tokens_total")
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "n" and err["code"] == "response_too_large", r.text
+    assert "stream" in err["message"]
+    small = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "n": 2, "max_tokens": 2}, timeout=60)
+    assert small.status_code == 200 and len(small.json()["choices"]) == 2
+    assert metric(metrics(cluster.url), "mooncake:generation_tokens_total") - before == 4

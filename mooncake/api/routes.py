@@ -26,9 +26,9 @@ from mooncake.api.prompts import Prompts
 from mooncake.api.request_id import RequestId
 from mooncake.api.health import add_health_routes
 from mooncake.api.choices import ChoiceOutput, TokenText, chat_logprobs, completion_logprobs, merged
-from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling, check_response_size
 from mooncake.api.sse import Piece, SSEResponse, StreamFormat, sse_stream
-from mooncake.api.structured import request_grammar, tool_calls, tools_for_template
+from mooncake.api.structured import compile_grammar, tool_calls, tools_for_template
 from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
 from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
@@ -87,7 +87,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         _check(frontend, body)
         tokens = await prompts.chat(body.messages, tools_for_template(body))
         limit = body.limit() or max(1, frontend.max_model_len - len(tokens))
-        shape = Shape(chat=True, grammar=request_grammar(body), tool_mode=body.tool_mode(), body=body)
+        shape = Shape(chat=True, grammar=await compile_grammar(body), tool_mode=body.tool_mode(), body=body)
         return await _serve(frontend, request, body, tokens, shape, max_tokens=limit)
 
     add_token_routes(app, frontend, prompts)
@@ -134,6 +134,8 @@ def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None) 
 async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
                  max_tokens: int) -> Response:
     chat = shape.chat
+    room = frontend.max_model_len - len(tokens) if frontend.max_model_len else max_tokens
+    check_response_size(body, max(1, min(max_tokens, room)))  # the conductor clamps to what the context leaves
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed)
     salt = request_salt(frontend.cfg.frontend.salts_per_key(), http.scope, body.cache_salt or "")
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,6 +16,12 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
 }
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Bounds on what a client sizes, all far above what a real client sends (OpenAI's own: 2048 messages, 128 tools).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 1024  # per message
+MAX_TOOLS = 128  # tools of a request, tool calls of an assistant message
+MAX_SCHEMA_BYTES = 64 * 1024  # a tool's parameters or a response_format schema, serialized
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed response with logprobs, estimated
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # harmless: accepted and ignored
 
 
@@ -25,6 +32,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
+    # JSON bytes of one logprob entry (the chosen token's or one of its top ones) in a response
+    logprob_entry_bytes: ClassVar[int] = 72
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
@@ -103,6 +112,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    logprob_entry_bytes: ClassVar[int] = 32
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -126,6 +136,14 @@ class CompletionRequest(_Sampling):
         return p
 
 
+def _bounded_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` if it is at most ``MAX_SCHEMA_BYTES`` serialized (compactly)."""
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
+    return schema
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -147,8 +165,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant
     tool_call_id: str | None = None  # tool
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:  # before the parts are validated
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per message")
+        return v
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":
@@ -169,6 +194,11 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _bounded_schema(v)
 
 
 class Tool(BaseModel):
@@ -191,6 +221,11 @@ class JSONSchemaFormat(BaseModel):
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _bounded_schema(v)
+
 
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
@@ -198,12 +233,12 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
 
@@ -236,3 +271,21 @@ class ChatCompletionRequest(_Sampling):
             return "none"
         choice = self.tool_choice or "auto"
         return "named" if isinstance(choice, NamedToolChoice) else choice
+
+
+def check_response_size(body: _Sampling, max_tokens: int) -> None:
+    """400 if a non-streamed response with logprobs could be larger than ``MAX_RESPONSE_BYTES``:
+    n x max_tokens x (1 + top logprobs) entries of ``logprob_entry_bytes``, all held in memory
+    before the first byte is sent. ``max_tokens``: the most tokens a choice can generate (the
+    request's, clamped to what the context leaves). Streamed responses are not bounded here."""
+    top = body.logprobs_wanted()
+    if body.stream or top < 0:
+        return
+    estimate = body.n * max_tokens * (1 + top) * body.logprob_entry_bytes
+    if estimate > MAX_RESPONSE_BYTES:
+        mib = 1024 * 1024
+        raise APIError(400, f"a response with n={body.n}, up to {max_tokens} tokens per choice and {top} top "
+                            f"logprobs per token could be ~{estimate // mib} MiB, above the "
+                            f"{MAX_RESPONSE_BYTES // mib} MiB a non-streamed response may have: stream it "
+                            "(\"stream\": true) or ask for fewer tokens (max_tokens), choices (n) or top logprobs",
+                       param="n" if body.n > 1 else "max_tokens", code="response_too_large")

@@ -6,27 +6,42 @@ and no free whitespace between JSON tokens, so a small model cannot loop on blan
 Tool calls use the Hermes format (Qwen2/3, SmolLM, Hermes): ``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>``; a chat template that does not render ``tools`` or
 ``tool_calls`` itself gets them in that format in the conversation.
+
+Grammars are compiled off the event loop (``compile_grammar``), by at most ``GRAMMAR_THREADS``
+at once and within ``GRAMMAR_TIMEOUT_S``; llguidance's own parser limits (``LLParserLimits``
+defaults: grammar size, lexer fuel and states) make most oversized schemas fail fast.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mooncake.api.errors import APIError
-from mooncake.api.schemas import ChatCompletionRequest, NamedToolChoice
+from mooncake.api.schemas import MAX_SCHEMA_BYTES, ChatCompletionRequest, NamedToolChoice
+
+GRAMMAR_TIMEOUT_S = 5.0  # compiling one request's grammar, from when it gets a thread
+GRAMMAR_THREADS = 2  # compilations at once; a grammar past its time limit keeps its thread until it is done
+MAX_GRAMMAR_SCHEMA_BYTES = 4 * MAX_SCHEMA_BYTES  # compiled at once (tool_choice "required": every tool's)
 
 _SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_compiler = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
 
 
 def schema_grammar(schema: dict[str, Any], param: str) -> str:
     """An llguidance grammar for JSON matching ``schema``; 400 naming ``param`` if it is not usable."""
     import llguidance
+    text = json.dumps(schema)
+    if len(text) > MAX_GRAMMAR_SCHEMA_BYTES:
+        raise APIError(400, f"the JSON schema to compile is {len(text)} bytes; at most {MAX_GRAMMAR_SCHEMA_BYTES} "
+                            "are accepted", param=param, code="schema_too_large")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_SEPARATORS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_SEPARATORS)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid JSON schema: {e}", param=param, code="invalid_schema") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -41,25 +56,55 @@ def _call_schema(tool: Any) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def request_grammar(body: ChatCompletionRequest) -> str:
-    """The grammar the request's output must match ("" if none)."""
+def grammar_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any], str] | None:
+    """The JSON schema the request's output must match and the param it comes from (None: free text)."""
     mode = body.tool_mode()
     if mode == "named":
         assert isinstance(body.tool_choice, NamedToolChoice)
         tool = next(t for t in body.tools or [] if t.function.name == body.tool_choice.function.name)
-        return schema_grammar(tool.function.parameters, "tools")
+        return tool.function.parameters, "tools"
     if mode == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in body.tools or []]}}
         if body.parallel_tool_calls is False:
             calls["maxItems"] = 1
-        return schema_grammar(calls, "tools")
+        return calls, "tools"
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
-        return ""
+        return None
     if fmt.type == "json_object":
-        return schema_grammar({"type": "object"}, "response_format")
+        return {"type": "object"}, "response_format"
     assert fmt.json_schema is not None
-    return schema_grammar(fmt.json_schema.schema_ or {"type": "object"}, "response_format")
+    return fmt.json_schema.schema_ or {"type": "object"}, "response_format"
+
+
+def request_grammar(body: ChatCompletionRequest) -> str:
+    """The grammar the request's output must match ("" if none), compiled here (blocking)."""
+    spec = grammar_schema(body)
+    return "" if spec is None else schema_grammar(*spec)
+
+
+async def compile_grammar(body: ChatCompletionRequest) -> str:
+    """``request_grammar`` in a grammar thread: a request waits for a free one, then has
+    ``GRAMMAR_TIMEOUT_S`` (past it: a 400, the compilation finishing in the background)."""
+    spec = grammar_schema(body)
+    if spec is None:  # free text: no thread, no wait behind others' schemas
+        return ""
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+
+    def run() -> str:
+        loop.call_soon_threadsafe(started.set)
+        return schema_grammar(*spec)
+
+    job = _compiler.submit(run)
+    try:
+        await started.wait()
+        return await asyncio.wait_for(asyncio.wrap_future(job), GRAMMAR_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(400, f"JSON schema too complex to compile in time ({GRAMMAR_TIMEOUT_S:g} s)", param=spec[1],
+                       code="invalid_schema") from None
+    finally:
+        job.cancel()  # still queued (the client went away): never runs; running or done: no effect
 
 
 def tools_for_template(body: ChatCompletionRequest) -> list[dict] | None:
