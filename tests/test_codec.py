@@ -56,3 +56,34 @@ def test_a_stream_on_the_codec_gives_the_wrappers_text(tok):
     stream = TextStream(Codec(tok))
     out = "".join(stream.push([i]) for i in ids) + stream.flush()
     assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+async def test_a_short_prompt_never_waits_behind_large_ones(tok):
+    """Tokenizer lanes (mooncake/api/prompts.py): while every large-prompt thread is busy with a
+    client's megabyte prompts, a short prompt is tokenized at once, and large ones still are."""
+    import asyncio
+    import threading
+
+    from mooncake.api.prompts import SMALL_CHARS, Prompts
+
+    release = threading.Event()
+    codec = Codec(tok)
+    encode = codec.encode
+
+    def slow_for_large(text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > SMALL_CHARS:
+            release.wait(30)
+        return encode(text, add_special_tokens)
+
+    codec.encode = slow_for_large  # type: ignore[method-assign]
+    prompts = Prompts(tok, codec, large_threads=2)
+    try:
+        large = [asyncio.create_task(prompts.completion("word " * SMALL_CHARS)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        short = await asyncio.wait_for(prompts.completion("Hello there"), 5)
+        assert short == encode("Hello there") and not any(t.done() for t in large)
+        release.set()
+        assert all(len(ids) >= SMALL_CHARS for ids in await asyncio.gather(*large))
+    finally:
+        release.set()
+        prompts.close()

@@ -1,10 +1,17 @@
 """Prompts to token ids, off the event loop: templating and tokenizing a long prompt
-takes milliseconds the conductor's loop must spend on other requests' tokens."""
+takes milliseconds the API process's loop must spend on other requests' tokens.
+
+Two lanes: work on up to ``SMALL_CHARS`` characters (a chat turn, a stream's detokenization,
+``/tokenize`` of a sentence) has a thread of its own, so it never queues behind a client's
+megabyte prompts; larger work shares ``large_threads`` threads (the Rust tokenizer releases the
+GIL while it encodes, so they run on several cores at once).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,25 +43,35 @@ def _args(arguments: str) -> object:
         return arguments
 
 
+SMALL_CHARS = 16 << 10  # work on at most this many characters (or token ids) takes the small lane
+
+
+def _large_threads() -> int:
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 class Prompts:
-    def __init__(self, tokenizer: Any, codec: Codec | None = None) -> None:
+    def __init__(self, tokenizer: Any, codec: Codec | None = None, large_threads: int = 0) -> None:
+        """``large_threads``: threads for large prompts (0: the cores this process may use, at most 4)."""
         self.tokenizer = tokenizer  # the chat template's
         self.codec = codec or Codec(tokenizer)  # text <-> ids
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one tokenizer, one thread
+        self._small = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-small")
+        self._large = ThreadPoolExecutor(large_threads or _large_threads(), thread_name_prefix="tokenizer")
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _run(self, size: int, fn: Any, *args: Any) -> Any:
+        pool = self._small if size <= SMALL_CHARS else self._large
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
-        return await self._run(self.codec.encode, prompt)
+        return await self._run(len(prompt), self.codec.encode, prompt)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(self.codec.encode, text, add_special_tokens)
+        return await self._run(len(text), self.codec.encode, text, add_special_tokens)
 
     async def decode(self, tokens: list[int]) -> str:
-        return await self._run(self.codec.decode, tokens)
+        return await self._run(len(tokens), self.codec.decode, tokens)
 
     async def chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
                    add_generation_prompt: bool = True) -> list[int]:
@@ -72,7 +89,8 @@ class Prompts:
             else:
                 turns.insert(0, {"role": "system", "content": system})
             tools = None
-        return await self._run(self._chat, turns, tools, add_generation_prompt)
+        size = sum(len(t["content"] or "") for t in turns) + len(json.dumps(tools) if tools else "")
+        return await self._run(size, self._chat, turns, tools, add_generation_prompt)
 
     def _chat(self, turns: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
         try:
@@ -84,4 +102,5 @@ class Prompts:
         return self.codec.encode(text, add_special_tokens=False)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small, self._large):
+            pool.shutdown(wait=False, cancel_futures=True)
