@@ -4,6 +4,7 @@ output, tool calls, penalties, min_tokens; the new endpoints and the 400s of bad
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -180,6 +181,9 @@ def test_a_token_prompt_past_the_context_is_refused_before_its_echo_is_decoded(c
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded", r.text
         assert f"has {n} tokens" in err["message"]
+    for bad in ([True, 5], [5, -1], [[7, 1.5]]):  # a token id is a non-negative integer, not a bool or a float
+        r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": bad, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.text
 
 
 def test_a_non_streamed_response_too_large_to_hold_is_refused_before_any_work(cluster):
@@ -194,3 +198,37 @@ def test_a_non_streamed_response_too_large_to_hold_is_refused_before_any_work(cl
     small = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "n": 2, "max_tokens": 2}, timeout=60)
     assert small.status_code == 200 and len(small.json()["choices"]) == 2
     assert metric(metrics(cluster.url), "mooncake:generation_tokens_total") - before == 4
+
+
+def test_large_echo_bodies_are_refused_while_the_server_stays_live(cluster):
+    """Four concurrent 3 MB completions bodies of token ids with echo (each past the context)
+    are 400s, checked before their echo is decoded; /health/live answers within 1 s throughout."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps({"model": MODEL, "prompt": [1000] * 600_000, "echo": True, "max_tokens": 1}).encode()
+    assert 3 << 20 <= len(body) < 4 << 20
+    done = threading.Event()
+    probes: list[float] = []
+
+    def probe() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert httpx.get(cluster.url + "/health/live", timeout=1.0).status_code == 200
+            probes.append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(cluster.url + "/v1/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(5) as pool:
+        watcher = pool.submit(probe)
+        try:
+            responses = list(pool.map(post, range(4)))
+        finally:
+            done.set()
+        watcher.result()  # a probe past 1 s raised there
+    assert [r.status_code for r in responses] == [400] * 4
+    assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in responses)
+    assert probes and max(probes) < 1.0

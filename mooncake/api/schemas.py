@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from mooncake.api.errors import APIError
 
@@ -113,7 +113,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     logprob_entry_bytes: ClassVar[int] = 32
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]  # strict: true is no token id
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -131,7 +131,7 @@ class CompletionRequest(_Sampling):
             if len(p) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             p = p[0]
-        if isinstance(p, list) and any(isinstance(t, bool) or t < 0 for t in p):
+        if isinstance(p, list) and p and min(p) < 0:  # (a C loop: a token-id prompt may be megabytes)
             raise APIError(400, "prompt token ids must be non-negative integers", param="prompt")
         return p
 
