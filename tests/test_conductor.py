@@ -348,3 +348,16 @@ async def test_a_request_with_n_choices_counts_n_against_the_caps(conductor):
     assert msg.wire_id in conductor.attempts and conductor.requests_in_flight["f0"] == 2
     fork = submit_msg(list(range(1, 41)), 4, n=2, in_flight=2)  # a fork's first attempt: not a new request
     assert not fork.new_request and not isinstance(conductor.submit(fork), Rejection)
+
+
+async def test_only_a_new_request_is_judged_against_the_slos(conductor, monkeypatch):
+    """Another choice of an admitted request (a fork) or its retry elsewhere is placed, never
+    refused for the SLOs halfway; a new request is judged."""
+    conductor.cfg.conductor.ttft_slo_ms = 0.001  # every prediction misses it
+    monkeypatch.setattr(conductor.costs, "evidence", lambda: (True, True))
+    conductor.admission.last_admitted = time.monotonic()  # no probe due
+    r = submit(conductor, [1, 2, 3])
+    assert isinstance(r, Rejection) and r.status == 429 and r.reason == "ttft_slo"
+    fork = submit(conductor, [1, 2, 3], n=2)
+    moved = submit(conductor, [4, 5, 6], generated=3)
+    assert isinstance(fork, Attempt) and isinstance(moved, Attempt)

@@ -15,12 +15,14 @@ from mooncake.sched.scheduler import Scheduler
 
 def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
           max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
-          deadline: float = math.inf, evidence: Evidence = (True, True)) -> Booking | Rejection:
+          deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True) -> Booking | Rejection:
     """Plan, admit and book an attempt of ``n_tokens`` (``hashes``: its full blocks) that may
     generate ``max_tokens``; its booking (``booking.plan``: the plan), or why it is refused.
-    ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``."""
+    ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``;
+    ``judge``: False for an attempt of a request admitted already (another choice of it, or its
+    retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline)
-    rejection = admission.check_plan(plan, now, evidence)
+    rejection = admission.check_plan(plan, now, evidence) if judge or plan is None else None
     if rejection is not None:
         return rejection
     assert plan is not None  # check_plan refuses a missing plan
