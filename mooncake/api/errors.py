@@ -67,3 +67,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
         return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        """A bug still answers in the API's error shape (the server logs the traceback as well)."""
+        return JSONResponse(error_body(500, "internal server error", code="internal_error"), status_code=500)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from mooncake.api.errors import APIError
@@ -22,7 +23,42 @@ MAX_CONTENT_PARTS = 1024  # per message
 MAX_TOOLS = 128  # tools of a request, tool calls of an assistant message
 MAX_SCHEMA_BYTES = 64 * 1024  # a tool's parameters or a response_format schema, serialized
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed response with logprobs, estimated
+# Token ids a client sends (prompt, stop_token_ids, logit_bias keys) are refused above this, here: larger
+# ones overflow the tokenizer (u32) or the wire (msgpack, 64 bits) before the vocabulary check.
+MAX_TOKEN_ID = 2**31 - 1
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # harmless: accepted and ignored
+
+
+def _valid_unicode(data: Any) -> Any:
+    """``data`` (a parsed JSON body or part of one) if every string in it, keys included, is valid
+    Unicode. Python's JSON parser lets a ``\\ud800`` escape (a lone UTF-16 surrogate) through, and
+    pydantic passes it into plain ``str`` fields; no tokenizer or UTF-8 encoder takes it. Checked by
+    encoding to UTF-8 in C (a 3 MB body of token ids: ~10 ms); only a body that fails is walked
+    for the path to name."""
+    try:
+        msgspec.json.encode(data)
+        return data
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError, OverflowError):  # not JSON-like (a caller's object): walk it
+        pass
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # iterative: a deeply nested body must not exhaust the stack
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"{where or 'body'}: text must be valid Unicode (a \\uXXXX escape of a "
+                                     "lone surrogate is not)") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((where, k))
+                stack.append((f"{where}.{k}" if where else str(k), v))
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(value))
+    return data
 
 
 class StreamOptions(BaseModel):
@@ -55,13 +91,18 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        return _valid_unicode(data)
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[int, float]:
         out: dict[int, float] = {}
         for k, b in (v or {}).items():
-            if not k.isdigit():
-                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not k.isdigit() or len(k) > len(str(MAX_TOKEN_ID)) or int(k) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (at most {MAX_TOKEN_ID}), got {k[:32]!r}")
             if not -100 <= b <= 100:
                 raise ValueError("values must be in [-100, 100]")
             out[int(k)] = b
@@ -72,8 +113,8 @@ class _Sampling(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int]:
-        if any(t < 0 for t in v or []):
-            raise ValueError("token ids must be non-negative")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in v or []):
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         return list(v or [])
 
     @field_validator("stop")
@@ -131,8 +172,9 @@ class CompletionRequest(_Sampling):
             if len(p) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             p = p[0]
-        if isinstance(p, list) and p and min(p) < 0:  # (a C loop: a token-id prompt may be megabytes)
-            raise APIError(400, "prompt token ids must be non-negative integers", param="prompt")
+        if isinstance(p, list) and p and (min(p) < 0 or max(p) > MAX_TOKEN_ID):  # (C loops: a token-id prompt
+            # may be megabytes) before the echo's decoding, which overflows on ids past 2**32
+            raise APIError(400, f"prompt token ids must be integers in [0, {MAX_TOKEN_ID}]", param="prompt")
         return p
 
 
@@ -167,6 +209,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant
     tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:  # a message also comes alone, in /tokenize
+        return _valid_unicode(data)
 
     @field_validator("content", mode="before")
     @classmethod
