@@ -135,6 +135,10 @@ async def test_compilations_run_a_few_at_once_and_waiting_is_not_timed(monkeypat
     n = 3 * structured.GRAMMAR_THREADS  # the last ones wait ~0.6 s for a thread: more than their time limit
     assert await asyncio.gather(*[compile_grammar(body) for _ in range(n)]) == ["g"] * n
     assert most == structured.GRAMMAR_THREADS
+    monkeypatch.setattr(structured, "GRAMMAR_QUEUE_S", 0.1)  # every thread held longer than a request may wait
+    results = await asyncio.gather(*[compile_grammar(body) for _ in range(n)], return_exceptions=True)
+    refused = [r for r in results if isinstance(r, APIError)]
+    assert refused and all(r.status == 503 and r.retry_after_s for r in refused) and "g" in results
 
 
 def test_non_streamed_responses_with_many_logprobs_are_refused():
@@ -143,9 +147,10 @@ def test_non_streamed_responses_with_many_logprobs_are_refused():
         check_response_size(chat(n=16, temperature=1, **lp), 4096)
     assert e.value.status == 400 and e.value.param == "n" and "stream" in e.value.message
     with pytest.raises(APIError) as e:
-        check_response_size(CompletionRequest(model="m", prompt="p", logprobs=20), 200_000)
+        check_response_size(CompletionRequest(model="m", prompt="p", logprobs=20, max_tokens=200_000), 200_000)
     assert e.value.status == 400 and e.value.param == "max_tokens"
     check_response_size(chat(n=16, temperature=1, stream=True, **lp), 4096)  # streamed: not bounded here
     check_response_size(chat(n=16, temperature=1), 32_768)  # no logprobs
     check_response_size(chat(**lp), 32_768)  # one choice over a 32k context
+    check_response_size(chat(**lp), 200_000)  # one choice, no limit asked: what the context allows
     check_response_size(CompletionRequest(model="m", prompt="p", logprobs=5), 32_768)

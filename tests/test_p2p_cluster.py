@@ -240,3 +240,28 @@ def test_only_the_node_itself_may_make_its_store_publish_or_fetch(nodes, tmp_pat
             client.close()
 
     asyncio.run(without_the_key())
+
+
+def test_the_node_key_goes_only_to_a_store_of_this_node_and_is_never_published(nodes, tmp_path):
+    """A process registered under this node's name that is not one of its stores (none wrote its
+    endpoint beside the key) never gets the key; a tree holding the key or the store's data is
+    not published."""
+    from mooncake.protocol.p2p import StoreAt
+
+    async def ask_an_impostor() -> None:
+        client = P2PClient(load_config(nodes.config("n1"), env={}))
+
+        async def impostor(msg, timeout_s=None):
+            return StoreAt("n1-store-impostor", "tcp://127.0.0.1:1")
+
+        client.conductor.call = impostor
+        try:
+            with pytest.raises(P2PError, match="is not one this node's stores wrote") as e:
+                await client.store()
+            assert e.value.code == "no_store" and client._store is None
+        finally:
+            client.close()
+
+    asyncio.run(ask_an_impostor())
+    r = nodes.cli("n1", "put", "everything", str(nodes.workdir))  # under p2p_root, but holds n1's data dir
+    assert r.returncode == 1 and "holds this store's node key or data" in r.stderr, r.stderr

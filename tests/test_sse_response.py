@@ -56,3 +56,24 @@ async def test_a_client_that_reads_gets_the_whole_stream():
     assert taken[0]["type"] == "http.response.start" and taken[-1] == {"type": "http.response.body", "body": b"",
                                                                         "more_body": False}
     assert b"".join(m.get("body", b"") for m in taken) == b"".join(f"data: {i}\n\n".encode() for i in range(5))
+
+
+async def test_ending_a_stream_ends_its_pieces_at_once():
+    """However the stream ends (a stalled client, a disconnect), the pieces, and with them the
+    requests, are closed then, not when the generator is collected."""
+    from mooncake.api.sse import Piece, sse_stream
+
+    ended = asyncio.Event()
+
+    async def pieces():
+        try:
+            while True:
+                yield Piece("x")
+                await asyncio.sleep(0)
+        finally:
+            ended.set()
+
+    stream = sse_stream(pieces(), "id", "m", False, lambda: None, lambda e: {})
+    assert (await anext(stream)).startswith(b"data: ")
+    await stream.aclose()
+    assert ended.is_set()

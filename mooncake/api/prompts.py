@@ -1,8 +1,8 @@
 """Prompts to token ids, off the event loop: templating and tokenizing a long prompt
 takes milliseconds the API process's loop must spend on other requests' tokens.
 
-Two lanes: work on up to ``SMALL_CHARS`` characters (a chat turn, a stream's detokenization,
-``/tokenize`` of a sentence) has a thread of its own, so it never queues behind a client's
+Two lanes: work on up to ``SMALL_CHARS`` characters (a chat turn, ``/tokenize`` of a sentence, an
+echo's decoding) has a thread of its own, so it never queues behind a client's
 megabyte prompts; larger work shares ``large_threads`` threads (the Rust tokenizer releases the
 GIL while it encodes, so they run on several cores at once).
 """
@@ -89,7 +89,8 @@ class Prompts:
             else:
                 turns.insert(0, {"role": "system", "content": system})
             tools = None
-        size = sum(len(t["content"] or "") for t in turns) + len(json.dumps(tools) if tools else "")
+        size = sum(len(t["content"] or "") + len(json.dumps(t.get("tool_calls") or "")) for t in turns) \
+            + len(json.dumps(tools) if tools else "")
         return await self._run(size, self._chat, turns, tools, add_generation_prompt)
 
     def _chat(self, turns: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:

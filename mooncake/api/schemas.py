@@ -40,8 +40,14 @@ def _valid_unicode(data: Any) -> Any:
         return data
     except UnicodeEncodeError:
         pass
-    except (TypeError, ValueError, OverflowError):  # not JSON-like (a caller's object): walk it
-        pass
+    except (TypeError, ValueError, OverflowError):  # an integer past 64 bits, or a caller's object
+        try:
+            json.dumps(data, ensure_ascii=False).encode()  # also C, also ~10x the walk's speed
+            return data
+        except UnicodeEncodeError:
+            pass
+        except (TypeError, ValueError):
+            pass
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:  # iterative: a deeply nested body must not exhaust the stack
         where, value = stack.pop()
@@ -88,7 +94,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # extension (vLLM)
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
     min_tokens: int = Field(0, ge=0, le=1_000_000)  # extension (vLLM)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension (vLLM)
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
@@ -326,8 +332,8 @@ def check_response_size(body: _Sampling, max_tokens: int) -> None:
     before the first byte is sent. ``max_tokens``: the most tokens a choice can generate (the
     request's, clamped to what the context leaves). Streamed responses are not bounded here."""
     top = body.logprobs_wanted()
-    if body.stream or top < 0:
-        return
+    if body.stream or top < 0 or (body.n == 1 and body.limit() is None):
+        return  # one choice with no limit asked: what the context allows, as a client expects
     estimate = body.n * max_tokens * (1 + top) * body.logprob_entry_bytes
     if estimate > MAX_RESPONSE_BYTES:
         mib = 1024 * 1024

@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 class SSEResponse(StreamingResponse):
     """An event stream whose every write must be taken by the client within ``write_timeout_s``
-    (the server's buffer full: the client stopped reading). Past it the stream ends, which ends
-    its requests everywhere (their KV freed), and the connection is closed: what a client that
-    never reads makes the server hold is what arrives in that time, not the whole output."""
+    (the kernel's and the server's buffers full: the client stopped reading). Past it the stream
+    ends, which ends its requests everywhere (their KV freed), and uvicorn gives the connection up
+    (the kernel keeps the socket until its buffer drains or TCP gives up): what a client that never
+    reads makes the server hold is what arrived in that time, not the whole output."""
 
     def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float) -> None:
         super().__init__(content, media_type="text/event-stream",
@@ -35,13 +36,22 @@ class SSEResponse(StreamingResponse):
         self.write_timeout_s = write_timeout_s
 
     async def stream_response(self, send: Send) -> None:
+        stalled = False
+
         async def timed(message: Message) -> None:
-            async with asyncio.timeout(self.write_timeout_s):
-                await send(message)
+            nonlocal stalled
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                stalled = True
+                raise
 
         try:
             await super().stream_response(timed)
         except TimeoutError:
+            if not stalled:  # from the events themselves: not the client's doing
+                raise
             log.warning("a client took no event stream data for %.0f s: its request is cancelled",
                         self.write_timeout_s)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -83,8 +93,6 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
     fmt = fmt or StreamFormat()
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
-    offsets = [0] * fmt.n
-    held = [""] * fmt.n  # chat with tools: the text, until the choice ends
 
     def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
               delta: dict | None = None) -> bytes:
@@ -97,6 +105,21 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
+    try:
+        async for event in _events(pieces, fmt, chat, chunk, error_body):
+            yield event
+    finally:  # however the stream ends: its requests end at once, not when the generator is collected
+        await pieces.aclose()  # type: ignore[attr-defined]
+    body = usage()
+    if body is not None:
+        yield _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": body})
+    yield b"data: [DONE]\n\n"
+
+
+async def _events(pieces: AsyncIterator[Piece | None], fmt: StreamFormat, chat: bool, chunk: Callable[..., bytes],
+                  error_body: Callable[[RequestError], dict]) -> AsyncIterator[bytes]:
+    offsets = [0] * fmt.n
+    held = [""] * fmt.n  # chat with tools: the text, until the choice ends
     for i in range(fmt.n):
         if chat:
             yield chunk(i, "", None, delta={"role": "assistant"})
@@ -124,7 +147,3 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
             continue
         if piece.text or piece.finish or lp:
             yield chunk(i, piece.text, piece.finish, lp)
-    body = usage()
-    if body is not None:
-        yield _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": body})
-    yield b"data: [DONE]\n\n"

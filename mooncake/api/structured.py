@@ -25,6 +25,7 @@ from mooncake.api.errors import APIError
 from mooncake.api.schemas import MAX_SCHEMA_BYTES, ChatCompletionRequest, NamedToolChoice
 
 GRAMMAR_TIMEOUT_S = 5.0  # compiling one request's grammar, from when it gets a thread
+GRAMMAR_QUEUE_S = 30.0  # waiting for a grammar thread: past it a 503 (others' schemas hold them all)
 GRAMMAR_THREADS = 2  # compilations at once; a grammar past its time limit keeps its thread until it is done
 MAX_GRAMMAR_SCHEMA_BYTES = 4 * MAX_SCHEMA_BYTES  # compiled at once (tool_choice "required": every tool's)
 
@@ -84,8 +85,9 @@ def request_grammar(body: ChatCompletionRequest) -> str:
 
 
 async def compile_grammar(body: ChatCompletionRequest) -> str:
-    """``request_grammar`` in a grammar thread: a request waits for a free one, then has
-    ``GRAMMAR_TIMEOUT_S`` (past it: a 400, the compilation finishing in the background)."""
+    """The request's grammar, compiled in a grammar thread: a request waits for a free one (up to
+    ``GRAMMAR_QUEUE_S``: then a 503), then has ``GRAMMAR_TIMEOUT_S`` (past it: a 400, the
+    compilation finishing in the background)."""
     spec = grammar_schema(body)
     if spec is None:  # free text: no thread, no wait behind others' schemas
         return ""
@@ -98,7 +100,11 @@ async def compile_grammar(body: ChatCompletionRequest) -> str:
 
     job = _compiler.submit(run)
     try:
-        await started.wait()
+        try:
+            await asyncio.wait_for(started.wait(), GRAMMAR_QUEUE_S)
+        except TimeoutError:
+            raise APIError(503, "busy compiling other requests' JSON schemas; try again", code="overloaded",
+                           retry_after_s=1) from None
         return await asyncio.wait_for(asyncio.wrap_future(job), GRAMMAR_TIMEOUT_S)
     except TimeoutError:
         raise APIError(400, f"JSON schema too complex to compile in time ({GRAMMAR_TIMEOUT_S:g} s)", param=spec[1],

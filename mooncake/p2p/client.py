@@ -16,7 +16,7 @@ from mooncake.config import Config
 from mooncake.protocol.p2p import (Done, FindStore, GetObject, ListObjects, Listing, Progress, ProgressReport,
                                    PutObject, RemoveObject, StoreAt)
 from mooncake.p2p.manifest import ObjectError
-from mooncake.p2p.node_access import read_node_key
+from mooncake.p2p.node_access import read_node_key, read_store_endpoint
 from mooncake.p2p.rpc import P2PError, Rpc
 from mooncake.security import Curve, check_network
 
@@ -49,7 +49,15 @@ class P2PClient:
                 self.key = read_node_key(self.cfg)
             except ObjectError as e:
                 raise P2PError(str(e), "forbidden") from None
-            self._store = Rpc(self.ctx, at.endpoint, self.curve, "store", timeout_s=600.0)
+            mine = read_store_endpoint(self.cfg, at.node_id)
+            if at.endpoint != mine:  # not a store of this node (none wrote that beside the key), or restarting
+                if time.monotonic() >= deadline:
+                    raise P2PError(f"the store registered as {at.node_id} for node {self.cfg.node.name!r} "
+                                   f"({at.endpoint}) is not one this node's stores wrote beside its key "
+                                   f"({mine or 'none'}): the node key goes to those only", "no_store")
+                await asyncio.sleep(0.5)
+                continue
+            self._store = Rpc(self.ctx, mine, self.curve, "store", timeout_s=600.0)
         return self._store
 
     async def put(self, name: str, path: str | Path) -> str:

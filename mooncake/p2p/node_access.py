@@ -49,12 +49,16 @@ def node_key(cfg: Config) -> str:
     """The node key, created (mode 0600) if this node has none yet: the store calls this at start."""
     path = _key_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return read_node_key(cfg)
+    tmp = path.with_suffix(f".key.{os.getpid()}")  # written whole, then linked: never an empty key file
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(secrets.token_hex(KEY_BYTES))
+    try:
+        os.link(tmp, path)  # fails if the node has a key already: that one stays
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
     return read_node_key(cfg)
 
 
@@ -69,6 +73,34 @@ def read_node_key(cfg: Config) -> str:
     if len(key) != 2 * KEY_BYTES:
         raise ObjectError(f"{path} is not a P2P node key")
     return key
+
+
+def key_file(cfg: Config) -> Path:
+    """Where the node key lies (never to be published: ``P2PService`` refuses a tree holding it)."""
+    return _key_path(cfg).resolve()
+
+
+def _endpoint_path(cfg: Config, store_id: str) -> Path:
+    return _key_path(cfg).with_suffix(".stores") / quote(store_id, safe="")
+
+
+def write_store_endpoint(cfg: Config, store_id: str, endpoint: str) -> None:
+    """Beside the key, the P2P endpoint a store of this node serves on (rewritten at each start): the
+    node's processes hand the key only to such a store, not to whatever registers under the node's
+    name with the conductor."""
+    path = _endpoint_path(cfg, store_id)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(endpoint)
+    os.replace(tmp, path)
+
+
+def read_store_endpoint(cfg: Config, store_id: str) -> str:
+    """The endpoint the store ``store_id`` of this node wrote ("" if it wrote none)."""
+    try:
+        return _endpoint_path(cfg, store_id).read_text().strip()
+    except OSError:
+        return ""
 
 
 def same_key(given: str, expected: str) -> bool:

@@ -23,7 +23,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 import zmq
@@ -54,11 +54,13 @@ class P2PService:
     def __init__(self, ctx: zmq.asyncio.Context, node_id: str, directory: Path, bind: str,
                  conductor_endpoint: str, curve: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  in_flight_per_peer: int = 2, stall_timeout_s: float = 30.0, bulk_port: int = 0, *,
-                 root: Path, node_key: str) -> None:
+                 root: Path, node_key: str, private: Sequence[Path] = ()) -> None:
         """``bulk_port``: the TCP port chunk bytes leave on without CURVE (0: any free one); ``root``: the
-        only tree objects are published from and fetched into; ``node_key``: what object requests carry."""
+        only tree objects are published from and fetched into; ``node_key``: what object requests carry;
+        ``private``: paths no published tree may hold (the node key, the store's data)."""
         self.ctx, self.node_id, self.curve = ctx, node_id, curve
         self.root, self.node_key = Path(root).resolve(), node_key
+        self.private = [Path(p).resolve() for p in private]
         self.chunk_bytes, self.in_flight_per_peer, self.stall_timeout_s = chunk_bytes, in_flight_per_peer, stall_timeout_s
         self.objects = ObjectStore(directory)
         self.fetches: dict[str, Fetch] = {}
@@ -245,6 +247,8 @@ class P2PService:
     async def _put(self, msg: PutObject) -> P2PMsg:
         check_name(msg.name)
         path = confined(self.root, msg.path)
+        if any(p.is_relative_to(path) for p in self.private):
+            raise ObjectError(f"{msg.path} holds this store's node key or data: not published")
         root, manifest = await asyncio.to_thread(build_manifest, msg.name, path, self.chunk_bytes, self.root)
         await self.meta.call(Publish(self.node_id, manifest))
         obj = LocalObject(manifest, root, set(range(len(manifest.checksums))))

@@ -30,7 +30,8 @@ from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.protocol.p2p import Forget
-from mooncake.p2p.node_access import node_key, p2p_root
+from mooncake.p2p.manifest import ObjectError
+from mooncake.p2p.node_access import key_file, node_key, p2p_root, write_store_endpoint
 from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -66,14 +67,20 @@ async def run_store(cfg: Config) -> None:
     endpoint = await server.start()
     p2p_port = cfg.node.p2p_port
     root = p2p_root(cfg)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        key = node_key(cfg)
+    except (OSError, ObjectError) as e:
+        raise SystemExit(f"mooncake store {node_id}: P2P root or node key: {e}") from None
+    private = [Path(cfg.store.data_dir).expanduser().resolve(), key_file(cfg)]  # never published
     try:
         p2p = P2PService(ctx, node_id, Path(cfg.store.data_dir).expanduser() / f"{node_id}-p2p",
                          f"tcp://{cfg.node.host}:{p2p_port or '*'}", cfg.conductor.endpoint, curve,
                          cfg.store.p2p_chunk_bytes, cfg.store.p2p_in_flight_per_peer, cfg.store.p2p_stall_timeout_s,
-                         cfg.node.p2p_bulk_port, root=root, node_key=node_key(cfg))
+                         cfg.node.p2p_bulk_port, root=root, node_key=key, private=private)
     except OSError as e:  # the bulk port taken
         raise SystemExit(f"mooncake store {node_id}: {e.strerror or e}") from None
+    write_store_endpoint(cfg, node_id, p2p.endpoint)  # the node's processes hand the key to this store only
     p2p.start()
 
     async def announce() -> None:
