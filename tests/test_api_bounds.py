@@ -17,7 +17,9 @@ from mooncake.api import structured
 from mooncake.api.errors import APIError, install_error_handlers
 from mooncake.api.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_SCHEMA_BYTES, MAX_TOOLS, ChatCompletionRequest,
                                   CompletionRequest, check_response_size)
-from mooncake.api.structured import compile_grammar, request_grammar
+from mooncake.api.structured import compile_grammar
+
+from test_structured import request_grammar
 
 USER = {"role": "user", "content": "hi"}
 

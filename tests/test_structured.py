@@ -11,10 +11,16 @@ from mooncake.api.choices import merged
 from mooncake.api.errors import APIError
 from mooncake.api.schemas import ChatCompletionRequest
 from mooncake.api.sse import KEEPALIVE, Piece, sse_stream
-from mooncake.api.structured import request_grammar, schema_grammar, tool_calls
+from mooncake.api.structured import grammar_schema, schema_grammar, tool_calls
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def request_grammar(body: ChatCompletionRequest) -> str:
+    """The request's grammar compiled here, blocking ("" for free text)."""
+    spec = grammar_schema(body)
+    return "" if spec is None else schema_grammar(*spec)
 
 
 def chat(**kw) -> ChatCompletionRequest:

@@ -78,12 +78,6 @@ def grammar_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any], str] | 
     return fmt.json_schema.schema_ or {"type": "object"}, "response_format"
 
 
-def request_grammar(body: ChatCompletionRequest) -> str:
-    """The grammar the request's output must match ("" if none), compiled here (blocking)."""
-    spec = grammar_schema(body)
-    return "" if spec is None else schema_grammar(*spec)
-
-
 async def compile_grammar(body: ChatCompletionRequest) -> str:
     """The request's grammar, compiled in a grammar thread: a request waits for a free one (up to
     ``GRAMMAR_QUEUE_S``: then a 503), then has ``GRAMMAR_TIMEOUT_S`` (past it: a 400, the
