@@ -27,7 +27,7 @@ etcd:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q etcd-server; }
 
 test: venv etcd
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 # What the benchmarks' peers need, never `make test`: transformers' serving extra (for
 # `transformers serve`; torch stays pinned) and llama.cpp's llama-server, built from the

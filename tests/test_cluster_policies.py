@@ -13,7 +13,7 @@ from mooncake.testing.api import MODEL, complete, metric, metrics
 from mooncake.testing.cluster import start_cluster
 
 pytestmark = pytest.mark.timeout(900)
-SLO_S = 20.0
+SLO_S = 10.0
 
 
 @pytest.fixture(scope="module")

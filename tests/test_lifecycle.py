@@ -38,24 +38,24 @@ def prompts(tokenizer, n_tokens: int) -> list[list[int]]:
 
 def test_an_overfilled_decode_pool_preempts_and_every_request_matches_transformers(
         tmp_path, loaded_model, oracle_model):
-    """Four requests of 100 prompt + 120 generated tokens need 4 x 14 blocks; the decode pool
-    has 40. Reservation holds the KV of all four prompts; as they grow, the newest are
-    preempted (their KV written to the store) and resumed later, with unchanged output."""
+    """Four requests of 60 prompt + 80 generated tokens need 4 x 9 blocks; the decode pool
+    has 24. Reservation holds the KV of all four prompts (4 x 4 blocks); as they grow, the
+    newest are preempted (their KV written to the store) and resumed later, with unchanged output."""
     cfg = small_config(tmp_path)
-    cfg.engine.kv_cache_bytes = 40 * 737_280  # 40 blocks of SmolLM2 (float32, 16 tokens)
+    cfg.engine.kv_cache_bytes = 24 * 737_280  # 24 blocks of SmolLM2 (float32, 16 tokens)
     tok = loaded_model.tokenizer
-    ps = prompts(tok, 100)
-    expected = [tok.decode(greedy(oracle_model, p, 120), skip_special_tokens=True) for p in ps]
+    ps = prompts(tok, 60)
+    expected = [tok.decode(greedy(oracle_model, p, 80), skip_special_tokens=True) for p in ps]
     with running_cluster(cfg=cfg) as c:
         def run(p: list[int]) -> httpx.Response:
-            return complete(c.url, p, max_tokens=120, ignore_eos=True)
+            return complete(c.url, p, max_tokens=80, ignore_eos=True)
 
         with ThreadPoolExecutor(len(ps)) as pool:
             responses = list(pool.map(run, ps))
         for r, want in zip(responses, expected):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
-            assert r.json()["usage"]["completion_tokens"] == 120
+            assert r.json()["usage"]["completion_tokens"] == 80
         text = metrics(c.url)
         assert metric(text, "mooncake:preemptions_total") >= 1
         assert metric(text, "mooncake:requests_total", outcome="ok") == len(ps)

@@ -122,6 +122,28 @@ def test_gguf_converts_to_the_serving_dtype():
     assert loaded.model_id.endswith("/bfloat16")
 
 
+def test_another_dtype_is_cast_from_the_float32_conversion(loaded_model, tmp_path, monkeypatch):
+    """With the GGUF's float32 conversion in the cache, float16 is cast from it (the GGUF is not
+    read again): the float32 weights cast, the config saying float16."""
+    from safetensors.torch import load_file
+
+    from mooncake.engine.loading import loader
+
+    float32_dir = loaded_model.model_dir
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted" / float32_dir.name).symlink_to(float32_dir)
+    monkeypatch.setattr(loader, "_convert_gguf", lambda *a: pytest.fail("the GGUF was converted again"))
+    model_dir, _ = resolve_model_dir(ModelConfig(dtype="float16", device="cpu", cache_dir=str(tmp_path)))
+    assert model_dir == tmp_path / "converted" / float32_dir.name.replace("-float32", "-float16")
+    theirs = load_file(next(float32_dir.glob("*.safetensors")))
+    ours = load_file(next(model_dir.glob("*.safetensors")))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == torch.float16 and torch.equal(ours[k], theirs[k].half()) for k in theirs)
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "float16"
+    assert {f.name for f in model_dir.iterdir()} == {f.name for f in float32_dir.iterdir()}
+    assert load_model(ModelConfig(dtype="float16", device="cpu", cache_dir=str(tmp_path))).dtype == torch.float16
+
+
 def test_gguf_only_repo_in_the_cache_is_converted_and_served_by_repo_id(loaded_model, tmp_path, monkeypatch):
     """A cached repo holding one GGUF file (the bundled one, linked as the hub links blobs)."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -1,7 +1,8 @@
 """Model loading: a local HF directory, a GGUF file, or a Hugging Face repo id (``org/name``)
 found in the local Hugging Face cache, via transformers.
 
-A GGUF file is dequantized once (slow) to the serving dtype and the result cached
+A GGUF file is dequantized once (slow) to the serving dtype (or cast from its float32
+conversion when there is one) and the result cached
 under ``ModelConfig.cache_dir`` as a standard Hugging Face model directory
 (config.json, model.safetensors, tokenizer files, chat template), keyed by the
 source file's path, size and mtime and the dtype, written atomically (temp dir +
@@ -103,13 +104,13 @@ def serving_dtype(cfg: ModelConfig) -> torch.dtype:
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the configured model (default: the bundled SmolLM2); ModelLoadError on any problem."""
-    model_dir, name = resolve_model_dir(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.quantization == "int8" and (dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu"):
         raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model would serve "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
                              f"on a CPU, or quantization = \"none\"")
+    model_dir, name = resolve_model_dir(cfg)  # after the checks: a GGUF may be converted first
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -219,10 +220,15 @@ def _converted_dir(src: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
             f"unsupported architecture {arch!r} in {src}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    log.info("converting %s to %s weights under %s (once; about a minute for a small model)",
-             src.name, str(dtype).removeprefix("torch."), final.parent)
+    as_float32 = final.with_name(final.name.removesuffix(str(dtype).removeprefix("torch.")) + "float32")
     try:
-        _convert_gguf(src, tmp, dtype)
+        if dtype != torch.float32 and (as_float32 / "config.json").is_file():
+            log.info("casting %s to %s under %s", as_float32.name, str(dtype).removeprefix("torch."), final.parent)
+            cast_converted(as_float32, tmp, dtype)
+        else:
+            log.info("converting %s to %s weights under %s (once; about a minute for a small model)",
+                     src.name, str(dtype).removeprefix("torch."), final.parent)
+            _convert_gguf(src, tmp, dtype)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -232,6 +238,28 @@ def _converted_dir(src: Path, cache_dir: Path, dtype: torch.dtype) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s -> %s", src, final)
     return final
+
+
+def cast_converted(src: Path, out: Path, dtype: torch.dtype) -> None:
+    """Write into ``out`` the float32 conversion ``src`` cast to ``dtype``: seconds, where reading
+    the GGUF again takes about a minute. The same bytes as a conversion straight to ``dtype``
+    (transformers dequantizes GGUF tensors to float32 and casts them)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in load_file(f).items()}
+            save_file(tensors, out / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            config = json.loads(f.read_text())
+            for key in ("dtype", "torch_dtype"):
+                if key in config:
+                    config[key] = str(dtype).removeprefix("torch.")
+            (out / f.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        elif f.is_file():
+            shutil.copyfile(f, out / f.name)
 
 
 def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
