@@ -157,6 +157,7 @@ def test_tokenize_detokenize_and_request_id(cluster):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"service_tier": "scale"}, "service_tier"), ({"priority": 1.5}, "priority"), ({"priority": 2**31}, "priority"),
 ])
 def test_bad_values_are_400s_that_name_the_option(cluster, extra, param):
     r = httpx.post(cluster.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4,
@@ -164,6 +165,21 @@ def test_bad_values_are_400s_that_name_the_option(cluster, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"] or "").startswith(param) and err["message"], err
+
+
+def test_the_response_says_the_tier_served(client):
+    """``service_tier`` as OpenAI answers it: ``auto`` and none are served as ``default``."""
+    for asked, served in ((None, "default"), ("auto", "default"), ("flex", "flex"), ("priority", "priority")):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
+                                           **({"service_tier": asked} if asked else {}))
+        assert r.service_tier == served, asked
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": -3,
+                                                                                        "service_tier": "flex"})
+    assert r.model_extra["service_tier"] == "flex"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0,
+                                                 service_tier="flex", stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks and all(c.service_tier == "flex" for c in chunks)
 
 
 def test_echo_with_logprobs_and_messages_without_content_are_refused(client):

@@ -33,6 +33,7 @@ from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
 from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
 from mooncake.sched.admission import context_rejection
+from mooncake.sched.request_class import served_tier
 
 DISCONNECT_POLL_S = 0.5
 
@@ -128,7 +129,8 @@ def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None) 
                       seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
                       min_tokens=body.min_tokens, min_p=body.min_p, presence_penalty=body.presence_penalty,
                       frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                      logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar)
+                      logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar,
+                      tier=served_tier(body.service_tier), priority=body.priority)
 
 
 async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
@@ -152,7 +154,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     text_of = TokenText(frontend.codec)
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named",
+        fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named", tier=sampling.tier,
                            tools=shape.tools if chat and shape.tool_mode != "none" else None,
                            logprobs=None if body.logprobs_wanted() < 0 else (
                                (lambda p, off: chat_logprobs(list(p.logprobs), text_of)) if chat else
@@ -222,7 +224,8 @@ def _usage(reqs: list[Request]) -> dict:
 
 def _response(frontend: Frontend, reqs: list[Request], rid: str, shape: Shape, outs: list[ChoiceOutput],
               logprobs: bool, text_of: TokenText) -> dict:
-    base = {"id": rid, "created": int(time.time()), "model": frontend.model_name, "usage": _usage(reqs)}
+    base = {"id": rid, "created": int(time.time()), "model": frontend.model_name, "usage": _usage(reqs),
+            "service_tier": reqs[0].sampling.tier}
     choices = []
     for i, out in enumerate(outs):
         text, reason = "".join(out.text), out.finish or "stop"

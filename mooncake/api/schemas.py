@@ -26,7 +26,7 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed response with logprobs, 
 # Token ids a client sends (prompt, stop_token_ids, logit_bias keys) are refused above this, here: larger
 # ones overflow the tokenizer (u32) or the wire (msgpack, 64 bits) before the vocabulary check.
 MAX_TOKEN_ID = 2**31 - 1
-_IGNORED = {"user", "metadata", "store", "service_tier"}  # harmless: accepted and ignored
+_IGNORED = {"user", "metadata", "store"}  # harmless: accepted and ignored
 
 
 def _valid_unicode(data: Any) -> Any:
@@ -96,6 +96,8 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0, le=1_000_000)  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # the request's class
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)  # extension (vLLM): within a class, lower first
 
     @model_validator(mode="before")
     @classmethod

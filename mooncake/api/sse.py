@@ -81,6 +81,7 @@ class StreamFormat:
     tools: Callable[[str], tuple[str | None, list[dict]]] | None = None  # chat: text -> (content, tool_calls)
     echo: str = ""  # completions: the prompt, before each choice's text
     calls_finish: bool = True  # tool calls end with finish_reason "tool_calls" (not for a named tool_choice)
+    tier: str = ""  # the class the request is served in: every chunk's ``service_tier``
 
 
 def _event(body: Any) -> bytes:
@@ -93,6 +94,9 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
     fmt = fmt or StreamFormat()
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": model}
+    if fmt.tier:
+        head["service_tier"] = fmt.tier
 
     def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
               delta: dict | None = None) -> bytes:
@@ -103,7 +107,7 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
             choice: dict = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-        return _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+        return _event({**head, "choices": [choice]})
 
     try:
         async for event in _events(pieces, fmt, chat, chunk, error_body):
@@ -112,7 +116,7 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
         await pieces.aclose()  # type: ignore[attr-defined]
     body = usage()
     if body is not None:
-        yield _event({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": body})
+        yield _event({**head, "choices": [], "usage": body})
     yield b"data: [DONE]\n\n"
 
 

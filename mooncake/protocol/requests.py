@@ -43,6 +43,9 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the k most likely
     grammar: str = ""  # an llguidance grammar (JSON) the output must match: a token mask on every step
+    # the request's class (``sched/request_class.py``): which queued work a worker serves first
+    tier: str = "default"  # default | priority | flex
+    priority: int = 0  # within a tier, lower first
 
 
 class Logprob(msgspec.Struct, array_like=True):

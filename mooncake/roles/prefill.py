@@ -34,6 +34,7 @@ from mooncake.kv.egress import KVEgress
 from mooncake.kv.link import bind_kv_ingress
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
+from mooncake.roles.class_queue import ClassQueue
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
@@ -48,7 +49,7 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.queue: asyncio.Queue[P.PrefillRequest] = asyncio.Queue()
+        self.queue: ClassQueue[P.PrefillRequest] = ClassQueue()  # by request class, then arrival
         self.aborted: set[str] = set()
         self.queued: set[str] = set()  # ids in ``queue``: an Abort for anything else is stale
         self.running: set[str] = set()  # requests being prefilled (their chunks batch together)
@@ -107,7 +108,7 @@ class PrefillWorker(EngineWorker):
         return [*self.queued, *self.running]
 
     async def _work_loop(self) -> None:
-        """Up to ``max_prefill_batch`` requests at once, in arrival order; their chunks batch."""
+        """Up to ``max_prefill_batch`` requests at once, by class then arrival; their chunks batch."""
         while True:
             await self._slots.acquire()
             req = await self.queue.get()

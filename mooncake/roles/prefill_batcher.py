@@ -2,7 +2,7 @@
 
 Each request's coroutine awaits ``chunk(seq)``; while the engine computes one batch, the
 chunks asked for meanwhile gather and go together next (``Engine.prefill_many``: one
-forward, the chunk budget shared in arrival order). A burst of short prompts thus costs a
+forward, the chunk budget shared by request class, then in arrival order). A burst of short prompts thus costs a
 few forwards instead of one per prompt, and a lone request goes alone, at once.
 """
 
@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from mooncake.kv.layers import LayerFn
 from mooncake.engine.sequence import PrefillStep, Sequence
+from mooncake.sched.request_class import urgency
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class PrefillBatcher:
     async def _drain(self) -> None:
         while self._pending:
             await asyncio.sleep(0)  # callers woken by the same event join this batch
-            batch = [p for p in self._pending if not p[2].done()]  # a cancelled caller drops out
+            # a cancelled caller drops out; the chunk budget goes by request class, then arrival
+            batch = sorted((p for p in self._pending if not p[2].done()), key=lambda p: urgency(p[0].sampling))
             self._pending = []
             if not batch:
                 continue

@@ -1,0 +1,26 @@
+"""Request classes: which queued work goes first when interactive and batch traffic share a
+cluster (issue 32).
+
+A request names its class with OpenAI's ``service_tier``: ``default`` (what ``auto`` and no
+tier get) is interactive traffic; ``priority`` goes ahead of it; ``flex`` (batch jobs,
+evaluations: no tight SLO) goes behind both. vLLM's integer ``priority`` orders requests
+within a class, lower first. Both ride on a request's ``Sampling``, so every order a worker
+receives carries them; a worker's queue serves by ``urgency``, then arrival.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SERVICE_TIERS = ("auto", "default", "flex", "priority")  # what the API accepts
+_RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
+
+
+def served_tier(requested: str | None) -> str:
+    """The class a request asking for ``requested`` is served in (what its response says)."""
+    return "default" if requested in (None, "auto") else requested
+
+
+def urgency(sampling: Any) -> tuple[int, int]:
+    """Sort key of a request's work (lower first): its class, then its ``priority``."""
+    return _RANK.get(sampling.tier, _RANK["default"]), sampling.priority

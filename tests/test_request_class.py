@@ -1,0 +1,55 @@
+"""Request classes in a worker: its queue and its batched prefill chunks serve ``priority``
+before ``default`` before ``flex``, then lower ``priority``, then arrival."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import msgspec
+
+from mooncake import protocol as P
+from mooncake.roles.class_queue import ClassQueue
+from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.sched.request_class import served_tier, urgency
+
+
+def order(name: str, tier: str = "default", priority: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(name=name, sampling=P.Sampling(tier=tier, priority=priority))
+
+
+def test_the_served_tier_and_the_order_of_classes():
+    assert [served_tier(t) for t in (None, "auto", "default", "flex", "priority")] == \
+        ["default", "default", "default", "flex", "priority"]
+    keys = [urgency(P.Sampling(tier=t, priority=p)) for t, p in
+            (("priority", 9), ("default", -1), ("default", 0), ("flex", -100))]
+    assert keys == sorted(keys)
+    assert urgency(P.Sampling()) == urgency(P.Sampling(tier="default"))
+    # the class travels with the sampling options; the default class costs no bytes on the wire
+    assert msgspec.msgpack.encode(P.Sampling(tier="default")) == msgspec.msgpack.encode(P.Sampling())
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(P.Sampling(tier="flex", priority=-2)), type=P.Sampling)
+    assert (wire.tier, wire.priority) == ("flex", -2)
+
+
+async def test_a_queue_serves_by_class_then_priority_then_arrival():
+    q: ClassQueue = ClassQueue()
+    for o in (order("flex1", "flex"), order("d1"), order("flex2", "flex", -5), order("d2"),
+              order("p1", "priority", 3), order("d0", priority=-1), order("p0", "priority")):
+        q.put_nowait(o)
+    assert q.qsize() == 7 and not q.empty()
+    assert [(await q.get()).name for _ in range(7)] == ["p0", "p1", "d0", "d1", "d2", "flex2", "flex1"]
+    assert q.empty()
+
+
+async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_first():
+    calls: list[list[str]] = []
+
+    async def run_many(seqs, hooks):
+        calls.append([s.name for s in seqs])
+        return [s.name for s in seqs]
+
+    batcher = PrefillBatcher(run_many)
+    asked = [order("flex", "flex"), order("chat"), order("first", "priority")]
+    results = await asyncio.gather(*(batcher.chunk(o) for o in asked))  # asked for together: one batch
+    assert calls == [["first", "chat", "flex"]]
+    assert results == ["flex", "chat", "first"]  # each caller gets its own sequence's step
