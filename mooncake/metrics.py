@@ -69,6 +69,9 @@ class Metrics:
         self.tier_hits = Counter("mooncake:tier_hits", "Hits per node and tier.", ["node", "tier"], registry=r)
         self.tier_evictions = Counter("mooncake:tier_evictions", "Evictions per node and tier.", ["node", "tier"],
                                       registry=r)
+        self.device_evictions = Counter("mooncake:device_cache_evictions", "Device prefix-cache blocks evicted "
+                                        "per instance, by class (flex: held only by flex requests; other).",
+                                        ["node", "class"], registry=r)
         self.index_blocks = Gauge("mooncake:kv_index_blocks", "Blocks in the global KV index.", registry=r)
         self.nodes = Gauge("mooncake:nodes", "Live nodes per role.", ["role"], registry=r)
         self.replications = Counter("mooncake:replications", "Hot blocks replicated.", registry=r)

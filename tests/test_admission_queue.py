@@ -16,6 +16,8 @@ from mooncake.sched.booking import PrefillQueue
 from mooncake.sched.cluster import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.placement import place
+from mooncake.sched.request_class import FLEX_RANK
 from mooncake.sched.scheduler import Scheduler
 
 from test_sched import node
@@ -75,3 +77,38 @@ def test_a_request_already_predicted_late_does_not_lock_the_queue():
     plan = sched.plan(H[:2], 40, 4, 16, now=0.0)
     assert plan.queue_slack_s == math.inf and plan.best_ttft_s < 3.0
     assert adm.check_plan(plan, now=0.0) is None  # it used to refuse every newcomer until "stuck" was done
+
+
+def test_a_request_waits_only_for_the_queued_work_of_its_class_and_those_before_it():
+    """Ranks (``request_class.py``): 0 priority, 1 default, 2 flex."""
+    q = PrefillQueue()
+    q.add("flex", 5.0, rank=2)
+    q.add("chat", 1.0, deadline=1.2)
+    q.add("vip", 0.5, rank=0)
+    assert (q.ahead_s(0), q.ahead_s(1), q.ahead_s(2)) == (0.5, 1.5, 6.5) and q.total_s == 6.5
+    # served by rank: vip, chat (done at 1.5: late for 1.2), flex
+    assert q.earliest_deadline(0.0, rank=1) == math.inf
+    q.remove("vip")
+    assert q.ahead_s(1) == 1.0 and q.earliest_deadline(0.0, rank=1) == 1.2
+    assert q.earliest_deadline(0.0, rank=0) == 1.2  # a priority newcomer would delay chat too
+    q.add("chat2", 1.0, deadline=0.5, rank=2)  # flex (late anyway)
+    assert q.earliest_deadline(0.0, rank=2) == math.inf  # a flex newcomer delays only flex work
+    q.remove("flex")
+    q.remove("chat2")
+    assert q.by_rank == [0.0, 1.0, 0.0] and not q.ranks
+
+
+def test_interactive_work_is_predicted_past_queued_flex_work_and_flex_is_never_refused_for_the_slo():
+    sched = one_prefill()
+    adm = admission(2_000)
+    sched.queues["p0"] = q = PrefillQueue()
+    for i in range(8):  # 8 s of flex work queued
+        q.add(f"flex{i}", 1.0, rank=FLEX_RANK)
+    chat = place(sched, adm, "chat", H[:2], 40, 4, 16, 0.0, deadline=2.0)
+    assert not isinstance(chat, Rejection) and chat.plan.queue_s == 0.0 and chat.plan.est_ttft_s < 2.0
+    # a default request behind 8 s of default work is refused; a flex one is booked behind it all
+    q.add("backlog", 8.0)
+    assert isinstance(place(sched, adm, "late", H[:2], 40, 4, 16, 0.0, deadline=2.0), Rejection)
+    flex = place(sched, adm, "flex-late", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK)
+    assert not isinstance(flex, Rejection) and flex.plan.queue_s >= 16.0
+    assert q.ranks["flex-late"] == FLEX_RANK

@@ -74,15 +74,49 @@ def test_forget_frees_unreferenced_cached_blocks_only():
     bm.check()
 
 
+def test_a_flex_scan_evicts_flex_blocks_before_an_interactive_prefix():
+    bm = BlockManager(6)
+    chat = bm.allocate(2)  # a system prompt, cached by an interactive request
+    bm.register(chat, [h(1), h(2)])
+    bm.release(chat)
+    shared = bm.allocate(1, flex=True)  # a flex request's block that an interactive one then reuses
+    bm.register(shared, [h(9)])
+    bm.release(shared)
+    assert bm.acquire([h(9)], flex=False) == shared
+    bm.release(shared)
+    for i in range(10):  # a flex scan of unique prompts, older than none of the chat blocks
+        got = bm.allocate(3, flex=True)
+        bm.register(got, [h(100 + 3 * i + j) for j in range(3)])
+        bm.release(got)
+        bm.check()
+        assert bm.cached_prefix([h(1), h(2)]) == 2 and bm.cached_prefix([h(9)]) == 1
+    assert bm.evicted["other"] == 0 and bm.evicted["flex"] == 27 and len(bm.flex_lru) == 3
+    # with no flex block left to evict, the least recently used other block goes
+    got = bm.allocate(6)
+    assert got is not None and bm.evicted == {"flex": 30, "other": 3}
+    bm.release(got)
+    bm.check()
+
+
+def test_a_flex_request_taking_a_cached_interactive_block_leaves_it_protected():
+    bm = BlockManager(2)
+    a = bm.allocate(1)
+    bm.register(a, [h(1)])
+    bm.release(a)
+    assert bm.acquire([h(1)], flex=True) == a
+    bm.release(a)
+    assert list(bm.lru) == a and not bm.flex_lru
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "release", "acquire"]),
-                          st.integers(0, 5), st.integers(0, 9)), max_size=60))
+                          st.integers(0, 5), st.integers(0, 9), st.booleans()), max_size=60))
 def test_accounting_invariant_random_ops(ops):
     bm = BlockManager(6)
     owned: list[list[int]] = []  # each entry: blocks one holder references
-    for op, n, k in ops:
+    for op, n, k, flex in ops:
         if op == "alloc":
-            got = bm.allocate(n)
+            got = bm.allocate(n, flex)
             if got is None:
                 assert n > bm.num_available()
             else:
@@ -95,7 +129,7 @@ def test_accounting_invariant_random_ops(ops):
         elif op == "acquire":
             hs = [h(k * 10 + i) for i in range(n)]
             m = bm.cached_prefix(hs)
-            owned.append(bm.acquire(hs[:m]))
+            owned.append(bm.acquire(hs[:m], flex))
         bm.check()
         refs = sum(len(o) for o in owned)
         assert sum(bm.ref) == refs

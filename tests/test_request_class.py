@@ -4,6 +4,7 @@ before ``default`` before ``flex``, then lower ``priority``, then arrival."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from types import SimpleNamespace
 
 import msgspec
@@ -53,3 +54,31 @@ async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_fi
     results = await asyncio.gather(*(batcher.chunk(o) for o in asked))  # asked for together: one batch
     assert calls == [["first", "chat", "flex"]]
     assert results == ["flex", "chat", "first"]  # each caller gets its own sequence's step
+
+
+def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
+    from mooncake.roles.decode import DecodeWorker, preemption_victim
+
+    w = SimpleNamespace(pending=deque())
+    for rid, tier, priority in (("f1", "flex", 0), ("d1", "default", 0), ("f2", "flex", -1), ("d2", "default", 0),
+                                ("p1", "priority", 0), ("d0", "default", -1)):
+        DecodeWorker._enqueue(w, P.DecodeRequest(rid, [1], [], b"r", P.Sampling(tier=tier, priority=priority)))
+    assert [m.req_id for m in w.pending] == ["p1", "d0", "d1", "d2", "f2", "f1"]
+
+    def slot(uid: int, tier: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(uid=uid, sampling=P.Sampling(tier=tier)))
+
+    old_flex, chat, new_chat, vip = slot(1, "flex"), slot(2), slot(3), slot(4, "priority")
+    assert preemption_victim([old_flex, chat, new_chat, vip]) is old_flex
+    assert preemption_victim([chat, new_chat, vip]) is new_chat
+    assert preemption_victim([vip, chat]) is chat
+
+
+def test_flex_work_has_no_first_token_deadline():
+    from mooncake.frontend.request import Request
+
+    def due(tier: str) -> float:
+        return Request.first_token_due(SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier)),
+                                       2000.0)
+
+    assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")

@@ -43,6 +43,7 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import pipeline_shape
 from mooncake.sched.placement import place
 from mooncake.sched.predictions import Predictions
+from mooncake.sched.request_class import rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -180,7 +181,7 @@ class Conductor:
         placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, msg.n_tokens,
                        msg.sampling.max_tokens - msg.num_generated, facts.block_tokens, now, pipeline=shape,
                        deadline=now + msg.ttft_budget_s if msg.ttft_budget_s > 0 else float("inf"),
-                       evidence=self.costs.evidence(), judge=msg.new_request)
+                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling))
         self.metrics.decision.observe(time.perf_counter() - t0)
         return placed
 
@@ -270,7 +271,7 @@ class Conductor:
             if isinstance(plan, str):  # an instance of it restarted: the attempt is lost there
                 self._send(claim.submit.node_id, P.AttemptEnded(wire_id, P.FailureKind.RETRY.value, plan))
                 continue
-            booking = self.scheduler.book(wire_id, plan)
+            booking = self.scheduler.book(wire_id, plan, rank=rank(claim.submit.sampling))
             if claim.prefilled:
                 booking.prefill_finished()
             self.attempts[wire_id] = Attempt(claim.submit, booking, now, claim.route, prefilled=claim.prefilled)

@@ -139,6 +139,8 @@ class Membership:
             m.of_node(m.running, node.node_id).set(load.running)
             m.of_node(m.waiting, node.node_id).set(load.waiting)
             m.report(m.writes_dropped, node.node_id, (), load.writes_dropped)
+        for segment, count in load.evicted.items():
+            m.report(m.device_evictions, node.node_id, (segment,), count)
         for reason, count in load.kv_rejected.items():
             m.report(m.kv_rejected, node.node_id, (reason,), count)
         for tier, st in load.tiers.items():

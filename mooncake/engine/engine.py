@@ -30,6 +30,7 @@ from mooncake.engine.token_picker import TokenPicker
 from mooncake.kv.layers import ChunkLayers, LayerFn, LayerHooks
 from mooncake.kv.pool_io import PoolKV
 from mooncake.protocol import Sampling
+from mooncake.sched.request_class import FLEX_RANK, rank
 
 
 class Engine:
@@ -108,8 +109,9 @@ class Engine:
         ``tokens``; None if the pool cannot hold it (nothing is leaked). ``computes``: the engine computes
         the rest (the shared prefix counts as computed); else the KV of all ``tokens`` will be written in."""
         matcher = self.picker.matcher(tokens, sampling, num_generated)
-        held = self.blocks.acquire(hashes[:n_hit])
-        new = self.blocks.allocate(-(-len(tokens) // self.block_tokens) - n_hit)
+        flex = rank(sampling) == FLEX_RANK  # its blocks are evicted before other requests'
+        held = self.blocks.acquire(hashes[:n_hit], flex)
+        new = self.blocks.allocate(-(-len(tokens) // self.block_tokens) - n_hit, flex)
         if new is None:
             self.blocks.release(held)
             return None
@@ -266,7 +268,7 @@ class Engine:
                 out[id(s)] = StepOutput(s, None, s.finished)
                 continue
             if s.num_computed // T >= len(s.block_table):
-                got = self.blocks.allocate(1)
+                got = self.blocks.allocate(1, rank(s.sampling) == FLEX_RANK)
                 if got is None:
                     out[id(s)] = StepOutput(s, None, "")
                     continue
@@ -299,8 +301,10 @@ class Engine:
         return idx
 
     def stats(self) -> dict:
-        """cached_blocks: unreferenced, evictable cached blocks; used_blocks: referenced ones
-        (free + cached + used == num_blocks); prefix_blocks: all keyed blocks."""
+        """cached_blocks: unreferenced, evictable cached blocks (flex_cached_blocks of them held only
+        by flex requests); used_blocks: referenced ones (free + cached + used == num_blocks);
+        prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment."""
         return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
-                "cached_blocks": len(self.blocks.lru), "used_blocks": self.blocks.num_referenced(),
-                "prefix_blocks": len(self.blocks.cached), "sequences": self._num_seqs}
+                "cached_blocks": self.blocks.num_cached(), "flex_cached_blocks": len(self.blocks.flex_lru),
+                "used_blocks": self.blocks.num_referenced(), "prefix_blocks": len(self.blocks.cached),
+                "sequences": self._num_seqs, "evicted_blocks": dict(self.blocks.evicted)}

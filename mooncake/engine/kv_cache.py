@@ -10,11 +10,15 @@ Every block is in exactly one of three states:
 
 - free: holds nothing (``free`` deque),
 - cached: holds a full block keyed by its chained hash, referenced by nobody;
-  evictable, kept in LRU order (``lru`` OrderedDict, oldest first: O(1) touch/evict),
+  evictable, kept in LRU order (OrderedDicts, oldest first: O(1) touch/evict) in one of two
+  segments: ``flex_lru``, the blocks only flex requests (``sched/request_class.py``) have
+  held since they were cached, and ``lru``, every other one. Eviction empties ``flex_lru``
+  first, so a flex scan of unique prompts displaces other flex blocks, never an
+  interactive prefix, while flex work is cached at all,
 - referenced: ``ref[b] > 0`` (a sequence or an in-flight import uses it); it may
   also be keyed in the prefix cache.
 
-Invariant: ``len(free) + len(lru) + #referenced == num_blocks``.
+Invariant: ``len(free) + len(lru) + len(flex_lru) + #referenced == num_blocks``.
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ class BlockManager:
         self.cached: dict[BlockHash, int] = {}
         self.free: deque[int] = deque(range(num_blocks))
         self.lru: OrderedDict[int, None] = OrderedDict()
+        self.flex_lru: OrderedDict[int, None] = OrderedDict()
+        self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
+        self.evicted = {"flex": 0, "other": 0}  # cached blocks evicted, by segment
         self._on_event = on_event
 
     # ------------------------------------------------------------ queries
 
     def num_available(self) -> int:
-        return len(self.free) + len(self.lru)
+        return len(self.free) + len(self.lru) + len(self.flex_lru)
+
+    def num_cached(self) -> int:
+        """Unreferenced cached blocks (evictable)."""
+        return len(self.lru) + len(self.flex_lru)
 
     def num_referenced(self) -> int:
         return self.num_blocks - self.num_available()
@@ -63,8 +74,9 @@ class BlockManager:
 
     # ------------------------------------------------------------ changes
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` blocks with ref 1, evicting least recently used cached blocks; None if impossible."""
+    def allocate(self, n: int, flex: bool = False) -> list[int] | None:
+        """``n`` blocks with ref 1, evicting least recently used cached blocks (flex ones first);
+        None if impossible. ``flex``: for a flex request."""
         if n > self.num_available():
             return None
         out: list[int] = []
@@ -73,25 +85,34 @@ class BlockManager:
             if self.free:
                 b = self.free.popleft()
             else:
-                b, _ = self.lru.popitem(last=False)
+                segment = "flex" if self.flex_lru else "other"
+                b, _ = (self.flex_lru if self.flex_lru else self.lru).popitem(last=False)
+                self.evicted[segment] += 1
                 h = self.hash_of[b]
                 assert h is not None
                 del self.cached[h]
                 self.hash_of[b] = None
                 evicted.append(h)
             self.ref[b] = 1
+            if flex:
+                self.flex.add(b)
+            else:
+                self.flex.discard(b)
             out.append(b)
         if evicted:
             self._emit("removed", evicted)
         return out
 
-    def acquire(self, hashes: list[BlockHash]) -> list[int]:
-        """Take a reference on the cached blocks of ``hashes`` (all must be present)."""
+    def acquire(self, hashes: list[BlockHash], flex: bool = False) -> list[int]:
+        """Take a reference on the cached blocks of ``hashes`` (all must be present); ``flex``:
+        for a flex request (a block any other request takes is no longer flex)."""
         blocks = [self.cached[h] for h in hashes]
         for b in blocks:
             if self.ref[b] == 0:
-                del self.lru[b]
+                (self.flex_lru if b in self.flex_lru else self.lru).pop(b)
             self.ref[b] += 1
+            if not flex:
+                self.flex.discard(b)
         return blocks
 
     def register(self, blocks: list[int], hashes: list[BlockHash]) -> int:
@@ -114,6 +135,8 @@ class BlockManager:
         for b in blocks:
             if b in self.lru:
                 self.lru.move_to_end(b)
+            elif b in self.flex_lru:
+                self.flex_lru.move_to_end(b)
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference on each; in reverse, so a chain's leading blocks are evicted last."""
@@ -123,10 +146,13 @@ class BlockManager:
                 raise RuntimeError("block %d released more often than referenced" % b)
             self.ref[b] = r - 1
             if r == 1:
-                if self.hash_of[b] is not None:
-                    self.lru[b] = None
-                else:
+                if self.hash_of[b] is None:
+                    self.flex.discard(b)
                     self.free.append(b)
+                elif b in self.flex:
+                    self.flex_lru[b] = None
+                else:
+                    self.lru[b] = None
 
     def forget(self, hashes: list[BlockHash]) -> int:
         """Drop the unreferenced cached blocks of ``hashes`` from the prefix cache (they become
@@ -136,7 +162,9 @@ class BlockManager:
             b = self.cached.get(h)
             if b is None or self.ref[b]:
                 continue
-            del self.lru[b], self.cached[h]
+            (self.flex_lru if b in self.flex_lru else self.lru).pop(b)
+            del self.cached[h]
+            self.flex.discard(b)
             self.hash_of[b] = None
             self.free.append(b)
             removed.append(h)
@@ -147,9 +175,11 @@ class BlockManager:
     def check(self) -> None:
         """Assert the accounting invariant (tests)."""
         referenced = sum(1 for r in self.ref if r > 0)
-        assert len(self.free) + len(self.lru) + referenced == self.num_blocks
+        assert len(self.free) + len(self.lru) + len(self.flex_lru) + referenced == self.num_blocks
         assert all(self.ref[b] == 0 and self.hash_of[b] is None for b in self.free)
-        assert all(self.ref[b] == 0 and self.hash_of[b] is not None for b in self.lru)
+        assert all(self.ref[b] == 0 and self.hash_of[b] is not None for b in (*self.lru, *self.flex_lru))
+        assert not set(self.lru) & set(self.flex_lru) and set(self.flex_lru) <= self.flex
+        assert not self.flex & set(self.free)
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert len(set(self.free)) == len(self.free) and not set(self.free) & set(self.lru)
 

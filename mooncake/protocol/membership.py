@@ -70,6 +70,7 @@ class Load(msgspec.Struct):
     tiers: dict[str, TierLoad] = {}  # store: per tier
     kv_rejected: dict[str, int] = {}  # KV refused since start, by reason (forged or corrupt: a miss, recomputed)
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
+    evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other")
 
 
 class Register(Msg, tag="register"):

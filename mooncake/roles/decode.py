@@ -1,14 +1,14 @@
 """Decode role: reserve KV blocks, receive KV from prefill, decode in a continuous batch.
 
 A request arrives from the frontend that drives its attempt as a ``DecodeRequest``:
-decode reserves the blocks its KV needs (waiting, in order, until the pool has room)
-and answers ``Reserved``; only then does the frontend send the prefill, whose KV lands
-straight in the reserved blocks. Memory on decode is therefore bounded by its
+decode reserves the blocks its KV needs (waiting, by request class, then in order, until
+the pool has room) and answers ``Reserved``; only then does the frontend send the prefill,
+whose KV lands straight in the reserved blocks. Memory on decode is therefore bounded by its
 pool, never by what prefill pushes. Once all KV is in and the frontend has
 passed on the first token (``FirstToken``), the sequence joins the batch; each
 step streams one token per sequence, straight to the frontend that owns the request
-(``token_outlets.py``). When a step needs blocks the pool no longer
-has, the newest sequences are preempted: their full blocks go to the store and
+(``token_outlets.py``). When a step needs blocks the pool no longer has, sequences are
+preempted (flex work first, then the newest): their full blocks go to the store and
 their frontend gives them a new attempt, which resumes where they were.
 
 KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
@@ -31,6 +31,7 @@ from mooncake.engine.errors import InvalidRequestError
 from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
+from mooncake.sched.request_class import urgency
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class DecodeWorker(EngineWorker):
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.DecodeRequest):
-            self.pending.append(msg)
+            self._enqueue(msg)
             await self._reserve_pending()
         elif isinstance(msg, P.FirstToken):
             slot = self.incoming.get(msg.req_id)
@@ -133,6 +134,14 @@ class DecodeWorker(EngineWorker):
                 self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
                                                  next_index=msg.num_generated + 1, stored=msg.store_from_block)
                 await self.send(P.Reserved(msg.req_id, self.node_id))
+
+    def _enqueue(self, msg: P.DecodeRequest) -> None:
+        """Wait for room behind the requests of its class and those before it, ahead of the rest
+        (``sched/request_class.py``)."""
+        key, i = urgency(msg.sampling), len(self.pending)
+        while i and urgency(self.pending[i - 1].sampling) > key:
+            i -= 1
+        self.pending.insert(i, msg)
 
     def _unqueue(self, msg: P.DecodeRequest) -> None:
         if self.pending and self.pending[0] is msg:
@@ -218,11 +227,12 @@ class DecodeWorker(EngineWorker):
                 await self.send(batch[0] if len(batch) == 1 else P.TokenStep(batch))
 
     async def _make_room(self) -> None:
-        """Preempt the newest sequences until the next step's new blocks fit in the pool."""
+        """Preempt sequences until the next step's new blocks fit in the pool: flex work first,
+        then by ``priority``, the newest of them first (``sched/request_class.py``)."""
         eng = self.engine
         while eng.blocks_needed([s.seq for s in self.running.values()]) > eng.blocks.num_available():
             holders = list(self.running.values()) + list(self.incoming.values())
-            victim = max(holders, key=lambda s: s.seq.uid)
+            victim = preemption_victim(holders)
             if len(holders) == 1:
                 await self._give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
                 return
@@ -248,3 +258,9 @@ class DecodeWorker(EngineWorker):
         self.kv.close()
         self.outlets.close()
         await super().close()
+
+
+def preemption_victim(holders: list[Slot]) -> Slot:
+    """The sequence to preempt first: flex work before default before priority, a higher
+    ``priority`` number first, then the newest (``sched/request_class.py``)."""
+    return max(holders, key=lambda s: (urgency(s.seq.sampling), s.seq.uid))

@@ -123,7 +123,8 @@ class EngineWorker(ABC):
         st = self.engine.stats()
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
                       sequences=st["sequences"], progress=self.progress, pending=self.busy(),
-                      kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped)
+                      kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped,
+                      evicted=st["evicted_blocks"])
 
     async def send(self, msg: P.Msg) -> None:
         """An attempt's report to the frontend that ordered it; anything else to the conductor."""

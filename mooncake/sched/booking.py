@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Container, Iterable
 
 from mooncake.sched.plan import Plan
+from mooncake.sched.request_class import DEFAULT_RANK, RANKS
 
 if TYPE_CHECKING:
     from mooncake.sched.scheduler import Scheduler
@@ -27,36 +28,56 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefillQueue:
+    """Queued work of one prefill instance, by request class (``sched/request_class.py``):
+    the instance serves a lower rank first, so a request waits only for the work of its own
+    rank and the ranks before it."""
+
     work: dict[str, float] = field(default_factory=dict)  # request -> predicted seconds
     total_s: float = 0.0
     deadlines: dict[str, float] = field(default_factory=dict)  # request -> when its first token is due
+    ranks: dict[str, int] = field(default_factory=dict)  # request -> its class's rank (absent: DEFAULT_RANK)
+    by_rank: list[float] = field(default_factory=lambda: [0.0] * RANKS)  # predicted seconds queued per rank
 
-    def add(self, req_id: str, seconds: float, deadline: float = math.inf) -> None:
+    def add(self, req_id: str, seconds: float, deadline: float = math.inf, rank: int = DEFAULT_RANK) -> None:
         self.remove(req_id)
         self.work[req_id] = seconds
         self.total_s += seconds
+        self.by_rank[rank] += seconds
+        if rank != DEFAULT_RANK:
+            self.ranks[req_id] = rank
         if deadline < math.inf:
             self.deadlines[req_id] = deadline
 
     def remove(self, req_id: str) -> None:
         s = self.work.pop(req_id, None)
         self.deadlines.pop(req_id, None)
+        rank = self.ranks.pop(req_id, DEFAULT_RANK)
         if s is not None:
             self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
+            self.by_rank[rank] = max(0.0, self.by_rank[rank] - s) if self.work else 0.0
 
-    def earliest_deadline(self, now: float) -> float:
-        """The first token due soonest among the queued requests that are predicted to meet it
-        (inf: none). The instance computes them in booking order (a packed forward's chunk
-        budget goes to the earliest first), so each is predicted done once the work booked up
-        to it is; one already predicted late is left out: refusing newcomers cannot save it,
-        and counting it would refuse every newcomer until it is done."""
+    def ahead_s(self, rank: int = DEFAULT_RANK) -> float:
+        """Predicted seconds of queued work a request of ``rank`` waits for (its rank's and those before it)."""
+        if not self.ranks:  # every queued request is of the default class
+            return self.total_s if rank >= DEFAULT_RANK else 0.0
+        return sum(self.by_rank[:rank + 1])
+
+    def earliest_deadline(self, now: float, rank: int = DEFAULT_RANK) -> float:
+        """The first token due soonest among the queued requests that a newcomer of ``rank``
+        would delay (those of its rank and after) and that are predicted to meet it (inf: none).
+        The instance computes them by rank, then in booking order (a packed forward's chunk
+        budget goes to the earliest first), so each is predicted done once the work served
+        before it is; one already predicted late is left out: refusing newcomers cannot save
+        it, and counting it would refuse every newcomer until it is done."""
         if not self.deadlines:
             return math.inf
+        order = self.work.items() if not self.ranks else \
+            sorted(self.work.items(), key=lambda item: self.ranks.get(item[0], DEFAULT_RANK))  # stable: booking order
         earliest, done_at = math.inf, now
-        for req_id, seconds in self.work.items():
+        for req_id, seconds in order:
             done_at += seconds
             deadline = self.deadlines.get(req_id, math.inf)
-            if done_at <= deadline < earliest:
+            if done_at <= deadline < earliest and self.ranks.get(req_id, DEFAULT_RANK) >= rank:
                 earliest = deadline
         return earliest
 

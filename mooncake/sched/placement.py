@@ -10,20 +10,25 @@ from typing import Sequence
 from mooncake.sched.admission import Admission, Evidence, Rejection
 from mooncake.sched.booking import Booking
 from mooncake.sched.pipeline import PipelineShape
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK
 from mooncake.sched.scheduler import Scheduler
 
 
 def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
           max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
-          deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True) -> Booking | Rejection:
+          deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True,
+          rank: int = DEFAULT_RANK) -> Booking | Rejection:
     """Plan, admit and book an attempt of ``n_tokens`` (``hashes``: its full blocks) that may
     generate ``max_tokens``; its booking (``booking.plan``: the plan), or why it is refused.
     ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``;
     ``judge``: False for an attempt of a request admitted already (another choice of it, or its
-    retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway."""
-    plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline)
+    retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
+    the request's class's (``request_class.py``): it waits only for the work served before it,
+    and flex work is never refused for the SLOs (it waits behind the rest instead)."""
+    plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
+    judge = judge and rank != FLEX_RANK
     rejection = admission.check_plan(plan, now, evidence) if judge or plan is None else None
     if rejection is not None:
         return rejection
     assert plan is not None  # check_plan refuses a missing plan
-    return scheduler.book(booking_id, plan, deadline)
+    return scheduler.book(booking_id, plan, deadline, rank)

@@ -14,6 +14,9 @@ from typing import Any
 
 SERVICE_TIERS = ("auto", "default", "flex", "priority")  # what the API accepts
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
+RANKS = len(_RANK)
+DEFAULT_RANK = _RANK["default"]
+FLEX_RANK = _RANK["flex"]
 
 
 def served_tier(requested: str | None) -> str:
@@ -23,4 +26,9 @@ def served_tier(requested: str | None) -> str:
 
 def urgency(sampling: Any) -> tuple[int, int]:
     """Sort key of a request's work (lower first): its class, then its ``priority``."""
-    return _RANK.get(sampling.tier, _RANK["default"]), sampling.priority
+    return rank(sampling), sampling.priority
+
+
+def rank(sampling: Any) -> int:
+    """Where a request's class is served: 0 first, ``FLEX_RANK`` last."""
+    return _RANK.get(sampling.tier, DEFAULT_RANK)

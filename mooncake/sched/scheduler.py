@@ -38,6 +38,7 @@ from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import PipelineShape, pipeline_groups
 from mooncake.sched.plan import Plan
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK
 
 
 _NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never written)
@@ -65,9 +66,10 @@ class Scheduler:
     # ------------------------------------------------------------ planning
 
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
-             now: float, pipeline: PipelineShape | None = None) -> Plan | None:
+             now: float, pipeline: PipelineShape | None = None, rank: int = DEFAULT_RANK) -> Plan | None:
         """The pair for a request of ``n_tokens`` (``hashes``: its full blocks); None when no
-        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too.
+        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too;
+        ``rank``: its class's (``request_class.py``): it waits only for the queued work served before it.
 
         It runs once per request on the conductor's event loop, over every instance: the loops
         below avoid per-instance calls and allocations (BENCHMARKS.md section 13)."""
@@ -90,7 +92,7 @@ class Scheduler:
         for p in prefills:
             nid = p.node_id
             queue = queues.get(nid)
-            q = queue.total_s if queue is not None else 0.0
+            q = queue.ahead_s(rank) if queue is not None else 0.0
             if nid in pending:
                 dev = self._resident_run(nid, hashes, runs.get(nid, 0), usable)
             else:
@@ -112,12 +114,12 @@ class Scheduler:
             chosen = min(candidates, key=itemgetter(0))
         est, prefill_s, dev, reusable, p, p_queue_s = chosen
         stages: list[Node] = []
-        group = self._best_group(pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens) \
+        group = self._best_group(pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens, rank) \
             if pipeline is not None and pipeline.group_size > 1 else None
         if group is not None and group[0] < min(c[0] for c in candidates):
             est, prefill_s, dev, reusable, stages = group
             p = stages[-1]
-            p_queue_s = self.queue_s(p.node_id)
+            p_queue_s = self.queue_s(p.node_id, rank)
             candidates.append((est, prefill_s, dev, reusable, p, p_queue_s))
 
         # The decode instance: one with room in its pool now, then the smallest batch when the
@@ -163,7 +165,7 @@ class Scheduler:
             fetch = [FetchPlan(s, e, stores[node].endpoints["store"])
                      for s, e, node in self.index.covering_run(hashes[:reusable], dev, stores, local, runs)]
         queue = queues.get(p.node_id)
-        slack = (queue.earliest_deadline(now) if queue is not None else math.inf) - now
+        slack = (queue.earliest_deadline(now, rank) if queue is not None else math.inf) - now
         return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
                     first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
                     reserve_wait_s=wait, queue_s=p_queue_s,
@@ -171,8 +173,8 @@ class Scheduler:
                     decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
     def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
-                    usable: int, store_end: int, n_tokens: int,
-                    block_tokens: int) -> tuple[float, float, int, int, list[Node]] | None:
+                    usable: int, store_end: int, n_tokens: int, block_tokens: int,
+                    rank: int = DEFAULT_RANK) -> tuple[float, float, int, int, list[Node]] | None:
         """(est TTFT, prefill s, device blocks, reusable blocks, stages) of the group predicted
         fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
         best = None
@@ -183,7 +185,7 @@ class Scheduler:
             if n_tokens - cached < shape.min_tokens:
                 continue
             prefill_s = shape.prefill_s(self.prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
-            est = (self.prefill_cost.dispatch.value + max(self.queue_s(p.node_id) for p in group)
+            est = (self.prefill_cost.dispatch.value + max(self.queue_s(p.node_id, rank) for p in group)
                    + (reusable - dev) * self.prefill_cost.fetch_block_s + prefill_s)
             if best is None or est < best[0]:
                 best = (est, prefill_s, dev, reusable, group)
@@ -232,13 +234,13 @@ class Scheduler:
 
     # ------------------------------------------------------------ booking
 
-    def book(self, req_id: str, plan: Plan, deadline: float = math.inf) -> Booking:
+    def book(self, req_id: str, plan: Plan, deadline: float = math.inf, rank: int = DEFAULT_RANK) -> Booking:
         """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
-        when its first token is due, if it has an SLO)."""
+        when its first token is due, if it has an SLO; ``rank``: its class's)."""
         self.release(req_id)
         booking = self._booked[req_id] = Booking(self, req_id, plan)
         for node_id in plan.prefill_ids:
-            self._queue(node_id).add(req_id, plan.est_prefill_s, deadline)
+            self._queue(node_id).add(req_id, plan.est_prefill_s, deadline, rank)
         self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
         if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
             self.pending.add(plan.prefill.node_id, booking.hashes)
@@ -274,9 +276,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ load views
 
-    def queue_s(self, node_id: str) -> float:
+    def queue_s(self, node_id: str, rank: int = FLEX_RANK) -> float:
+        """Predicted seconds of work queued on a prefill instance (ahead of a request of ``rank``)."""
         q = self.queues.get(node_id)
-        return q.total_s if q is not None else 0.0
+        return q.ahead_s(rank) if q is not None else 0.0
 
     def queued(self, node_id: str) -> int:
         q = self.queues.get(node_id)
