@@ -69,6 +69,9 @@ class Metrics:
         self.tier_hits = Counter("mooncake:tier_hits", "Hits per node and tier.", ["node", "tier"], registry=r)
         self.tier_evictions = Counter("mooncake:tier_evictions", "Evictions per node and tier.", ["node", "tier"],
                                       registry=r)
+        self.tier_flex_evictions = Counter("mooncake:tier_flex_evictions", "Evictions of blocks only flex requests "
+                                           "wrote, per node and tier (part of mooncake:tier_evictions).",
+                                           ["node", "tier"], registry=r)
         self.device_evictions = Counter("mooncake:device_cache_evictions", "Device prefix-cache blocks evicted "
                                         "per instance, by class (flex: held only by flex requests; other).",
                                         ["node", "class"], registry=r)

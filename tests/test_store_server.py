@@ -52,6 +52,20 @@ async def test_concurrent_clients_round_trip_large_blocks(server, shm):
     assert stats["hits"] >= 16 and stats["tiers"][0]["used_bytes"] >= 12 * MiB
 
 
+@pytest.mark.parametrize("shm", [False, True])
+async def test_a_flex_requests_blocks_are_marked_flex_in_the_store(server, shm):
+    """``flex`` crosses the wire (frames or shared memory): the store counts them as flex."""
+    c = StoreClient(server, shm=shm)
+    try:
+        before = {t["name"]: t["flex_blocks"] for t in (await c.stats())["tiers"]}
+        assert await c.put(hashes(f"flex{shm}", 2), torch.randn(2, 64, 1024), flex=True) == 2
+        assert await c.put(hashes(f"chat{shm}", 2), torch.randn(2, 64, 1024)) == 2
+        after = {t["name"]: t["flex_blocks"] for t in (await c.stats())["tiers"]}
+        assert after["dram"] - before["dram"] == 2
+    finally:
+        c.close()
+
+
 async def test_object_api_exists_remove_stats(server):
     c = StoreClient(server)
     try:

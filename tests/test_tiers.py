@@ -44,6 +44,10 @@ def test_lru_order():
     assert lru.oldest() == b"b"
     assert lru.remove(b"c") == 1 and lru.total_bytes == 2
     assert LRU().oldest() is None
+    lru.add(b"f", 1, flex=True)
+    assert lru.oldest() == b"f" and list(lru) == [b"f", b"b", b"a"] and lru.flex_blocks() == 1
+    lru.add(b"f", 1)  # written again, not as flex
+    assert lru.oldest() == b"b" and lru.flex_blocks() == 0 and lru.total_bytes == 3
 
 
 def test_demotion_chain_to_drop(tmp_path):
@@ -58,6 +62,31 @@ def test_demotion_chain_to_drop(tmp_path):
     s.check_invariants()
     got = s.get_many([key(1)])
     assert torch.equal(got[0][1].tensor, blk(1))
+    s.close()
+
+
+def test_a_flex_scan_displaces_flex_blocks_before_an_interactive_prefix_in_every_tier(tmp_path):
+    s = make(tmp_path, dev=2, dram=2, disk=2)
+    chat = [key(1), key(2)]
+    assert s.put_many(chat, [blk(1), blk(2)]) == 2  # an interactive request's prefix
+    for i in range(10, 40):  # a flex scan of unique blocks, each written once
+        assert s.put_many([key(i)], [blk(i)], flex=True) == 1
+        s.check_invariants()
+    assert [s.tier_of(k) for k in chat] == ["device", "device"]  # never displaced
+    # flex work takes the room left below them: the newest in DRAM, older ones on disk, the rest dropped
+    assert [s.tier_of(key(i)) for i in (36, 37, 38, 39)] == ["lmdb", "lmdb", "dram", "dram"]
+    dram, device = s.stats.tiers["dram"], s.stats.tiers["device"]
+    assert dram.evictions == dram.flex_evictions == 28 and device.evictions == 0 and s.stats.dropped == 26
+    snap = {t["name"]: t for t in s.snapshot()["tiers"]}
+    assert (snap["device"]["flex_blocks"], snap["dram"]["flex_blocks"], snap["lmdb"]["flex_blocks"]) == (0, 2, 2)
+    for i in range(3, 6):  # interactive blocks still displace the least recently used ones
+        s.put_many([key(i)], [blk(i)])
+    assert [s.tier_of(k) for k in (*chat, key(3), key(4), key(5))] == ["lmdb", "dram", "dram", "device", "device"]
+    assert [s.tier_of(key(i)) for i in (36, 37, 38, 39)] == [None, None, None, "lmdb"]  # flex went first
+    # a flex block written by an interactive request too is no longer flex
+    assert key(39) in s.placement.flex and s.put_many([key(39)], [blk(39)]) == 1
+    assert key(39) not in s.placement.flex and s.tier_of(key(39)) == "device"
+    s.check_invariants()
     s.close()
 
 

@@ -147,6 +147,7 @@ class Membership:
             m.of_node(m.tier_used, node.node_id, tier).set(st.used_bytes)
             m.report(m.tier_hits, node.node_id, (tier,), st.hits)
             m.report(m.tier_evictions, node.node_id, (tier,), st.evictions)
+            m.report(m.tier_flex_evictions, node.node_id, (tier,), st.flex_evictions)
 
     def leave(self, node: Node) -> None:
         node.draining = True

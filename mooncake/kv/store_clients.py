@@ -15,6 +15,7 @@ import torch
 from mooncake.config import SecurityConfig
 from mooncake.engine.sequence import Sequence
 from mooncake.kv.integrity import Rejections, checksums
+from mooncake.sched.request_class import FLEX_RANK, rank
 from mooncake.security import Curve
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 
@@ -64,9 +65,9 @@ class StoreClients:
     async def save_blocks(self, endpoint: str, seq: Sequence, hashes: list[bytes], first: int, end: int) -> None:
         """Write ``seq``'s blocks ``[first, end)`` (keyed by ``hashes``) to a store (``write_back``)."""
         assert self._export is not None
-        self.write_back(endpoint, hashes, await self._export(seq, first, end))
+        self.write_back(endpoint, hashes, await self._export(seq, first, end), rank(seq.sampling) == FLEX_RANK)
 
-    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor) -> None:
+    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor, flex: bool = False) -> None:
         """Put blocks into a store in the background (see the module docstring)."""
         if len(self.writes) >= self._security.max_pending_writes:
             self.writes_dropped += 1
@@ -77,7 +78,7 @@ class StoreClients:
         async def put() -> None:
             try:
                 sums = await asyncio.to_thread(checksums, kv)
-                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums)
+                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums, flex=flex)
             except StoreError as e:
                 log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
                 self.forget(endpoint, e)

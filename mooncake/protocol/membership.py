@@ -53,6 +53,8 @@ class TierLoad(msgspec.Struct, frozen=True):
     blocks: int = 0
     hits: int = 0
     evictions: int = 0
+    flex_blocks: int = 0  # of ``blocks``, those only flex requests wrote (evicted first)
+    flex_evictions: int = 0  # of ``evictions``, flex blocks
 
 
 class Load(msgspec.Struct):

@@ -17,6 +17,7 @@ class Put(Msg, tag="put"):
     tensors: list[TensorSpec]
     model_id: str = ""
     checksums: list[int] = []  # xxh3_64 per block from the process that computed it; the store verifies
+    flex: bool = False  # a flex request's blocks (``sched/request_class.py``): evicted first
 
 
 class Get(Msg, tag="get"):
@@ -114,6 +115,7 @@ class ShmPut(Msg, tag="shm_put"):
     blocks: list[ShmRef]
     model_id: str = ""
     checksums: list[int] = []  # as Put's
+    flex: bool = False  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):

@@ -96,7 +96,8 @@ async def run_store(cfg: Config) -> None:
     def load() -> P.Load:
         snap = store.snapshot(top_n=0)
         return P.Load(tiers={t["name"]: P.TierLoad(t["used_bytes"], t["capacity_bytes"], t["blocks"], t["hits"],
-                                                    t["evictions"]) for t in snap["tiers"]},
+                                                    t["evictions"], t["flex_blocks"], t["flex_evictions"])
+                             for t in snap["tiers"]},
                       kv_rejected=server.rejections.snapshot())
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},

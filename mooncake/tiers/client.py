@@ -171,7 +171,7 @@ class StoreClient:
         return True
 
     async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str,
-                       sums: list[int]) -> int | None:
+                       sums: list[int], flex: bool) -> int | None:
         sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
         seg = self._take_segment(sum(sizes))
         if seg is None:
@@ -182,7 +182,7 @@ class StoreClient:
                 refs.append(ShmRef(off, seg.write(off, b.detach())))
                 off += n
             try:
-                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums))).count
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -225,9 +225,10 @@ class StoreClient:
     # ---------------------------------------------------------------- object API
 
     async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
-                  model_id: str = "", checksums: Sequence[int] = ()) -> int:
+                  model_id: str = "", checksums: Sequence[int] = (), flex: bool = False) -> int:
         """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds.
-        ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``): the store refuses blocks that differ."""
+        ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``): the store refuses blocks that differ;
+        ``flex``: a flex request's blocks (the store evicts them first)."""
         hs = [bytes(h) for h in hashes]
         ts = _blocks_list(blocks)
         if len(hs) != len(ts):
@@ -235,10 +236,10 @@ class StoreClient:
         if not hs:
             return 0
         if self.shm and sum(t.numel() * t.element_size() for t in ts) >= self.shm_min_bytes:
-            n = await self._shm_put(hs, ts, model_id, list(checksums))
+            n = await self._shm_put(hs, ts, model_id, list(checksums), flex)
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id, list(checksums)), [t.detach() for t in ts])).count
+        return (await self._ok(Put(hs, [], model_id, list(checksums), flex), [t.detach() for t in ts])).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""

@@ -4,7 +4,8 @@
 and its lock, and makes the moves every store operation is built of:
 
 - ``insert``: the block goes into the first tier from ``start`` that takes it (making room there
-  by eviction); entry into a persistent tier passes the admission gate unless ``gated=False``;
+  by eviction: blocks only flex requests wrote go first, and a flex block displaces only other
+  flex blocks); entry into a persistent tier passes the admission gate unless ``gated=False``;
 - ``evict``: a tier's block is demoted to the next tier when admitted there, else dropped;
 - ``unlink`` takes a block out of its tier; ``forget`` records that it left the store (its
   write-through copy and hit count go, a ``removed`` event is queued);
@@ -41,6 +42,7 @@ class Placement:
         self.stats = StoreStats.for_tiers([t.name for t in self.tiers])
         self.lru = [LRU() for _ in self.tiers]
         self.where: dict[bytes, int] = {}
+        self.flex: set[bytes] = set()  # blocks only flex requests wrote: evicted first in every tier
         self.lock = threading.RLock()
         self.disk = next((i for i, t in enumerate(self.tiers) if t.persistent), None)
         self._events: list[tuple[str, str, bytes]] = []
@@ -72,13 +74,15 @@ class Placement:
             return True
         return self.stats.block_hits.get(key, 0) >= self.ssd_admission_hits
 
-    def make_room(self, i: int, nbytes: int) -> bool:
+    def make_room(self, i: int, nbytes: int, flex: bool = False) -> bool:
+        """Evict from tier ``i`` until ``nbytes`` fit (flex blocks first); ``flex``: for a flex
+        block, which displaces only other flex blocks (else it goes to the next tier)."""
         tier = self.tiers[i]
         if nbytes > tier.capacity_bytes:
             return False
         while not tier.fits(nbytes):
             victim = self.lru[i].oldest()
-            if victim is None:
+            if victim is None or (flex and victim not in self.flex):
                 return False
             self.evict(i, victim)
         return True
@@ -90,9 +94,9 @@ class Placement:
             if gated and not self.admitted(j, key):
                 return None
             tier = self.tiers[j]
-            if (tier.has_copy(key) or self.make_room(j, n)) and tier.put(key, block):
+            if (tier.has_copy(key) or self.make_room(j, n, key in self.flex)) and tier.put(key, block):
                 self.where[key] = j
-                self.lru[j].add(key, n)
+                self.lru[j].add(key, n, key in self.flex)
                 self._event("stored", j, key)
                 return j
         return None
@@ -103,6 +107,7 @@ class Placement:
         del self.where[key]
 
     def forget(self, i: int, key: bytes) -> None:
+        self.flex.discard(key)
         if self.disk is not None:
             self.tiers[self.disk].drop_copy(key)
         self.stats.block_hits.pop(key, None)
@@ -111,6 +116,7 @@ class Placement:
     def evict(self, i: int, key: bytes) -> None:
         counters = self.stats.tiers[self.tiers[i].name]
         counters.evictions += 1
+        counters.flex_evictions += key in self.flex
         nxt = i + 1
         block = None
         if nxt < len(self.tiers) and self.admitted(nxt, key):

@@ -12,6 +12,7 @@ class TierCounters:
     hits: int = 0  # lookups answered by this tier
     misses: int = 0  # lookups that passed this tier without finding the block
     evictions: int = 0  # blocks pushed out of this tier to make room
+    flex_evictions: int = 0  # of them, blocks only flex requests wrote (``sched/request_class.py``)
     promotions: int = 0  # blocks moved from this tier up to the top tier on a hit
     demotions: int = 0  # evicted blocks that went on to the next tier (not dropped)
 

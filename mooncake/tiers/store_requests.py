@@ -65,7 +65,8 @@ class StoreRequests:
             if len(msg.hashes) != len(tensors):
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
-            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums)))
+            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums,
+                                                   msg.flex)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
             keys = [k for k, _ in found]
@@ -102,7 +103,7 @@ class StoreRequests:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
-        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums)
+        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)

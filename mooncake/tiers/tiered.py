@@ -89,9 +89,10 @@ class TieredStore:
     # ---------------------------------------------------------------- object API
 
     def put_many(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], model_id: str = "",
-                 checksums: Sequence[int] = ()) -> int:
+                 checksums: Sequence[int] = (), flex: bool = False) -> int:
         """Store blocks (in the top tier that takes them) with the checksums their writer sent
-        (none: 0, not known); returns how many are now held."""
+        (none: 0, not known); returns how many are now held. ``flex``: a flex request wrote them
+        (they are evicted first, in every tier, unless another request writes them too)."""
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
         sums = checksums if len(checksums) == len(keys) else [0] * len(keys)
@@ -101,6 +102,10 @@ class TieredStore:
                 for key, t, sent in zip(keys, tensors, sums):
                     key = bytes(key)
                     i = self.placement.where.get(key)
+                    if flex and (i is None or key in self.placement.flex):
+                        self.placement.flex.add(key)
+                    else:
+                        self.placement.flex.discard(key)
                     if i is not None:
                         self.placement.unlink(i, key)  # replace: the new value wins, same key
                     if self.placement.insert(0, key, StoredBlock(t, model_id, sent)) is None:
@@ -208,7 +213,8 @@ class TieredStore:
     def snapshot(self, top_n: int = 10) -> dict[str, Any]:
         with self.placement.lock:
             sizes = {t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
-                              "blocks": len(self.placement.lru[i])} for i, t in enumerate(self.tiers)}
+                              "blocks": len(self.placement.lru[i]), "flex_blocks": self.placement.lru[i].flex_blocks()}
+                     for i, t in enumerate(self.tiers)}
             snap = self.stats.snapshot(sizes, top_n)
             snap["corrupt"] = sum(getattr(t, "corrupt", 0) for t in self.tiers)
             snap["disk_map_full"] = sum(getattr(t, "map_full", 0) for t in self.tiers)
