@@ -53,6 +53,19 @@ class Metrics:
                        self.prefix_hits):
             metric.labels(model_name)  # exported at 0 from start-up
 
+        # the same, by request class (``service_tier``: default, priority, flex)
+        def by_class(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc + " By request class.", ["model_name", "service_tier"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.class_ttft = by_class("mooncake:class_time_to_first_token_seconds", "Time to first token.")
+        self.class_itl = by_class("mooncake:class_inter_token_latency_seconds", "Time between output tokens.")
+        self.class_queue_time = by_class("mooncake:class_request_queue_time_seconds", "Arrival to prefill start.")
+        self.class_requests = Counter("mooncake:class_requests", "Finished requests by request class and outcome.",
+                                      ["service_tier", "outcome"], registry=r)
+        self.class_preemptions = Counter("mooncake:class_preemptions", "Requests a decode instance gave back for "
+                                         "lack of KV blocks, by request class.", ["service_tier"], registry=r)
+
         # the cluster's own
         self.decision = Histogram("mooncake:scheduler_decision_seconds", "Scheduler decision time.",
                                   buckets=_FAST_BUCKETS, registry=r)

@@ -167,8 +167,10 @@ def test_bad_values_are_400s_that_name_the_option(cluster, extra, param):
     assert (err["param"] or "").startswith(param) and err["message"], err
 
 
-def test_the_response_says_the_tier_served(client):
-    """``service_tier`` as OpenAI answers it: ``auto`` and none are served as ``default``."""
+def test_the_response_says_the_tier_served(cluster, client):
+    """``service_tier`` as OpenAI answers it: ``auto`` and none are served as ``default``; the
+    by-class series count each class apart."""
+    before = metrics(cluster.url)
     for asked, served in ((None, "default"), ("auto", "default"), ("flex", "flex"), ("priority", "priority")):
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
                                            **({"service_tier": asked} if asked else {}))
@@ -180,6 +182,16 @@ def test_the_response_says_the_tier_served(client):
                                                  service_tier="flex", stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks and all(c.service_tier == "flex" for c in chunks)
+    after = metrics(cluster.url)
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert grew("mooncake:class_requests_total", service_tier="flex", outcome="ok") == 3
+    assert grew("mooncake:class_requests_total", service_tier="default", outcome="ok") == 2
+    assert grew("mooncake:class_requests_total", service_tier="priority", outcome="ok") == 1
+    assert grew("mooncake:class_time_to_first_token_seconds_count", service_tier="flex") == 3
+    assert grew("mooncake:class_inter_token_latency_seconds_count", service_tier="flex") >= 3
 
 
 def test_echo_with_logprobs_and_messages_without_content_are_refused(client):

@@ -260,7 +260,10 @@ class Frontend:
             self._finish(req, Reason.ERROR, RequestError(f"request failed: {why}"))
             return
         req.requeued(time.monotonic(), counts_as_migration=not preempted)
-        (self.metrics.preemptions if preempted else self.metrics.migrations).inc()
+        if preempted:
+            self.stats.preempted(req)
+        else:
+            self.metrics.migrations.inc()
         self._tasks.append(asyncio.create_task(self._place_or_fail(req, why)))
 
     async def _liveness_loop(self) -> None:
@@ -335,7 +338,7 @@ class Frontend:
             req.hold(msg.index, msg.tokens, msg.logprobs or None)
             return
         now, last = time.monotonic(), req.last_token_at
-        self.stats.tokens(req.accept(msg.index, msg.tokens, now, msg.logprobs or None), now - last)
+        self.stats.tokens(req, req.accept(msg.index, msg.tokens, now, msg.logprobs or None), now - last)
         self._maybe_done(req)
 
     def _maybe_done(self, req: Request) -> None:

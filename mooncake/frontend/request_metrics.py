@@ -1,7 +1,8 @@
 """What a frontend tells Prometheus about its requests (vLLM's series): prompts admitted,
 first tokens (time to first token, queueing, prefix hits), tokens and the gaps between them,
 ends, the waiting/running gauges read from its live requests before a scrape, and the
-pipeline stages' reports of the attempts it drives."""
+pipeline stages' reports of the attempts it drives; time to first token, queueing, gaps,
+preemptions and ends by request class (``service_tier``) too."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ class RequestMetrics:
         self.generation_tokens, self.itl, self.e2e = m.generation_tokens.labels(n), m.itl.labels(n), m.e2e.labels(n)
         self.num_waiting, self.num_running = m.num_waiting.labels(n), m.num_running.labels(n)
         self.metrics = metrics
-        self.ended = {reason: m.requests.labels({Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok"))
-                      for reason in Reason}
+        outcome = {reason: {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok") for reason in Reason}
+        self.ended = {reason: m.requests.labels(outcome[reason]) for reason in Reason}
+        self.by_class = {tier: _ClassSeries(m, n, tier, outcome) for tier in ("default", "priority", "flex")}
 
     def admitted(self, req: Request) -> None:
         self.prompt_tokens.inc(len(req.tokens))
@@ -34,19 +36,32 @@ class RequestMetrics:
         """An attempt's first token (``first``: the request's first token)."""
         if first:
             self.prefix_hits.inc(msg.cached_tokens)
+            queued = max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s)
             self.ttft.observe(now - req.arrived)
-            self.queue_time.observe(max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s))
+            self.queue_time.observe(queued)
+            c = self._class(req)
+            c.ttft.observe(now - req.arrived)
+            c.queue_time.observe(queued)
         self.generation_tokens.inc()
 
-    def tokens(self, emitted: int, seconds: float) -> None:
-        """``emitted`` tokens ``seconds`` after the last ones."""
+    def tokens(self, req: Request, emitted: int, seconds: float) -> None:
+        """``emitted`` tokens of ``req`` ``seconds`` after the last ones."""
         if emitted:
             self.itl.observe(seconds / emitted)
+            self._class(req).itl.observe(seconds / emitted)
             self.generation_tokens.inc(emitted)
+
+    def preempted(self, req: Request) -> None:
+        self.metrics.preemptions.inc()
+        self._class(req).preemptions.inc()
 
     def finished(self, req: Request, reason: P.FinishReason, now: float) -> None:
         self.e2e.observe(now - req.arrived)
         self.ended[reason].inc()
+        self._class(req).ended[reason].inc()
+
+    def _class(self, req: Request) -> "_ClassSeries":
+        return self.by_class.get(req.sampling.tier) or self.by_class["default"]
 
     def gauges(self, requests: Collection[Request], forks_waiting: int) -> None:
         """Waiting and running requests (``forks_waiting``: choices waiting for a prefill)."""
@@ -61,3 +76,14 @@ class RequestMetrics:
         m.stage_idle.labels(stage).inc(max(0.0, msg.idle_s))
         m.activation_bytes.inc(max(0, msg.activation_bytes))
         m.stage_kv_inflight.observe(max(0, msg.kv_pending_bytes))
+
+
+class _ClassSeries:
+    """One request class's children of the by-class series (looked up once)."""
+
+    def __init__(self, m: Metrics, model_name: str, tier: str, outcome: dict[P.FinishReason, str]) -> None:
+        self.ttft = m.class_ttft.labels(model_name, tier)
+        self.itl = m.class_itl.labels(model_name, tier)
+        self.queue_time = m.class_queue_time.labels(model_name, tier)
+        self.preemptions = m.class_preemptions.labels(tier)
+        self.ended = {reason: m.class_requests.labels(tier, outcome[reason]) for reason in Reason}
