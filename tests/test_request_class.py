@@ -82,3 +82,30 @@ def test_flex_work_has_no_first_token_deadline():
                                        2000.0)
 
     assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")
+
+
+def test_flex_sequences_join_a_decode_step_only_while_the_others_keep_their_tbt_slo():
+    from mooncake.sched.request_class import flex_joining
+
+    def step_s(batch: int, kv_tokens: int) -> float:  # 20 ms + 5 ms per sequence + 1 ms per 1,000 KV tokens
+        return 0.020 + 0.005 * batch + kv_tokens / 1e6
+
+    # 2 interactive sequences of 1,000 tokens: 32 ms; each flex one of 1,000 adds 6 ms
+    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.050) == 3  # 50 ms at 5 in the batch
+    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.030) == 0  # the others alone already miss it
+    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.0) == 5  # no SLO: all join
+    assert flex_joining(0, 0, [1000] * 5, step_s, 0.030) == 5  # no one to protect: all join
+
+
+def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
+    from mooncake.roles.decode import DecodeWorker
+
+    def slot(uid: int, tier: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(uid=uid, num_tokens=1000, sampling=P.Sampling(tier=tier)))
+
+    running = {str(i): slot(i, "flex" if i % 2 else "default") for i in range(6)}  # 3 of each, interleaved
+    cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
+    w = SimpleNamespace(running=running, step_cost=cost, cfg=SimpleNamespace(conductor=SimpleNamespace(tbt_slo_ms=45)))
+    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
+    w.cfg.conductor.tbt_slo_ms = 0
+    assert len(DecodeWorker._batch(w)) == 6

@@ -5,9 +5,9 @@ decode reserves the blocks its KV needs (waiting, by request class, then in orde
 the pool has room) and answers ``Reserved``; only then does the frontend send the prefill,
 whose KV lands straight in the reserved blocks. Memory on decode is therefore bounded by its
 pool, never by what prefill pushes. Once all KV is in and the frontend has
-passed on the first token (``FirstToken``), the sequence joins the batch; each
-step streams one token per sequence, straight to the frontend that owns the request
-(``token_outlets.py``). When a step needs blocks the pool no longer has, sequences are
+passed on the first token (``FirstToken``), the sequence joins the batch (a flex one only
+while the others' predicted step stays within the TBT SLO); each step streams one token per
+sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step needs blocks the pool no longer has, sequences are
 preempted (flex work first, then the newest): their full blocks go to the store and
 their frontend gives them a new attempt, which resumes where they were.
 
@@ -31,7 +31,8 @@ from mooncake.engine.errors import InvalidRequestError
 from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
-from mooncake.sched.request_class import urgency
+from mooncake.sched.cost_model import DecodeCostModel
+from mooncake.sched.request_class import FLEX_RANK, flex_joining, rank, urgency
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class DecodeWorker(EngineWorker):
         self.running: dict[str, Slot] = {}
         self.aborted: set[str] = set()  # running requests to retire at the next step
         self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
+        # its own steps' cost, to keep flex work from slowing the others' past the TBT SLO
+        profile = self._profile.decode if self._profile is not None else ()
+        self.step_cost = DecodeCostModel.from_profile(profile) if profile else DecodeCostModel()
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
         self.outlets = TokenOutlets(self.ctx, self.node_id, self.curve)
@@ -191,13 +195,15 @@ class DecodeWorker(EngineWorker):
         if not self.running:
             return False
         await self._make_room()
-        slots = list(self.running.values())
+        slots = self._batch()
         if not slots:
             return False
         kv_tokens = sum(s.seq.num_tokens for s in slots)
         t0 = time.perf_counter()
         outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
-        self.steps.append((len(slots), kv_tokens, time.perf_counter() - t0))
+        step = (len(slots), kv_tokens, time.perf_counter() - t0)
+        self.steps.append(step)
+        self.step_cost.observe(*step)
         self.progress += 1
         events: dict[str, list[P.TokenEvent]] = {}  # frontend token endpoint -> this step's events for it
         done = []
@@ -218,6 +224,19 @@ class DecodeWorker(EngineWorker):
             if self.running.get(slot.msg.req_id) is slot:
                 await self._retire(self.running.pop(slot.msg.req_id), write=True)
         return True
+
+    def _batch(self) -> list[Slot]:
+        """The running sequences this step: every one, except flex work past what keeps the
+        others' predicted step within ``[conductor] tbt_slo_ms`` (``request_class.flex_joining``)."""
+        slots = list(self.running.values())
+        flex = sorted((s for s in slots if rank(s.seq.sampling) == FLEX_RANK),
+                      key=lambda s: (urgency(s.seq.sampling), s.seq.uid))
+        if not flex or len(flex) == len(slots):
+            return slots
+        others = [s for s in slots if rank(s.seq.sampling) != FLEX_RANK]
+        n = flex_joining(len(others), sum(s.seq.num_tokens for s in others), [s.seq.num_tokens for s in flex],
+                         self.step_cost.predict, self.cfg.conductor.tbt_slo_ms / 1000)
+        return others + flex[:n]
 
     async def _send_tokens(self, by_frontend: dict[str, list[P.TokenEvent]]) -> None:
         for endpoint, batch in by_frontend.items():

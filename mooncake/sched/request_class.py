@@ -10,7 +10,7 @@ receives carries them; a worker's queue serves by ``urgency``, then arrival.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 SERVICE_TIERS = ("auto", "default", "flex", "priority")  # what the API accepts
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
@@ -32,3 +32,20 @@ def urgency(sampling: Any) -> tuple[int, int]:
 def rank(sampling: Any) -> int:
     """Where a request's class is served: 0 first, ``FLEX_RANK`` last."""
     return _RANK.get(sampling.tier, DEFAULT_RANK)
+
+
+def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
+                 step_s: Callable[[int, int], float], slo_s: float) -> int:
+    """How many of the flex sequences (``flex_kv``: their KV tokens, in the order they join)
+    a decode step of ``interactive`` other sequences (holding ``interactive_kv``) takes while
+    its predicted time (``step_s(batch, KV tokens)``) stays within the interactive TBT SLO
+    ``slo_s``: flex work fills the batch only where the others lose nothing to it. All of
+    them with no SLO (``slo_s`` 0) or no interactive sequence to protect."""
+    if not slo_s or not interactive:
+        return len(flex_kv)
+    batch, kv = interactive, interactive_kv
+    for n, tokens in enumerate(flex_kv):
+        if step_s(batch + 1, kv + tokens) > slo_s:
+            return n
+        batch, kv = batch + 1, kv + tokens
+    return len(flex_kv)
