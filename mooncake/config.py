@@ -142,6 +142,38 @@ class ConductorConfig(_Section):
     replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
 
 
+class ClassesConfig(_Section):
+    """Request classes (``service_tier``; README "Request classes"): ``priority`` and ``default``
+    are interactive and keep [conductor] ttft_slo_ms, tbt_slo_ms and max_waiting; ``flex`` waits
+    behind them, never refused for their SLOs, within its own limits here."""
+
+    flex_ttft_slo_ms: float = Field(0.0, ge=0, description="Flex requests' own time-to-first-token SLO (early rejection against it, counting the work queued ahead of them); 0: none, flex work waits as long as it must.")
+    flex_max_waiting: int = Field(256, ge=1, description="Flex requests queued for prefill cluster-wide before new flex ones get 503; interactive requests count only their own classes' queue against [conductor] max_waiting.")
+    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
+
+    @field_validator("api_key_tiers", mode="before")
+    @classmethod
+    def _split_pairs(cls, v: object) -> object:
+        return split_list(v, "api_key_tiers")
+
+    @field_validator("api_key_tiers")
+    @classmethod
+    def _check_pairs(cls, v: list[str]) -> list[str]:
+        for pair in v:
+            key, sep, tier = pair.rpartition("=")
+            if not sep or not key or tier not in ("default", "priority", "flex"):
+                raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex")
+        return v
+
+    def tier_of_key(self, api_key: str) -> str | None:
+        """The tier bound to ``api_key`` (None: none is)."""
+        for pair in self.api_key_tiers:
+            key, _, tier = pair.rpartition("=")
+            if key == api_key:
+                return tier
+        return None
+
+
 class CoordinationConfig(_Section):
     etcd_endpoints: list[str] = Field(default_factory=list, description="etcd client URLs (http://host:2379, as etcd prints them); set: conductors campaign for the lead through etcd, one leads and the others stand by, and frontends and workers follow the leader. Empty: one conductor, at [conductor] endpoint.")
     lease_ttl_s: int = Field(5, ge=2, le=300, description="The leader's etcd lease: a conductor that cannot refresh it this long steps down, and a standby leads once it lapses.")
@@ -183,6 +215,7 @@ class Config(_Section):
     conductor: ConductorConfig = ConductorConfig()
     frontend: FrontendConfig = FrontendConfig()
     coordination: CoordinationConfig = CoordinationConfig()
+    classes: ClassesConfig = ClassesConfig()
     node: NodeConfig = NodeConfig()
 
     @model_validator(mode="before")
@@ -290,18 +323,21 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
                 key = ("conductor", *key[1:])  # a moved key, set under its old name
             if key in origin and key[1] not in (overrides or {}).get(key[0], {}):
                 value = from_env[key[0]][key[1]]
-                shown = MASK if ("frontend", key[1]) in SECRET_KEYS else repr(value)
+                shown = MASK if (key[0], key[1]) in SECRET_KEYS or ("frontend", key[1]) in SECRET_KEYS else repr(value)
                 where = f"{where} (from {origin[key]}={shown})"
             problems.append(f"{where}: {err['msg']}")
         raise ConfigError(f"invalid config{f' {path}' if path else ''}: {'; '.join(problems)}") from None
 
 
-SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys")}
+SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys"), ("classes", "api_key_tiers")}
 MASK = "***"
 
 
-def _masked(value: object) -> object:
-    """A secret's value as printed: MASK where set, so that whether it is set still shows."""
+def _masked(value: object, key: str = "") -> object:
+    """A secret's value as printed: MASK where set, so that whether it is set still shows (and
+    for ``api_key_tiers``, each key's tier)."""
+    if key == "api_key_tiers":
+        return [f"{MASK}={str(pair).rpartition('=')[2]}" for pair in value]  # type: ignore[union-attr]
     if isinstance(value, list):
         return [MASK] * len(value)
     return MASK if value else value
@@ -319,7 +355,7 @@ def dump_toml(cfg: Config, comments: bool = False, mask_secrets: bool = False) -
             if comments:
                 lines.append(f"# {type(model).model_fields[key].description}")
             if mask_secrets and (section, key) in SECRET_KEYS:
-                value = _masked(value)
+                value = _masked(value, key)
             lines.append(f"{key} = {json.dumps(value)}")
         lines.append("")
     return "\n".join(lines)

@@ -6,12 +6,14 @@ them that can still be met (one already predicted late does not count). (Prior c
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from mooncake.config import ConductorConfig
 from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
+from mooncake.protocol import Sampling
 from mooncake.sched.booking import PrefillQueue
 from mooncake.sched.cluster import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
@@ -112,3 +114,22 @@ def test_interactive_work_is_predicted_past_queued_flex_work_and_flex_is_never_r
     flex = place(sched, adm, "flex-late", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK)
     assert not isinstance(flex, Rejection) and flex.plan.queue_s >= 16.0
     assert q.ranks["flex-late"] == FLEX_RANK
+
+
+def test_flex_work_has_its_own_queue_cap_and_its_own_ttft_slo():
+    adm = admission(2_000)
+    facts = SimpleNamespace(max_model_len=4096, block_tokens=16)
+    # interactive requests count only their classes' queue against [conductor] max_waiting; flex its own cap
+    assert adm.check_request(40, Sampling(), facts, 0, 0, waiting=255) is None
+    refused = adm.check_request(40, Sampling(), facts, 0, 0, waiting=3, max_waiting=3)
+    assert isinstance(refused, Rejection) and refused.status == 503 and "3 requests are queued" in refused.message
+    sched = one_prefill()
+    sched.queues["p0"] = q = PrefillQueue()
+    q.add("backlog", 8.0)
+    q.add("flex-a", 1.0, rank=FLEX_RANK)
+    assert (sched.waiting(), sched.waiting(True), sched.waiting(False)) == (2, 1, 1)
+    # behind 9 s of work, a flex request with a 5 s SLO of its own is refused for it, and one with 60 s is not
+    late = place(sched, adm, "flex-b", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK, flex_ttft_slo_ms=5_000)
+    assert isinstance(late, Rejection) and late.reason == "ttft_slo" and "5000 ms" in late.message
+    assert not isinstance(place(sched, adm, "flex-c", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK,
+                                flex_ttft_slo_ms=60_000), Rejection)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.config import Config, ConfigError, env_name, load_config
+from mooncake.config import Config, ConfigError, dump_toml, env_name, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +59,17 @@ def test_bad_environment_values_name_the_variable(env, words):
         load_config(env=env)
     for w in words:
         assert w in str(e.value)
+
+
+def test_api_keys_bound_to_a_tier_are_checked_and_never_printed():
+    cfg = load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-batch=flex, sk=vip=priority"})
+    assert cfg.classes.tier_of_key("sk-batch") == "flex" and cfg.classes.tier_of_key("sk=vip") == "priority"
+    assert cfg.classes.tier_of_key("sk-other") is None
+    assert 'api_key_tiers = ["***=flex", "***=priority"]' in dump_toml(cfg, mask_secrets=True)
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-secret=gold"})
+    assert "MOONCAKE_CLASSES_API_KEY_TIERS" in str(e.value) and "KEY=TIER" in str(e.value)
+    assert "sk-secret" not in str(e.value)
 
 
 def test_a_bad_file_value_names_the_key_not_a_variable(tmp_path):

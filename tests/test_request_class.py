@@ -74,27 +74,16 @@ def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
     assert preemption_victim([vip, chat]) is chat
 
 
-def test_flex_work_has_no_first_token_deadline():
+def test_flex_work_is_held_to_its_own_ttft_slo():
     from mooncake.frontend.request import Request
+    from mooncake.sched.request_class import class_ttft_slo_ms
 
-    def due(tier: str) -> float:
-        return Request.first_token_due(SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier)),
-                                       2000.0)
+    def due(tier: str, flex_ms: float = 0.0) -> float:
+        req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier))
+        return Request.first_token_due(req, class_ttft_slo_ms(req.sampling, 2000.0, flex_ms))
 
     assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")
-
-
-def test_flex_sequences_join_a_decode_step_only_while_the_others_keep_their_tbt_slo():
-    from mooncake.sched.request_class import flex_joining
-
-    def step_s(batch: int, kv_tokens: int) -> float:  # 20 ms + 5 ms per sequence + 1 ms per 1,000 KV tokens
-        return 0.020 + 0.005 * batch + kv_tokens / 1e6
-
-    # 2 interactive sequences of 1,000 tokens: 32 ms; each flex one of 1,000 adds 6 ms
-    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.050) == 3  # 50 ms at 5 in the batch
-    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.030) == 0  # the others alone already miss it
-    assert flex_joining(2, 2000, [1000] * 5, step_s, 0.0) == 5  # no SLO: all join
-    assert flex_joining(0, 0, [1000] * 5, step_s, 0.030) == 5  # no one to protect: all join
+    assert due("flex", 60_000.0) == 70.0
 
 
 def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():

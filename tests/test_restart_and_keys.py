@@ -41,6 +41,7 @@ def store_blocks(url: str) -> int:
 
 def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
     cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], drain_timeout_s=20.0)  # salts: the default
+    cfg.classes.api_key_tiers = [f"{KEY_B}=flex"]  # B's requests are flex unless they name a tier
     with running_cluster(cfg=cfg) as c:
         for path in ("/cluster", "/metrics"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401
@@ -53,7 +54,12 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
         assert cached(first) == 0
         assert cached(ask(c.url, KEY_B)) == 0  # another tenant: not A's blocks
         assert cached(ask(c.url, KEY_A)) >= len(PREFIX)  # the same tenant shares
-        assert cached(ask(c.url, KEY_B)) >= len(PREFIX)
+        b_again = ask(c.url, KEY_B)
+        assert cached(b_again) >= len(PREFIX)
+        assert first["service_tier"] == "default" and b_again["service_tier"] == "flex"
+        named = httpx.post(c.url + "/v1/completions", headers=bearer(KEY_B), timeout=120,
+                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "service_tier": "priority"})
+        assert named.json()["service_tier"] == "priority"  # a tier the request names wins over its key's
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "both tenants' blocks in the store")
         hits = metric(httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text,
                       "mooncake:prefix_cache_hits_total")

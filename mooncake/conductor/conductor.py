@@ -43,7 +43,7 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import pipeline_shape
 from mooncake.sched.placement import place
 from mooncake.sched.predictions import Predictions
-from mooncake.sched.request_class import rank
+from mooncake.sched.request_class import FLEX_RANK, rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -152,9 +152,11 @@ class Conductor:
         facts = self.facts
         if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
+            flex = rank(msg.sampling) == FLEX_RANK  # each queue against its own cap
             rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
-                                                     sum(self.requests_in_flight.values()), self.scheduler.waiting(),
-                                                     max(1, msg.choices))
+                                                     sum(self.requests_in_flight.values()), self.scheduler.waiting(flex),
+                                                     max(1, msg.choices),
+                                                     self.cfg.classes.flex_max_waiting if flex else None)
             if rejection is not None:
                 self.metrics.rejected.labels(rejection.reason).inc()
                 return rejection
@@ -181,7 +183,8 @@ class Conductor:
         placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, msg.n_tokens,
                        msg.sampling.max_tokens - msg.num_generated, facts.block_tokens, now, pipeline=shape,
                        deadline=now + msg.ttft_budget_s if msg.ttft_budget_s > 0 else float("inf"),
-                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling))
+                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling),
+                       flex_ttft_slo_ms=self.cfg.classes.flex_ttft_slo_ms)
         self.metrics.decision.observe(time.perf_counter() - t0)
         return placed
 

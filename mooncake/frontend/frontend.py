@@ -38,6 +38,7 @@ from mooncake.metrics import Metrics
 from mooncake.sched.admission import Rejection
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+from mooncake.sched.request_class import class_ttft_slo_ms
 
 log = logging.getLogger(__name__)
 Reason = P.FinishReason
@@ -167,7 +168,8 @@ class Frontend:
         assert self.facts is not None
         first = req.attempts == 0
         wire_id = req.next_wire_id
-        due = req.first_token_due(self.cfg.conductor.ttft_slo_ms)
+        due = req.first_token_due(class_ttft_slo_ms(req.sampling, self.cfg.conductor.ttft_slo_ms,
+                                                    self.cfg.classes.flex_ttft_slo_ms))
         in_flight = len(self.requests) - (req.req_id in self.requests) + len(self.forks.waiting)  # forks: admitted
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
 from mooncake.protocol import FinishReason, Logprob, ModelFacts, Sampling
-from mooncake.sched.request_class import FLEX_RANK, rank
 
 
 class RequestStatus(enum.Enum):
@@ -234,9 +233,8 @@ class Request:
         return self.tokens + self.generated
 
     def first_token_due(self, ttft_slo_ms: float) -> float:
-        """When its first token is due under a TTFT SLO (inf: no SLO, flex work, or it has its first token)."""
-        due = ttft_slo_ms and not self.generated and rank(self.sampling) != FLEX_RANK
-        return self.arrived + ttft_slo_ms / 1000 if due else math.inf
+        """When its first token is due under a TTFT SLO (inf: no SLO, or it has its first token)."""
+        return self.arrived + ttft_slo_ms / 1000 if ttft_slo_ms and not self.generated else math.inf
 
     def all_hashes(self, block_tokens: int) -> list[bytes]:
         """The full blocks of ``all_tokens``: the prompt's, then those of what was generated."""

@@ -50,10 +50,13 @@ class Admission:
         self._last: bool | None = None  # the last decision (admitted?), to count flips
 
     def check_request(self, n_tokens: int, sampling: Sampling, facts: ModelFacts | None,
-                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1) -> Rejection | None:
+                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1,
+                      max_waiting: int | None = None) -> Rejection | None:
         """A prompt of ``n_tokens``; ``pool_blocks``: the largest KV pool among the instances
         that would serve it; ``choices``: the requests it brings (its ``n``: the forks that follow
-        it are admitted with it and count against the caps now)."""
+        it are admitted with it and count against the caps now); ``waiting``: the requests queued
+        ahead of it, against ``max_waiting`` (default: ``[conductor] max_waiting``)."""
+        max_waiting = self.cfg.max_waiting if max_waiting is None else max_waiting
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
@@ -67,22 +70,25 @@ class Admission:
         if pool_blocks and need > pool_blocks:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt needs {need} KV blocks; the largest instance holds {pool_blocks}", "prompt")
-        if choices > min(self.cfg.max_requests, self.cfg.max_waiting):
+        if choices > min(self.cfg.max_requests, max_waiting):
             return Rejection(400, "invalid_value", f"n={choices} choices are more requests than this cluster takes at "
-                             f"once ({min(self.cfg.max_requests, self.cfg.max_waiting)})", "n")
+                             f"once ({min(self.cfg.max_requests, max_waiting)})", "n")
         if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
-        if waiting + choices > self.cfg.max_waiting:
+        if waiting + choices > max_waiting:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", retry_after_s=1)
         return None
 
-    def check_plan(self, plan: Plan | None, now: float, evidence: Evidence = (True, True)) -> Rejection | None:
+    def check_plan(self, plan: Plan | None, now: float, evidence: Evidence = (True, True),
+                   slos_ms: tuple[float, float] | None = None) -> Rejection | None:
         """Judge the plan's predictions against the SLOs. A prediction with no evidence behind
         it (no profile, no measurement) never refuses; after refusing everything for
-        ``probe_after_s`` one request is admitted to re-measure. ``evidence``: (prefill, decode)."""
+        ``probe_after_s`` one request is admitted to re-measure. ``evidence``: (prefill, decode);
+        ``slos_ms``: (TTFT, TBT) SLOs of the request's class (default: ``[conductor]``'s; 0: none)."""
         if plan is None:
             return Rejection(503, "no_workers", "no prefill or decode instance is available", retry_after_s=1)
-        rejection = self._slo(plan, *evidence)
+        ttft_ms, tbt_ms = slos_ms if slos_ms is not None else (self.cfg.ttft_slo_ms, self.cfg.tbt_slo_ms)
+        rejection = self._slo(plan, *evidence, ttft_ms, tbt_ms)
         if rejection is not None and now - self.last_admitted >= self.cfg.probe_after_s:
             self.metrics.admission_probes.inc()  # a probe: neither the prediction's verdict nor a flip
             self.last_admitted = now
@@ -95,22 +101,22 @@ class Admission:
             self.last_admitted = now
         return rejection
 
-    def _slo(self, plan: Plan, prefill_evidence: bool, decode_evidence: bool) -> Rejection | None:
-        cfg = self.cfg
-        slo_s = cfg.ttft_slo_ms / 1000
-        if prefill_evidence and cfg.ttft_slo_ms and plan.best_ttft_s > slo_s:
+    def _slo(self, plan: Plan, prefill_evidence: bool, decode_evidence: bool, ttft_ms: float,
+             tbt_ms: float) -> Rejection | None:
+        slo_s = ttft_ms / 1000
+        if prefill_evidence and ttft_ms and plan.best_ttft_s > slo_s:
             return Rejection(429, "ttft_slo", f"predicted time to first token {plan.best_ttft_s * 1000:.0f} ms "
-                             f"exceeds the {cfg.ttft_slo_ms:.0f} ms SLO",
+                             f"exceeds the {ttft_ms:.0f} ms SLO",
                              retry_after_s=self._retry_after(plan.best_ttft_s - slo_s))
-        if prefill_evidence and cfg.ttft_slo_ms and plan.est_ttft_s > plan.queue_slack_s:
+        if prefill_evidence and ttft_ms and plan.est_ttft_s > plan.queue_slack_s:
             # A prefill instance packs the chunks of the requests queued on it into one forward, so
             # a request joining them delays their first tokens too: the queue with it must drain
             # before the first deadline among them that can still be met.
-            return Rejection(429, "ttft_slo", f"the requests queued ahead would miss the {cfg.ttft_slo_ms:.0f} ms "
+            return Rejection(429, "ttft_slo", f"the requests queued ahead would miss the {ttft_ms:.0f} ms "
                              "SLO if this one joined them", retry_after_s=self._retry_after(plan.queue_s))
-        if decode_evidence and cfg.tbt_slo_ms and plan.est_tbt_s * 1000 > cfg.tbt_slo_ms:
+        if decode_evidence and tbt_ms and plan.est_tbt_s * 1000 > tbt_ms:
             return Rejection(429, "tbt_slo", f"predicted time between tokens {plan.est_tbt_s * 1000:.0f} ms at batch "
-                             f"{plan.decode_batch} exceeds the {cfg.tbt_slo_ms:.0f} ms SLO",
+                             f"{plan.decode_batch} exceeds the {tbt_ms:.0f} ms SLO",
                              retry_after_s=self._retry_after(plan.decode_drain_s))
         return None
 

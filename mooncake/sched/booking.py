@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Container, Iterable
 
 from mooncake.sched.plan import Plan
-from mooncake.sched.request_class import DEFAULT_RANK, RANKS
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
 
 if TYPE_CHECKING:
     from mooncake.sched.scheduler import Scheduler
@@ -55,6 +55,9 @@ class PrefillQueue:
         if s is not None:
             self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
             self.by_rank[rank] = max(0.0, self.by_rank[rank] - s) if self.work else 0.0
+
+    def flex_requests(self) -> int:
+        return sum(1 for r in self.ranks.values() if r == FLEX_RANK) if self.ranks else 0
 
     def ahead_s(self, rank: int = DEFAULT_RANK) -> float:
         """Predicted seconds of queued work a request of ``rank`` waits for (its rank's and those before it)."""

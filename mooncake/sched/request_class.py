@@ -49,3 +49,9 @@ def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
             return n
         batch, kv = batch + 1, kv + tokens
     return len(flex_kv)
+
+
+def class_ttft_slo_ms(sampling: Any, interactive_ms: float, flex_ms: float) -> float:
+    """The TTFT SLO a request is held to: the interactive one ([conductor] ttft_slo_ms), or for
+    flex work its own ([classes] flex_ttft_slo_ms; 0: none)."""
+    return flex_ms if rank(sampling) == FLEX_RANK else interactive_ms

@@ -289,9 +289,13 @@ class Scheduler:
         s = self.slots.get(node_id)
         return len(s.assigned) if s is not None else 0
 
-    def waiting(self) -> int:
-        """Requests booked on prefill queues cluster-wide (queued or computing)."""
-        return sum(len(q.work) for q in self.queues.values())
+    def waiting(self, flex: bool | None = None) -> int:
+        """Requests booked on prefill queues cluster-wide (queued or computing); ``flex``: only
+        flex ones (True) or only the others (False)."""
+        if flex is None:
+            return sum(len(q.work) for q in self.queues.values())
+        n_flex = sum(q.flex_requests() for q in self.queues.values())
+        return n_flex if flex else sum(len(q.work) for q in self.queues.values()) - n_flex
 
     def _queue(self, node_id: str) -> PrefillQueue:
         q = self.queues.get(node_id)

@@ -1,0 +1,180 @@
+"""Interactive traffic under a flex flood, through the served path (issue 32).
+
+A dev cluster as ``mooncake serve`` starts it (one prefill, one decode, one store; the config's
+defaults but for caches smaller than the flood: ``[engine] kv_cache_bytes`` 256 MiB, store DRAM
+64 MiB, no LMDB tier). Interactive requests: a shared ~600-token system prompt and a short
+question, 32 tokens out, streamed, one every ``--every-s``. The flood: ``--flood`` requests of
+unique ~1,500-token prompts, 128 tokens out, sent at once with ``service_tier: flex`` (or, with
+``--flood-tier default``, as ordinary requests: classes off). Three phases on one cluster: the
+interactive requests alone, then with the flood, then alone again (the cache after the flood).
+Per phase: interactive TTFT p50/p90, p90 of each request's mean inter-token time, cached prompt
+tokens per request, and the flood's completions and wall time.
+
+    flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_classes.py \
+        [--flood 24] [--interactive 12] [--every-s 1.5] [--tbt-slo-ms 0] [--flood-tier flex|default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mooncake.config import Config, MiB
+from mooncake.testing.api import MODEL
+from mooncake.testing.cluster import running_cluster
+from mooncake.testing.ports import free_port
+
+WORDS = ("river valley harbour lantern orchard meadow copper signal engine garden winter market station "
+         "library thunder compass island forest bridge canvas").split()
+
+
+def text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+SYSTEM = "You are a helpful assistant for a shipping company. Policies: " + text(560, 1)
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    ttft_s: float = float("nan")
+    itl_s: float = float("nan")  # mean gap between its tokens
+    cached: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class Phase:
+    name: str
+    interactive: list[Outcome] = field(default_factory=list)
+    flood: list[Outcome] = field(default_factory=list)
+    flood_s: float = 0.0
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", path, json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return Outcome(False)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):  # a token's text (not the chat role's opening chunk)
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        times.append(time.perf_counter())
+    except httpx.HTTPError:
+        return Outcome(False)
+    if not times:
+        return Outcome(False)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Outcome(True, times[0] - t0, statistics.fmean(gaps) if gaps else 0.0, cached,
+                   usage.get("completion_tokens", 0))
+
+
+async def interactive(client: httpx.AsyncClient, n: int, every_s: float, seed: int) -> list[Outcome]:
+    async def one(i: int) -> Outcome:
+        await asyncio.sleep(i * every_s)
+        question = f"Question {seed}-{i}: can a parcel to {text(6, seed * 100 + i)} ship today?"
+        return await stream(client, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def flood(client: httpx.AsyncClient, n: int, tier: str, seed: int) -> list[Outcome]:
+    async def one(i: int) -> Outcome:
+        return await stream(client, "/v1/completions", {
+            "model": MODEL, "prompt": f"Document {seed}-{i}: " + text(1500, seed * 1000 + i) + "\nSummary:",
+            "max_tokens": 128, "temperature": 0, "ignore_eos": True, "service_tier": tier})
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, with_flood: bool) -> Phase:
+    phase = Phase(name)
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+        t0 = time.perf_counter()
+        if with_flood:
+            flood_task = asyncio.create_task(flood(client, args.flood, args.flood_tier, seed))
+            await asyncio.sleep(1.0)  # the flood is queued first
+        phase.interactive = await interactive(client, args.interactive, args.every_s, seed)
+        if with_flood:
+            phase.flood = await flood_task
+            phase.flood_s = time.perf_counter() - t0
+    return phase
+
+
+def p(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+
+
+def report(phases: list[Phase]) -> None:
+    base = phases[0]
+    ok0 = [o for o in base.interactive if o.ok]
+    print("| phase | interactive ok | TTFT p50 s | TTFT p90 s | ITL p90 ms | cached tokens (mean) | flood ok | flood s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ph in phases:
+        ok = [o for o in ph.interactive if o.ok]
+        ttft = [o.ttft_s for o in ok]
+        itl = [o.itl_s for o in ok]
+        flood_ok = f"{sum(o.ok for o in ph.flood)}/{len(ph.flood)}" if ph.flood else "-"
+        print(f"| {ph.name} | {len(ok)}/{len(ph.interactive)} | {p(ttft, 50):.2f} | {p(ttft, 90):.2f} | "
+              f"{p(itl, 90) * 1e3:.0f} | {statistics.fmean([o.cached for o in ok]) if ok else 0:.0f} | {flood_ok} | "
+              f"{ph.flood_s:.0f} |")
+    flooded = [o for o in phases[1].interactive if o.ok]
+    if ok0 and flooded:
+        t0, t1 = p([o.ttft_s for o in ok0], 90), p([o.ttft_s for o in flooded], 90)
+        i0, i1 = p([o.itl_s for o in ok0], 90), p([o.itl_s for o in flooded], 90)
+        c0, c1 = statistics.fmean([o.cached for o in ok0]), statistics.fmean([o.cached for o in flooded])
+        print(f"\nunder the flood: TTFT p90 {t1:.2f} s vs {2 * t0 + 1:.2f} s allowed (2x + 1 s): "
+              f"{'met' if t1 <= 2 * t0 + 1 else 'missed'}; ITL p90 {i1 * 1e3:.0f} ms vs {(1.5 * i0 + 0.025) * 1e3:.0f} "
+              f"ms allowed (1.5x + 25 ms): {'met' if i1 <= 1.5 * i0 + 0.025 else 'missed'}; cached tokens "
+              f"{c1:.0f} vs {0.9 * c0:.0f} wanted (90%): {'met' if c1 >= 0.9 * c0 else 'missed'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flood", type=int, default=24)
+    ap.add_argument("--interactive", type=int, default=12)
+    ap.add_argument("--every-s", type=float, default=1.5)
+    ap.add_argument("--flood-tier", choices=["flex", "default"], default="flex")
+    ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
+    args = ap.parse_args()
+    data = Path(tempfile.mkdtemp(prefix="bench-classes-"))
+    cfg = Config()
+    cfg.frontend.port = free_port()
+    cfg.engine.kv_cache_bytes = 256 * MiB
+    cfg.store.dram_bytes, cfg.store.lmdb_bytes, cfg.store.data_dir = 64 * MiB, 0, str(data)
+    cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
+    with running_cluster(cfg=cfg) as c:
+        asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))
+        phases = [asyncio.run(run_phase(c.url, "alone", args, 1, False)),
+                  asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True)),
+                  asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
+    print(f"flood tier {args.flood_tier}, tbt_slo_ms {args.tbt_slo_ms:g}\n")
+    report(phases)
+
+
+if __name__ == "__main__":
+    main()
