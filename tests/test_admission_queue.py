@@ -98,6 +98,13 @@ def test_a_request_waits_only_for_the_queued_work_of_its_class_and_those_before_
     q.remove("flex")
     q.remove("chat2")
     assert q.by_rank == [0.0, 1.0, 0.0] and not q.ranks
+    q.add("batch", 0.1, deadline=1.5, rank=2)  # a flex request with an SLO of its own, after chat
+    assert q.earliest_deadline(0.0, rank=2) == 1.5
+    assert q.earliest_deadline(0.0, rank=1) == 1.2  # never refuse interactive work to keep a flex SLO
+    q.remove("chat")
+    assert q.earliest_deadline(0.0, rank=1) == math.inf
+    q.remove("batch")
+    assert q.by_rank == [0.0, 0.0, 0.0] and q.total_s == 0.0 and not q.work
 
 
 def test_interactive_work_is_predicted_past_queued_flex_work_and_flex_is_never_refused_for_the_slo():

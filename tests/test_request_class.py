@@ -98,3 +98,24 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
     w.cfg.conductor.tbt_slo_ms = 0
     assert len(DecodeWorker._batch(w)) == 6
+
+
+def test_flex_work_waits_past_the_interactive_no_progress_timeout():
+    from mooncake.config import Config
+    from mooncake.frontend.frontend import Frontend
+    from mooncake.frontend.request import RequestStatus
+
+    cfg = Config()
+    cfg.conductor.request_timeout_s, cfg.classes.flex_request_timeout_s = 10.0, 100.0
+    moved: list[str] = []
+
+    def req(name: str, tier: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, sampling=P.Sampling(tier=tier), status=RequestStatus.PLACED,
+                               last_progress=0.0)
+
+    fe = SimpleNamespace(cfg=cfg, requests={"a": req("chat", "default"), "b": req("batch", "flex")},
+                         _move=lambda r, why, abort: moved.append(r.name))
+    Frontend.check_progress(fe, 50.0)
+    assert moved == ["chat"]
+    Frontend.check_progress(fe, 101.0)
+    assert moved == ["chat", "chat", "batch"]

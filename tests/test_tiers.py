@@ -83,6 +83,11 @@ def test_a_flex_scan_displaces_flex_blocks_before_an_interactive_prefix_in_every
         s.put_many([key(i)], [blk(i)])
     assert [s.tier_of(k) for k in (*chat, key(3), key(4), key(5))] == ["lmdb", "dram", "dram", "device", "device"]
     assert [s.tier_of(key(i)) for i in (36, 37, 38, 39)] == [None, None, None, "lmdb"]  # flex went first
+    # a store full of interactive blocks takes no flex block, and keeps no trace of it
+    full = make(tmp_path / "full", dev=1, dram=1, disk=0)
+    assert full.put_many([key(1), key(2)], [blk(1), blk(2)]) == 2
+    assert full.put_many([key(50)], [blk(50)], flex=True) == 0 and key(50) not in full.placement.flex
+    full.close()
     # a flex block written by an interactive request too is no longer flex
     assert key(39) in s.placement.flex and s.put_many([key(39)], [blk(39)]) == 1
     assert key(39) not in s.placement.flex and s.tier_of(key(39)) == "device"

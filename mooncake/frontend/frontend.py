@@ -38,7 +38,7 @@ from mooncake.metrics import Metrics
 from mooncake.sched.admission import Rejection
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
-from mooncake.sched.request_class import class_ttft_slo_ms
+from mooncake.sched.request_class import FLEX_RANK, class_ttft_slo_ms, rank
 
 log = logging.getLogger(__name__)
 Reason = P.FinishReason
@@ -274,10 +274,12 @@ class Frontend:
             self.check_progress(time.monotonic())
 
     def check_progress(self, now: float) -> None:
-        """A placed request with no progress for ``request_timeout_s`` moves (its workers drop the
-        attempt), and fails once it may move no more."""
-        timeout = self.cfg.conductor.request_timeout_s
+        """A placed request with no progress for ``request_timeout_s`` (flex work: ``[classes]
+        flex_request_timeout_s``, it waits behind the rest) moves (its workers drop the attempt),
+        and fails once it may move no more."""
+        timeouts = (self.cfg.conductor.request_timeout_s, self.cfg.classes.flex_request_timeout_s)
         for req in list(self.requests.values()):
+            timeout = timeouts[rank(req.sampling) == FLEX_RANK]
             if req.status is not RequestStatus.WAITING and now - req.last_progress > timeout:
                 self._move(req, f"no progress for {timeout:.0f}s", abort=True)
 

@@ -124,17 +124,17 @@ class DecodeWorker(EngineWorker):
                         self._unqueue(msg)
                         await self.fail(msg.req_id, e)
                         continue
-                if not (self.pending and self.pending[0] is msg):  # aborted meanwhile
+                if not any(m is msg for m in self.pending):  # aborted meanwhile
                     if seq is not None:
                         await self.run_engine(eng.free, seq)
                     continue
                 if seq is None:
                     if not (self.running or self.incoming):  # nothing will free memory: it never fits here
-                        self.pending.popleft()
+                        self._unqueue(msg)
                         await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
                         continue
                     return
-                self.pending.popleft()
+                self._unqueue(msg)  # a more urgent one may have been queued ahead of it meanwhile
                 self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
                                                  next_index=msg.num_generated + 1, stored=msg.store_from_block)
                 await self.send(P.Reserved(msg.req_id, self.node_id))
@@ -148,8 +148,8 @@ class DecodeWorker(EngineWorker):
         self.pending.insert(i, msg)
 
     def _unqueue(self, msg: P.DecodeRequest) -> None:
-        if self.pending and self.pending[0] is msg:
-            self.pending.popleft()
+        """Take ``msg`` itself out of the queue (wherever it is now)."""
+        self.pending = deque(m for m in self.pending if m is not msg)
 
     async def _maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.kv_complete or slot.started:
@@ -247,9 +247,10 @@ class DecodeWorker(EngineWorker):
 
     async def _make_room(self) -> None:
         """Preempt sequences until the next step's new blocks fit in the pool: flex work first,
-        then by ``priority``, the newest of them first (``sched/request_class.py``)."""
+        then by ``priority``, the newest of them first (``sched/request_class.py``). Only the
+        sequences that step next (``_batch``) count: flex work left out of it needs no block."""
         eng = self.engine
-        while eng.blocks_needed([s.seq for s in self.running.values()]) > eng.blocks.num_available():
+        while eng.blocks_needed([s.seq for s in self._batch()]) > eng.blocks.num_available():
             holders = list(self.running.values()) + list(self.incoming.values())
             victim = preemption_victim(holders)
             if len(holders) == 1:

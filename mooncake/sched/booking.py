@@ -52,9 +52,11 @@ class PrefillQueue:
         s = self.work.pop(req_id, None)
         self.deadlines.pop(req_id, None)
         rank = self.ranks.pop(req_id, DEFAULT_RANK)
-        if s is not None:
-            self.total_s = max(0.0, self.total_s - s) if self.work else 0.0
-            self.by_rank[rank] = max(0.0, self.by_rank[rank] - s) if self.work else 0.0
+        if s is not None and self.work:
+            self.total_s = max(0.0, self.total_s - s)
+            self.by_rank[rank] = max(0.0, self.by_rank[rank] - s)
+        elif s is not None:  # empty: no rounding left behind
+            self.total_s, self.by_rank = 0.0, [0.0] * RANKS
 
     def flex_requests(self) -> int:
         return sum(1 for r in self.ranks.values() if r == FLEX_RANK) if self.ranks else 0
@@ -67,7 +69,8 @@ class PrefillQueue:
 
     def earliest_deadline(self, now: float, rank: int = DEFAULT_RANK) -> float:
         """The first token due soonest among the queued requests that a newcomer of ``rank``
-        would delay (those of its rank and after) and that are predicted to meet it (inf: none).
+        would delay (those of its rank and after; never flex ones for an interactive newcomer:
+        flex SLOs never cost interactive work its admission) and that are predicted to meet it (inf: none).
         The instance computes them by rank, then in booking order (a packed forward's chunk
         budget goes to the earliest first), so each is predicted done once the work served
         before it is; one already predicted late is left out: refusing newcomers cannot save
@@ -80,7 +83,8 @@ class PrefillQueue:
         for req_id, seconds in order:
             done_at += seconds
             deadline = self.deadlines.get(req_id, math.inf)
-            if done_at <= deadline < earliest and self.ranks.get(req_id, DEFAULT_RANK) >= rank:
+            queued_rank = self.ranks.get(req_id, DEFAULT_RANK)
+            if done_at <= deadline < earliest and queued_rank >= rank and (queued_rank < FLEX_RANK or rank == FLEX_RANK):
                 earliest = deadline
         return earliest
 

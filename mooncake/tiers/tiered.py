@@ -112,6 +112,7 @@ class TieredStore:
                         self.stats.rejected += 1
                         if i is not None:
                             self.placement.forget(i, key)
+                        self.placement.flex.discard(key)
                         continue
                     self.stats.block_hits.setdefault(key, 0)
                     self.stats.stored += 1

@@ -248,9 +248,11 @@ def cast_converted(src: Path, out: Path, dtype: torch.dtype) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    for f in src.iterdir():
+    total = 0
+    for f in sorted(src.iterdir()):
         if f.suffix == ".safetensors":
             tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in load_file(f).items()}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
             save_file(tensors, out / f.name, metadata={"format": "pt"})
         elif f.name == "config.json":
             config = json.loads(f.read_text())
@@ -258,8 +260,12 @@ def cast_converted(src: Path, out: Path, dtype: torch.dtype) -> None:
                 if key in config:
                     config[key] = str(dtype).removeprefix("torch.")
             (out / f.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        elif f.is_file():
+        elif f.is_file() and not f.name.endswith(".safetensors.index.json"):
             shutil.copyfile(f, out / f.name)
+    for f in src.glob("*.safetensors.index.json"):  # a sharded model's index: its size is the cast one
+        index = json.loads(f.read_text())
+        index.setdefault("metadata", {})["total_size"] = total
+        (out / f.name).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _convert_gguf(src: Path, out: Path, dtype: torch.dtype) -> None:
