@@ -8,8 +8,9 @@ pool, never by what prefill pushes. Once all KV is in and the frontend has
 passed on the first token (``FirstToken``), the sequence joins the batch (a flex one only
 while the others' predicted step stays within the TBT SLO); each step streams one token per
 sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step needs blocks the pool no longer has, sequences are
-preempted (flex work first, then the newest): their full blocks go to the store and
-their frontend gives them a new attempt, which resumes where they were.
+preempted (flex work first, then the newest), as flex work is for an interactive request
+waiting for room: their full blocks go to the store and their frontend gives them a new
+attempt, which resumes where they were.
 
 KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
 attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.
@@ -129,6 +130,8 @@ class DecodeWorker(EngineWorker):
                         await self.run_engine(eng.free, seq)
                     continue
                 if seq is None:
+                    if await self._preempt_flex_for(msg):  # an interactive request takes flex work's room
+                        continue
                     if not (self.running or self.incoming):  # nothing will free memory: it never fits here
                         self._unqueue(msg)
                         await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
@@ -256,14 +259,31 @@ class DecodeWorker(EngineWorker):
             if len(holders) == 1:
                 await self._give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
                 return
-            log.info("KV pool full: preempting %s", victim.msg.req_id)
-            if victim.msg.req_id in self.running:
-                self.running.pop(victim.msg.req_id)
-                await self._retire(victim, write=True)
-            else:
-                self.incoming.pop(victim.msg.req_id)
-                await self.run_engine(eng.free, victim.seq)
-            await self.fail(victim.msg.req_id, "preempted: the decode KV pool is full", P.FailureKind.PREEMPTED)
+            await self._preempt(victim)
+
+    async def _preempt_flex_for(self, msg: P.DecodeRequest) -> bool:
+        """Make room for a request of an interactive class by preempting one flex sequence
+        (reserved or decoding, the newest first); False if ``msg`` is flex or none holds blocks."""
+        if rank(msg.sampling) == FLEX_RANK:
+            return False
+        flex = [s for s in (*self.running.values(), *self.incoming.values()) if rank(s.seq.sampling) == FLEX_RANK]
+        need = -(-len(msg.tokens) // self.engine.block_tokens) + len(self.running)
+        if not flex or self.engine.blocks.num_available() + sum(len(s.seq.block_table) for s in flex) < need:
+            return False  # none to take, or not enough even with all of it
+        await self._preempt(preemption_victim(flex))
+        return True
+
+    async def _preempt(self, victim: Slot) -> None:
+        """Give a sequence back to its frontend for a later attempt: what it generated goes to
+        the store (it resumes from there), its blocks are freed."""
+        log.info("KV pool full: preempting %s", victim.msg.req_id)
+        if victim.msg.req_id in self.running:
+            self.running.pop(victim.msg.req_id)
+            await self._retire(victim, write=True)
+        else:
+            self.incoming.pop(victim.msg.req_id)
+            await self.run_engine(self.engine.free, victim.seq)
+        await self.fail(victim.msg.req_id, "preempted: the decode KV pool is full", P.FailureKind.PREEMPTED)
 
     async def _retire(self, slot: Slot, write: bool) -> None:
         """Free a sequence; with ``write`` its blocks holding generated tokens go to the store."""

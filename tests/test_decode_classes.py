@@ -1,0 +1,40 @@
+"""A decode instance under request classes: an interactive request waiting for room takes it
+from flex work (preempted, to resume later), never the other way round."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake import protocol as P
+
+from decode_workers import Recorder, small_decode_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture()
+def decode_worker():
+    yield from small_decode_worker()
+
+
+def request(rid: str, blocks: int, tier: str, block_tokens: int) -> P.DecodeRequest:
+    tokens = list(range(100, 100 + blocks * block_tokens))
+    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, tier=tier), kv_token=b"k" * 16)
+
+
+async def test_an_interactive_reservation_preempts_flex_work_and_flex_waits(decode_worker):
+    w = decode_worker
+    w.send = Recorder()
+    T, pool = w.engine.block_tokens, w.engine.num_blocks
+    big = pool * 2 // 3
+    await w.handle(request("flex", big, "flex", T), [])
+    assert "flex" in w.incoming
+    await w.handle(request("chat", big, "default", T), [])  # does not fit beside it
+    assert "chat" in w.incoming and "flex" not in w.incoming
+    preempted = [m for m in w.send.sent if isinstance(m, P.Failed)]
+    assert [(m.req_id, m.kind) for m in preempted] == [("flex", P.FailureKind.PREEMPTED)]
+    # the flex request's next attempt waits for room; another interactive one never yields to it
+    await w.handle(request("flex#1", big, "flex", T), [])
+    assert [m.req_id for m in w.pending] == ["flex#1"] and "chat" in w.incoming
+    assert [m.req_id for m in w.send.sent if isinstance(m, P.Reserved)] == ["flex", "chat"]
+    await w.close()
