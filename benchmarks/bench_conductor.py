@@ -45,7 +45,8 @@ from typing import Iterator
 import httpx
 
 from mooncake.bench.capacity import CapacityPlan, search_capacity
-from mooncake.config import Config, dump_toml, load_config
+from mooncake.config import Config, load_config
+from mooncake.config_toml import dump_toml
 from mooncake.testing.ports import free_port
 
 from bench_role_cpu import stat_cpu_s, thread_cpu_s

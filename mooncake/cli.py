@@ -148,7 +148,7 @@ def run_ops(args: argparse.Namespace) -> int:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     if args.command == "config":
-        from mooncake.config import dump_toml
+        from mooncake.config_toml import dump_toml
 
         print(dump_toml(cfg, mask_secrets=True), end="")
         return 0

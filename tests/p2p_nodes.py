@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from mooncake.testing.ports import free_port
-from mooncake.config import Config, dump_toml
+from mooncake.config import Config
+from mooncake.config_toml import dump_toml
 
 
 class P2PNodes:

@@ -125,10 +125,11 @@ def test_interactive_work_is_predicted_past_queued_flex_work_and_flex_is_never_r
 
 def test_flex_work_has_its_own_queue_cap_and_its_own_ttft_slo():
     adm = admission(2_000)
+    adm.classes.flex_max_waiting = 3
     facts = SimpleNamespace(max_model_len=4096, block_tokens=16)
-    # interactive requests count only their classes' queue against [conductor] max_waiting; flex its own cap
+    # each class's queue against its cap: [conductor] max_waiting (256), [classes] flex_max_waiting
     assert adm.check_request(40, Sampling(), facts, 0, 0, waiting=255) is None
-    refused = adm.check_request(40, Sampling(), facts, 0, 0, waiting=3, max_waiting=3)
+    refused = adm.check_request(40, Sampling(tier="flex"), facts, 0, 0, waiting=3)
     assert isinstance(refused, Rejection) and refused.status == 503 and "3 requests are queued" in refused.message
     sched = one_prefill()
     sched.queues["p0"] = q = PrefillQueue()
@@ -136,7 +137,8 @@ def test_flex_work_has_its_own_queue_cap_and_its_own_ttft_slo():
     q.add("flex-a", 1.0, rank=FLEX_RANK)
     assert (sched.waiting(), sched.waiting(True), sched.waiting(False)) == (2, 1, 1)
     # behind 9 s of work, a flex request with a 5 s SLO of its own is refused for it, and one with 60 s is not
-    late = place(sched, adm, "flex-b", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK, flex_ttft_slo_ms=5_000)
+    adm.classes.flex_ttft_slo_ms = 5_000
+    late = place(sched, adm, "flex-b", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK)
     assert isinstance(late, Rejection) and late.reason == "ttft_slo" and "5000 ms" in late.message
-    assert not isinstance(place(sched, adm, "flex-c", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK,
-                                flex_ttft_slo_ms=60_000), Rejection)
+    adm.classes.flex_ttft_slo_ms = 60_000
+    assert not isinstance(place(sched, adm, "flex-c", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK), Rejection)

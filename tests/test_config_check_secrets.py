@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from mooncake.config import Config, dump_toml, load_config
+from mooncake.config import Config, load_config
+from mooncake.config_toml import dump_toml
 from mooncake.security import generate_keys
 
 KEYS = ("sk-ops-0123456789", "sk-tenant-a-0123", "sk-prometheus-01")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.config import Config, ConfigError, dump_toml, env_name, load_config
+from mooncake.config import Config, ConfigError, env_name, load_config
+from mooncake.config_toml import dump_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

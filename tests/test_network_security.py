@@ -20,7 +20,8 @@ import torch
 import zmq
 
 from mooncake import protocol as P
-from mooncake.config import MiB, dump_toml
+from mooncake.config import MiB
+from mooncake.config_toml import dump_toml
 from mooncake.kv.integrity import checksums
 from mooncake.local.cluster import LocalCluster
 from mooncake.security import Curve, generate_keys

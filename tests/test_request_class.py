@@ -43,6 +43,8 @@ async def test_a_queue_serves_by_class_then_priority_then_arrival():
 
 
 async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_first():
+    """Chunks asked for together: the interactive ones go first, by class, in one forward of
+    their own; the flex ones in the next (an interactive forward stays as short as its work)."""
     calls: list[list[str]] = []
 
     async def run_many(seqs, hooks):
@@ -50,10 +52,13 @@ async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_fi
         return [s.name for s in seqs]
 
     batcher = PrefillBatcher(run_many)
-    asked = [order("flex", "flex"), order("chat"), order("first", "priority")]
-    results = await asyncio.gather(*(batcher.chunk(o) for o in asked))  # asked for together: one batch
-    assert calls == [["first", "chat", "flex"]]
-    assert results == ["flex", "chat", "first"]  # each caller gets its own sequence's step
+    asked = [order("flex", "flex"), order("chat"), order("batch", "flex", -1), order("first", "priority")]
+    results = await asyncio.gather(*(batcher.chunk(o) for o in asked))
+    assert calls == [["first", "chat"], ["batch", "flex"]]
+    assert results == ["flex", "chat", "batch", "first"]  # each caller gets its own sequence's step
+    calls.clear()
+    await asyncio.gather(*(batcher.chunk(o) for o in (order("f1", "flex"), order("f2", "flex"))))
+    assert calls == [["f1", "f2"]]  # flex work alone batches as before
 
 
 def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
@@ -75,15 +80,20 @@ def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
 
 
 def test_flex_work_is_held_to_its_own_ttft_slo():
+    from mooncake.config import Config
     from mooncake.frontend.request import Request
-    from mooncake.sched.request_class import class_ttft_slo_ms
+    from mooncake.sched.request_class import ttft_slo_ms
 
-    def due(tier: str, flex_ms: float = 0.0) -> float:
+    cfg = Config()
+    cfg.conductor.ttft_slo_ms = 2000.0
+
+    def due(tier: str) -> float:
         req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier))
-        return Request.first_token_due(req, class_ttft_slo_ms(req.sampling, 2000.0, flex_ms))
+        return Request.first_token_due(req, ttft_slo_ms(req.sampling, cfg))
 
     assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")
-    assert due("flex", 60_000.0) == 70.0
+    cfg.classes.flex_ttft_slo_ms = 60_000.0
+    assert due("flex") == 70.0
 
 
 def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.config import example_toml, load_config
+from mooncake.config import load_config
+from mooncake.config_toml import example_toml
 from mooncake.testing.api import complete
 from mooncake.testing.ports import free_port
 

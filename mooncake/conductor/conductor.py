@@ -9,11 +9,10 @@ one round trip and a share of two batches::
     frontend ──Release─────────▶ conductor   batched: prefills done (the booked prefill work is over,
                                              the cost models learn), attempts ended (bookings released)
 
-A report of an attempt that moved or ended changes nothing. A node that dies, stalls or
-restarts takes its attempts with it: their workers drop them and their owners hear it
-(``AttemptEnded``) and move them; a frontend that dies takes its attempts too (their workers
-drop them: nobody will read those streams). A conductor that has just started (a new leader, a
-restart) adopts the attempts its frontends claim and its workers hold (``adoption.py``).
+A report of an attempt that moved or ended changes nothing. A node that dies, stalls or restarts
+takes its attempts with it: their workers drop them, and their owners hear it (``AttemptEnded``) and
+move them; so with a frontend that dies (nobody will read its streams). A new leader, or a restarted
+conductor, adopts what its frontends claim and its workers hold (``adoption.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class Conductor:
                                        lambda: self.metrics.index_blocks.set(len(self.index))]
         self.costs = CostModels(self.metrics)
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
-        self.admission = Admission(cfg.conductor, self.metrics)
+        self.admission = Admission(cfg.conductor, self.metrics, cfg.classes)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
         self.attempts: dict[str, Attempt] = {}  # wire id -> a live attempt
         c = cfg.conductor
@@ -152,11 +151,9 @@ class Conductor:
         facts = self.facts
         if msg.new_request:
             pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
-            flex = rank(msg.sampling) == FLEX_RANK  # each queue against its own cap
             rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
-                                                     sum(self.requests_in_flight.values()), self.scheduler.waiting(flex),
-                                                     max(1, msg.choices),
-                                                     self.cfg.classes.flex_max_waiting if flex else None)
+                                                     sum(self.requests_in_flight.values()),  # and its class's queue:
+                                                     self.scheduler.waiting(rank(msg.sampling) == FLEX_RANK), max(1, msg.choices))
             if rejection is not None:
                 self.metrics.rejected.labels(rejection.reason).inc()
                 return rejection
@@ -183,8 +180,7 @@ class Conductor:
         placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, msg.n_tokens,
                        msg.sampling.max_tokens - msg.num_generated, facts.block_tokens, now, pipeline=shape,
                        deadline=now + msg.ttft_budget_s if msg.ttft_budget_s > 0 else float("inf"),
-                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling),
-                       flex_ttft_slo_ms=self.cfg.classes.flex_ttft_slo_ms)
+                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling))
         self.metrics.decision.observe(time.perf_counter() - t0)
         return placed
 

@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from mooncake.config import GiB, Config, dump_toml, env_name
+from mooncake.config import GiB, Config, env_name
+from mooncake.config_toml import dump_toml
 from mooncake.deploy.keys import KeysError, pod_key_files
 from mooncake.deploy.monitoring import METRICS_KEY, SERVICE_MONITOR_FILE, scrape_annotations, service_monitor
 from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, etcd_pod,

@@ -36,9 +36,9 @@ from mooncake.frontend.request_metrics import RequestMetrics
 from mooncake.frontend.token_inlet import TokenInlet
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Rejection
+from mooncake.sched.request_class import request_timeout_s, ttft_slo_ms
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
-from mooncake.sched.request_class import FLEX_RANK, class_ttft_slo_ms, rank
 
 log = logging.getLogger(__name__)
 Reason = P.FinishReason
@@ -168,8 +168,7 @@ class Frontend:
         assert self.facts is not None
         first = req.attempts == 0
         wire_id = req.next_wire_id
-        due = req.first_token_due(class_ttft_slo_ms(req.sampling, self.cfg.conductor.ttft_slo_ms,
-                                                    self.cfg.classes.flex_ttft_slo_ms))
+        due = req.first_token_due(ttft_slo_ms(req.sampling, self.cfg))
         in_flight = len(self.requests) - (req.req_id in self.requests) + len(self.forks.waiting)  # forks: admitted
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
@@ -262,10 +261,7 @@ class Frontend:
             self._finish(req, Reason.ERROR, RequestError(f"request failed: {why}"))
             return
         req.requeued(time.monotonic(), counts_as_migration=not preempted)
-        if preempted:
-            self.stats.preempted(req)
-        else:
-            self.metrics.migrations.inc()
+        self.stats.moved(req, preempted)
         self._tasks.append(asyncio.create_task(self._place_or_fail(req, why)))
 
     async def _liveness_loop(self) -> None:
@@ -277,9 +273,8 @@ class Frontend:
         """A placed request with no progress for ``request_timeout_s`` (flex work: ``[classes]
         flex_request_timeout_s``, it waits behind the rest) moves (its workers drop the attempt),
         and fails once it may move no more."""
-        timeouts = (self.cfg.conductor.request_timeout_s, self.cfg.classes.flex_request_timeout_s)
         for req in list(self.requests.values()):
-            timeout = timeouts[rank(req.sampling) == FLEX_RANK]
+            timeout = request_timeout_s(req.sampling, self.cfg)
             if req.status is not RequestStatus.WAITING and now - req.last_progress > timeout:
                 self._move(req, f"no progress for {timeout:.0f}s", abort=True)
 

@@ -51,9 +51,13 @@ class RequestMetrics:
             self._class(req).itl.observe(seconds / emitted)
             self.generation_tokens.inc(emitted)
 
-    def preempted(self, req: Request) -> None:
-        self.metrics.preemptions.inc()
-        self._class(req).preemptions.inc()
+    def moved(self, req: Request, preempted: bool) -> None:
+        """A new attempt of ``req``: after a preemption, or a migration (its worker failed)."""
+        if preempted:
+            self.metrics.preemptions.inc()
+            self._class(req).preemptions.inc()
+        else:
+            self.metrics.migrations.inc()
 
     def finished(self, req: Request, reason: P.FinishReason, now: float) -> None:
         self.e2e.observe(now - req.arrived)

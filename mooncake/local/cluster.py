@@ -25,7 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from mooncake.config import Config, dump_toml
+from mooncake.config import Config
+from mooncake.config_toml import dump_toml
 from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.logs import log_format, role_tag, tag_logs
 

@@ -7,10 +7,10 @@ whose KV lands straight in the reserved blocks. Memory on decode is therefore bo
 pool, never by what prefill pushes. Once all KV is in and the frontend has
 passed on the first token (``FirstToken``), the sequence joins the batch (a flex one only
 while the others' predicted step stays within the TBT SLO); each step streams one token per
-sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step needs blocks the pool no longer has, sequences are
-preempted (flex work first, then the newest), as flex work is for an interactive request
-waiting for room: their full blocks go to the store and their frontend gives them a new
-attempt, which resumes where they were.
+sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step
+needs blocks the pool no longer has, sequences are preempted (flex work first, then the
+newest), as flex work is for an interactive request waiting for room: their full blocks go to
+the store and their frontend gives them a new attempt, which resumes where they were.
 
 KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
 attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.

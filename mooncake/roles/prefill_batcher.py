@@ -2,7 +2,8 @@
 
 Each request's coroutine awaits ``chunk(seq)``; while the engine computes one batch, the
 chunks asked for meanwhile gather and go together next (``Engine.prefill_many``: one
-forward, the chunk budget shared by request class, then in arrival order). A burst of short prompts thus costs a
+forward, the chunk budget shared by request class, then in arrival order; flex chunks wait
+for a forward without interactive ones, which thus stays as short as their own work). A burst of short prompts thus costs a
 few forwards instead of one per prompt, and a lone request goes alone, at once.
 """
 
@@ -14,7 +15,7 @@ from typing import Awaitable, Callable
 
 from mooncake.kv.layers import LayerFn
 from mooncake.engine.sequence import PrefillStep, Sequence
-from mooncake.sched.request_class import urgency
+from mooncake.sched.request_class import FLEX_RANK, rank, urgency
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class PrefillBatcher:
             self._pending = []
             if not batch:
                 continue
+            if rank(batch[0][0].sampling) != FLEX_RANK:  # interactive work goes alone: a short forward
+                self._pending = [p for p in batch if rank(p[0].sampling) == FLEX_RANK]  # flex: the next one
+                batch = batch[:len(batch) - len(self._pending)]
             self.calls += 1
             await self._run(batch)
 

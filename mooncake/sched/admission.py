@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake.config import ConductorConfig
+from mooncake.config import ClassesConfig, ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
 from mooncake.sched.plan import Plan
+from mooncake.sched.request_class import FLEX_RANK, rank
 
 
 @dataclass(frozen=True)
@@ -43,20 +44,21 @@ def context_rejection(n_tokens: int, max_model_len: int) -> Rejection | None:
 
 
 class Admission:
-    def __init__(self, cfg: ConductorConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: ConductorConfig, metrics: Metrics, classes: ClassesConfig | None = None) -> None:
+        """``classes``: flex work's own limits (``request_class.py``)."""
         self.cfg = cfg
         self.metrics = metrics
+        self.classes = classes or ClassesConfig()
         self.last_admitted = float("-inf")  # when a plan was last admitted
         self._last: bool | None = None  # the last decision (admitted?), to count flips
 
     def check_request(self, n_tokens: int, sampling: Sampling, facts: ModelFacts | None,
-                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1,
-                      max_waiting: int | None = None) -> Rejection | None:
+                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1) -> Rejection | None:
         """A prompt of ``n_tokens``; ``pool_blocks``: the largest KV pool among the instances
         that would serve it; ``choices``: the requests it brings (its ``n``: the forks that follow
-        it are admitted with it and count against the caps now); ``waiting``: the requests queued
-        ahead of it, against ``max_waiting`` (default: ``[conductor] max_waiting``)."""
-        max_waiting = self.cfg.max_waiting if max_waiting is None else max_waiting
+        it are admitted with it and count against the caps now); ``waiting``: the requests of its
+        class's queue (flex, or the others), against that queue's cap."""
+        max_waiting = self.classes.flex_max_waiting if rank(sampling) == FLEX_RANK else self.cfg.max_waiting
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:

@@ -17,7 +17,7 @@ from mooncake.sched.scheduler import Scheduler
 def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
           max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
           deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True,
-          rank: int = DEFAULT_RANK, flex_ttft_slo_ms: float = 0.0) -> Booking | Rejection:
+          rank: int = DEFAULT_RANK) -> Booking | Rejection:
     """Plan, admit and book an attempt of ``n_tokens`` (``hashes``: its full blocks) that may
     generate ``max_tokens``; its booking (``booking.plan``: the plan), or why it is refused.
     ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``;
@@ -25,10 +25,11 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
     the request's class's (``request_class.py``): it waits only for the work served before it,
     and flex work is never refused for the interactive SLOs (it waits behind the rest instead),
-    only for its own ``flex_ttft_slo_ms`` if it has one."""
+    only for its own ``[classes] flex_ttft_slo_ms`` if it has one."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
     slos = None
     if rank == FLEX_RANK:
+        flex_ttft_slo_ms = admission.classes.flex_ttft_slo_ms
         judge, slos = judge and flex_ttft_slo_ms > 0, (flex_ttft_slo_ms, 0.0)
     rejection = admission.check_plan(plan, now, evidence, slos) if judge or plan is None else None
     if rejection is not None:

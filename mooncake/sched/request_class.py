@@ -10,7 +10,10 @@ receives carries them; a worker's queue serves by ``urgency``, then arrival.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from mooncake.config import Config
 
 SERVICE_TIERS = ("auto", "default", "flex", "priority")  # what the API accepts
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
@@ -51,7 +54,13 @@ def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
     return len(flex_kv)
 
 
-def class_ttft_slo_ms(sampling: Any, interactive_ms: float, flex_ms: float) -> float:
+def ttft_slo_ms(sampling: Any, cfg: Config) -> float:
     """The TTFT SLO a request is held to: the interactive one ([conductor] ttft_slo_ms), or for
     flex work its own ([classes] flex_ttft_slo_ms; 0: none)."""
-    return flex_ms if rank(sampling) == FLEX_RANK else interactive_ms
+    return cfg.classes.flex_ttft_slo_ms if rank(sampling) == FLEX_RANK else cfg.conductor.ttft_slo_ms
+
+
+def request_timeout_s(sampling: Any, cfg: Config) -> float:
+    """How long a placed request may make no progress before it moves: flex work may wait behind
+    the rest ([classes] flex_request_timeout_s), the others [conductor] request_timeout_s."""
+    return cfg.classes.flex_request_timeout_s if rank(sampling) == FLEX_RANK else cfg.conductor.request_timeout_s

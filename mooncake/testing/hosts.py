@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake.config import Config, dump_toml
+from mooncake.config import Config
+from mooncake.config_toml import dump_toml
 
 NS_PREFIX = "mcnh"
 BRIDGE_PREFIX = "mcbr"
