@@ -22,6 +22,8 @@ def order(name: str, tier: str = "default", priority: int = 0) -> SimpleNamespac
 def test_the_served_tier_and_the_order_of_classes():
     assert [served_tier(t) for t in (None, "auto", "default", "flex", "priority")] == \
         ["default", "default", "default", "flex", "priority"]
+    assert [served_tier(t, "flex") for t in (None, "auto", "default", "priority")] == \
+        ["flex", "flex", "default", "priority"]  # the key's tier, unless the request names one
     keys = [urgency(P.Sampling(tier=t, priority=p)) for t, p in
             (("priority", 9), ("default", -1), ("default", 0), ("flex", -100))]
     assert keys == sorted(keys)

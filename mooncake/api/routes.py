@@ -139,8 +139,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     room = frontend.max_model_len - len(tokens) if frontend.max_model_len else max_tokens
     check_response_size(body, max(1, min(max_tokens, room)))  # the conductor clamps to what the context leaves
     api_key = http.scope.get("state", {}).get("api_key", "")
-    asked = body.service_tier if body.service_tier != "auto" else None  # auto: the server's choice, the key's
-    tier = served_tier(asked or (frontend.cfg.classes.tier_of_key(api_key) if api_key else None))
+    tier = served_tier(body.service_tier, frontend.cfg.classes.tier_of_key(api_key) if api_key else None)
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed, tier)
     salt = request_salt(frontend.cfg.frontend.salts_per_key(), http.scope, body.cache_salt or "")
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),

@@ -3,8 +3,9 @@
 Each request's coroutine awaits ``chunk(seq)``; while the engine computes one batch, the
 chunks asked for meanwhile gather and go together next (``Engine.prefill_many``: one
 forward, the chunk budget shared by request class, then in arrival order; flex chunks wait
-for a forward without interactive ones, which thus stays as short as their own work). A burst of short prompts thus costs a
-few forwards instead of one per prompt, and a lone request goes alone, at once.
+for a forward without interactive ones, which thus stays as short as their own work). A
+burst of short prompts thus costs a few forwards instead of one per prompt, and a lone
+request goes alone, at once.
 """
 
 from __future__ import annotations

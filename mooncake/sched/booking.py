@@ -33,7 +33,6 @@ class PrefillQueue:
     rank and the ranks before it."""
 
     work: dict[str, float] = field(default_factory=dict)  # request -> predicted seconds
-    total_s: float = 0.0
     deadlines: dict[str, float] = field(default_factory=dict)  # request -> when its first token is due
     ranks: dict[str, int] = field(default_factory=dict)  # request -> its class's rank (absent: DEFAULT_RANK)
     by_rank: list[float] = field(default_factory=lambda: [0.0] * RANKS)  # predicted seconds queued per rank
@@ -41,7 +40,6 @@ class PrefillQueue:
     def add(self, req_id: str, seconds: float, deadline: float = math.inf, rank: int = DEFAULT_RANK) -> None:
         self.remove(req_id)
         self.work[req_id] = seconds
-        self.total_s += seconds
         self.by_rank[rank] += seconds
         if rank != DEFAULT_RANK:
             self.ranks[req_id] = rank
@@ -52,19 +50,21 @@ class PrefillQueue:
         s = self.work.pop(req_id, None)
         self.deadlines.pop(req_id, None)
         rank = self.ranks.pop(req_id, DEFAULT_RANK)
-        if s is not None and self.work:
-            self.total_s = max(0.0, self.total_s - s)
+        if s is not None:
             self.by_rank[rank] = max(0.0, self.by_rank[rank] - s)
-        elif s is not None:  # empty: no rounding left behind
-            self.total_s, self.by_rank = 0.0, [0.0] * RANKS
+            if not self.work:  # left empty: no rounding behind
+                self.by_rank = [0.0] * RANKS
+
+    @property
+    def total_s(self) -> float:
+        """Predicted seconds of all queued work."""
+        return sum(self.by_rank)
 
     def flex_requests(self) -> int:
         return sum(1 for r in self.ranks.values() if r == FLEX_RANK) if self.ranks else 0
 
     def ahead_s(self, rank: int = DEFAULT_RANK) -> float:
         """Predicted seconds of queued work a request of ``rank`` waits for (its rank's and those before it)."""
-        if not self.ranks:  # every queued request is of the default class
-            return self.total_s if rank >= DEFAULT_RANK else 0.0
         return sum(self.by_rank[:rank + 1])
 
     def earliest_deadline(self, now: float, rank: int = DEFAULT_RANK) -> float:

@@ -15,16 +15,17 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from mooncake.config import Config
 
-SERVICE_TIERS = ("auto", "default", "flex", "priority")  # what the API accepts
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
 RANKS = len(_RANK)
 DEFAULT_RANK = _RANK["default"]
 FLEX_RANK = _RANK["flex"]
 
 
-def served_tier(requested: str | None) -> str:
-    """The class a request asking for ``requested`` is served in (what its response says)."""
-    return "default" if requested in (None, "auto") else requested
+def served_tier(requested: str | None, key_tier: str | None = None) -> str:
+    """The class a request asking for ``requested`` is served in (what its response says):
+    ``auto`` or none leave it to the server, which serves the tier bound to the caller's API key
+    (``key_tier``), else ``default``."""
+    return requested if requested not in (None, "auto") else key_tier or "default"
 
 
 def urgency(sampling: Any) -> tuple[int, int]:
