@@ -150,6 +150,7 @@ class ClassesConfig(_Section):
     flex_ttft_slo_ms: float = Field(0.0, ge=0, description="Flex requests' own time-to-first-token SLO (early rejection against it, counting the work queued ahead of them); 0: none, flex work waits as long as it must.")
     flex_request_timeout_s: float = Field(3600.0, gt=0, description="A flex request with no progress this long moves, then fails ([conductor] request_timeout_s for the others): it may wait behind interactive work that long; workers that die or stall are found apart from it.")
     flex_max_waiting: int = Field(256, ge=1, description="Flex requests queued for prefill cluster-wide before new flex ones get 503; interactive requests count only their own classes' queue against [conductor] max_waiting.")
+    flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
     api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
 
     @field_validator("api_key_tiers", mode="before")

@@ -1,5 +1,6 @@
 """A decode instance under request classes: an interactive request waiting for room takes it
-from flex work (preempted, to resume later), never the other way round."""
+from flex work (preempted, to resume later), never the other way round; flex work yields the
+machine's cores while an interactive request's prefill runs beside it."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ def decode_worker():
     yield from small_decode_worker()
 
 
-def request(rid: str, blocks: int, tier: str, block_tokens: int) -> P.DecodeRequest:
+def request(rid: str, blocks: int, tier: str, block_tokens: int, beside: bool = False) -> P.DecodeRequest:
     tokens = list(range(100, 100 + blocks * block_tokens))
-    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, tier=tier), kv_token=b"k" * 16)
+    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, tier=tier), kv_token=b"k" * 16,
+                           prefill_beside=beside)
 
 
 async def test_an_interactive_reservation_preempts_flex_work_and_flex_waits(decode_worker):
@@ -37,4 +39,24 @@ async def test_an_interactive_reservation_preempts_flex_work_and_flex_waits(deco
     await w.handle(request("flex#1", big, "flex", T), [])
     assert [m.req_id for m in w.pending] == ["flex#1"] and "chat" in w.incoming
     assert [m.req_id for m in w.send.sent if isinstance(m, P.Reserved)] == ["flex", "chat"]
+    await w.close()
+
+
+async def test_flex_work_yields_the_cores_while_an_interactive_prefill_runs_beside_it(decode_worker):
+    w = decode_worker
+    w.send = Recorder()
+    T = w.engine.block_tokens
+    await w.handle(request("flex", 2, "flex", T), [])
+    slot = w.incoming["flex"]
+    slot.layers_in = [len(slot.seq.block_table)] * len(slot.layers_in)  # its KV has landed (by hand)
+    await w.handle(P.FirstToken("flex", 7), [])
+    assert "flex" in w.running
+    await w.handle(request("elsewhere", 1, "default", T), [])  # its prefill runs on another machine
+    assert await w._step() and [m.req_id for m in w.send.sent if isinstance(m, P.TokenEvent)] == ["flex"]
+    await w.handle(request("chat", 1, "default", T, beside=True), [])  # its prefill shares our cores
+    assert not await w._step()  # nothing else runs: the flex sequence waits
+    w._wake.clear()  # as the step loop does before it waits
+    await w.handle(P.Abort("chat"), [])  # the reservation ends (here: dropped): flex work goes on
+    assert w._wake.is_set() and await w._step()
+    assert [m.req_id for m in w.send.sent if isinstance(m, P.TokenEvent)] == ["flex", "flex"]
     await w.close()

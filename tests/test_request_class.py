@@ -45,19 +45,23 @@ async def test_a_queue_serves_by_class_then_priority_then_arrival():
 
 
 async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_first():
-    """Chunks asked for together: the interactive ones go first, by class, in one forward of
-    their own; the flex ones in the next (an interactive forward stays as short as its work)."""
+    """Chunks asked for together: the interactive ones, by class, in one forward of their own
+    (as short as their work), the flex ones in another; both reach the engine at once (its
+    thread runs the interactive one first: test_engine_thread.py)."""
     calls: list[list[str]] = []
+    budgets: dict[str, int | None] = {}
 
-    async def run_many(seqs, hooks):
+    async def run_many(seqs, hooks, budget):
         calls.append([s.name for s in seqs])
+        budgets.update((s.name, budget) for s in seqs)
         return [s.name for s in seqs]
 
-    batcher = PrefillBatcher(run_many)
+    batcher = PrefillBatcher(run_many, flex_chunk_tokens=128)
     asked = [order("flex", "flex"), order("chat"), order("batch", "flex", -1), order("first", "priority")]
     results = await asyncio.gather(*(batcher.chunk(o) for o in asked))
-    assert calls == [["first", "chat"], ["batch", "flex"]]
+    assert sorted(calls) == [["batch", "flex"], ["first", "chat"]]
     assert results == ["flex", "chat", "batch", "first"]  # each caller gets its own sequence's step
+    assert budgets == {"first": None, "chat": None, "batch": 128, "flex": 128}  # flex forwards are shorter
     calls.clear()
     await asyncio.gather(*(batcher.chunk(o) for o in (order("f1", "flex"), order("f2", "flex"))))
     assert calls == [["f1", "f2"]]  # flex work alone batches as before
@@ -106,9 +110,15 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
 
     running = {str(i): slot(i, "flex" if i % 2 else "default") for i in range(6)}  # 3 of each, interleaved
     cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
-    w = SimpleNamespace(running=running, step_cost=cost, cfg=SimpleNamespace(conductor=SimpleNamespace(tbt_slo_ms=45)))
+    w = SimpleNamespace(running=running, step_cost=cost, incoming={},
+                        cfg=SimpleNamespace(conductor=SimpleNamespace(tbt_slo_ms=45)))
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
     w.cfg.conductor.tbt_slo_ms = 0
+    assert len(DecodeWorker._batch(w)) == 6
+    reserved = slot(9)  # an interactive request's prefill runs on this machine: no flex work steps
+    w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True))
+    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
+    w.incoming["9"].msg.prefill_beside = False  # on another machine: it takes nothing from flex work here
     assert len(DecodeWorker._batch(w)) == 6
 
 

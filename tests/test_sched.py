@@ -182,11 +182,11 @@ def test_tbt_slo_uses_the_batch_expected_when_prefill_finishes():
     plan = sched.plan(H[:2], 40, 4, 16, now=0)
     for i in range(6):  # all still running at first-token time
         sched.book(f"r{i}", plan)
-        sched.slots["d0"].add(f"r{i}", 100.0)
+        sched.interactive_slots["d0"].add(f"r{i}", 100.0)
     r = admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0)
     assert isinstance(r, Rejection) and r.reason == "tbt_slo"
     for i in range(6):  # they end before this request's prefill does
-        sched.slots["d0"].add(f"r{i}", 0.001)
+        sched.interactive_slots["d0"].add(f"r{i}", 0.001)
     assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0) is None
 
 
@@ -200,6 +200,22 @@ def test_booking_is_released_by_the_scheduler():
     sched.release("r")
     assert sched.assigned("d0") == 0
     sched.release("r")  # idempotent
+
+
+def test_an_interactive_plan_counts_no_flex_booking_on_decode_nor_blocks_flex_work_will_compute():
+    from mooncake.sched.request_class import FLEX_RANK
+
+    sched, _, _ = make()
+    n = 8 * 16 + 4
+    sched.book("flex", sched.plan(H[:8], n, 4, 16, now=0, rank=FLEX_RANK), rank=FLEX_RANK)
+    chat = sched.plan(H[:8], n, 4, 16, now=0)  # the same prompt: the flex request computes it later
+    assert chat.device_blocks == chat.reusable_blocks == 0 and chat.decode_batch == 1
+    sched.book("chat", chat)
+    later = sched.plan(H[:8], n, 4, 16, now=0, rank=FLEX_RANK)  # flex work counts all that is booked
+    assert later.decode_batch == 3
+    assert sched.plan(H[:8], n, 4, 16, now=0).decode_batch == 2
+    sched.release("flex"), sched.release("chat")
+    assert sched.assigned("d0") == 0 and not sched.interactive_slots["d0"].assigned
 
 
 def test_no_workers_and_overload_are_503():
@@ -279,7 +295,7 @@ def test_a_full_decode_pool_delays_the_predicted_first_token_until_room_frees():
     free_ttft = plan.est_ttft_s
     assert "d0" not in sched.slots  # planning books nothing
     for i, end in enumerate((10.0, 20.0, 30.0, 40.0)):  # four others fill the pool until they end
-        sched.slots.setdefault("d0", DecodeSlots()).add(f"r{i}", end, 5)
+        sched.interactive_slots.setdefault("d0", DecodeSlots()).add(f"r{i}", end, 5)
     plan = sched.plan(H[2:4], 40, 24, 16, now=0)
     assert plan.reserve_wait_s == pytest.approx(10.0)  # room once the first of them ends
     assert plan.est_ttft_s == pytest.approx(10.0 + free_ttft, rel=0.01)
@@ -293,8 +309,8 @@ def test_a_full_decode_pool_delays_the_predicted_first_token_until_room_frees():
 def test_a_request_larger_than_the_pool_waits_for_it_to_empty():
     sched, cluster, _ = make()
     cluster.get("d0").info = NodeInfo(node_name="n0", pid=1, num_blocks=4)
-    sched.slots["d0"] = DecodeSlots()
-    sched.slots["d0"].add("small", 7.0, 2)
+    sched.interactive_slots["d0"] = DecodeSlots()
+    sched.interactive_slots["d0"].add("small", 7.0, 2)
     plan = sched.plan(H[:4], 100, 20, 16, now=0)  # 9 blocks: more than the whole pool
     assert plan.reserve_wait_s == pytest.approx(7.0)
 

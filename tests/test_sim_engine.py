@@ -44,13 +44,13 @@ def test_events_never_run_in_the_past_and_stop_at_until() -> None:
 
 def test_lru_evicts_least_recently_used_and_counts_leading_runs() -> None:
     lru = LRUBlocks(3)
-    assert lru.insert([h(1), h(2), h(3)]) == ([h(1), h(2), h(3)], [])
+    assert lru.insert([h(1), h(2), h(3)]) == ([h(1), h(2), h(3)], [], [])
     assert lru.touch(h(1))
-    added, evicted = lru.insert([h(4)])
+    added, evicted, _ = lru.insert([h(4)])
     assert added == [h(4)] and evicted == [h(2)]
     assert lru.leading_run([h(1), h(3), h(2), h(4)]) == 2
     assert not lru.touch(h(2)) and lru.discard(h(3)) and not lru.discard(h(3))
-    assert LRUBlocks(0).insert([h(1)]) == ([], [])
+    assert LRUBlocks(0).insert([h(1)]) == ([], [], [])
     with pytest.raises(ValueError):
         LRUBlocks(-1)
 

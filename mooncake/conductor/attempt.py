@@ -60,4 +60,5 @@ def route_of(plan: Plan, stages: list[P.StagePlan]) -> P.Route:
     """The route a frontend drives ``plan``'s attempt along (``stages``: a pipeline group's)."""
     prefills = plan.stages or [plan.prefill]
     return P.Route(worker_ref(plan.decode), [worker_ref(n) for n in prefills], secrets.token_bytes(16),
-                   plan.fetch, plan.store_endpoint, stages, plan.reusable_blocks if plan.stages else -1)
+                   plan.fetch, plan.store_endpoint, stages, plan.reusable_blocks if plan.stages else -1,
+                   prefill_beside=any(n.name == plan.decode.name for n in prefills))

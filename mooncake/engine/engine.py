@@ -153,8 +153,9 @@ class Engine:
     # ------------------------------------------------------------ compute
 
     def prefill(self, seq: Sequence, on_layer: LayerFn | None = None,
-                past_ready: Callable[[int], None] | None = None) -> PrefillStep:
-        """Compute the next chunk of the prompt; sample the first token after the last one.
+                past_ready: Callable[[int], None] | None = None, chunk_tokens: int | None = None) -> PrefillStep:
+        """Compute the next chunk of the prompt (``chunk_tokens``, default ``prefill_chunk_tokens``);
+        sample the first token after the last one.
         ``on_layer(layer, first_block, kv)``: each layer's K/V of the blocks this chunk completes,
         as soon as the layer has computed them (``mooncake/kv/layers.py``; on this thread). ``past_ready(layer)``:
         blocks until that layer of the sequence's past is in the pool (a prefix loading layer by layer,
@@ -163,7 +164,7 @@ class Engine:
             raise RuntimeError("sequence %s is not waiting for prefill" % seq.req_id)
         t0 = time.perf_counter()
         start, n = seq.num_computed, len(seq.tokens)
-        end = min(n, start + self.chunk_tokens)
+        end = min(n, start + (chunk_tokens or self.chunk_tokens))
         hook = ChunkLayers(on_layer, start, end, end == n, self.block_tokens) if on_layer is not None else None
         hooks = None if hook is None and past_ready is None else LayerHooks(on_layer=hook, past_ready=past_ready)
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
@@ -212,9 +213,10 @@ class Engine:
         token = picked.tokens[0]
         return PrefillStep([], True, token, self.picker.append(seq, token), out[0], picked.logprobs[0]), None
 
-    def prefill_many(self, seqs: list[Sequence], hooks: list[LayerFn | None] | None = None) -> list[PrefillStep]:
+    def prefill_many(self, seqs: list[Sequence], hooks: list[LayerFn | None] | None = None,
+                     chunk_tokens: int | None = None) -> list[PrefillStep]:
         """``prefill`` for several sequences in one forward: the chunk budget
-        (``prefill_chunk_tokens``) is shared in order, so a burst of short prompts computes
+        (``chunk_tokens``, default ``prefill_chunk_tokens``) is shared in order, so a burst of short prompts computes
         together instead of one after another. A sequence left without budget makes no
         progress this call (its step is not done, no new blocks). Models with sliding
         windows, and sequences with per-layer KV hooks (``hooks``, layer-wise transfer: the
@@ -223,10 +225,10 @@ class Engine:
             if s.prefilled or s.freed:
                 raise RuntimeError("sequence %s is not waiting for prefill" % s.req_id)
         if hooks is not None and any(h is not None for h in hooks):
-            return [self.prefill(s, h) for s, h in zip(seqs, hooks)]
+            return [self.prefill(s, h, chunk_tokens=chunk_tokens) for s, h in zip(seqs, hooks)]
         if len(seqs) == 1 or self.model.windows != {None}:
-            return [self.prefill(s) for s in seqs]
-        budget = self.chunk_tokens
+            return [self.prefill(s, chunk_tokens=chunk_tokens) for s in seqs]
+        budget = chunk_tokens or self.chunk_tokens
         parts: list[tuple[Sequence, int, int, bool]] = []
         for s in seqs:
             start, n = s.num_computed, len(s.tokens)
@@ -235,7 +237,8 @@ class Engine:
                 parts.append((s, start, end, end == n))
                 budget -= end - start
         if len(parts) == 1:
-            return [self.prefill(s) if s is parts[0][0] else PrefillStep([], False) for s in seqs]
+            return [self.prefill(s, chunk_tokens=chunk_tokens) if s is parts[0][0] else PrefillStep([], False)
+                    for s in seqs]
         t0 = time.perf_counter()
         logits = self.model.forward(self.pool, packed_prefill_batch(parts, self.block_tokens, self.device))
         steps: dict[int, PrefillStep] = {}

@@ -86,7 +86,8 @@ class AttemptDriver:
         self._send(r.decode, P.DecodeRequest(s.wire_id, s.tokens, s.hashes, s.root, s.sampling,
                                              num_generated=s.num_generated, store_endpoint=r.store_endpoint,
                                              kv_token=r.kv_token, store_from_block=r.store_from_block,
-                                             reply_to=self.reply_to, fallback=fallback))
+                                             reply_to=self.reply_to, fallback=fallback,
+                                             prefill_beside=r.prefill_beside))
         return a
 
     def end(self, wire_id: str, abort: bool) -> DrivenAttempt | None:

@@ -81,6 +81,7 @@ class DecodeRequest(Msg, tag="decode_req"):
     # whole here (a pipeline group's stages each hold only their layers, so none of them can)
     reply_to: str = ""  # the owning frontend's token endpoint: tokens go there, not to the conductor ("")
     fallback: bool = False  # placed by its frontend while no conductor led: reconciliation leaves it alone
+    prefill_beside: bool = False  # its prefill shares this decode's machine: flex work yields the cores to it
 
 
 class Reserved(Msg, tag="reserved"):

@@ -6,7 +6,8 @@ the pool has room) and answers ``Reserved``; only then does the frontend send th
 whose KV lands straight in the reserved blocks. Memory on decode is therefore bounded by its
 pool, never by what prefill pushes. Once all KV is in and the frontend has
 passed on the first token (``FirstToken``), the sequence joins the batch (a flex one only
-while the others' predicted step stays within the TBT SLO); each step streams one token per
+while the others' predicted step stays within the TBT SLO, and not while an interactive
+request's prefill runs on this machine, whose cores they share); each step streams one token per
 sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step
 needs blocks the pool no longer has, sequences are preempted (flex work first, then the
 newest), as flex work is for an interactive request waiting for room: their full blocks go to
@@ -100,6 +101,7 @@ class DecodeWorker(EngineWorker):
         self.pending = deque(m for m in self.pending if m.req_id != req_id)
         slot = self.incoming.pop(req_id, None)
         if slot is not None:
+            self._wake.set()  # flex work may have been yielding to its prefill
             await self.run_engine(self.engine.free, slot.seq)
             await self._reserve_pending()
         if req_id in self.running:
@@ -173,6 +175,7 @@ class DecodeWorker(EngineWorker):
         rid = slot.msg.req_id
         self.incoming.pop(rid, None)
         self.running.pop(rid, None)
+        self._wake.set()  # flex work may have been yielding to its prefill
         await self.run_engine(self.engine.free, slot.seq)
         await self.fail(rid, why, kind)
 
@@ -230,13 +233,19 @@ class DecodeWorker(EngineWorker):
 
     def _batch(self) -> list[Slot]:
         """The running sequences this step: every one, except flex work past what keeps the
-        others' predicted step within ``[conductor] tbt_slo_ms`` (``request_class.flex_joining``)."""
+        others' predicted step within ``[conductor] tbt_slo_ms`` (``request_class.flex_joining``),
+        and all flex work while an interactive request reserved here is being prefilled on this
+        machine: the prefill gets the cores they share, and its first token comes sooner."""
         slots = list(self.running.values())
         flex = sorted((s for s in slots if rank(s.seq.sampling) == FLEX_RANK),
                       key=lambda s: (urgency(s.seq.sampling), s.seq.uid))
-        if not flex or len(flex) == len(slots):
+        yielding = flex and any(s.msg.prefill_beside and rank(s.seq.sampling) != FLEX_RANK
+                                for s in self.incoming.values())  # reserved, its prefill beside us
+        if not flex or (len(flex) == len(slots) and not yielding):
             return slots
         others = [s for s in slots if rank(s.seq.sampling) != FLEX_RANK]
+        if yielding:
+            return others
         n = flex_joining(len(others), sum(s.seq.num_tokens for s in others), [s.seq.num_tokens for s in flex],
                          self.step_cost.predict, self.cfg.conductor.tbt_slo_ms / 1000)
         return others + flex[:n]

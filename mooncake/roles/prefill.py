@@ -35,9 +35,11 @@ from mooncake.kv.link import bind_kv_ingress
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.roles.class_queue import ClassQueue
+from mooncake.roles.engine_thread import ENGINE_URGENCY
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
+from mooncake.sched.request_class import FLEX_RANK, rank
 from mooncake.sockets import recv_multipart
 from mooncake.roles.worker import EngineWorker
 
@@ -49,16 +51,20 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.queue: ClassQueue[P.PrefillRequest] = ClassQueue()  # by request class, then arrival
+        # Interactive and flex work queue apart (each by class, then arrival), and each runs up to
+        # max_prefill_batch prompts at once: an interactive request never waits for a place flex holds.
+        self.queues: dict[bool, ClassQueue[P.PrefillRequest]] = {False: ClassQueue(), True: ClassQueue()}  # flex?
         self.aborted: set[str] = set()
         self.queued: set[str] = set()  # ids in ``queue``: an Abort for anything else is stale
         self.running: set[str] = set()  # requests being prefilled (their chunks batch together)
-        self._slots = asyncio.Semaphore(cfg.engine.max_prefill_batch)
+        self._slots = {flex: asyncio.Semaphore(cfg.engine.max_prefill_batch) for flex in self.queues}
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self.inflight = InflightBlocks()  # prompt blocks the running requests are computing
-        self.chunks = PrefillBatcher(lambda seqs, hooks: self.run_engine(self.engine.prefill_many, seqs, hooks))
+        self.chunks = PrefillBatcher(lambda seqs, hooks, budget: self.run_engine(
+            self.engine.prefill_many, seqs, hooks, budget, urgency=min(rank(s.sampling) for s in seqs)),
+            min(cfg.classes.flex_chunk_tokens or cfg.engine.prefill_chunk_tokens, cfg.engine.prefill_chunk_tokens))
         self.egress = KVEgress(self.ctx, self.curve, self.aborted)  # KV (and activations) to other instances
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
                                    self.rejections, self.chunks.chunk)
@@ -68,7 +74,7 @@ class PrefillWorker(EngineWorker):
     async def start(self) -> None:
         if self.engine.prefix_caching:
             self.publish_device_cache()
-        self._tasks.append(asyncio.create_task(self._work_loop()))
+        self._tasks += [asyncio.create_task(self._work_loop(flex)) for flex in self.queues]
         endpoints = {}
         if self.cfg.conductor.cpp_group_size > 1:  # this instance may be a pipeline stage
             self._act_sock, endpoints["act"] = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, 0,
@@ -86,18 +92,18 @@ class PrefillWorker(EngineWorker):
                 log.exception("error handling activations")
 
     def busy(self) -> bool:
-        return bool(self.running) or not self.queue.empty()
+        return bool(self.running) or not all(q.empty() for q in self.queues.values())
 
     def load(self) -> P.Load:
         load = super().load()
-        load.waiting, load.running = self.queue.qsize(), len(self.running)
+        load.waiting, load.running = sum(q.qsize() for q in self.queues.values()), len(self.running)
         return load
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.PrefillRequest):
             self.aborted.discard(msg.req_id)
             self.queued.add(msg.req_id)
-            self.queue.put_nowait(msg)
+            self.queues[rank(msg.sampling) == FLEX_RANK].put_nowait(msg)
         elif isinstance(msg, P.Abort):
             if msg.req_id in self.running or msg.req_id in self.queued:
                 self.aborted.add(msg.req_id)
@@ -107,23 +113,28 @@ class PrefillWorker(EngineWorker):
     def held_requests(self) -> list[str]:
         return [*self.queued, *self.running]
 
-    async def _work_loop(self) -> None:
-        """Up to ``max_prefill_batch`` requests at once, by class then arrival; their chunks batch."""
+    async def _work_loop(self, flex: bool) -> None:
+        """Up to ``max_prefill_batch`` requests of interactive classes (or, ``flex``, of flex work)
+        at once, by class then arrival; the chunks of all that run batch (``prefill_batcher.py``)."""
+        queue, slots = self.queues[flex], self._slots[flex]
         while True:
-            await self._slots.acquire()
-            req = await self.queue.get()
+            await slots.acquire()
+            req = await queue.get()
             self.queued.discard(req.req_id)
             if req.req_id in self.aborted:
                 self.aborted.discard(req.req_id)
-                self._slots.release()
+                slots.release()
                 continue
             self.running.add(req.req_id)
-            self._tasks.append(asyncio.create_task(self._run_one(req)))
+            self._tasks.append(asyncio.create_task(self._run_one(req, slots)))
             self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def _run_one(self, req: P.PrefillRequest) -> None:
+    async def _run_one(self, req: P.PrefillRequest, slots: asyncio.Semaphore) -> None:
+        urgency = rank(req.sampling)
+        ENGINE_URGENCY.set(urgency)  # this task's engine calls (and its tasks') go by its class
         try:
-            await self._prefill(req)
+            with self._pool.expecting(urgency):  # its calls come first, one after another
+                await self._prefill(req)
         except Exception as e:  # report, never die
             if req.req_id in self.aborted:
                 log.info("prefill of %s stopped: aborted", req.req_id)
@@ -134,7 +145,7 @@ class PrefillWorker(EngineWorker):
             self.running.discard(req.req_id)
             self.aborted.discard(req.req_id)
             self.inbox.drop(req.req_id)
-            self._slots.release()
+            slots.release()
 
     def layer_frame_blocks(self) -> int:
         """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""

@@ -11,7 +11,6 @@ import signal
 import socket
 import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -27,6 +26,7 @@ from mooncake.kv.integrity import Rejections
 from mooncake.kv.store_clients import StoreClients
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.block_events import BlockEvents
+from mooncake.roles.engine_thread import EngineThread
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.roles.orders import Orders
@@ -56,7 +56,7 @@ def node_id_for(cfg: Config, role: str) -> str:
 
 class EngineWorker(ABC):
     """Base of the prefill and decode roles. Engine calls go through ``run_engine``:
-    one thread owns the engine, the event loop never computes."""
+    one thread owns the engine (the most urgent call first), the event loop never computes."""
 
     role = ""
 
@@ -74,7 +74,7 @@ class EngineWorker(ABC):
         self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,
                                   self.engine.vocab_size, tuple(self.engine.block_shape),
                                   int(self.engine.model.embed.shape[1]))
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self._pool = EngineThread(f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
         # A frame is at most one KV block (plus headers): a peer sending more is disconnected.
         self.max_message_bytes = cfg.security.max_message_bytes or max(16 << 20, 4 * self.engine.block_bytes)
@@ -90,12 +90,14 @@ class EngineWorker(ABC):
         stall = os.environ.get(STALL_ENV, "")
         self._stall_after = int(stall) if stall.isdigit() else -1
 
-    async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_engine(self, fn: Callable[..., T], *args: Any, urgency: int | None = None) -> T:
+        """``fn(*args)`` on the engine thread, after the more urgent calls (``engine_thread.py``;
+        ``urgency``: a request class's rank, default the caller's context's)."""
         if self._stall_after == 0:
-            self._pool.submit(threading.Event().wait)  # the engine thread never returns
+            self._pool.submit(threading.Event().wait, urgency=-1)  # the engine thread never returns
             log.error("fault injection: engine thread stalled")
         self._stall_after -= 1
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.wrap_future(self._pool.submit(fn, *args, urgency=urgency))
 
     def profile(self) -> EngineProfile | None:
         """Time this engine before serving (prefill sizes or decode batches, by role)."""

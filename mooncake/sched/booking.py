@@ -189,10 +189,11 @@ class Booking:
     """One request's booked load (its plan's prefill work, a decode slot, the blocks pending on
     both instances), handed back to the scheduler that booked it."""
 
-    def __init__(self, scheduler: Scheduler, req_id: str, plan: Plan) -> None:
+    def __init__(self, scheduler: Scheduler, req_id: str, plan: Plan, rank: int = DEFAULT_RANK) -> None:
         self._scheduler = scheduler
         self.req_id = req_id
         self.plan = plan
+        self.rank = rank  # its class's (``request_class.py``)
         self.hashes = list(plan.hashes)  # pending on both instances until each is done with the request
         self.prefilled = False
 

@@ -56,9 +56,15 @@ class Scheduler:
         self.decode_cost = decode_cost
         self._rr = itertools.count()
         self.queues: dict[str, PrefillQueue] = {}
-        self.slots: dict[str, DecodeSlots] = {}
+        self.slots: dict[str, DecodeSlots] = {}  # every booking on each decode instance
+        # the bookings of interactive classes alone: what an interactive request's plan counts, as
+        # flex work gives way to it there (preempted for room; out of a step past the TBT SLO)
+        self.interactive_slots: dict[str, DecodeSlots] = {}
         self._booked: dict[str, Booking] = {}
-        self.pending = PendingBlocks()
+        self.pending = PendingBlocks()  # every booking's
+        # the bookings of interactive classes alone: what an interactive request's plan counts on
+        # (a flex request booked before it computes its blocks after it)
+        self.interactive_pending = PendingBlocks()
         self._stores_version = -1  # the cluster version ``_store_view``/``_local_view`` were built at
         self._store_view: dict[str, Node] = {}
         self._local_view: dict[str, tuple[list[str], str]] = {}
@@ -87,14 +93,15 @@ class Scheduler:
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         queues = self.queues
-        pending = self.pending.nodes()
+        pending_blocks = self.pending if rank == FLEX_RANK else self.interactive_pending
+        pending = pending_blocks.nodes()
         candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
         for p in prefills:
             nid = p.node_id
             queue = queues.get(nid)
             q = queue.ahead_s(rank) if queue is not None else 0.0
             if nid in pending:
-                dev = self._resident_run(nid, hashes, runs.get(nid, 0), usable)
+                dev = self._resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), usable)
             else:
                 dev = runs.get(nid, 0)
             reusable = dev if dev > store_end else store_end
@@ -127,12 +134,13 @@ class Scheduler:
         full = min(len(hashes), n_tokens // block_tokens)
         total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
         ready_at = now + est
-        all_slots = self.slots
+        all_slots = self.slots if rank == FLEX_RANK else self.interactive_slots
         best_key: tuple | None = None
         for d in decodes:
             nid, capacity = d.node_id, d.info.num_blocks
             slots = all_slots.get(nid, _NO_SLOTS)
-            resident = self._resident_run(nid, hashes, runs.get(nid, 0), full) if nid in pending else runs.get(nid, 0)
+            resident = self._resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), full) \
+                if nid in pending else runs.get(nid, 0)
             need = total_blocks - resident
             ends = slots.ends  # the batch it joins: those still decoding then, and itself (``running_at``)
             if capacity <= 0 or slots.blocks_total + need <= capacity:  # room now
@@ -179,7 +187,8 @@ class Scheduler:
         fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
         best = None
         for group in pipeline_groups(prefills, shape.group_size):
-            dev = min(self._resident_run(p.node_id, hashes, runs.get(p.node_id, 0), usable) for p in group)
+            dev = min(self._resident_run(self.pending if rank == FLEX_RANK else self.interactive_pending, p.node_id,
+                                         hashes, runs.get(p.node_id, 0), usable) for p in group)
             reusable = max(dev, store_end)
             cached = reusable * block_tokens
             if n_tokens - cached < shape.min_tokens:
@@ -191,10 +200,12 @@ class Scheduler:
                 best = (est, prefill_s, dev, reusable, group)
         return best
 
-    def _resident_run(self, node_id: str, hashes: Sequence[bytes], indexed: int, limit: int) -> int:
+    def _resident_run(self, pending_blocks: PendingBlocks, node_id: str, hashes: Sequence[bytes], indexed: int,
+                      limit: int) -> int:
         """Leading blocks of ``hashes`` (at most ``limit``) an instance holds, or will hold once
-        the requests booked on it are served; ``indexed``: its run in the KV index."""
-        pending = self.pending.of(node_id)
+        the requests booked on it (``pending_blocks``: those served before) are; ``indexed``:
+        its run in the KV index."""
+        pending = pending_blocks.of(node_id)
         run = min(indexed, limit)
         # A booked chain is pending from its block 0 (a block's hash names its whole prefix) where
         # the index does not hold it, so what is pending of ``hashes`` starts at ``run``, if at all:
@@ -238,13 +249,15 @@ class Scheduler:
         """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
         when its first token is due, if it has an SLO; ``rank``: its class's)."""
         self.release(req_id)
-        booking = self._booked[req_id] = Booking(self, req_id, plan)
+        booking = self._booked[req_id] = Booking(self, req_id, plan, rank)
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline, rank)
-        self._slots(plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
-        if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
-            self.pending.add(plan.prefill.node_id, booking.hashes)
-        self.pending.add(plan.decode.node_id, booking.hashes)
+        for slots in (self.slots, self.interactive_slots) if rank != FLEX_RANK else (self.slots,):
+            _slots(slots, plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
+        for pending in self._pending_of(booking):
+            if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
+                pending.add(plan.prefill.node_id, booking.hashes)
+            pending.add(plan.decode.node_id, booking.hashes)
         return booking
 
     def prefill_finished(self, req_id: str) -> None:
@@ -255,7 +268,8 @@ class Scheduler:
             for node_id in b.plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
             if not b.plan.stages:
-                self.pending.remove(b.plan.prefill.node_id, b.hashes)
+                for pending in self._pending_of(b):
+                    pending.remove(b.plan.prefill.node_id, b.hashes)
 
     def release(self, req_id: str) -> None:
         """All the request's booked load (it finished, failed or moved)."""
@@ -264,15 +278,20 @@ class Scheduler:
             plan = b.plan
             for node_id in plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            if not b.prefilled and not plan.stages:
-                self.pending.remove(plan.prefill.node_id, b.hashes)
-            self.pending.remove(plan.decode.node_id, b.hashes)
-            self._slots(plan.decode.node_id).remove(req_id)
+            for pending in self._pending_of(b):
+                if not b.prefilled and not plan.stages:
+                    pending.remove(plan.prefill.node_id, b.hashes)
+                pending.remove(plan.decode.node_id, b.hashes)
+            for slots in (self.slots, self.interactive_slots):
+                if plan.decode.node_id in slots:
+                    slots[plan.decode.node_id].remove(req_id)
 
     def forget_node(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
         self.slots.pop(node_id, None)
+        self.interactive_slots.pop(node_id, None)
         self.pending.forget_node(node_id)
+        self.interactive_pending.forget_node(node_id)
 
     # ------------------------------------------------------------ load views
 
@@ -297,14 +316,19 @@ class Scheduler:
         n_flex = sum(q.flex_requests() for q in self.queues.values())
         return n_flex if flex else sum(len(q.work) for q in self.queues.values()) - n_flex
 
+    def _pending_of(self, b: Booking) -> tuple[PendingBlocks, ...]:
+        return (self.pending,) if b.rank == FLEX_RANK else (self.pending, self.interactive_pending)
+
     def _queue(self, node_id: str) -> PrefillQueue:
         q = self.queues.get(node_id)
         if q is None:
             q = self.queues[node_id] = PrefillQueue()
         return q
 
-    def _slots(self, node_id: str) -> DecodeSlots:
-        s = self.slots.get(node_id)
-        if s is None:
-            s = self.slots[node_id] = DecodeSlots()
-        return s
+
+
+def _slots(slots: dict[str, DecodeSlots], node_id: str) -> DecodeSlots:
+    s = slots.get(node_id)
+    if s is None:
+        s = slots[node_id] = DecodeSlots()
+    return s

@@ -36,6 +36,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-scale", type=float, default=1.0,
                    help="keep this fraction of each request's shared prefix blocks, fresh blocks after (default: 1)")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    p.add_argument("--flex-share", type=float, default=0.0,
+                   help="fraction of the requests, drawn with --seed, sent as service_tier flex (default: 0)")
+    p.add_argument("--no-classes", dest="classes", action="store_false",
+                   help="serve every request as default, whatever its tier (the baseline for --flex-share)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result as JSON")
 
@@ -73,6 +77,9 @@ def _print_result(r) -> None:
     for k in _FIELDS:
         v = getattr(r, k)
         print(f"  {k:16s} {v:.4g}" if isinstance(v, float) else f"  {k:16s} {v}")
+    for tier, c in r.by_class.items():
+        print(f"  {tier}: {c['completed']}/{c['requests']} served, attainment {c['slo_attainment']:.3f}, "
+              f"TTFT p90 {c['ttft_p90_s']:.3g} s, {c['output_tokens']} output tokens, the last at {c['last_finished_s']:.4g} s")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -95,10 +102,10 @@ def run_sim(args: argparse.Namespace) -> int:
         hw = _hardware(args)
         requests = load_requests(args.trace, block_tokens=args.block_tokens, rate_scale=args.rate_scale,
                                  time_scale=args.time_scale, reuse_scale=args.reuse_scale,
-                                 max_requests=args.max_requests)
+                                 max_requests=args.max_requests, flex_share=args.flex_share, seed=args.seed)
         if args.sim_action == "run":
             setup = SimSetup(args.prefill, args.decode, args.policy, _use_store(args), args.ttft_slo_ms,
-                             args.tbt_slo_ms, args.seed)
+                             args.tbt_slo_ms, args.seed, args.classes)
             result = simulate(setup, hw, requests)
             _print_result(result)
             out = result.to_dict()
@@ -127,7 +134,8 @@ def _size(args: argparse.Namespace, hw, requests) -> dict:
 
     if not args.ttft_slo_ms and not args.tbt_slo_ms:
         raise ValueError("sim size needs an SLO: give --ttft-slo-ms and/or --tbt-slo-ms")
-    template = SimSetup(1, 1, args.policy, _use_store(args), args.ttft_slo_ms, args.tbt_slo_ms, args.seed)
+    template = SimSetup(1, 1, args.policy, _use_store(args), args.ttft_slo_ms, args.tbt_slo_ms, args.seed,
+                        args.classes)
     print(f"{'prefill':>7} {'decode':>6} {'attain':>7} {'ttft_p90':>9} {'tbt_p90':>8} {'rejected':>8} {'wall_s':>7}")
 
     def show(r) -> None:

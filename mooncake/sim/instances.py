@@ -13,7 +13,7 @@ from typing import Sequence
 from mooncake.protocol import NodeInfo
 from mooncake.sched.cluster import Node
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sim.lru import LRUBlocks
+from mooncake.sim.lru import Inserted, LRUBlocks
 
 
 def virtual_node(node_id: str, role: str, machine: str) -> Node:
@@ -38,35 +38,42 @@ class StoreInstance:
             return "ssd"
         return None
 
-    def put(self, hashes: Sequence[bytes]) -> None:
-        """Write blocks to DRAM (touching those held there), demoting what falls out."""
+    def put(self, hashes: Sequence[bytes], flex: bool = False) -> None:
+        """Write blocks to DRAM (touching those held there), demoting what falls out; ``flex``:
+        for a flex request (its blocks displace only other flex blocks)."""
         if len(self.ssd):
             for h in hashes:  # a block written again moves up: tiers are exclusive
                 self.ssd.discard(h)
-        added, evicted = self.dram.insert(hashes)
-        if added:
-            self.index.add(self.node.node_id, "dram", added)
-        self._demote(evicted)
+        ins = self.dram.insert(hashes, flex)
+        if ins.added:
+            self.index.add(self.node.node_id, "dram", ins.added)
+        self._demote(ins)
 
-    def read(self, h: bytes) -> None:
-        """A prefill instance read ``h``: touch it, promoting it from SSD to DRAM."""
-        if self.dram.touch(h):
+    def read(self, h: bytes, flex: bool = False) -> None:
+        """A prefill instance read ``h`` (for a flex request or another): touch it, promoting it
+        from SSD to DRAM."""
+        if self.dram.touch(h, flex):
             return
+        was_flex = self.ssd.is_flex(h)
         if self.ssd.discard(h):
-            self.put([h])
+            self.put([h], flex and was_flex)
 
-    def _demote(self, evicted: list[bytes]) -> None:
-        if not evicted:
+    def _demote(self, ins: Inserted) -> None:
+        """DRAM's evictions go to SSD (flex ones as flex); what neither tier holds leaves the index."""
+        if not ins.evicted:
             return
         node_id = self.node.node_id
-        if self.ssd.capacity == 0:
-            self.index.remove(node_id, evicted)
-            return
-        added, dropped = self.ssd.insert(evicted)
-        if added:
-            self.index.add(node_id, "ssd", added)
-        if dropped:
-            self.index.remove(node_id, dropped)
+        flex = set(ins.evicted_flex)
+        gone: list[bytes] = []
+        for group, is_flex in ((ins.evicted_flex, True), ([h for h in ins.evicted if h not in flex], False)):
+            if group:
+                moved = self.ssd.insert(group, is_flex)
+                if moved.added:
+                    self.index.add(node_id, "ssd", moved.added)
+                gone += moved.evicted + group
+        gone = [h for h in dict.fromkeys(gone) if h not in self.ssd and h not in self.dram]
+        if gone:
+            self.index.remove(node_id, gone)
 
 
 @dataclass
@@ -81,12 +88,12 @@ class PrefillInstance:
     work_since: float = 0.0  # when work_left was last brought up to date
     version: int = 0  # invalidates the end event scheduled before a change of speed
 
-    def cache_blocks(self, index: KVIndex, hashes: Sequence[bytes]) -> None:
-        added, evicted = self.cache.insert(hashes)
-        if added:
-            index.add(self.node.node_id, "device", added)
-        if evicted:
-            index.remove(self.node.node_id, evicted)
+    def cache_blocks(self, index: KVIndex, hashes: Sequence[bytes], flex: bool = False) -> None:
+        ins = self.cache.insert(hashes, flex)
+        if ins.added:
+            index.add(self.node.node_id, "device", ins.added)
+        if ins.evicted:
+            index.remove(self.node.node_id, ins.evicted)
 
 
 @dataclass
@@ -95,6 +102,7 @@ class DecodeSeq:
     remaining: float  # tokens still to generate
     kv_tokens: float  # KV it holds now (grows by one per token)
     reserved: int  # KV tokens reserved for it (prompt + output)
+    rank: int = 1  # its class's (``sched/request_class.py``): waiting sequences join by it, then arrival
 
 
 @dataclass

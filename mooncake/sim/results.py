@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -63,6 +63,9 @@ class SimResult:
     prefill_utilization: float
     sim_duration_s: float
     sim_wall_s: float
+    # per request class, where the trace has more than one: attainment (interactive classes
+    # against both SLOs, flex work only against completion), TTFT, output tokens served
+    by_class: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,4 +119,31 @@ def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcome
         ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms,
         slo_attainment=met / n if n else 0.0, goodput_rps=met / span,
         cache_hit_rate=reused / prompt if prompt else 0.0, device_hit_rate=device / prompt if prompt else 0.0,
-        prefill_utilization=min(1.0, busy), sim_duration_s=end_s, sim_wall_s=wall_s)
+        prefill_utilization=min(1.0, busy), sim_duration_s=end_s, sim_wall_s=wall_s,
+        by_class=_by_class(setup, outcomes.values(), span))
+
+
+def _by_class(setup: SimSetup, outcomes: Iterable[Outcome], span: float) -> dict[str, dict]:
+    """Each class's requests: served, attainment (flex: served at all), TTFT, the output tokens
+    served and when the last of them was.
+    The class is the request's own, also where the run serves every request as default."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault(o.req.tier, []).append(o)
+    if set(groups) <= {"default"}:
+        return {}
+    out = {}
+    for tier, outs in sorted(groups.items()):
+        served = [o for o in outs if o.rejected is None and o.finished_s >= 0]
+        ttft = np.fromiter((o.ttft_s for o in served), float, len(served))
+        tbt = np.fromiter((o.tbt_s for o in served), float, len(served))
+        ok = np.ones(len(served), bool)
+        if tier != "flex" and setup.ttft_slo_ms:
+            ok &= ttft * 1000 <= setup.ttft_slo_ms
+        if tier != "flex" and setup.tbt_slo_ms:
+            ok &= tbt * 1000 <= setup.tbt_slo_ms
+        out[tier] = {"requests": len(outs), "completed": len(served), "slo_attainment": int(ok.sum()) / len(outs),
+                     "goodput_rps": int(ok.sum()) / span, "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
+                     "tbt_p90_s": _pct(tbt, 90), "output_tokens": sum(o.req.output_tokens for o in served),
+                     "last_finished_s": max((o.finished_s for o in served), default=0.0)}
+    return out

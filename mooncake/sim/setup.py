@@ -17,6 +17,7 @@ class SimSetup:
     ttft_slo_ms: float = 0.0
     tbt_slo_ms: float = 0.0
     seed: int = 0
+    classes: bool = True  # False: every request is served as default, whatever its tier (the baseline)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:

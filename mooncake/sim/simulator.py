@@ -5,7 +5,9 @@ decode batches.
 Each arrival goes through ``sched.placement.place``, as on the conductor: its ``Scheduler``
 (with its booking, the ``KVIndex`` fed by the virtual caches and stores, and the online cost
 models fed with what the simulation measures) plans, ``Admission.check_plan`` rejects early;
-``HotBlocks`` finds blocks to replicate.
+``HotBlocks`` finds blocks to replicate. Request classes as the roles serve them: a prefill
+queue and a decode instance's waiting requests go by class, then arrival; a flex sequence
+joins a decode batch only while the step stays within the TBT SLO (or the batch is empty).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import deque
 
-from mooncake.config import ConductorConfig
+from mooncake.config import ClassesConfig, ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Admission, Rejection
 from mooncake.sched.cluster import Cluster
@@ -23,6 +26,7 @@ from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.placement import place
 from mooncake.sched.plan import Plan
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.sim.events import EventLoop
 from mooncake.sim.hardware import Hardware
@@ -52,7 +56,7 @@ class Simulation:
         self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq, per_1k_kv_s=per_1k_kv)
         self.sched = Scheduler(self.cfg, self.cluster, self.index, self.prefill_cost, self.decode_cost,
                                rng=random.Random(setup.seed))
-        self.admission = Admission(self.cfg, Metrics())  # the metrics of a simulation go unread
+        self.admission = Admission(self.cfg, Metrics(), ClassesConfig())  # the metrics of a simulation go unread
         self.hot = HotBlocks(self.cfg.hot_block_hits, self.cfg.hot_window_s)
         caps = hw.caps
         self.stores: dict[str, StoreInstance] = {}
@@ -89,10 +93,15 @@ class Simulation:
 
     # ------------------------------------------------------------ conductor
 
+    def _rank(self, r: SimRequest) -> int:
+        """Where ``r`` is served: by its class, or with classes off as default work."""
+        return rank(r) if self.setup.classes else DEFAULT_RANK
+
     def _arrive(self, r: SimRequest) -> None:
         now = self.loop.now
         out = self.outcomes[r.req_id] = Outcome(r)
-        placed = place(self.sched, self.admission, r.req_id, r.hashes, r.prompt_tokens, r.output_tokens, self.B, now)
+        placed = place(self.sched, self.admission, r.req_id, r.hashes, r.prompt_tokens, r.output_tokens, self.B, now,
+                       rank=self._rank(r))
         if isinstance(placed, Rejection):
             out.rejected = placed.reason
             return
@@ -111,7 +120,7 @@ class Simulation:
         if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it
             self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
         inst = self.prefills[plan.prefill.node_id]
-        inst.queue.append((r, plan))
+        _queue_by_rank(inst.queue, (r, plan), lambda item: self._rank(item[0]))
         if inst.job is None:
             self._start_prefill(inst)
 
@@ -136,7 +145,8 @@ class Simulation:
         r, plan = inst.queue.popleft()
         now = self.loop.now
         usable = min(len(r.hashes), (r.prompt_tokens - 1) // self.B)
-        reused = inst.cache.leading_run(r.hashes[:usable])
+        flex = self._rank(r) == FLEX_RANK
+        reused = inst.cache.leading_run(r.hashes[:usable], flex)
         device = reused
         fetch_s = 0.0
         if self.setup.use_store:  # the plan's store segments, as far as the stores still hold them
@@ -148,7 +158,7 @@ class Simulation:
                     break
                 store = self.stores[src]
                 fetch_s += self.hw.fetch_block_s(store.tier_of(h) or "dram", src == local)
-                store.read(h)
+                store.read(h, flex)
                 reused += 1
         cached = reused * self.B
         n_new = r.prompt_tokens - cached
@@ -173,9 +183,10 @@ class Simulation:
         inst.busy_s += now - started
         out = self.outcomes[r.req_id]
         out.first_token_s = now
-        inst.cache_blocks(self.index, r.hashes)
+        flex = self._rank(r) == FLEX_RANK
+        inst.cache_blocks(self.index, r.hashes, flex)
         if inst.store is not None and plan.store_endpoint:
-            inst.store.put(r.hashes[out.reused_blocks:])
+            inst.store.put(r.hashes[out.reused_blocks:], flex)
         self.sched.prefill_finished(r.req_id)
         # The engine times its compute on the wall clock, sharing included (as the real one does).
         self.prefill_cost.observe(n_new, cached, compute_s * (now - started) / work if work > 0 else compute_s)
@@ -183,7 +194,7 @@ class Simulation:
             self._finish(r.req_id)
         else:
             seq = DecodeSeq(r.req_id, float(r.output_tokens - 1), float(r.prompt_tokens),
-                            r.prompt_tokens + r.output_tokens)
+                            r.prompt_tokens + r.output_tokens, self._rank(r))
             self.loop.after(self.hw.kv_handoff_s(r.prompt_tokens, compute_s), self._join_decode,
                             self.decodes[plan.decode.node_id], seq)
         self._start_prefill(inst)
@@ -192,16 +203,44 @@ class Simulation:
 
     def _join_decode(self, d: DecodeInstance, seq: DecodeSeq) -> None:
         d.advance(self.loop.now, self.gaps)
-        d.waiting.append(seq)
+        _queue_by_rank(d.waiting, seq, lambda s: s.rank)
         self._admit(d)
         self._batch_changed(d)
 
     def _admit(self, d: DecodeInstance) -> None:
-        while d.waiting and d.fits(d.waiting[0]):
+        while d.waiting:
+            if not d.fits(d.waiting[0]):
+                if not self._preempt_flex_for(d, d.waiting[0]):
+                    return
+                continue
+            if not self._flex_fits(d, d.waiting[0]):
+                return
             seq = d.waiting.popleft()
             d.active[seq.req_id] = seq
             d.kv_reserved += seq.reserved
             self.outcomes[seq.req_id].decode_joined_s = self.loop.now
+
+    def _preempt_flex_for(self, d: DecodeInstance, seq: DecodeSeq) -> bool:
+        """An interactive sequence that does not fit takes the room of the newest flex one, which
+        waits to resume (as a decode instance preempts flex work); False if that cannot make it fit."""
+        flex = [s for s in d.active.values() if s.rank == FLEX_RANK]
+        if seq.rank == FLEX_RANK or not flex or len(d.active) - len(flex) >= d.max_batch or \
+                d.kv_reserved - sum(s.reserved for s in flex) + seq.reserved > d.kv_capacity:
+            return False
+        victim = flex[-1]
+        del d.active[victim.req_id]
+        d.kv_reserved -= victim.reserved
+        _queue_by_rank(d.waiting, victim, lambda s: s.rank)
+        return True
+
+    def _flex_fits(self, d: DecodeInstance, seq: DecodeSeq) -> bool:
+        """A flex sequence joins a batch only while its step stays within the TBT SLO (or the
+        batch is empty), as a decode instance's step takes flex work."""
+        slo_s = self.setup.tbt_slo_ms / 1000
+        if seq.rank != FLEX_RANK or not slo_s or not d.active:
+            return True
+        kv = sum(s.kv_tokens for s in d.active.values()) + seq.kv_tokens
+        return self.hw.decode_step_s(len(d.active) + 1, kv) <= slo_s
 
     def _batch_changed(self, d: DecodeInstance) -> None:
         if not (self._set_computing(d.node.node_id, bool(d.active)) and d.active):  # else rescheduled there
@@ -260,6 +299,14 @@ class Simulation:
     def _finish(self, req_id: str) -> None:
         self.outcomes[req_id].finished_s = self.loop.now
         self.sched.release(req_id)
+
+
+def _queue_by_rank(queue: deque, item, rank_of) -> None:
+    """Queue ``item`` behind every item of its rank or a lower one (ahead of the rest)."""
+    i, key = len(queue), rank_of(item)
+    while i and rank_of(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, item)
 
 
 def simulate(setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> SimResult:

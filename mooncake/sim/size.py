@@ -10,7 +10,7 @@ still beat the best cluster found so far (one simulation rules a prefill count o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mooncake.sim.hardware import Hardware
@@ -62,8 +62,7 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
     def ok(p: int, d: int) -> bool:
         r = answer.evaluated.get((p, d))
         if r is None:
-            setup = SimSetup(p, d, template.policy, template.use_store, template.ttft_slo_ms,
-                             template.tbt_slo_ms, template.seed)
+            setup = replace(template, prefill=p, decode=d)
             r = answer.evaluated[(p, d)] = simulate(setup, hw, requests)
             if progress is not None:
                 progress(r)

@@ -5,13 +5,16 @@ prefix-chained in the format, so an id names its whole prefix); the block key th
 scheduler sees is the id as 8 bytes. What-ifs: ``rate_scale`` compresses arrivals
 (2: twice the rate), ``time_scale`` multiplies timestamps, and ``reuse_scale``
 keeps that fraction of each request's shared leading blocks and replaces the rest
-of its chain with fresh blocks (0: no reuse; 1: the trace as is). A benchmark's
+of its chain with fresh blocks (0: no reuse; 1: the trace as is), and ``flex_share``
+marks that fraction of the requests, drawn by a seeded generator, as ``service_tier``
+flex (the rest: default). A benchmark's
 own prompts can be simulated too (``requests_from_sessions``), to check a
 calibrated simulation against the live run.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +31,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     hashes: tuple[bytes, ...]  # full blocks only
+    tier: str = "default"  # its request class (``sched/request_class.py``): "default", "priority" or "flex"
 
 
 def _key(block_id: int) -> bytes:
@@ -36,13 +40,17 @@ def _key(block_id: int) -> bytes:
 
 def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, rate_scale: float = 1.0,
                           time_scale: float = 1.0, reuse_scale: float = 1.0,
-                          max_requests: int | None = None) -> list[SimRequest]:
+                          max_requests: int | None = None, flex_share: float = 0.0,
+                          seed: int = 0) -> list[SimRequest]:
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
     if not rate_scale > 0 or not time_scale > 0:
         raise ValueError("rate_scale and time_scale must be > 0")
     if not 0.0 <= reuse_scale <= 1.0:
         raise ValueError("reuse_scale must be within [0, 1]")
+    if not 0.0 <= flex_share <= 1.0:
+        raise ValueError("flex_share must be within [0, 1]")
+    draw = random.Random(seed)
     ordered = sorted(records, key=lambda r: (r.timestamp_ms, r.line_no))
     if max_requests is not None:
         ordered = ordered[:max_requests]
@@ -65,8 +73,9 @@ def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, r
                 fresh += 1
         n_tokens = scaled_input_length(rec, block_tokens)
         full = n_tokens // block_tokens
+        tier = "flex" if draw.random() < flex_share else "default"
         out.append(SimRequest(f"r{i}-{rec.line_no}", (rec.timestamp_ms - t0) / 1000.0 * time_scale / rate_scale,
-                              n_tokens, max(1, rec.output_length), tuple(_key(h) for h in ids[:full])))
+                              n_tokens, max(1, rec.output_length), tuple(_key(h) for h in ids[:full]), tier))
     return out
 
 

@@ -1,0 +1,113 @@
+"""The one thread that runs a worker's engine calls, the most urgent first.
+
+A role's coroutines queue engine calls (a forward, a block import, a sequence's allocation)
+faster than one thread runs them. In arrival order, an interactive request's every step
+would wait behind the calls flex work queued before it: a flood of flex prompts puts a
+forward and its exports ahead of each of them. Here each call carries an urgency (its
+request's class rank, ``sched/request_class.py``: lower first) and waits only for the call
+running and the more urgent ones; calls of one urgency keep their order. A coroutine's calls
+take the urgency set in its context (``ENGINE_URGENCY``, inherited by the tasks it starts),
+or the one it names.
+
+A request makes its calls one after another, and between two of them (while its coroutine
+resumes) the queue may hold only less urgent work: a long flex forward would start then, and
+the request's next call wait it out, at every step. While a request of some urgency is
+``expecting`` calls, a less urgent call waits up to ``grace_s`` for one of them to come
+first; never longer, so a request that waits on flex work (blocks it computes, a place it
+holds) is never stuck behind it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import heapq
+import itertools
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from mooncake.sched.request_class import DEFAULT_RANK
+
+ENGINE_URGENCY: contextvars.ContextVar[int] = contextvars.ContextVar("engine_urgency", default=DEFAULT_RANK)
+
+
+class EngineThread(Executor):
+    def __init__(self, name: str, grace_s: float = 0.05) -> None:
+        self.grace_s = grace_s
+        self._calls: list[tuple] = []  # heap of (urgency, order, future, fn, args, kwargs)
+        self._expected: Counter[int] = Counter()  # urgency -> requests expecting calls
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, urgency: int | None = None, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` after the calls more urgent than ``urgency`` (default: the
+        caller's context's) and those of its urgency queued before it."""
+        f: Future = Future()
+        key = ENGINE_URGENCY.get() if urgency is None else urgency
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine thread is shut down")
+            heapq.heappush(self._calls, (key, next(self._order), f, fn, args, kwargs))
+            self._cond.notify()
+        return f
+
+    @contextmanager
+    def expecting(self, urgency: int) -> Iterator[None]:
+        """While in it, a request of ``urgency`` makes calls: less urgent ones give them ``grace_s``."""
+        with self._cond:
+            self._expected[urgency] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._expected[urgency] -= 1
+                if not self._expected[urgency]:
+                    del self._expected[urgency]
+                self._cond.notify()
+
+    def _next(self) -> tuple:
+        with self._cond:
+            since = None
+            while True:
+                if not self._calls:
+                    self._cond.wait()
+                    continue
+                head = self._calls[0]
+                if head[2] is None or not self._expected or head[0] <= min(self._expected):
+                    return heapq.heappop(self._calls)
+                since = time.monotonic() if since is None else since
+                left = self.grace_s - (time.monotonic() - since)
+                if left <= 0:
+                    return heapq.heappop(self._calls)
+                self._cond.wait(left)
+
+    def _work(self) -> None:
+        while True:
+            _, _, f, fn, args, kwargs = self._next()
+            if f is None:  # shut down
+                return
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # the caller gets it
+                f.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more calls; those queued run first unless ``cancel_futures``."""
+        with self._cond:
+            self._closed = True
+            if cancel_futures:
+                for item in self._calls:
+                    item[2].cancel()
+                self._calls = []
+            heapq.heappush(self._calls, (float("inf"), next(self._order), None, None, (), {}))
+            self._cond.notify()
+        if wait:
+            self._thread.join()
