@@ -69,6 +69,9 @@ def test_a_less_urgent_call_gives_a_request_expecting_calls_a_moment_never_more(
         t.grace_s = 0.05
         with t.expecting(1):  # a request that waits on flex work itself gets it after the grace
             assert t.submit(lambda: "flex done", urgency=2).result(10) == "flex done"
+        t.grace_s = 30.0
+        with t.expecting(1), t.waiting_on_others(1):  # or at once, when it says so
+            assert t.submit(lambda: "flex done", urgency=2).result(10) == "flex done"
     finally:
         t.shutdown()
 

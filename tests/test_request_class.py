@@ -4,6 +4,7 @@ before ``default`` before ``flex``, then lower ``priority``, then arrival."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from types import SimpleNamespace
 
@@ -103,7 +104,7 @@ def test_flex_work_is_held_to_its_own_ttft_slo():
 
 
 def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
-    from mooncake.roles.decode import DecodeWorker
+    from mooncake.roles.decode import YIELD_AT_MOST_S, DecodeWorker
 
     def slot(uid: int, tier: str = "default") -> SimpleNamespace:
         return SimpleNamespace(seq=SimpleNamespace(uid=uid, num_tokens=1000, sampling=P.Sampling(tier=tier)))
@@ -116,10 +117,13 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     w.cfg.conductor.tbt_slo_ms = 0
     assert len(DecodeWorker._batch(w)) == 6
     reserved = slot(9)  # an interactive request's prefill runs on this machine: no flex work steps
-    w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True))
+    w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True),
+                                      reserved_at=time.monotonic())
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
-    w.incoming["9"].msg.prefill_beside = False  # on another machine: it takes nothing from flex work here
+    w.incoming["9"].reserved_at -= YIELD_AT_MOST_S + 1  # a prefill that slow gets no more of it
     assert len(DecodeWorker._batch(w)) == 6
+    w.incoming["9"].reserved_at, w.incoming["9"].msg.prefill_beside = time.monotonic(), False
+    assert len(DecodeWorker._batch(w)) == 6  # on another machine: it takes nothing from flex work here
 
 
 def test_flex_work_waits_past_the_interactive_no_progress_timeout():

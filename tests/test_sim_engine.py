@@ -70,6 +70,23 @@ def test_store_demotes_to_ssd_drops_past_it_and_promotes_on_read() -> None:
     assert index.blocks_of("store-0") == 3
 
 
+def test_flex_blocks_displace_only_flex_blocks_and_the_index_follows() -> None:
+    index = KVIndex()
+    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=2, ssd_blocks=2)
+    store.put([h(1)], flex=True)
+    store.put([h(2), h(3)])  # the flex block goes first, to SSD
+    assert store.tier_of(h(1)) == "ssd" and store.tier_of(h(2)) == store.tier_of(h(3)) == "dram"
+    store.put([h(4)], flex=True)  # no flex block in DRAM to displace: not held
+    assert store.tier_of(h(4)) is None and index.holders(h(4)) == {}
+    store.read(h(1), flex=True)  # a flex read cannot promote it past interactive blocks: it stays
+    assert store.tier_of(h(1)) == "ssd" and index.holders(h(1)) == {"store-0": "ssd"}
+    store.read(h(1))  # an interactive read promotes it (no longer flex)
+    assert store.tier_of(h(1)) == "dram" and index.holders(h(1)) == {"store-0": "dram"}
+    lru = LRUBlocks(2)
+    lru.insert([h(5)], flex=True)
+    assert lru.is_flex(h(5)) and lru.leading_run([h(5)]) == 1 and not lru.is_flex(h(5))  # used by another
+
+
 def test_store_without_ssd_forgets_what_dram_evicts() -> None:
     index = KVIndex()
     store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=1, ssd_blocks=0)

@@ -61,4 +61,5 @@ def route_of(plan: Plan, stages: list[P.StagePlan]) -> P.Route:
     prefills = plan.stages or [plan.prefill]
     return P.Route(worker_ref(plan.decode), [worker_ref(n) for n in prefills], secrets.token_bytes(16),
                    plan.fetch, plan.store_endpoint, stages, plan.reusable_blocks if plan.stages else -1,
-                   prefill_beside=any(n.name == plan.decode.name for n in prefills))
+                   prefill_beside=bool(plan.decode.info.machine)
+                   and any(n.info.machine == plan.decode.info.machine for n in prefills))

@@ -57,6 +57,7 @@ class Slot:
     started: bool = False  # decoding has begun (or is beginning)
     next_index: int = 0  # index of the next token among the request's generated tokens
     stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
+    reserved_at: float = 0.0  # time.monotonic() when its blocks were reserved
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one batch at a time, in order
     # its KV messages received and waiting to land (with the next batch of its messages)
     inbox: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]] = field(default_factory=list)

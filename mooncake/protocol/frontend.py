@@ -76,7 +76,7 @@ class Route(msgspec.Struct, array_like=True):
     stages: list[StagePlan] = []  # a pipeline group's, one per prefill
     store_from_block: int = -1  # a group's decode writes the prompt's blocks from this one to the store
     planned: bool = True
-    prefill_beside: bool = False  # the prefill runs on the decode's machine (same [node] name): they share its cores
+    prefill_beside: bool = False  # the prefill runs on the decode's machine (``NodeInfo.machine``): they share its cores
 
     @property
     def node_ids(self) -> set[str]:

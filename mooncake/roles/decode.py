@@ -37,6 +37,9 @@ from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.request_class import FLEX_RANK, flex_joining, rank, urgency
 
 log = logging.getLogger(__name__)
+# Flex work yields the cores to an interactive prefill on this machine for at most this long per
+# reservation (a prefill that takes longer is queued or stuck, and flex work goes on meanwhile).
+YIELD_AT_MOST_S = 10.0
 
 
 class DecodeWorker(EngineWorker):
@@ -74,7 +77,7 @@ class DecodeWorker(EngineWorker):
         load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
         load.progress += self.kv.writes  # landing KV is engine progress
         # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
-        load.pending = bool(self.running) or self.kv.landing > 0
+        load.pending = bool(self._batch()) or self.kv.landing > 0
         return load
 
     # ------------------------------------------------------------ orders (frontends) and aborts (conductor)
@@ -141,7 +144,8 @@ class DecodeWorker(EngineWorker):
                     return
                 self._unqueue(msg)  # a more urgent one may have been queued ahead of it meanwhile
                 self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
-                                                 next_index=msg.num_generated + 1, stored=msg.store_from_block)
+                                                 next_index=msg.num_generated + 1, stored=msg.store_from_block,
+                                                 reserved_at=time.monotonic())
                 await self.send(P.Reserved(msg.req_id, self.node_id))
 
     def _enqueue(self, msg: P.DecodeRequest) -> None:
@@ -239,7 +243,8 @@ class DecodeWorker(EngineWorker):
         slots = list(self.running.values())
         flex = sorted((s for s in slots if rank(s.seq.sampling) == FLEX_RANK),
                       key=lambda s: (urgency(s.seq.sampling), s.seq.uid))
-        yielding = flex and any(s.msg.prefill_beside and rank(s.seq.sampling) != FLEX_RANK
+        since = time.monotonic() - YIELD_AT_MOST_S  # a prefill slower than that gets no more
+        yielding = flex and any(s.msg.prefill_beside and rank(s.seq.sampling) != FLEX_RANK and s.reserved_at > since
                                 for s in self.incoming.values())  # reserved, its prefill beside us
         if not flex or (len(flex) == len(slots) and not yielding):
             return slots

@@ -60,16 +60,28 @@ class EngineThread(Executor):
     @contextmanager
     def expecting(self, urgency: int) -> Iterator[None]:
         """While in it, a request of ``urgency`` makes calls: less urgent ones give them ``grace_s``."""
-        with self._cond:
-            self._expected[urgency] += 1
+        self._expect(urgency, 1)
         try:
             yield
         finally:
-            with self._cond:
-                self._expected[urgency] -= 1
-                if not self._expected[urgency]:
-                    del self._expected[urgency]
-                self._cond.notify()
+            self._expect(urgency, -1)
+
+    @contextmanager
+    def waiting_on_others(self, urgency: int) -> Iterator[None]:
+        """Within ``expecting(urgency)``, while the request waits on other work (blocks another
+        request computes, room it frees, a transfer): no grace for it meanwhile."""
+        self._expect(urgency, -1)
+        try:
+            yield
+        finally:
+            self._expect(urgency, 1)
+
+    def _expect(self, urgency: int, change: int) -> None:
+        with self._cond:
+            self._expected[urgency] += change
+            if self._expected[urgency] <= 0:
+                del self._expected[urgency]
+            self._cond.notify()
 
     def _next(self) -> tuple:
         with self._cond:
@@ -105,7 +117,8 @@ class EngineThread(Executor):
             self._closed = True
             if cancel_futures:
                 for item in self._calls:
-                    item[2].cancel()
+                    if item[2] is not None:
+                        item[2].cancel()
                 self._calls = []
             heapq.heappush(self._calls, (float("inf"), next(self._order), None, None, (), {}))
             self._cond.notify()

@@ -58,6 +58,8 @@ class PrefillBatcher:
             # With per-layer KV hooks the engine computes the sequences one by one anyway: each
             # its own call, so that a more urgent one can go between them
             for call in [[p] for p in batch] if any(p[1] is not None for p in batch) else [batch] if batch else []:
+                if all(p[2].done() for p in call):  # cancelled meanwhile
+                    continue
                 self.calls += 1
                 await self._run(call, self._budget[lane])
 

@@ -41,10 +41,10 @@ class StoreInstance:
     def put(self, hashes: Sequence[bytes], flex: bool = False) -> None:
         """Write blocks to DRAM (touching those held there), demoting what falls out; ``flex``:
         for a flex request (its blocks displace only other flex blocks)."""
-        if len(self.ssd):
-            for h in hashes:  # a block written again moves up: tiers are exclusive
-                self.ssd.discard(h)
         ins = self.dram.insert(hashes, flex)
+        if len(self.ssd):
+            for h in ins.added:  # a block written again moves up: tiers are exclusive
+                self.ssd.discard(h)
         if ins.added:
             self.index.add(self.node.node_id, "dram", ins.added)
         self._demote(ins)
@@ -54,9 +54,8 @@ class StoreInstance:
         from SSD to DRAM."""
         if self.dram.touch(h, flex):
             return
-        was_flex = self.ssd.is_flex(h)
-        if self.ssd.discard(h):
-            self.put([h], flex and was_flex)
+        if h in self.ssd:
+            self.put([h], flex and self.ssd.is_flex(h))
 
     def _demote(self, ins: Inserted) -> None:
         """DRAM's evictions go to SSD (flex ones as flex); what neither tier holds leaves the index."""
