@@ -140,6 +140,19 @@ def test_etcd_restarted_leaves_the_leader_leading(cluster, etcd, expected):
     assert leader(cluster) == before
 
 
+def decode_load(cluster: LocalCluster) -> dict | None:
+    """The decode instance's load as its last heartbeat to the leader said (None: not registered
+    with it yet, as after a change of leader)."""
+    nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
+    return next((n["load"] for n in nodes if n["role"] == "decode"), None)
+
+
+def decode_idle(cluster: LocalCluster) -> bool:
+    """Nothing running or reserved on decode (a heartbeat behind the last request's end)."""
+    load = decode_load(cluster)
+    return load is not None and load["sequences"] == 0 and load["used_blocks"] == 0
+
+
 def fallback_routed(url: str) -> float:
     return metric(metrics(url), "mooncake:fallback_routed_total")
 
@@ -176,12 +189,7 @@ def test_with_both_conductors_gone_frontends_route_by_themselves(cluster, expect
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[PROMPTS[0]]
     assert [fallback_routed(u) for u in cluster.urls] == routed  # the leader placed it
 
-    def decode_idle() -> bool:  # as its last heartbeat said (a heartbeat behind the last request's end)
-        nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
-        load = next(n for n in nodes if n["role"] == "decode")["load"]
-        return load["sequences"] == 0 and load["used_blocks"] == 0
-
-    wait_for(decode_idle, timeout_s=15, what="nothing left running or reserved on decode")
+    wait_for(lambda: decode_idle(cluster), timeout_s=15, what="nothing left running or reserved on decode")
     cluster.spawn("conductor", 1)
 
 
@@ -201,13 +209,9 @@ def test_a_frontend_killed_has_its_requests_freed_on_decode(cluster):
         t.start()
     assert started.wait(120)
 
-    def decode_load() -> dict:
-        nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
-        return next(n for n in nodes if n["role"] == "decode")["load"]
-
-    wait_for(lambda: decode_load()["sequences"] >= 1, timeout_s=60, what="decoding")
+    wait_for(lambda: (decode_load(cluster) or {}).get("sequences", 0) >= 1, timeout_s=60, what="decoding")
     cluster.kill("frontend1")
-    wait_for(lambda: decode_load()["sequences"] == 0 and decode_load()["used_blocks"] == 0, timeout_s=30,
+    wait_for(lambda: decode_idle(cluster), timeout_s=30,
              what="the dead frontend's requests freed on decode")
     r = complete(cluster.urls[0], PROMPTS[0], max_tokens=8)
     assert r.status_code == 200
@@ -244,12 +248,7 @@ def test_a_frontend_killed_while_no_conductor_leads_has_its_requests_freed_once_
     cluster.spawn("conductor", 0)
     wait_for(lambda: leader(cluster) == "node0", timeout_s=60, what="a conductor leading again")
 
-    def decode_idle() -> bool:
-        nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
-        load = next(n for n in nodes if n["role"] == "decode")["load"]
-        return load["sequences"] == 0 and load["used_blocks"] == 0
-
-    wait_for(decode_idle, timeout_s=20, what="the dead frontend's stream freed on decode")
+    wait_for(lambda: decode_idle(cluster), timeout_s=20, what="the dead frontend's stream freed on decode")
     r = complete(cluster.urls[0], PROMPTS[0], max_tokens=20)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[PROMPTS[0]]
     cluster.spawn("conductor", 1)

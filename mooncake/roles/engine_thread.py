@@ -67,9 +67,11 @@ class EngineThread(Executor):
             self._expect(urgency, -1)
 
     @contextmanager
-    def waiting_on_others(self, urgency: int) -> Iterator[None]:
-        """Within ``expecting(urgency)``, while the request waits on other work (blocks another
-        request computes, room it frees, a transfer): no grace for it meanwhile."""
+    def waiting_on_others(self, urgency: int | None = None) -> Iterator[None]:
+        """Within ``expecting(urgency)`` (default: the caller's context's), while the request waits
+        on other work (blocks another request computes, room it frees, a transfer): no grace for it
+        meanwhile."""
+        urgency = ENGINE_URGENCY.get() if urgency is None else urgency
         self._expect(urgency, -1)
         try:
             yield

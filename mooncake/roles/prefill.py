@@ -161,7 +161,7 @@ class PrefillWorker(EngineWorker):
         have = await self.run_engine(eng.cached_prefix, hashes)
         if req.stage is None and eng.prefix_caching:  # blocks a running request computes: wait, compute once
             while (computing := self.inflight.computing(hashes, have)) is not None:
-                with self._pool.waiting_on_others(rank(req.sampling)):
+                with self._pool.waiting_on_others():
                     await computing.wait()
                 have = await self.run_engine(eng.cached_prefix, hashes)
             self.inflight.start(req.req_id, hashes, have)
@@ -185,7 +185,7 @@ class PrefillWorker(EngineWorker):
                 if seq is not None or (not self._holding and releases == self._releases):
                     break
                 if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
-                    with self._pool.waiting_on_others(rank(req.sampling)):
+                    with self._pool.waiting_on_others():
                         await self._released.wait()
         except BaseException:  # an invalid request, an abort: the stream goes too
             await kv.close()
@@ -261,7 +261,7 @@ class PrefillWorker(EngineWorker):
                 await kv.save_blocks(sent, None)
         await kv.save_to_store(written, len(kv.hashes))
         if finished is None:
-            with self._pool.waiting_on_others(rank(req.sampling)):
+            with self._pool.waiting_on_others():
                 await kv.wait_for_save()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)

@@ -93,7 +93,7 @@ class Scheduler:
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         queues = self.queues
-        pending_blocks = self.pending if rank == FLEX_RANK else self.interactive_pending
+        all_slots, pending_blocks = self._views(rank)
         pending = pending_blocks.nodes()
         candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
         for p in prefills:
@@ -134,7 +134,6 @@ class Scheduler:
         full = min(len(hashes), n_tokens // block_tokens)
         total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
         ready_at = now + est
-        all_slots = self.slots if rank == FLEX_RANK else self.interactive_slots
         best_key: tuple | None = None
         for d in decodes:
             nid, capacity = d.node_id, d.info.num_blocks
@@ -187,8 +186,8 @@ class Scheduler:
         fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
         best = None
         for group in pipeline_groups(prefills, shape.group_size):
-            dev = min(self._resident_run(self.pending if rank == FLEX_RANK else self.interactive_pending, p.node_id,
-                                         hashes, runs.get(p.node_id, 0), usable) for p in group)
+            dev = min(self._resident_run(self._views(rank)[1], p.node_id, hashes, runs.get(p.node_id, 0), usable)
+                      for p in group)
             reusable = max(dev, store_end)
             cached = reusable * block_tokens
             if n_tokens - cached < shape.min_tokens:
@@ -252,9 +251,8 @@ class Scheduler:
         booking = self._booked[req_id] = Booking(self, req_id, plan, rank)
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline, rank)
-        for slots in (self.slots, self.interactive_slots) if rank != FLEX_RANK else (self.slots,):
+        for slots, pending in self._kept_in(rank):
             _slots(slots, plan.decode.node_id).add(req_id, plan.expected_end, plan.decode_blocks, plan.decode_kv_tokens)
-        for pending in self._pending_of(booking):
             if not plan.stages:  # stages hold only their layers: the blocks never become reusable there
                 pending.add(plan.prefill.node_id, booking.hashes)
             pending.add(plan.decode.node_id, booking.hashes)
@@ -268,7 +266,7 @@ class Scheduler:
             for node_id in b.plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
             if not b.plan.stages:
-                for pending in self._pending_of(b):
+                for _, pending in self._kept_in(b.rank):
                     pending.remove(b.plan.prefill.node_id, b.hashes)
 
     def release(self, req_id: str) -> None:
@@ -278,13 +276,11 @@ class Scheduler:
             plan = b.plan
             for node_id in plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            for pending in self._pending_of(b):
+            for slots, pending in self._kept_in(b.rank):
                 if not b.prefilled and not plan.stages:
                     pending.remove(plan.prefill.node_id, b.hashes)
                 pending.remove(plan.decode.node_id, b.hashes)
-            for slots in (self.slots, self.interactive_slots):
-                if plan.decode.node_id in slots:
-                    slots[plan.decode.node_id].remove(req_id)
+                slots.get(plan.decode.node_id, _NO_SLOTS).remove(req_id)
 
     def forget_node(self, node_id: str) -> None:
         self.queues.pop(node_id, None)
@@ -316,8 +312,15 @@ class Scheduler:
         n_flex = sum(q.flex_requests() for q in self.queues.values())
         return n_flex if flex else sum(len(q.work) for q in self.queues.values()) - n_flex
 
-    def _pending_of(self, b: Booking) -> tuple[PendingBlocks, ...]:
-        return (self.pending,) if b.rank == FLEX_RANK else (self.pending, self.interactive_pending)
+    def _views(self, rank: int) -> tuple[dict[str, DecodeSlots], PendingBlocks]:
+        """What a plan of ``rank`` counts on the instances: every booking for flex work; for the
+        others, the interactive bookings alone (flex work gives way to them)."""
+        return (self.slots, self.pending) if rank == FLEX_RANK else (self.interactive_slots, self.interactive_pending)
+
+    def _kept_in(self, rank: int) -> list[tuple[dict[str, DecodeSlots], PendingBlocks]]:
+        """The views a booking of ``rank`` is part of."""
+        views = [(self.slots, self.pending)]
+        return views if rank == FLEX_RANK else views + [(self.interactive_slots, self.interactive_pending)]
 
     def _queue(self, node_id: str) -> PrefillQueue:
         q = self.queues.get(node_id)

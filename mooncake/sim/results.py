@@ -84,6 +84,16 @@ def _weighted_pct(gaps: list[tuple[float, float]], q: float) -> float:
     return float(values[min(len(values) - 1, np.searchsorted(weights, q / 100 * weights[-1]))])
 
 
+def _met(ttft: np.ndarray, tbt: np.ndarray, ttft_slo_ms: float, tbt_slo_ms: float) -> np.ndarray:
+    """Which served requests met both SLOs (an SLO of 0: none)."""
+    ok = np.ones(len(ttft), bool)
+    if ttft_slo_ms:
+        ok &= ttft * 1000 <= ttft_slo_ms
+    if tbt_slo_ms:
+        ok &= tbt * 1000 <= tbt_slo_ms
+    return ok
+
+
 def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcomes: dict[str, Outcome],
               gaps: list[tuple[float, float]], end_s: float, wall_s: float,
               prefills: Iterable[PrefillInstance], block_tokens: int) -> SimResult:
@@ -95,12 +105,7 @@ def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcome
     ttft = np.fromiter((o.ttft_s for o in served), float, len(served))
     tbt = np.fromiter((o.tbt_s for o in served), float, len(served))
     queue = np.fromiter((o.started_s - o.req.arrival_s for o in served), float, len(served))
-    ok = np.ones(len(served), bool)
-    if setup.ttft_slo_ms:
-        ok &= ttft * 1000 <= setup.ttft_slo_ms
-    if setup.tbt_slo_ms:
-        ok &= tbt * 1000 <= setup.tbt_slo_ms
-    met = int(ok.sum())
+    met = int(_met(ttft, tbt, setup.ttft_slo_ms, setup.tbt_slo_ms).sum())
     n = len(requests)
     span = (max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)) if requests else 0.0
     span = span if span > 0 else max(end_s, 1e-9)
@@ -137,13 +142,9 @@ def _by_class(setup: SimSetup, outcomes: Iterable[Outcome], span: float) -> dict
         served = [o for o in outs if o.rejected is None and o.finished_s >= 0]
         ttft = np.fromiter((o.ttft_s for o in served), float, len(served))
         tbt = np.fromiter((o.tbt_s for o in served), float, len(served))
-        ok = np.ones(len(served), bool)
-        if tier != "flex" and setup.ttft_slo_ms:
-            ok &= ttft * 1000 <= setup.ttft_slo_ms
-        if tier != "flex" and setup.tbt_slo_ms:
-            ok &= tbt * 1000 <= setup.tbt_slo_ms
-        out[tier] = {"requests": len(outs), "completed": len(served), "slo_attainment": int(ok.sum()) / len(outs),
-                     "goodput_rps": int(ok.sum()) / span, "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
+        met = int(_met(ttft, tbt, setup.ttft_slo_ms, setup.tbt_slo_ms).sum()) if tier != "flex" else len(served)
+        out[tier] = {"requests": len(outs), "completed": len(served), "slo_attainment": met / len(outs),
+                     "goodput_rps": met / span, "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
                      "tbt_p90_s": _pct(tbt, 90), "output_tokens": sum(o.req.output_tokens for o in served),
                      "last_finished_s": max((o.finished_s for o in served), default=0.0)}
     return out
