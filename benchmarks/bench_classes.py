@@ -24,7 +24,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -52,6 +51,8 @@ class Outcome:
     itl_s: float = float("nan")  # mean gap between its tokens
     cached: int = 0
     tokens: int = 0
+    prompt: int = 0  # prompt tokens
+    text: str = ""
 
 
 @dataclass
@@ -66,6 +67,7 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
+    pieces: list[str] = []
     try:
         async with client.stream("POST", path, json={**body, "stream": True,
                                                       "stream_options": {"include_usage": True}}) as r:
@@ -79,8 +81,10 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):  # a token's text (not the chat role's opening chunk)
-                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
                         times.append(time.perf_counter())
+                        pieces.append(piece)
     except httpx.HTTPError:
         return Outcome(False)
     if not times:
@@ -88,7 +92,7 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
     gaps = [b - a for a, b in zip(times, times[1:])]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Outcome(True, times[0] - t0, statistics.fmean(gaps) if gaps else 0.0, cached,
-                   usage.get("completion_tokens", 0))
+                   usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0), "".join(pieces))
 
 
 async def interactive(client: httpx.AsyncClient, n: int, every_s: float, seed: int) -> list[Outcome]:
@@ -153,6 +157,17 @@ def report(phases: list[Phase]) -> None:
               f"{c1:.0f} vs {0.9 * c0:.0f} wanted (90%): {'met' if c1 >= 0.9 * c0 else 'missed'}")
 
 
+def pressed_config(prefix: str) -> Config:
+    """The dev cluster's config with caches smaller than the traffic: a 256 MiB KV pool, 64 MiB of
+    store DRAM, no LMDB tier (its data in a new temporary directory)."""
+    cfg = Config()
+    cfg.frontend.port = free_port()
+    cfg.engine.kv_cache_bytes = 256 * MiB
+    cfg.store.dram_bytes, cfg.store.lmdb_bytes = 64 * MiB, 0
+    cfg.store.data_dir = tempfile.mkdtemp(prefix=prefix)
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flood", type=int, default=24)
@@ -161,11 +176,7 @@ def main() -> None:
     ap.add_argument("--flood-tier", choices=["flex", "default"], default="flex")
     ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
     args = ap.parse_args()
-    data = Path(tempfile.mkdtemp(prefix="bench-classes-"))
-    cfg = Config()
-    cfg.frontend.port = free_port()
-    cfg.engine.kv_cache_bytes = 256 * MiB
-    cfg.store.dram_bytes, cfg.store.lmdb_bytes, cfg.store.data_dir = 64 * MiB, 0, str(data)
+    cfg = pressed_config("bench-classes-")
     cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
     with running_cluster(cfg=cfg) as c:
         asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))

@@ -14,7 +14,10 @@ import tomllib
 from pathlib import Path
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from mooncake.config_classes import ClassesConfig
+from mooncake.config_section import Section, split_list
 
 log = logging.getLogger(__name__)
 
@@ -22,25 +25,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def split_list(v: object, key: str) -> object:
-    """A list key's value from the environment (a string): comma-separated, or a JSON list."""
-    if not isinstance(v, str):
-        return v
-    if v.strip().startswith("["):
-        import json
-
-        try:
-            return json.loads(v)
-        except ValueError:
-            raise ValueError(f"{key}: not a JSON list of strings") from None
-    return [k.strip() for k in v.split(",") if k.strip()]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field("", description="Local HF model directory, GGUF file, or Hugging Face repo id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded); empty: the bundled SmolLM2-135M-Instruct.")
     name: str = Field("", description="Model name served in the API (--served-model-name); empty: the repo id (org/name) for a model from the Hugging Face cache, else the file or directory name.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -54,7 +39,7 @@ class ModelConfig(_Section):
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     block_tokens: int = Field(16, ge=1, le=4096, description="Token positions per KV block.")
     kv_cache_bytes: int = Field(1 * GiB, ge=1 * MiB, description="Bytes of the preallocated paged KV pool.")
     max_batch: int = Field(32, ge=1, le=1024, description="Most sequences in one decode step.")
@@ -69,7 +54,7 @@ class EngineConfig(_Section):
     kv_transfer: Literal["layer", "block"] = Field("block", description="How a prefill ships new KV to decode: block (a chunk's blocks leave after all its layers; concurrent requests' chunks are packed into one forward) or layer (each layer's KV of a chunk leaves as soon as that layer is computed, so little is in flight when prefill ends; chunks are then computed one sequence at a time).")
 
 
-class StoreConfig(_Section):
+class StoreConfig(Section):
     device_bytes: int = Field(0, ge=0, description="Device (GPU, else CPU tensor) tier capacity; 0: no device tier.")
     dram_bytes: int = Field(2 * GiB, ge=0, description="Host DRAM tier capacity (pinned when CUDA is present).")
     lmdb_bytes: int = Field(8 * GiB, ge=0, description="LMDB (SSD) tier capacity; 0: no disk tier.")
@@ -83,7 +68,7 @@ class StoreConfig(_Section):
     p2p_stall_timeout_s: float = Field(30.0, gt=0, description="A P2P fetch that makes no progress this long (no live holder has what is missing) fails.")
 
 
-class FrontendConfig(_Section):
+class FrontendConfig(Section):
     """The OpenAI API: any number of frontends serve it side by side (``mooncake serve --role frontend``)."""
 
     host: str = Field("127.0.0.1", description="HTTP bind address.")
@@ -114,7 +99,7 @@ class FrontendConfig(_Section):
         return len(set(self.accepted_keys())) > 1
 
 
-class ConductorConfig(_Section):
+class ConductorConfig(Section):
     endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
     frontend: Literal["auto", "on", "off"] = Field("auto", description="Serve the OpenAI API ([frontend]) from the conductor's process too (the same code as mooncake serve --role frontend). off: only frontends of their own serve it, and the conductor answers health probes and /metrics on [node] health_port. auto: on, except under [coordination] (conductors that fail over for each other run no frontend: two on one host would want the same port).")
 
@@ -142,41 +127,7 @@ class ConductorConfig(_Section):
     replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
 
 
-class ClassesConfig(_Section):
-    """Request classes (``service_tier``; README "Request classes"): ``priority`` and ``default``
-    are interactive and keep [conductor] ttft_slo_ms, tbt_slo_ms and max_waiting; ``flex`` waits
-    behind them, never refused for their SLOs, within its own limits here."""
-
-    flex_ttft_slo_ms: float = Field(0.0, ge=0, description="Flex requests' own time-to-first-token SLO (early rejection against it, counting the work queued ahead of them); 0: none, flex work waits as long as it must.")
-    flex_request_timeout_s: float = Field(3600.0, gt=0, description="A flex request with no progress this long moves, then fails ([conductor] request_timeout_s for the others): it may wait behind interactive work that long; workers that die or stall are found apart from it.")
-    flex_max_waiting: int = Field(256, ge=1, description="Flex requests queued for prefill cluster-wide before new flex ones get 503; interactive requests count only their own classes' queue against [conductor] max_waiting.")
-    flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
-    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
-
-    @field_validator("api_key_tiers", mode="before")
-    @classmethod
-    def _split_pairs(cls, v: object) -> object:
-        return split_list(v, "api_key_tiers")
-
-    @field_validator("api_key_tiers")
-    @classmethod
-    def _check_pairs(cls, v: list[str]) -> list[str]:
-        for pair in v:
-            key, sep, tier = pair.rpartition("=")
-            if not sep or not key or tier not in ("default", "priority", "flex"):
-                raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex")
-        return v
-
-    def tier_of_key(self, api_key: str) -> str | None:
-        """The tier bound to ``api_key`` (None: none is)."""
-        for pair in self.api_key_tiers:
-            key, _, tier = pair.rpartition("=")
-            if key == api_key:
-                return tier
-        return None
-
-
-class CoordinationConfig(_Section):
+class CoordinationConfig(Section):
     etcd_endpoints: list[str] = Field(default_factory=list, description="etcd client URLs (http://host:2379, as etcd prints them); set: conductors campaign for the lead through etcd, one leads and the others stand by, and frontends and workers follow the leader. Empty: one conductor, at [conductor] endpoint.")
     lease_ttl_s: int = Field(5, ge=2, le=300, description="The leader's etcd lease: a conductor that cannot refresh it this long steps down, and a standby leads once it lapses.")
     prefix: str = Field("/mooncake/default", description="etcd key prefix of this cluster (clusters sharing an etcd differ by it).")
@@ -189,7 +140,7 @@ class CoordinationConfig(_Section):
         return split_list(v, "etcd_endpoints")
 
 
-class NodeConfig(_Section):
+class NodeConfig(Section):
     name: str = Field("node0", description="Node (machine) name; roles with the same name are local to each other.")
     host: str = Field("127.0.0.1", description="Address this node's roles bind and advertise.")
     kv_port: int = Field(0, ge=0, le=65535, description="Decode KV ingress port; 0: any free port.")
@@ -203,14 +154,14 @@ class NodeConfig(_Section):
     prefill_nice: int = Field(10, ge=0, le=19, description="Nice value (OS scheduling priority, 0-19: higher yields more) of prefill role processes, so that where prefill and decode share a machine's cores (mooncake serve on one machine; any node running both) a decode step runs before a prefill chunk instead of waiting behind it; prefill gets the cores decode leaves (BENCHMARKS.md section 11). Set on every thread and, when the role leads its own session, on its autogroup (Linux). Alone on its cores a prefill loses nothing to it; 0: prefill at the same priority as decode. Negative values need privileges and are refused: lower a prefill's priority, not raise a decode's.")
 
 
-class SecurityConfig(_Section):
+class SecurityConfig(Section):
     curve_keys_dir: str = Field("", description="Directory with the role keys (mooncake keys DIR); set: role links use ZeroMQ CURVE, authenticated, encrypted and authorized per role kind.")
     allow_insecure_network: bool = Field(False, description="Let roles bind or connect to non-loopback addresses without CURVE keys (only on a network you trust).")
     max_message_bytes: int = Field(0, ge=0, description="Largest frame any role socket accepts (larger: the peer is disconnected); 0: 4 x the model's KV block bytes, at least 16 MiB (64 MiB for the conductor and stores).")
     max_pending_writes: int = Field(16, ge=1, description="Write-backs of KV to a store a worker keeps in flight; more are dropped (counted, logged).")
 
 
-class Config(_Section):
+class Config(Section):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     store: StoreConfig = StoreConfig()
@@ -268,17 +219,28 @@ def _closest(var: str, names: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], str]]:
+def _config_keys() -> dict[str, tuple[str, ...]]:
+    """Every key's environment variable -> its path: (section, key), or (section, table, key) for a
+    key of a section's table ([classes.flex] ttft_slo_ms: MOONCAKE_CLASSES_FLEX_TTFT_SLO_MS)."""
+    known: dict[str, tuple[str, ...]] = {}
+    for section, field in Config.model_fields.items():
+        for key, sub in field.annotation.model_fields.items():  # type: ignore[union-attr]
+            if isinstance(sub.annotation, type) and issubclass(sub.annotation, Section):
+                known.update({env_name(section, f"{key}_{k}"): (section, key, k) for k in sub.annotation.model_fields})
+            else:
+                known[env_name(section, key)] = (section, key)
+    known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_TO_FRONTEND})
+    return known
+
+
+def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, ...], str]]:
     """``MOONCAKE_<SECTION>_<KEY>`` variables as {"section": {"key": "value"}}, and which
-    variable set each (section, key). An unknown MOONCAKE_ variable is a warning naming the
+    variable set each key's path. An unknown MOONCAKE_ variable is a warning naming the
     closest key, not an error: other tools share the prefix (Mooncake's transfer engine reads
     MOONCAKE_PROTOCOL). ``MOONCAKE_FAULT_*`` is fault injection for tests, never configuration."""
-    known = {env_name(section, key): (section, key)
-             for section, field in Config.model_fields.items()
-             for key in field.annotation.model_fields}  # type: ignore[union-attr]
-    known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_TO_FRONTEND})
+    known = _config_keys()
     values: dict = {}
-    origin: dict[tuple[str, str], str] = {}
+    origin: dict[tuple[str, ...], str] = {}
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX) or var.startswith(FAULT_PREFIX) or var in OTHER_ENV_VARS:
             continue
@@ -287,10 +249,30 @@ def env_overrides(env: Mapping[str, str]) -> tuple[dict, dict[tuple[str, str], s
             hint = f"did you mean {close}?" if close else f"config keys are MOONCAKE_<SECTION>_<KEY>, e.g. {env_name('node', 'host')}"
             log.warning("ignoring unknown environment variable %s (%s)", var, hint)
             continue
-        section, key = known[var]
-        values.setdefault(section, {})[key] = env[var]
-        origin[(section, key)] = var
+        *tables, key = known[var]
+        target = values
+        for table in tables:
+            target = target.setdefault(table, {})
+        target[key] = env[var]
+        origin[known[var]] = var
     return values, origin
+
+
+def _merge(into: dict, layer: dict, where: str) -> None:
+    """``layer``'s keys over ``into``'s, table by table."""
+    for key, value in layer.items():
+        if isinstance(value, dict):
+            if not isinstance(into.setdefault(key, {}), dict):
+                raise ConfigError(f"invalid config{where}: {key} must be a [section]")
+            _merge(into[key], value, where)
+        else:
+            into[key] = value
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> object:
+    for key in path:
+        tree = tree.get(key) if isinstance(tree, dict) else None  # type: ignore[assignment]
+    return tree
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None,
@@ -299,6 +281,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
     environment's MOONCAKE_<SECTION>_<KEY> variables over it (``env``; default os.environ),
     then ``overrides`` ({"section": {...}}) on top."""
     raw: dict = {}
+    where = f" {path}" if path else ""
     if path is not None:
         p = Path(path)
         try:
@@ -309,26 +292,22 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
     from_env, origin = env_overrides(os.environ if env is None else env)
     for layer in (from_env, overrides or {}):
-        for section, values in layer.items():
-            if not isinstance(raw.setdefault(section, {}), dict):
-                raise ConfigError(f"invalid config{f' {path}' if path else ''}: {section} must be a [section]")
-            raw[section].update(values)
+        _merge(raw, layer, where)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
         problems = []
         for err in e.errors():
             loc = tuple(str(x) for x in err["loc"])
-            where = ".".join(loc)
-            key = loc[:2]
+            at = ".".join(loc)
+            key = next((loc[:n] for n in (3, 2) if loc[:n] in origin), loc[:2])
             if key not in origin and key[:1] == ("frontend",) and ("conductor", *key[1:]) in origin:
                 key = ("conductor", *key[1:])  # a moved key, set under its old name
-            if key in origin and key[1] not in (overrides or {}).get(key[0], {}):
-                value = from_env[key[0]][key[1]]
-                shown = MASK if (key[0], key[1]) in SECRET_KEYS or ("frontend", key[1]) in SECRET_KEYS else repr(value)
-                where = f"{where} (from {origin[key]}={shown})"
-            problems.append(f"{where}: {err['msg']}")
-        raise ConfigError(f"invalid config{f' {path}' if path else ''}: {'; '.join(problems)}") from None
+            if key in origin and _at(overrides or {}, key) is None:
+                secret = key in SECRET_KEYS or ("frontend", key[-1]) in SECRET_KEYS
+                at = f"{at} (from {origin[key]}={MASK if secret else repr(_at(from_env, key))})"
+            problems.append(f"{at}: {err['msg']}")
+        raise ConfigError(f"invalid config{where}: {'; '.join(problems)}") from None
 
 
 SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys"), ("classes", "api_key_tiers")}

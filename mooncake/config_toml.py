@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from mooncake.config import MASK, SECRET_KEYS, Config
+from mooncake.config_section import Section
 
 
 def _masked(value: object, key: str = "") -> object:
@@ -20,18 +21,29 @@ def _masked(value: object, key: str = "") -> object:
 
 def dump_toml(cfg: Config, comments: bool = False, mask_secrets: bool = False) -> str:
     """The config as TOML, every key; with ``comments`` each key gets its description; with
-    ``mask_secrets`` (for printing) the values of ``SECRET_KEYS`` are ``MASK``."""
+    ``mask_secrets`` (for printing) the values of ``SECRET_KEYS`` are ``MASK``. A key left unset
+    (one that takes another key's value) is written as a comment."""
     lines: list[str] = []
     for section, model in cfg:
-        lines.append(f"[{section}]")
-        for key, value in model:
-            if comments:
-                lines.append(f"# {type(model).model_fields[key].description}")
-            if mask_secrets and (section, key) in SECRET_KEYS:
-                value = _masked(value, key)
-            lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
+        _table(lines, (section,), model, comments, mask_secrets)
     return "\n".join(lines)
+
+
+def _table(lines: list[str], path: tuple[str, ...], model: Section, comments: bool, mask_secrets: bool) -> None:
+    lines.append(f"[{'.'.join(path)}]")
+    tables = []
+    for key, value in model:
+        if isinstance(value, Section):
+            tables.append((key, value))
+            continue
+        if comments:
+            lines.append(f"# {type(model).model_fields[key].description}")
+        if mask_secrets and (*path, key) in SECRET_KEYS:
+            value = _masked(value, key)
+        lines.append(f"# {key} = (unset)" if value is None else f"{key} = {json.dumps(value)}")
+    lines.append("")
+    for key, value in tables:
+        _table(lines, (*path, key), value, comments, mask_secrets)
 
 
 EXAMPLE_HEADER = """\

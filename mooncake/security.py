@@ -148,7 +148,7 @@ STORE_ACCESS: dict[str, tuple[str, ...]] = {
     "Get": ("worker", "store"), "GetLayers": ("worker", "store"), "ShmGet": ("worker", "store"), "Release": ("worker", "store"),
     "Exists": ("worker", "store", "conductor"), "PrefixQuery": ("worker", "store", "conductor"),
     "StatsQuery": ("worker", "store", "conductor"),
-    "Remove": ("conductor",), "Replicate": ("conductor",),
+    "Remove": ("conductor",), "Replicate": ("conductor",), "Keep": ("conductor",),
 }
 
 

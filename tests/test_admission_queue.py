@@ -19,7 +19,7 @@ from mooncake.sched.cluster import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.placement import place
-from mooncake.sched.request_class import FLEX_RANK
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK
 from mooncake.sched.scheduler import Scheduler
 
 from test_sched import node
@@ -123,22 +123,33 @@ def test_interactive_work_is_predicted_past_queued_flex_work_and_flex_is_never_r
     assert q.ranks["flex-late"] == FLEX_RANK
 
 
-def test_flex_work_has_its_own_queue_cap_and_its_own_ttft_slo():
+def test_each_class_has_its_own_queue_cap_share_and_ttft_slo():
     adm = admission(2_000)
-    adm.classes.flex_max_waiting = 3
+    adm.classes.flex.max_waiting = 3
+    adm.classes.priority.max_waiting = 2
     facts = SimpleNamespace(max_model_len=4096, block_tokens=16)
-    # each class's queue against its cap: [conductor] max_waiting (256), [classes] flex_max_waiting
+    # each class's queue against its cap: [conductor] max_waiting (256) unless [classes.<tier>] sets one
     assert adm.check_request(40, Sampling(), facts, 0, 0, waiting=255) is None
     refused = adm.check_request(40, Sampling(tier="flex"), facts, 0, 0, waiting=3)
     assert isinstance(refused, Rejection) and refused.status == 503 and "3 requests are queued" in refused.message
+    assert isinstance(adm.check_request(40, Sampling(tier="priority"), facts, 0, 0, waiting=2), Rejection)
+    # a class holds at most its share of max_requests (1024) in flight: flex half by default
+    assert adm.check_request(40, Sampling(tier="flex"), facts, 0, 600, waiting=0, class_in_flight=511) is None
+    full = adm.check_request(40, Sampling(tier="flex"), facts, 0, 600, waiting=0, class_in_flight=512)
+    assert isinstance(full, Rejection) and full.status == 503 and "[classes.flex] max_share" in full.message
+    assert adm.check_request(40, Sampling(), facts, 0, 600, waiting=0, class_in_flight=88) is None
     sched = one_prefill()
     sched.queues["p0"] = q = PrefillQueue()
     q.add("backlog", 8.0)
     q.add("flex-a", 1.0, rank=FLEX_RANK)
-    assert (sched.waiting(), sched.waiting(True), sched.waiting(False)) == (2, 1, 1)
+    assert (sched.waiting(), sched.waiting(FLEX_RANK), sched.waiting(DEFAULT_RANK), sched.waiting(0)) == (2, 1, 1, 0)
     # behind 9 s of work, a flex request with a 5 s SLO of its own is refused for it, and one with 60 s is not
-    adm.classes.flex_ttft_slo_ms = 5_000
+    adm.classes.flex.ttft_slo_ms = 5_000
     late = place(sched, adm, "flex-b", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK)
     assert isinstance(late, Rejection) and late.reason == "ttft_slo" and "5000 ms" in late.message
-    adm.classes.flex_ttft_slo_ms = 60_000
+    assert sched.in_flight(FLEX_RANK) == 0
+    adm.classes.flex.ttft_slo_ms = 60_000
     assert not isinstance(place(sched, adm, "flex-c", H[:2], 40, 4, 16, 0.0, rank=FLEX_RANK), Rejection)
+    assert (sched.in_flight(FLEX_RANK), sched.in_flight(DEFAULT_RANK)) == (1, 0)
+    sched.release("flex-c")
+    assert sched.in_flight(FLEX_RANK) == 0

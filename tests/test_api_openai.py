@@ -158,6 +158,7 @@ def test_tokenize_detokenize_and_request_id(cluster):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"service_tier": "scale"}, "service_tier"), ({"priority": 1.5}, "priority"), ({"priority": 2**31}, "priority"),
+    ({"session_id": ""}, "session_id"), ({"session_id": "s" * 257}, "session_id"), ({"user": 7}, "user"),
 ])
 def test_bad_values_are_400s_that_name_the_option(cluster, extra, param):
     r = httpx.post(cluster.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4,

@@ -111,6 +111,40 @@ def test_second_chat_turn_hits_first_turn_blocks(cluster):
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= (first_prompt // 16) * 16
 
 
+def test_a_sessions_prefix_is_kept_where_it_is_cached_and_stored(cluster):
+    """A turn naming a session (``session_id``, else ``user``) leaves its blocks kept on the prefill
+    and in the store it writes to; the conductor has the stores keep a prefix stored before."""
+
+    def kept() -> tuple[int, int]:
+        nodes = httpx.get(cluster.url + "/cluster").json()["nodes"]
+        return (sum(n["load"].get("kept_blocks", 0) for n in nodes if n["role"] == "prefill"),
+                sum(t.get("session_blocks", 0) for n in nodes if n["role"] == "store"
+                    for t in n["load"]["tiers"].values()))
+
+    def ask(system: str, **session: str) -> int:
+        r = httpx.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 2, "temperature": 0, **session,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"] // 16
+
+    start = kept()
+    blocks = ask("You are a lighthouse keeper who answers in riddles. " * 12, session_id="agent-7")
+    wait_for(lambda: (lambda k: k if min(k[0] - start[0], k[1] - start[1]) >= blocks else None)(kept()), 20,
+             "the session's blocks kept on the prefill and in a store")
+    def stored() -> int:
+        return sum(n["blocks_indexed"] for n in httpx.get(cluster.url + "/cluster").json()["nodes"]
+                   if n["role"] == "store")
+
+    plain, was = "You are a ferry captain who speaks only of tides. " * 12, stored()
+    n = ask(plain)  # cached and stored, but kept by no session
+    wait_for(lambda: stored() >= was + n, 20, "the prompt's blocks stored and indexed")
+    before = kept()
+    more = ask(plain, user="user-42")  # the same prefix, now a session's: the stores holding it keep it
+    wait_for(lambda: (lambda k: k if k[1] - before[1] >= more - 1 else None)(kept()), 20,
+             "the stored prefix kept by the conductor's Keep")
+
+
 def test_cache_aware_routes_to_the_prefix_owner(cluster):
     prefix = list(range(5000, 5800))
     before = metrics(cluster.url)

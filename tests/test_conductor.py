@@ -139,8 +139,8 @@ async def test_no_workers_is_503_and_a_prompt_larger_than_every_pool_is_400():
 
 async def test_block_events_feed_the_index_and_a_dead_node_leaves_it(conductor):
     p0 = conductor.cluster.get("p0")
-    conductor._on_block_event(p0, P.BlockEvent("p0", "stored", "device", [b"a" * 32, b"b" * 32]))
-    conductor._on_block_event(p0, P.BlockEvent("p0", "removed", "device", [b"a" * 32]))
+    conductor.membership.block_event(p0, P.BlockEvent("p0", "stored", "device", [b"a" * 32, b"b" * 32]))
+    conductor.membership.block_event(p0, P.BlockEvent("p0", "removed", "device", [b"a" * 32]))
     assert conductor.index.holders(b"b" * 32) == {"p0": "device"} and len(conductor.index) == 1
     conductor.membership.check(now=1e9)  # everyone silent since t=0
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
@@ -150,7 +150,7 @@ async def test_a_node_restarted_under_the_same_pid_is_told_apart_by_its_instance
     """In a container every role may be pid 1: a registration from another process start (another
     ``instance``) drops what the old one held from the index; the same start re-registering keeps it."""
     p0 = conductor.cluster.get("p0")
-    conductor._on_block_event(p0, P.BlockEvent("p0", "stored", "device", [b"b" * 32]))
+    conductor.membership.block_event(p0, P.BlockEvent("p0", "stored", "device", [b"b" * 32]))
     for instance, kept in (("", True), ("second-start", False)):
         info = P.NodeInfo("n0", 1, FACTS, num_blocks=64, instance=instance)
         conductor.membership.register(b"p0", P.Register("prefill", "p0", info, {"orders": "tcp://127.0.0.1:3"}), 1.0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.config import Config, ConfigError, env_name, load_config
+from mooncake.config_section import Section
 from mooncake.config_toml import dump_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +26,42 @@ def test_environment_sets_every_key_over_the_file(tmp_path):
     assert cfg.engine.prefix_caching is False
 
 
+def _keys(model: Section, prefix: str) -> dict[str, object]:
+    """Every key's variable -> its value (a table's keys: MOONCAKE_<SECTION>_<TABLE>_<KEY>)."""
+    keys: dict[str, object] = {}
+    for key, value in model:
+        if isinstance(value, Section):
+            keys.update(_keys(value, f"{prefix}_{key}"))
+        else:
+            keys[env_name(prefix, key)] = value
+    return keys
+
+
 def test_every_key_has_a_variable_parsed_as_its_type():
     defaults = Config()
-    env = {env_name(section, key): (str(value).lower() if isinstance(value, bool) else str(value))
-           for section, model in defaults for key, value in model}
-    assert len(env) == sum(len(type(m).model_fields) for _, m in defaults)
+    values = {var: value for section, model in defaults for var, value in _keys(model, section).items()}
+    env = {var: (str(value).lower() if isinstance(value, bool) else str(value))
+           for var, value in values.items() if value is not None}
+    assert "MOONCAKE_CLASSES_FLEX_MAX_SHARE" in env and "MOONCAKE_CLASSES_DEFAULT_MAX_SHARE" in env
     assert load_config(env=env) == defaults  # strings in, typed values out
+
+
+def test_a_class_table_takes_the_conductors_values_where_it_sets_none(tmp_path, caplog):
+    f = tmp_path / "c.toml"
+    f.write_text("[conductor]\nttft_slo_ms = 900\n[classes]\nflex_max_waiting = 9\n"
+                 "[classes.priority]\nttft_slo_ms = 300\n[classes.flex]\ntbt_slo_ms = 80\n")
+    cfg = load_config(f, env={"MOONCAKE_CLASSES_DEFAULT_MAX_WAITING": "7"})
+    c = cfg.classes
+    assert [c.limit(t, "ttft_slo_ms", cfg.conductor) for t in ("priority", "default", "flex")] == [300, 900, 0]
+    assert [c.limit(t, "max_waiting", cfg.conductor) for t in ("priority", "default", "flex")] == [256, 7, 9]
+    assert c.flex.tbt_slo_ms == 80 and c.flex.request_timeout_s == 3600  # flex keeps its own defaults
+    assert "moved to [classes.flex]" in caplog.text  # an earlier layout's key still works
+    text = dump_toml(cfg, comments=True)
+    assert "[classes.flex]\n" in text and "# ttft_slo_ms = (unset)" in text
+    f.write_text(text)
+    assert load_config(f, env={}) == cfg  # what config check prints loads back the same
+    with pytest.raises(ConfigError, match=r"classes.flex.max_share .*MOONCAKE_CLASSES_FLEX_MAX_SHARE"):
+        load_config(env={"MOONCAKE_CLASSES_FLEX_MAX_SHARE": "1.5"})
 
 
 def test_cli_overrides_beat_the_environment():

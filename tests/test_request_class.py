@@ -86,24 +86,26 @@ def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
     assert preemption_victim([vip, chat]) is chat
 
 
-def test_flex_work_is_held_to_its_own_ttft_slo():
+def test_each_class_is_held_to_its_own_ttft_slo():
     from mooncake.config import Config
     from mooncake.frontend.request import Request
-    from mooncake.sched.request_class import ttft_slo_ms
+    from mooncake.sched.request_class import limit
 
     cfg = Config()
     cfg.conductor.ttft_slo_ms = 2000.0
 
     def due(tier: str) -> float:
         req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier))
-        return Request.first_token_due(req, ttft_slo_ms(req.sampling, cfg))
+        return Request.first_token_due(req, limit(req.sampling, "ttft_slo_ms", cfg))
 
     assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")
-    cfg.classes.flex_ttft_slo_ms = 60_000.0
-    assert due("flex") == 70.0
+    cfg.classes.flex.ttft_slo_ms = 60_000.0
+    cfg.classes.priority.ttft_slo_ms = 500.0
+    assert due("flex") == 70.0 and due("priority") == 10.5 and due("default") == 12.0
 
 
 def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
+    from mooncake.config import Config
     from mooncake.roles.decode import YIELD_AT_MOST_S, DecodeWorker
 
     def slot(uid: int, tier: str = "default") -> SimpleNamespace:
@@ -112,9 +114,15 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     running = {str(i): slot(i, "flex" if i % 2 else "default") for i in range(6)}  # 3 of each, interleaved
     cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
     w = SimpleNamespace(running=running, step_cost=cost, incoming={},
-                        cfg=SimpleNamespace(conductor=SimpleNamespace(tbt_slo_ms=45)))
+                        cfg=Config())
+    w.cfg.conductor.tbt_slo_ms = 45
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
-    w.cfg.conductor.tbt_slo_ms = 0
+    w.cfg.classes.default.tbt_slo_ms = 55  # the default class's own SLO: one more flex joins
+    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1, 3]
+    running["0"] = slot(0, "priority")
+    w.cfg.classes.priority.tbt_slo_ms = 35  # the tightest class running holds them all to it
+    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
+    w.cfg.conductor.tbt_slo_ms = w.cfg.classes.default.tbt_slo_ms = w.cfg.classes.priority.tbt_slo_ms = 0
     assert len(DecodeWorker._batch(w)) == 6
     reserved = slot(9)  # an interactive request's prefill runs on this machine: no flex work steps
     w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True),
@@ -132,7 +140,7 @@ def test_flex_work_waits_past_the_interactive_no_progress_timeout():
     from mooncake.frontend.request import RequestStatus
 
     cfg = Config()
-    cfg.conductor.request_timeout_s, cfg.classes.flex_request_timeout_s = 10.0, 100.0
+    cfg.conductor.request_timeout_s, cfg.classes.flex.request_timeout_s = 10.0, 100.0
     moved: list[str] = []
 
     def req(name: str, tier: str) -> SimpleNamespace:

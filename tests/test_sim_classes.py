@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mooncake.bench.trace import TraceError, load_trace
 from mooncake.cli import main
 from mooncake.sim.synthetic import ChatTraceSpec, chat_trace, write_trace
 from mooncake.sim.workload import requests_from_records
@@ -36,6 +37,20 @@ def test_the_flex_share_is_drawn_by_seed():
     assert {r.tier for r in requests_from_records(records)} == {"default"}
     with pytest.raises(ValueError):
         requests_from_records(records, flex_share=1.5)
+
+
+def test_a_trace_line_may_name_its_class(tmp_path: Path):
+    lines = [{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2], "service_tier": "priority"},
+             {"timestamp": 5, "input_length": 100, "output_length": 4, "hash_ids": [3]},
+             {"timestamp": 9, "input_length": 100, "output_length": 4, "hash_ids": [4], "service_tier": "flex"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = load_trace(path)
+    assert [r.tier for r in requests_from_records(records)] == ["priority", "default", "flex"]
+    assert [r.tier for r in requests_from_records(records, flex_share=1.0)] == ["priority", "flex", "flex"]
+    path.write_text(json.dumps({**lines[0], "service_tier": "gold"}) + "\n")
+    with pytest.raises(TraceError, match=":1: .service_tier"):
+        load_trace(path)
 
 
 def test_interactive_requests_keep_their_slos_ahead_of_flex_work(trace: Path, tmp_path: Path, capsys):

@@ -66,6 +66,21 @@ async def test_a_flex_requests_blocks_are_marked_flex_in_the_store(server, shm):
         c.close()
 
 
+@pytest.mark.parametrize("shm", [False, True])
+async def test_a_sessions_blocks_are_kept_in_the_store(server, shm):
+    """``keep_s`` crosses the wire with a put (frames or shared memory); ``Keep`` keeps blocks held already."""
+    c = StoreClient(server, shm=shm)
+    try:
+        before = sum(t["session_blocks"] for t in (await c.stats())["tiers"])
+        assert await c.put(hashes(f"turn{shm}", 2), torch.randn(2, 64, 1024), keep_s=300) == 2
+        assert await c.put(hashes(f"old{shm}", 3), torch.randn(3, 64, 1024)) == 3
+        assert await c.keep([*hashes(f"old{shm}", 3), *hashes(f"absent{shm}", 1)], 300) == 3
+        after = sum(t["session_blocks"] for t in (await c.stats())["tiers"])
+        assert after - before == 5
+    finally:
+        c.close()
+
+
 async def test_object_api_exists_remove_stats(server):
     c = StoreClient(server)
     try:

@@ -6,7 +6,7 @@ import json
 from typing import Any, ClassVar, Literal, Union
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from mooncake.api.errors import APIError
 
@@ -26,7 +26,7 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # a non-streamed response with logprobs, 
 # Token ids a client sends (prompt, stop_token_ids, logit_bias keys) are refused above this, here: larger
 # ones overflow the tokenizer (u32) or the wire (msgpack, 64 bits) before the vocabulary check.
 MAX_TOKEN_ID = 2**31 - 1
-_IGNORED = {"user", "metadata", "store"}  # harmless: accepted and ignored
+_IGNORED = {"metadata", "store"}  # harmless: accepted and ignored
 
 
 def _valid_unicode(data: Any) -> Any:
@@ -98,6 +98,9 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # the request's class
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)  # extension (vLLM): within a class, lower first
+    # the session a request is a turn of (extension; else OpenAI's end-user id): its prefix is kept for the next
+    session_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    user: StrictStr | None = Field(None, max_length=256)
 
     @model_validator(mode="before")
     @classmethod

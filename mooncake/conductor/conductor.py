@@ -1,5 +1,6 @@
 """The conductor: what must be global in a cluster — the registry and liveness, the KV index,
-the scheduler and its bookings, cost models, admission, hot-block replication, P2P metadata.
+the scheduler and its bookings, cost models, admission, hot-block replication, sessions' prefixes
+kept, P2P metadata.
 Frontends own requests (``mooncake.frontend``) and drive their attempts; the conductor
 places and books each attempt. It carries no per-token traffic, and per attempt it handles
 one round trip and a share of two batches::
@@ -29,6 +30,7 @@ from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.pipeline import stage_plans
 from mooncake.conductor.replicator import Replicator
+from mooncake.conductor.session_keeper import SessionKeeper
 from mooncake.conductor.request_metrics import AttemptMetrics
 from mooncake.conductor.router import Router
 from mooncake.conductor.snapshot import cluster_snapshot
@@ -42,7 +44,7 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import pipeline_shape
 from mooncake.sched.placement import place
 from mooncake.sched.predictions import Predictions
-from mooncake.sched.request_class import FLEX_RANK, rank
+from mooncake.sched.request_class import rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
@@ -78,6 +80,7 @@ class Conductor:
         self.p2p = P2PIndex(self.cluster, self._send,  # who holds which chunks of the P2P objects
                             lambda node_id, peer: self.curve is None or self.membership.peers.get(node_id) == peer)
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
+        self.sessions = SessionKeeper(self.cluster, self.index, self.replicator.client)
         self.requests_in_flight: dict[str, int] = {}  # frontend -> requests it holds (admission counts them)
         self._tasks: list[asyncio.Task] = []
 
@@ -87,7 +90,7 @@ class Conductor:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics)
         for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
-                             P.BlockEvent: self._on_block_event, P.Submit: self._on_submit,
+                             P.BlockEvent: self.membership.block_event, P.Submit: self._on_submit,
                              P.Release: self._on_release, P.Claims: self._on_claims}.items():
             r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():
@@ -105,7 +108,7 @@ class Conductor:
             await self.router.flush()
         for t in self._tasks:
             t.cancel()
-        self.replicator.close()
+        self.replicator.close()  # and with it the clients a session's keeping uses
         if self.router is not None:
             self.router.close()
 
@@ -150,10 +153,10 @@ class Conductor:
         attempt; a Rejection says why it is refused."""
         facts = self.facts
         if msg.new_request:
-            pool = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode"))
+            pool, cls = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode")), rank(msg.sampling)
             rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
                                                      sum(self.requests_in_flight.values()),  # and its class's queue:
-                                                     self.scheduler.waiting(rank(msg.sampling) == FLEX_RANK), max(1, msg.choices))
+                                                     self.scheduler.waiting(cls), max(1, msg.choices), self.scheduler.in_flight(cls))
             if rejection is not None:
                 self.metrics.rejected.labels(rejection.reason).inc()
                 return rejection
@@ -171,6 +174,7 @@ class Conductor:
         self.metrics.plans.inc()
         self.metrics.of_node(self.metrics.prefill_dispatched, plan.prefill.node_id).inc()
         self.replicator.note_hits(msg.hashes[: plan.reusable_blocks])
+        self.sessions.turn(msg)
         return attempt
 
     def _place(self, msg: P.Submit, facts: P.ModelFacts) -> Any:
@@ -324,12 +328,6 @@ class Conductor:
                 log.exception("liveness check failed")
 
     # ------------------------------------------------------------ what the workers report
-
-    def _on_block_event(self, node: Node, msg: P.BlockEvent) -> None:
-        if msg.kind == "stored":
-            self.index.add(node.node_id, msg.tier, msg.hashes)
-        else:
-            self.index.remove(node.node_id, msg.hashes)
 
     def _on_register(self, ident: bytes, msg: P.Register, peer: str = "") -> P.Msg:
         reply = self.membership.register(ident, msg, time.monotonic(), peer)

@@ -149,6 +149,13 @@ class Membership:
             m.report(m.tier_evictions, node.node_id, (tier,), st.evictions)
             m.report(m.tier_flex_evictions, node.node_id, (tier,), st.flex_evictions)
 
+    def block_event(self, node: Node, msg: P.BlockEvent) -> None:
+        """The index follows what a node holds."""
+        if msg.kind == "stored":
+            self.index.add(node.node_id, msg.tier, msg.hashes)
+        else:
+            self.index.remove(node.node_id, msg.hashes)
+
     def leave(self, node: Node) -> None:
         node.draining = True
         self.cluster.reindex()

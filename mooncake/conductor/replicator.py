@@ -54,7 +54,7 @@ class Replicator:
 
     async def _replicate(self, src: Node, dst: Node, hashes: list[bytes]) -> None:
         try:
-            n = await self._client(src.endpoints["store"]).replicate(hashes, dst.endpoints["store"])
+            n = await self.client(src.endpoints["store"]).replicate(hashes, dst.endpoints["store"])
             self.metrics.replications.inc(n)
             log.info("replicated %d hot blocks %s -> %s", n, src.node_id, dst.node_id)
         except StoreError as e:
@@ -62,7 +62,8 @@ class Replicator:
         finally:
             self._replicating.difference_update(hashes)
 
-    def _client(self, endpoint: str) -> StoreClient:
+    def client(self, endpoint: str) -> StoreClient:
+        """The conductor's client of a store (its other commands to stores use it too)."""
         client = self._stores.get(endpoint)
         if client is None:
             client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)

@@ -142,10 +142,11 @@ class Engine:
                    and s.num_computed // T >= len(s.block_table))
 
     def free(self, seq: Sequence) -> None:
-        """Hashed full blocks stay cached (LRU); the rest return to the pool. Idempotent."""
+        """Hashed full blocks stay cached (LRU; a session's kept ``keep_s``); the rest return to the
+        pool. Idempotent."""
         if seq.freed:
             return
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table, seq.sampling.keep_s)
         seq.block_table = []
         seq.freed = True
         self._num_seqs -= 1
@@ -305,9 +306,10 @@ class Engine:
 
     def stats(self) -> dict:
         """cached_blocks: unreferenced, evictable cached blocks (flex_cached_blocks of them held only
-        by flex requests); used_blocks: referenced ones (free + cached + used == num_blocks);
+        by flex requests, session_cached_blocks kept for a session); used_blocks: referenced ones (free + cached + used == num_blocks);
         prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment."""
         return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
                 "cached_blocks": self.blocks.num_cached(), "flex_cached_blocks": len(self.blocks.flex_lru),
+                "session_cached_blocks": len(self.blocks.session_lru),
                 "used_blocks": self.blocks.num_referenced(), "prefix_blocks": len(self.blocks.cached),
                 "sequences": self._num_seqs, "evicted_blocks": dict(self.blocks.evicted)}

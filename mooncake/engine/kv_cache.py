@@ -10,19 +10,23 @@ Every block is in exactly one of three states:
 
 - free: holds nothing (``free`` deque),
 - cached: holds a full block keyed by its chained hash, referenced by nobody;
-  evictable, kept in LRU order (OrderedDicts, oldest first: O(1) touch/evict) in one of two
+  evictable, kept in LRU order (OrderedDicts, oldest first: O(1) touch/evict) in one of three
   segments: ``flex_lru``, the blocks only flex requests (``sched/request_class.py``) have
-  held since they were cached, and ``lru``, every other one. Eviction empties ``flex_lru``
-  first, so a flex scan of unique prompts displaces other flex blocks, never an
-  interactive prefix, while flex work is cached at all,
+  held since they were cached; ``session_lru``, the blocks a request of a session left kept
+  until a time (its ``Sampling.keep_s`` after its turn, ``[classes] session_ttl_s``), in that
+  order; and ``lru``, every other one. Eviction empties ``flex_lru`` first, then ``lru``,
+  then ``session_lru``, so a flex scan of unique prompts displaces other flex blocks, never an
+  interactive prefix, while flex work is cached at all, and a session's prefix outlives
+  everything but other sessions' until its time is up (then it is the oldest of ``lru``),
 - referenced: ``ref[b] > 0`` (a sequence or an in-flight import uses it); it may
   also be keyed in the prefix cache.
 
-Invariant: ``len(free) + len(lru) + len(flex_lru) + #referenced == num_blocks``.
+Invariant: ``len(free) + len(lru) + len(flex_lru) + len(session_lru) + #referenced == num_blocks``.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from typing import Callable
 
@@ -40,7 +44,8 @@ def allocate_pool(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dt
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, on_event: Callable[[], BlockEventFn | None] = lambda: None) -> None:
+    def __init__(self, num_blocks: int, on_event: Callable[[], BlockEventFn | None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.hash_of: list[BlockHash | None] = [None] * num_blocks
@@ -49,17 +54,20 @@ class BlockManager:
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.flex_lru: OrderedDict[int, None] = OrderedDict()
         self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
-        self.evicted = {"flex": 0, "other": 0}  # cached blocks evicted, by segment
+        self.session_lru: OrderedDict[int, None] = OrderedDict()  # soonest to expire first
+        self.kept_until: dict[int, float] = {}  # blocks a session keeps (referenced ones too): until when
+        self.evicted = {"flex": 0, "other": 0, "session": 0}  # cached blocks evicted, by segment
         self._on_event = on_event
+        self._clock = clock
 
     # ------------------------------------------------------------ queries
 
     def num_available(self) -> int:
-        return len(self.free) + len(self.lru) + len(self.flex_lru)
+        return len(self.free) + self.num_cached()
 
     def num_cached(self) -> int:
         """Unreferenced cached blocks (evictable)."""
-        return len(self.lru) + len(self.flex_lru)
+        return len(self.lru) + len(self.flex_lru) + len(self.session_lru)
 
     def num_referenced(self) -> int:
         return self.num_blocks - self.num_available()
@@ -79,14 +87,17 @@ class BlockManager:
         None if impossible. ``flex``: for a flex request."""
         if n > self.num_available():
             return None
+        if n > len(self.free):
+            self._expire_sessions()
         out: list[int] = []
         evicted: list[BlockHash] = []
         for _ in range(n):
             if self.free:
                 b = self.free.popleft()
             else:
-                segment = "flex" if self.flex_lru else "other"
-                b, _ = (self.flex_lru if self.flex_lru else self.lru).popitem(last=False)
+                segment = "flex" if self.flex_lru else "other" if self.lru else "session"
+                b, _ = self._segment(b=None, name=segment).popitem(last=False)
+                self.kept_until.pop(b, None)
                 self.evicted[segment] += 1
                 h = self.hash_of[b]
                 assert h is not None
@@ -109,7 +120,7 @@ class BlockManager:
         blocks = [self.cached[h] for h in hashes]
         for b in blocks:
             if self.ref[b] == 0:
-                (self.flex_lru if b in self.flex_lru else self.lru).pop(b)
+                self._segment(b).pop(b)
             self.ref[b] += 1
             if not flex:
                 self.flex.discard(b)
@@ -131,24 +142,33 @@ class BlockManager:
         return len(stored)
 
     def touch(self, blocks: list[int]) -> None:
-        """Mark unreferenced cached blocks as most recently used."""
+        """Mark unreferenced cached blocks as most recently used (a session's stay in expiry order)."""
         for b in blocks:
             if b in self.lru:
                 self.lru.move_to_end(b)
             elif b in self.flex_lru:
                 self.flex_lru.move_to_end(b)
 
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference on each; in reverse, so a chain's leading blocks are evicted last."""
+    def release(self, blocks: list[int], keep_s: float = 0.0) -> None:
+        """Drop one reference on each; in reverse, so a chain's leading blocks are evicted last.
+        ``keep_s``: the cached ones a request of a session leaves are kept that long (evicted
+        after every block no session keeps, until then)."""
+        now = self._clock()
+        until = now + keep_s if keep_s > 0 else 0.0
         for b in reversed(blocks):
             r = self.ref[b]
             if r <= 0:
                 raise RuntimeError("block %d released more often than referenced" % b)
             self.ref[b] = r - 1
             if r == 1:
+                kept = max(until, self.kept_until.pop(b, 0.0))
                 if self.hash_of[b] is None:
                     self.flex.discard(b)
                     self.free.append(b)
+                elif kept > now:
+                    self.flex.discard(b)
+                    self.session_lru[b] = None
+                    self.kept_until[b] = kept
                 elif b in self.flex:
                     self.flex_lru[b] = None
                 else:
@@ -162,7 +182,8 @@ class BlockManager:
             b = self.cached.get(h)
             if b is None or self.ref[b]:
                 continue
-            (self.flex_lru if b in self.flex_lru else self.lru).pop(b)
+            self._segment(b).pop(b)
+            self.kept_until.pop(b, None)
             del self.cached[h]
             self.flex.discard(b)
             self.hash_of[b] = None
@@ -175,13 +196,32 @@ class BlockManager:
     def check(self) -> None:
         """Assert the accounting invariant (tests)."""
         referenced = sum(1 for r in self.ref if r > 0)
-        assert len(self.free) + len(self.lru) + len(self.flex_lru) + referenced == self.num_blocks
+        assert len(self.free) + self.num_cached() + referenced == self.num_blocks
         assert all(self.ref[b] == 0 and self.hash_of[b] is None for b in self.free)
-        assert all(self.ref[b] == 0 and self.hash_of[b] is not None for b in (*self.lru, *self.flex_lru))
+        assert all(self.ref[b] == 0 and self.hash_of[b] is not None
+                   for b in (*self.lru, *self.flex_lru, *self.session_lru))
         assert not set(self.lru) & set(self.flex_lru) and set(self.flex_lru) <= self.flex
+        assert not set(self.session_lru) & (set(self.lru) | self.flex) and set(self.session_lru) <= set(self.kept_until)
         assert not self.flex & set(self.free)
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert len(set(self.free)) == len(self.free) and not set(self.free) & set(self.lru)
+
+    def _segment(self, b: int | None, name: str = "") -> OrderedDict:
+        """The LRU segment holding cached block ``b`` (or the one ``name``d)."""
+        if name == "flex" or b in self.flex_lru:
+            return self.flex_lru
+        return self.session_lru if name == "session" or b in self.session_lru else self.lru
+
+    def _expire_sessions(self) -> None:
+        """Blocks whose session's time is up join ``lru`` as its oldest."""
+        now, expired = self._clock(), []
+        while self.session_lru and self.kept_until[next(iter(self.session_lru))] <= now:
+            b, _ = self.session_lru.popitem(last=False)
+            del self.kept_until[b]
+            expired.append(b)
+        for b in reversed(expired):
+            self.lru[b] = None
+            self.lru.move_to_end(b, last=False)
 
     def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
         fn = self._on_event()

@@ -36,7 +36,7 @@ from mooncake.frontend.request_metrics import RequestMetrics
 from mooncake.frontend.token_inlet import TokenInlet
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Rejection
-from mooncake.sched.request_class import request_timeout_s, ttft_slo_ms
+from mooncake.sched.request_class import limit
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 
@@ -168,7 +168,7 @@ class Frontend:
         assert self.facts is not None
         first = req.attempts == 0
         wire_id = req.next_wire_id
-        due = req.first_token_due(ttft_slo_ms(req.sampling, self.cfg))
+        due = req.first_token_due(limit(req.sampling, "ttft_slo_ms", self.cfg))
         in_flight = len(self.requests) - (req.req_id in self.requests) + len(self.forks.waiting)  # forks: admitted
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
@@ -270,11 +270,11 @@ class Frontend:
             self.check_progress(time.monotonic())
 
     def check_progress(self, now: float) -> None:
-        """A placed request with no progress for ``request_timeout_s`` (flex work: ``[classes]
-        flex_request_timeout_s``, it waits behind the rest) moves (its workers drop the attempt),
+        """A placed request with no progress for its class's ``request_timeout_s`` (flex work waits
+        behind the rest, ``[classes.flex]``) moves (its workers drop the attempt),
         and fails once it may move no more."""
         for req in list(self.requests.values()):
-            timeout = request_timeout_s(req.sampling, self.cfg)
+            timeout = limit(req.sampling, "request_timeout_s", self.cfg)
             if req.status is not RequestStatus.WAITING and now - req.last_progress > timeout:
                 self._move(req, f"no progress for {timeout:.0f}s", abort=True)
 

@@ -65,10 +65,13 @@ class StoreClients:
     async def save_blocks(self, endpoint: str, seq: Sequence, hashes: list[bytes], first: int, end: int) -> None:
         """Write ``seq``'s blocks ``[first, end)`` (keyed by ``hashes``) to a store (``write_back``)."""
         assert self._export is not None
-        self.write_back(endpoint, hashes, await self._export(seq, first, end), rank(seq.sampling) == FLEX_RANK)
+        self.write_back(endpoint, hashes, await self._export(seq, first, end), rank(seq.sampling) == FLEX_RANK,
+                        seq.sampling.keep_s)
 
-    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor, flex: bool = False) -> None:
-        """Put blocks into a store in the background (see the module docstring)."""
+    def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor, flex: bool = False,
+                   keep_s: float = 0.0) -> None:
+        """Put blocks into a store in the background (see the module docstring); ``flex``, ``keep_s``:
+        as ``StoreClient.put``'s."""
         if len(self.writes) >= self._security.max_pending_writes:
             self.writes_dropped += 1
             log.warning("%s: %d write-backs in flight, dropping %d blocks for %s (%d dropped so far)",
@@ -78,7 +81,7 @@ class StoreClients:
         async def put() -> None:
             try:
                 sums = await asyncio.to_thread(checksums, kv)
-                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums, flex=flex)
+                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums, flex=flex, keep_s=keep_s)
             except StoreError as e:
                 log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
                 self.forget(endpoint, e)

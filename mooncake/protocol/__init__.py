@@ -41,8 +41,8 @@ from mooncake.protocol.requests import (Abort, Activations, DecodeRequest, Faile
                                         FrontendGone, orders_identity,
                                         KVLayer, KVTransfer, Logprob, PrefillDone, PrefillRequest, Reserved, Sampling,
                                         StageDone, StagePlan, TokenEvent, TokenStep)
-from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, LayerSlices, Ok, Put, Remove,
-                                     Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
+from mooncake.protocol.store import (BlockEvent, Blocks, Error, Exists, Get, GetLayers, Keep, LayerSlices, Ok, Put,
+                                     Remove, Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery)
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +92,7 @@ __all__ = [
     "Ok",
     "PrefillDone",
     "PrefillRequest",
+    "Keep",
     "ProtocolError",
     "Put",
     "Register",
@@ -123,7 +124,7 @@ __all__ = [
 
 Message = Union[
     Register, Registered, Heartbeat, Leave, Reregister,
-    Put, Get, GetLayers, Exists, Remove, Replicate, StatsQuery,
+    Put, Get, GetLayers, Exists, Remove, Replicate, Keep, StatsQuery,
     Ok, Blocks, LayerSlices, Error, BlockEvent,
     DecodeRequest, Reserved, PrefillRequest, PrefillDone, FirstToken, KVTransfer, KVLayer, TokenEvent, TokenStep, Abort, FrontendGone, Failed,
     Activations, StageDone,

@@ -55,6 +55,7 @@ class TierLoad(msgspec.Struct, frozen=True):
     evictions: int = 0
     flex_blocks: int = 0  # of ``blocks``, those only flex requests wrote (evicted first)
     flex_evictions: int = 0  # of ``evictions``, flex blocks
+    session_blocks: int = 0  # of ``blocks``, those a session keeps (evicted last, for a while)
 
 
 class Load(msgspec.Struct):
@@ -72,7 +73,8 @@ class Load(msgspec.Struct):
     tiers: dict[str, TierLoad] = {}  # store: per tier
     kv_rejected: dict[str, int] = {}  # KV refused since start, by reason (forged or corrupt: a miss, recomputed)
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
-    evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other")
+    evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other", "session")
+    kept_blocks: int = 0  # engine: of its cached blocks, those a session keeps
 
 
 class Register(Msg, tag="register"):

@@ -18,6 +18,7 @@ class Put(Msg, tag="put"):
     model_id: str = ""
     checksums: list[int] = []  # xxh3_64 per block from the process that computed it; the store verifies
     flex: bool = False  # a flex request's blocks (``sched/request_class.py``): evicted first
+    keep_s: float = 0.0  # a session's request's blocks: kept this long (evicted last until then)
 
 
 class Get(Msg, tag="get"):
@@ -64,6 +65,14 @@ class Replicate(Msg, tag="replicate"):
 
     hashes: list[bytes]
     target: str  # the target store's endpoint
+
+
+class Keep(Msg, tag="keep"):
+    """Keep the given blocks (those present) for ``keep_s`` from now: a session's prefix, evicted
+    after every block no session keeps until then (``[classes] session_ttl_s``)."""
+
+    hashes: list[bytes]
+    keep_s: float
 
 
 class StatsQuery(Msg, tag="stats"):
@@ -116,6 +125,7 @@ class ShmPut(Msg, tag="shm_put"):
     model_id: str = ""
     checksums: list[int] = []  # as Put's
     flex: bool = False  # as Put's
+    keep_s: float = 0.0  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):

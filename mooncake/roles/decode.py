@@ -34,7 +34,7 @@ from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 from mooncake.sched.cost_model import DecodeCostModel
-from mooncake.sched.request_class import FLEX_RANK, flex_joining, rank, urgency
+from mooncake.sched.request_class import FLEX_RANK, flex_joining, limit, rank, urgency
 
 log = logging.getLogger(__name__)
 # Flex work yields the cores to an interactive prefill on this machine for at most this long per
@@ -237,7 +237,7 @@ class DecodeWorker(EngineWorker):
 
     def _batch(self) -> list[Slot]:
         """The running sequences this step: every one, except flex work past what keeps the
-        others' predicted step within ``[conductor] tbt_slo_ms`` (``request_class.flex_joining``),
+        others' predicted step within the tightest of their classes' ``tbt_slo_ms`` (``request_class.flex_joining``),
         and all flex work while an interactive request reserved here is being prefilled on this
         machine: the prefill gets the cores they share, and its first token comes sooner."""
         slots = list(self.running.values())
@@ -251,8 +251,9 @@ class DecodeWorker(EngineWorker):
         others = [s for s in slots if rank(s.seq.sampling) != FLEX_RANK]
         if yielding:
             return others
+        slo_ms = min((t for t in {limit(s.seq.sampling, "tbt_slo_ms", self.cfg) for s in others} if t), default=0.0)
         n = flex_joining(len(others), sum(s.seq.num_tokens for s in others), [s.seq.num_tokens for s in flex],
-                         self.step_cost.predict, self.cfg.conductor.tbt_slo_ms / 1000)
+                         self.step_cost.predict, slo_ms / 1000)
         return others + flex[:n]
 
     async def _send_tokens(self, by_frontend: dict[str, list[P.TokenEvent]]) -> None:

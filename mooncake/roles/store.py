@@ -96,7 +96,8 @@ async def run_store(cfg: Config) -> None:
     def load() -> P.Load:
         snap = store.snapshot(top_n=0)
         return P.Load(tiers={t["name"]: P.TierLoad(t["used_bytes"], t["capacity_bytes"], t["blocks"], t["hits"],
-                                                    t["evictions"], t["flex_blocks"], t["flex_evictions"])
+                                                    t["evictions"], t["flex_blocks"], t["flex_evictions"],
+                                                    t["session_blocks"])
                              for t in snap["tiers"]},
                       kv_rejected=server.rejections.snapshot())
 

@@ -126,7 +126,7 @@ class EngineWorker(ABC):
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
                       sequences=st["sequences"], progress=self.progress, pending=self.busy(),
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped,
-                      evicted=st["evicted_blocks"])
+                      evicted=st["evicted_blocks"], kept_blocks=st["session_cached_blocks"])
 
     async def send(self, msg: P.Msg) -> None:
         """An attempt's report to the frontend that ordered it; anything else to the conductor."""

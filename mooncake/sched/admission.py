@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake.config import ClassesConfig, ConductorConfig
+from mooncake.config import ConductorConfig
+from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
 from mooncake.sched.plan import Plan
-from mooncake.sched.request_class import FLEX_RANK, rank
+from mooncake.sched.request_class import TIERS, rank
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def context_rejection(n_tokens: int, max_model_len: int) -> Rejection | None:
 
 class Admission:
     def __init__(self, cfg: ConductorConfig, metrics: Metrics, classes: ClassesConfig | None = None) -> None:
-        """``classes``: flex work's own limits (``request_class.py``)."""
+        """``classes``: each class's own limits (``request_class.py``)."""
         self.cfg = cfg
         self.metrics = metrics
         self.classes = classes or ClassesConfig()
@@ -53,12 +54,17 @@ class Admission:
         self._last: bool | None = None  # the last decision (admitted?), to count flips
 
     def check_request(self, n_tokens: int, sampling: Sampling, facts: ModelFacts | None,
-                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1) -> Rejection | None:
+                      pool_blocks: int, in_flight: int, waiting: int, choices: int = 1,
+                      class_in_flight: int = 0) -> Rejection | None:
         """A prompt of ``n_tokens``; ``pool_blocks``: the largest KV pool among the instances
         that would serve it; ``choices``: the requests it brings (its ``n``: the forks that follow
-        it are admitted with it and count against the caps now); ``waiting``: the requests of its
-        class's queue (flex, or the others), against that queue's cap."""
-        max_waiting = self.classes.flex_max_waiting if rank(sampling) == FLEX_RANK else self.cfg.max_waiting
+        it are admitted with it and count against the caps now); ``in_flight``: requests in flight
+        cluster-wide, ``class_in_flight`` of them of its class (against the class's
+        ``max_share`` of ``max_requests``); ``waiting``: the requests of its class's queue,
+        against the class's ``max_waiting``."""
+        tier = TIERS[rank(sampling)]
+        max_waiting = self.classes.limit(tier, "max_waiting", self.cfg)
+        share = int(self.classes.limit(tier, "max_share", self.cfg) * self.cfg.max_requests)
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
@@ -77,6 +83,9 @@ class Admission:
                              f"once ({min(self.cfg.max_requests, max_waiting)})", "n")
         if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
+        if class_in_flight + choices > share:
+            return Rejection(503, "overloaded", f"{class_in_flight} {tier} requests in flight, the most this class "
+                             f"takes ([classes.{tier}] max_share); try again later", retry_after_s=1)
         if waiting + choices > max_waiting:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", retry_after_s=1)
         return None

@@ -60,8 +60,11 @@ class PrefillQueue:
         """Predicted seconds of all queued work."""
         return sum(self.by_rank)
 
-    def flex_requests(self) -> int:
-        return sum(1 for r in self.ranks.values() if r == FLEX_RANK) if self.ranks else 0
+    def requests_of(self, rank: int) -> int:
+        """Requests of class ``rank`` queued here."""
+        if rank == DEFAULT_RANK:
+            return len(self.work) - len(self.ranks)
+        return sum(1 for r in self.ranks.values() if r == rank) if self.ranks else 0
 
     def ahead_s(self, rank: int = DEFAULT_RANK) -> float:
         """Predicted seconds of queued work a request of ``rank`` waits for (its rank's and those before it)."""

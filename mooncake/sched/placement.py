@@ -10,7 +10,7 @@ from typing import Sequence
 from mooncake.sched.admission import Admission, Evidence, Rejection
 from mooncake.sched.booking import Booking
 from mooncake.sched.pipeline import PipelineShape
-from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK
+from mooncake.sched.request_class import DEFAULT_RANK, TIERS
 from mooncake.sched.scheduler import Scheduler
 
 
@@ -24,13 +24,11 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     ``judge``: False for an attempt of a request admitted already (another choice of it, or its
     retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
     the request's class's (``request_class.py``): it waits only for the work served before it,
-    and flex work is never refused for the interactive SLOs (it waits behind the rest instead),
-    only for its own ``[classes] flex_ttft_slo_ms`` if it has one."""
+    and is judged against its class's SLOs (``[classes.<tier>]``) alone: flex work is never
+    refused for the interactive ones (it waits behind the rest instead)."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
-    slos = None
-    if rank == FLEX_RANK:
-        flex_ttft_slo_ms = admission.classes.flex_ttft_slo_ms
-        judge, slos = judge and flex_ttft_slo_ms > 0, (flex_ttft_slo_ms, 0.0)
+    slos = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in ("ttft_slo_ms", "tbt_slo_ms"))
+    judge = judge and any(slos)  # a class with no SLO is never refused for one (nor counts as admitted)
     rejection = admission.check_plan(plan, now, evidence, slos) if judge or plan is None else None
     if rejection is not None:
         return rejection

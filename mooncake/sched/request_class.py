@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
 RANKS = len(_RANK)
+TIERS = tuple(_RANK)  # by rank
 DEFAULT_RANK = _RANK["default"]
 FLEX_RANK = _RANK["flex"]
 
@@ -55,13 +56,8 @@ def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
     return len(flex_kv)
 
 
-def ttft_slo_ms(sampling: Any, cfg: Config) -> float:
-    """The TTFT SLO a request is held to: the interactive one ([conductor] ttft_slo_ms), or for
-    flex work its own ([classes] flex_ttft_slo_ms; 0: none)."""
-    return cfg.classes.flex_ttft_slo_ms if rank(sampling) == FLEX_RANK else cfg.conductor.ttft_slo_ms
-
-
-def request_timeout_s(sampling: Any, cfg: Config) -> float:
-    """How long a placed request may make no progress before it moves: flex work may wait behind
-    the rest ([classes] flex_request_timeout_s), the others [conductor] request_timeout_s."""
-    return cfg.classes.flex_request_timeout_s if rank(sampling) == FLEX_RANK else cfg.conductor.request_timeout_s
+def limit(sampling: Any, key: str, cfg: Config) -> Any:
+    """A request's class's ``key`` (``[classes.<tier>]``, else ``[conductor]``'s): ``ttft_slo_ms``,
+    ``tbt_slo_ms`` (0: none), ``request_timeout_s`` (how long it may make no progress before it
+    moves: flex work may wait behind the rest), ``max_waiting``."""
+    return cfg.classes.limit(TIERS[rank(sampling)], key, cfg.conductor)

@@ -38,7 +38,7 @@ from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import PipelineShape, pipeline_groups
 from mooncake.sched.plan import Plan
-from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK
+from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
 
 
 _NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never written)
@@ -61,6 +61,7 @@ class Scheduler:
         # flex work gives way to it there (preempted for room; out of a step past the TBT SLO)
         self.interactive_slots: dict[str, DecodeSlots] = {}
         self._booked: dict[str, Booking] = {}
+        self._in_flight = [0] * RANKS  # bookings by class
         self.pending = PendingBlocks()  # every booking's
         # the bookings of interactive classes alone: what an interactive request's plan counts on
         # (a flex request booked before it computes its blocks after it)
@@ -249,6 +250,7 @@ class Scheduler:
         when its first token is due, if it has an SLO; ``rank``: its class's)."""
         self.release(req_id)
         booking = self._booked[req_id] = Booking(self, req_id, plan, rank)
+        self._in_flight[rank] += 1
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline, rank)
         for slots, pending in self._kept_in(rank):
@@ -273,6 +275,7 @@ class Scheduler:
         """All the request's booked load (it finished, failed or moved)."""
         b = self._booked.pop(req_id, None)
         if b is not None:
+            self._in_flight[b.rank] -= 1
             plan = b.plan
             for node_id in plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
@@ -304,13 +307,16 @@ class Scheduler:
         s = self.slots.get(node_id)
         return len(s.assigned) if s is not None else 0
 
-    def waiting(self, flex: bool | None = None) -> int:
-        """Requests booked on prefill queues cluster-wide (queued or computing); ``flex``: only
-        flex ones (True) or only the others (False)."""
-        if flex is None:
+    def waiting(self, rank: int | None = None) -> int:
+        """Requests booked on prefill queues cluster-wide (queued or computing); ``rank``: only
+        those of that class."""
+        if rank is None:
             return sum(len(q.work) for q in self.queues.values())
-        n_flex = sum(q.flex_requests() for q in self.queues.values())
-        return n_flex if flex else sum(len(q.work) for q in self.queues.values()) - n_flex
+        return sum(q.requests_of(rank) for q in self.queues.values())
+
+    def in_flight(self, rank: int) -> int:
+        """Attempts of class ``rank`` booked (placed, not yet ended) cluster-wide."""
+        return self._in_flight[rank]
 
     def _views(self, rank: int) -> tuple[dict[str, DecodeSlots], PendingBlocks]:
         """What a plan of ``rank`` counts on the instances: every booking for flex work; for the

@@ -37,7 +37,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="keep this fraction of each request's shared prefix blocks, fresh blocks after (default: 1)")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
     p.add_argument("--flex-share", type=float, default=0.0,
-                   help="fraction of the requests, drawn with --seed, sent as service_tier flex (default: 0)")
+                   help="fraction of the requests, drawn with --seed, sent as service_tier flex (default: 0); a "
+                        "trace line with a service_tier field keeps its own")
     p.add_argument("--no-classes", dest="classes", action="store_false",
                    help="serve every request as default, whatever its tier (the baseline for --flex-share)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")

@@ -17,7 +17,8 @@ import random
 import time
 from collections import deque
 
-from mooncake.config import ClassesConfig, ConductorConfig
+from mooncake.config import ConductorConfig
+from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Admission, Rejection
 from mooncake.sched.cluster import Cluster

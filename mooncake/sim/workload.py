@@ -5,9 +5,10 @@ prefix-chained in the format, so an id names its whole prefix); the block key th
 scheduler sees is the id as 8 bytes. What-ifs: ``rate_scale`` compresses arrivals
 (2: twice the rate), ``time_scale`` multiplies timestamps, and ``reuse_scale``
 keeps that fraction of each request's shared leading blocks and replaces the rest
-of its chain with fresh blocks (0: no reuse; 1: the trace as is), and ``flex_share``
-marks that fraction of the requests, drawn by a seeded generator, as ``service_tier``
-flex (the rest: default). A benchmark's
+of its chain with fresh blocks (0: no reuse; 1: the trace as is). A trace line's class is
+its ``service_tier`` field where it has one (an extension of the format); ``flex_share``
+marks that fraction of the other requests, drawn by a seeded generator, as flex (the rest:
+default). A benchmark's
 own prompts can be simulated too (``requests_from_sessions``), to check a
 calibrated simulation against the live run.
 """
@@ -73,7 +74,8 @@ def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, r
                 fresh += 1
         n_tokens = scaled_input_length(rec, block_tokens)
         full = n_tokens // block_tokens
-        tier = "flex" if draw.random() < flex_share else "default"
+        drawn = "flex" if draw.random() < flex_share else "default"  # drawn for every line: the same seed, the same draws
+        tier = rec.tier or drawn
         out.append(SimRequest(f"r{i}-{rec.line_no}", (rec.timestamp_ms - t0) / 1000.0 * time_scale / rate_scale,
                               n_tokens, max(1, rec.output_length), tuple(_key(h) for h in ids[:full]), tier))
     return out

@@ -30,7 +30,7 @@ from mooncake.kv.integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
 
 from ..blocks import BlockHash
-from ..protocol import (Blocks, Error, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
+from ..protocol import (Blocks, Error, Exists, Get, GetLayers, Keep, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
                         Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
 
@@ -171,7 +171,7 @@ class StoreClient:
         return True
 
     async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str,
-                       sums: list[int], flex: bool) -> int | None:
+                       sums: list[int], flex: bool, keep_s: float) -> int | None:
         sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
         seg = self._take_segment(sum(sizes))
         if seg is None:
@@ -182,7 +182,7 @@ class StoreClient:
                 refs.append(ShmRef(off, seg.write(off, b.detach())))
                 off += n
             try:
-                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex))).count
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -225,10 +225,11 @@ class StoreClient:
     # ---------------------------------------------------------------- object API
 
     async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
-                  model_id: str = "", checksums: Sequence[int] = (), flex: bool = False) -> int:
+                  model_id: str = "", checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0) -> int:
         """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds.
         ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``): the store refuses blocks that differ;
-        ``flex``: a flex request's blocks (the store evicts them first)."""
+        ``flex``: a flex request's blocks (the store evicts them first); ``keep_s``: a session's
+        request's (kept that long, evicted last until then)."""
         hs = [bytes(h) for h in hashes]
         ts = _blocks_list(blocks)
         if len(hs) != len(ts):
@@ -236,10 +237,10 @@ class StoreClient:
         if not hs:
             return 0
         if self.shm and sum(t.numel() * t.element_size() for t in ts) >= self.shm_min_bytes:
-            n = await self._shm_put(hs, ts, model_id, list(checksums), flex)
+            n = await self._shm_put(hs, ts, model_id, list(checksums), flex, keep_s)
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id, list(checksums), flex), [t.detach() for t in ts])).count
+        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s), [t.detach() for t in ts])).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
@@ -296,6 +297,10 @@ class StoreClient:
     async def replicate(self, hashes: Sequence[BlockHash], target_endpoint: str) -> int:
         """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""
         return (await self._ok(Replicate([bytes(h) for h in hashes], target_endpoint))).count
+
+    async def keep(self, hashes: Sequence[BlockHash], keep_s: float) -> int:
+        """Have the store keep these blocks (those it holds) for ``keep_s`` from now; how many it holds."""
+        return (await self._ok(Keep([bytes(h) for h in hashes], keep_s))).count
 
     async def stats(self) -> dict[str, Any]:
         return dict((await self._ok(StatsQuery())).data)

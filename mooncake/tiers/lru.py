@@ -1,37 +1,54 @@
-"""O(1) LRU order of one tier: key -> accounted bytes, oldest first, in two segments.
+"""O(1) LRU order of one tier: key -> accounted bytes, oldest first, in three segments.
 
 ``OrderedDict`` is a hash map threaded with a doubly linked list (in C): touch,
 insert, remove and pop-oldest are O(1). Blocks only flex requests wrote
 (``sched/request_class.py``) sit in a segment of their own that goes first: a flex scan
-of unique prompts displaces other flex blocks before any interactive prefix.
+of unique prompts displaces other flex blocks before any interactive prefix. Blocks a
+session keeps (until a time: ``[classes] session_ttl_s`` after its turn) sit in one that
+goes last, in the order they were kept (with one TTL, the order they expire); once their time
+is up they are the oldest of the rest.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from itertools import chain
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class LRU:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._order: OrderedDict[bytes, int] = OrderedDict()
         self._flex: OrderedDict[bytes, int] = OrderedDict()  # evicted first
+        self._kept: OrderedDict[bytes, int] = OrderedDict()  # evicted last, soonest to expire first
+        self._until: dict[bytes, float] = {}  # of the kept ones
+        self._clock = clock
         self.total_bytes = 0
 
-    def add(self, key: bytes, nbytes: int, flex: bool = False) -> None:
-        """Insert (or refresh) ``key`` as most recently used (of the flex segment: ``flex``)."""
+    def add(self, key: bytes, nbytes: int, flex: bool = False, until: float = 0.0) -> None:
+        """Insert (or refresh) ``key`` as most recently used: of the flex segment (``flex``), or
+        kept until ``until`` (``time.monotonic``) if that is still to come."""
         self.remove(key)
-        (self._flex if flex else self._order)[key] = nbytes
+        if until > self._clock():
+            self._kept[key] = nbytes
+            self._until[key] = until
+        else:
+            (self._flex if flex else self._order)[key] = nbytes
         self.total_bytes += nbytes
 
     def touch(self, key: bytes) -> None:
-        (self._flex if key in self._flex else self._order).move_to_end(key)
+        """Mark ``key`` as most recently used (a kept one stays in expiry order)."""
+        if key not in self._kept:
+            (self._flex if key in self._flex else self._order).move_to_end(key)
 
     def remove(self, key: bytes) -> int:
         n = self._order.pop(key, None)
         if n is None:
             n = self._flex.pop(key, None)
+        if n is None:
+            n = self._kept.pop(key, None)
+            self._until.pop(key, None)
         if n is None:
             return 0
         self.total_bytes -= n
@@ -39,15 +56,33 @@ class LRU:
 
     def oldest(self) -> bytes | None:
         """The key to evict first: the least recently used flex one, else the least recently
-        used; None when empty."""
-        return next(iter(self._flex or self._order), None)
+        used, else the kept one that expires soonest; None when empty."""
+        self._expire()
+        return next(iter(self._flex or self._order or self._kept), None)
 
     def flex_blocks(self) -> int:
         return len(self._flex)
 
+    def kept_blocks(self) -> int:
+        self._expire()
+        return len(self._kept)
+
     def __len__(self) -> int:
-        return len(self._order) + len(self._flex)
+        return len(self._order) + len(self._flex) + len(self._kept)
 
     def __iter__(self) -> Iterator[bytes]:
-        """Keys in eviction order: flex ones first, each segment least recently used first."""
-        return chain(self._flex, self._order)
+        """Keys in eviction order: flex ones first, then the rest, then the kept ones; each segment
+        least recently used (kept: soonest to expire) first."""
+        self._expire()
+        return chain(self._flex, self._order, self._kept)
+
+    def _expire(self) -> None:
+        """Kept keys whose time is up join the ordinary segment as its oldest."""
+        now, expired = self._clock(), []
+        while self._kept and self._until[next(iter(self._kept))] <= now:
+            key, n = self._kept.popitem(last=False)
+            del self._until[key]
+            expired.append((key, n))
+        for key, n in reversed(expired):
+            self._order[key] = n
+            self._order.move_to_end(key, last=False)

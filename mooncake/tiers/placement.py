@@ -4,8 +4,10 @@
 and its lock, and makes the moves every store operation is built of:
 
 - ``insert``: the block goes into the first tier from ``start`` that takes it (making room there
-  by eviction: blocks only flex requests wrote go first, and a flex block displaces only other
-  flex blocks); entry into a persistent tier passes the admission gate unless ``gated=False``;
+  by eviction: blocks only flex requests wrote go first, those a session keeps last, and a block
+  displaces only blocks of its own class or one evicted before it: a flex scan never pushes out
+  an interactive prefix, nor other blocks a session's); entry into a persistent tier passes the
+  admission gate unless ``gated=False``;
 - ``evict``: a tier's block is demoted to the next tier when admitted there, else dropped;
 - ``unlink`` takes a block out of its tier; ``forget`` records that it left the store (its
   write-through copy and hit count go, a ``removed`` event is queued);
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 from .base import StoredBlock, Tier
@@ -30,6 +33,9 @@ from .stats import StoreStats
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[str, str, list[bytes]], None]
+
+
+FLEX, OTHER, KEPT = range(3)  # eviction classes, evicted first to last
 
 
 class Placement:
@@ -43,6 +49,7 @@ class Placement:
         self.lru = [LRU() for _ in self.tiers]
         self.where: dict[bytes, int] = {}
         self.flex: set[bytes] = set()  # blocks only flex requests wrote: evicted first in every tier
+        self.kept: dict[bytes, float] = {}  # blocks a session keeps -> until when: evicted last in every tier
         self.lock = threading.RLock()
         self.disk = next((i for i, t in enumerate(self.tiers) if t.persistent), None)
         self._events: list[tuple[str, str, bytes]] = []
@@ -74,15 +81,22 @@ class Placement:
             return True
         return self.stats.block_hits.get(key, 0) >= self.ssd_admission_hits
 
-    def make_room(self, i: int, nbytes: int, flex: bool = False) -> bool:
-        """Evict from tier ``i`` until ``nbytes`` fit (flex blocks first); ``flex``: for a flex
-        block, which displaces only other flex blocks (else it goes to the next tier)."""
+    def level(self, key: bytes) -> int:
+        """A block's eviction class: FLEX (evicted first), OTHER, or KEPT by a session (last)."""
+        if key in self.flex:
+            return FLEX
+        return KEPT if self.kept.get(key, 0.0) > time.monotonic() else OTHER
+
+    def make_room(self, i: int, nbytes: int, level: int = KEPT) -> bool:
+        """Evict from tier ``i`` until ``nbytes`` fit (flex blocks first, kept ones last), for a
+        block of eviction class ``level``, which displaces only blocks of its class or below
+        (else it goes to the next tier)."""
         tier = self.tiers[i]
         if nbytes > tier.capacity_bytes:
             return False
         while not tier.fits(nbytes):
             victim = self.lru[i].oldest()
-            if victim is None or (flex and victim not in self.flex):
+            if victim is None or self.level(victim) > level:
                 return False
             self.evict(i, victim)
         return True
@@ -94,9 +108,9 @@ class Placement:
             if gated and not self.admitted(j, key):
                 return None
             tier = self.tiers[j]
-            if (tier.has_copy(key) or self.make_room(j, n, key in self.flex)) and tier.put(key, block):
+            if (tier.has_copy(key) or self.make_room(j, n, self.level(key))) and tier.put(key, block):
                 self.where[key] = j
-                self.lru[j].add(key, n, key in self.flex)
+                self.lru[j].add(key, n, key in self.flex, self.kept.get(key, 0.0))
                 self._event("stored", j, key)
                 return j
         return None
@@ -108,6 +122,7 @@ class Placement:
 
     def forget(self, i: int, key: bytes) -> None:
         self.flex.discard(key)
+        self.kept.pop(key, None)
         if self.disk is not None:
             self.tiers[self.disk].drop_copy(key)
         self.stats.block_hits.pop(key, None)

@@ -1,6 +1,6 @@
 """What each request of the store's object API does to the tiered store: put (checksums checked,
 kept to return with the blocks), get, exists, remove, stats, shared-memory put / get, replication
-of blocks to another store, and the layer stream of ``GetLayers``. Whatever may copy or touch LMDB
+of blocks to another store, keeping a session's blocks, and the layer stream of ``GetLayers``. Whatever may copy or touch LMDB
 runs in a worker thread of its own pool, so the event loop only moves frames.
 
 ``StoreServer`` owns a ``StoreRequests``: it decodes each request, passes it to ``handle`` (or
@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from ..kv.integrity import Rejections, checksums, first_corrupt
-from ..protocol import (Blocks, Exists, Get, GetLayers, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
+from ..protocol import (Blocks, Exists, Get, GetLayers, Keep, LayerSlices, Msg, Ok, ProtocolError, Put, Remove, Replicate,
                         ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, encode)
 from ..security import Curve
 from .base import StoredBlock
@@ -66,7 +66,7 @@ class StoreRequests:
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
             return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums,
-                                                   msg.flex)))
+                                                   msg.flex, msg.keep_s)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
             keys = [k for k, _ in found]
@@ -81,6 +81,8 @@ class StoreRequests:
             return encode(Ok(data=data))
         if isinstance(msg, Replicate):
             return encode(Ok(count=await self._replicate(msg)))
+        if isinstance(msg, Keep):
+            return encode(Ok(count=s.keep(msg.hashes, msg.keep_s)))
         if isinstance(msg, ShmPut):
             return encode(Ok(count=await self._run(self._shm_put, msg)))
         if isinstance(msg, ShmGet):
@@ -103,7 +105,7 @@ class StoreRequests:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
-        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex)
+        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex, msg.keep_s)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)

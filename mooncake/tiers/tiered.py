@@ -30,6 +30,7 @@ answer it while a worker thread does I/O.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
@@ -89,10 +90,12 @@ class TieredStore:
     # ---------------------------------------------------------------- object API
 
     def put_many(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], model_id: str = "",
-                 checksums: Sequence[int] = (), flex: bool = False) -> int:
+                 checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0) -> int:
         """Store blocks (in the top tier that takes them) with the checksums their writer sent
         (none: 0, not known); returns how many are now held. ``flex``: a flex request wrote them
-        (they are evicted first, in every tier, unless another request writes them too)."""
+        (they are evicted first, in every tier, unless another request writes them too);
+        ``keep_s``: a session's request wrote them, to be kept that long (evicted last until then)."""
+        until = _until(keep_s)
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
         sums = checksums if len(checksums) == len(keys) else [0] * len(keys)
@@ -102,10 +105,12 @@ class TieredStore:
                 for key, t, sent in zip(keys, tensors, sums):
                     key = bytes(key)
                     i = self.placement.where.get(key)
-                    if flex and (i is None or key in self.placement.flex):
+                    if flex and not until and (i is None or key in self.placement.flex):
                         self.placement.flex.add(key)
                     else:
                         self.placement.flex.discard(key)
+                    if until > self.placement.kept.get(key, 0.0):
+                        self.placement.kept[key] = until
                     if i is not None:
                         self.placement.unlink(i, key)  # replace: the new value wins, same key
                     if self.placement.insert(0, key, StoredBlock(t, model_id, sent)) is None:
@@ -113,6 +118,7 @@ class TieredStore:
                         if i is not None:
                             self.placement.forget(i, key)
                         self.placement.flex.discard(key)
+                        self.placement.kept.pop(key, None)
                         continue
                     self.stats.block_hits.setdefault(key, 0)
                     self.stats.stored += 1
@@ -181,6 +187,23 @@ class TieredStore:
             self.placement.lru[i].touch(key)
         return block
 
+    def keep(self, keys: Iterable[bytes], keep_s: float) -> int:
+        """Keep the held blocks of ``keys`` for ``keep_s`` from now (a session's prefix: evicted
+        last, in every tier, until then); how many are held."""
+        until, held = _until(keep_s), 0
+        with self.placement.lock:
+            for key in map(bytes, keys):
+                i = self.placement.where.get(key)
+                if i is None:
+                    continue
+                held += 1
+                if until > self.placement.kept.get(key, 0.0):
+                    self.placement.kept[key] = until
+                    self.placement.flex.discard(key)
+                    lru = self.placement.lru[i]
+                    lru.add(key, lru.remove(key), until=until)
+        return held
+
     def exists(self, keys: Iterable[bytes]) -> list[bool]:
         where = self.placement.where
         return [bytes(k) in where for k in keys]
@@ -214,7 +237,8 @@ class TieredStore:
     def snapshot(self, top_n: int = 10) -> dict[str, Any]:
         with self.placement.lock:
             sizes = {t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
-                              "blocks": len(self.placement.lru[i]), "flex_blocks": self.placement.lru[i].flex_blocks()}
+                              "blocks": len(self.placement.lru[i]), "flex_blocks": self.placement.lru[i].flex_blocks(),
+                              "session_blocks": self.placement.lru[i].kept_blocks()}
                      for i, t in enumerate(self.tiers)}
             snap = self.stats.snapshot(sizes, top_n)
             snap["corrupt"] = sum(getattr(t, "corrupt", 0) for t in self.tiers)
@@ -240,3 +264,11 @@ class TieredStore:
         with self.placement.lock:
             for t in self.tiers:
                 t.close()
+
+
+MAX_KEEP_S = 7 * 86400.0  # a session's blocks are kept at most this long, whatever a request asks
+
+
+def _until(keep_s: float) -> float:
+    """When blocks kept ``keep_s`` from now are due (0.0: not kept)."""
+    return time.monotonic() + min(keep_s, MAX_KEEP_S) if keep_s > 0 else 0.0

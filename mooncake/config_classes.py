@@ -1,0 +1,94 @@
+"""``[classes]``: request classes' SLOs and limits (``sched/request_class.py``), API keys bound to
+a class, and how long a session's prefix is kept."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from mooncake.config_section import Section, split_list
+
+log = logging.getLogger(__name__)
+
+
+class ClassLimits(Section):
+    """One class's SLOs and limits (``[classes.priority]``, ``[classes.default]``, ``[classes.flex]``).
+    A key left unset takes [conductor]'s (flex: its own defaults)."""
+
+    ttft_slo_ms: float | None = Field(None, ge=0, description="Time-to-first-token SLO of the class's requests (early rejection against it, counting the work queued ahead of them); 0: none; unset: [conductor] ttft_slo_ms.")
+    tbt_slo_ms: float | None = Field(None, ge=0, description="Time-between-tokens SLO of the class's requests (early rejection; a decode lets flex sequences into a step only while it holds for the interactive ones it runs); 0: none; unset: [conductor] tbt_slo_ms.")
+    max_waiting: int | None = Field(None, ge=1, description="Requests of the class queued for prefill cluster-wide before new ones of it get 503; unset: [conductor] max_waiting.")
+    request_timeout_s: float | None = Field(None, gt=0, description="A request of the class with no progress this long moves, then fails (flex work may wait behind the rest that long; workers that die or stall are found apart from it); unset: [conductor] request_timeout_s.")
+    max_share: float = Field(1.0, gt=0, le=1, description="Share of [conductor] max_requests the class's requests may hold in flight; past it new ones of the class get 503, so that the other classes keep room.")
+
+
+FLEX_DEFAULTS = ClassLimits(ttft_slo_ms=0.0, tbt_slo_ms=0.0, max_waiting=256, request_timeout_s=3600.0, max_share=0.5)
+# [classes] keys of an earlier layout, now in [classes.flex]
+MOVED_TO_FLEX = {"flex_ttft_slo_ms": "ttft_slo_ms", "flex_request_timeout_s": "request_timeout_s",
+                 "flex_max_waiting": "max_waiting"}
+
+
+class ClassesConfig(Section):
+    """Request classes (``service_tier``; README "Request classes"): ``priority`` and ``default``
+    are interactive; ``flex`` waits behind them, never refused for their SLOs, within its own
+    limits ([classes.flex])."""
+
+    priority: ClassLimits = ClassLimits()
+    default: ClassLimits = ClassLimits()
+    flex: ClassLimits = FLEX_DEFAULTS
+    flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
+    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
+    session_ttl_s: float = Field(600.0, ge=0, description="A request naming a session (the extension field session_id, else OpenAI's user) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure; 0: off.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, raw: object) -> object:
+        """[classes] flex_ttft_slo_ms, flex_request_timeout_s and flex_max_waiting still work, with a
+        warning, as [classes.flex] keys ([classes.flex] wins where both set one)."""
+        if not isinstance(raw, dict) or not MOVED_TO_FLEX.keys() & raw.keys():
+            return raw
+        raw = dict(raw)
+        moved = {MOVED_TO_FLEX[k]: raw.pop(k) for k in list(raw) if k in MOVED_TO_FLEX}
+        log.warning("[classes] %s moved to [classes.flex] (%s)", ", ".join(f"flex_{k}" for k in sorted(moved)),
+                    ", ".join(sorted(moved)))
+        flex = raw.get("flex")
+        base = flex.model_dump(exclude_unset=True) if isinstance(flex, ClassLimits) else flex if isinstance(flex, dict) else {}
+        raw["flex"] = {**moved, **base}
+        return raw
+
+    @field_validator("flex", mode="before")
+    @classmethod
+    def _flex_defaults(cls, v: object) -> object:
+        """Keys a [classes.flex] table leaves out keep flex's defaults, not [conductor]'s."""
+        if isinstance(v, dict):
+            return {**FLEX_DEFAULTS.model_dump(), **v}
+        return v
+
+    @field_validator("api_key_tiers", mode="before")
+    @classmethod
+    def _split_pairs(cls, v: object) -> object:
+        return split_list(v, "api_key_tiers")
+
+    @field_validator("api_key_tiers")
+    @classmethod
+    def _check_pairs(cls, v: list[str]) -> list[str]:
+        for pair in v:
+            key, sep, tier = pair.rpartition("=")
+            if not sep or not key or tier not in ("default", "priority", "flex"):
+                raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex")
+        return v
+
+    def limit(self, tier: str, key: str, conductor: Any) -> Any:
+        """``key`` of class ``tier``: its [classes.<tier>] value, else ``conductor``'s ([conductor])."""
+        value = getattr(getattr(self, tier), key)
+        return getattr(conductor, key) if value is None else value
+
+    def tier_of_key(self, api_key: str) -> str | None:
+        """The tier bound to ``api_key`` (None: none is)."""
+        for pair in self.api_key_tiers:
+            key, _, tier = pair.rpartition("=")
+            if key == api_key:
+                return tier
+        return None

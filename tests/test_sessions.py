@@ -1,0 +1,131 @@
+"""Sessions (issue 32): a request naming a session has its prefix kept ``[classes] session_ttl_s``
+after its turn, evicted after every block no session keeps, in the engine's prefix cache, in every
+store tier, and where the conductor finds it held."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from mooncake import protocol as P
+from mooncake.blocks import BlockHash
+from mooncake.conductor.session_keeper import SessionKeeper
+from mooncake.engine.kv_cache import BlockManager
+from mooncake.tiers.device import DeviceTier
+from mooncake.tiers.dram import DramTier
+from mooncake.tiers.lru import LRU
+from mooncake.tiers.tiered import TieredStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "little"))
+
+
+def cache(bm: BlockManager, hashes: list[BlockHash], keep_s: float = 0.0, flex: bool = False) -> None:
+    """A request computes these blocks and finishes."""
+    got = bm.allocate(len(hashes), flex=flex)
+    assert got is not None
+    bm.register(got, hashes)
+    bm.release(got, keep_s)
+    bm.check()
+
+
+def test_a_sessions_prefix_outlives_a_flood_in_the_prefix_cache_until_its_time_is_up():
+    clock = Clock()
+    bm = BlockManager(8, clock=clock)
+    session = [h(1), h(2)]
+    cache(bm, session, keep_s=60)
+    cache(bm, [h(3)])  # a prefix no session keeps
+    for i in range(20):  # a flood of unique prompts, interactive and flex, all newer than the session's turn
+        cache(bm, [h(100 + 2 * i), h(101 + 2 * i)], flex=i % 2 == 1)
+        assert bm.cached_prefix(session) == 2
+    assert bm.cached_prefix([h(3)]) == 0 and bm.evicted["session"] == 0
+    assert len(bm.session_lru) == 2 and bm.kept_until[bm.cached[h(1)]] == 160
+    # another request reusing the prefix without a session leaves it kept as long as the session asked
+    blocks = bm.acquire(session)
+    bm.release(blocks)
+    assert len(bm.session_lru) == 2 and not set(blocks) & set(bm.lru)
+    # all the room taken: the session's blocks go last
+    got = bm.allocate(8)
+    assert got is not None and bm.evicted["session"] == 2
+    bm.release(got)
+    cache(bm, session, keep_s=60)
+    cache(bm, [h(600 + i) for i in range(6)])  # the rest of the room, newer
+    clock.now += 61  # its time is up: the oldest of the rest, evicted first (the chain's tail first)
+    cache(bm, [h(700)])
+    assert bm.cached_prefix(session) == 1 and not bm.session_lru and bm.cached_prefix([h(600)]) == 1
+    bm.check()
+
+
+def test_a_tier_keeps_a_sessions_blocks_last_and_in_the_order_they_expire():
+    clock = Clock()
+    lru = LRU(clock)
+    lru.add(b"c", 1, until=120)
+    lru.add(b"b", 1)
+    lru.add(b"f", 1, flex=True)
+    lru.add(b"a", 1, until=130)
+    assert list(lru) == [b"f", b"b", b"c", b"a"] and lru.kept_blocks() == 2
+    lru.touch(b"c")  # kept ones stay in the order they expire
+    assert list(lru)[-2:] == [b"c", b"a"]
+    clock.now = 125  # c's time is up: now the oldest of the ordinary ones
+    assert list(lru) == [b"f", b"c", b"b", b"a"] and lru.kept_blocks() == 1
+    assert lru.remove(b"a") == 1 and lru.total_bytes == 3 and lru.kept_blocks() == 0
+    lru.add(b"d", 1, until=100)  # a time already past: not kept
+    assert lru.kept_blocks() == 0 and lru.oldest() == b"f"
+
+
+def blk(v: float) -> torch.Tensor:
+    return torch.full((256,), float(v))  # 1 KiB
+
+
+def test_a_store_keeps_a_sessions_blocks_through_a_flood_and_keep_extends_them():
+    s = TieredStore([DeviceTier(2 * 1024, "cpu"), DramTier(2 * 1024)])
+    turn = [bytes([1]) * 32, bytes([2]) * 32]
+    assert s.put_many(turn, [blk(1), blk(2)], keep_s=600) == 2
+    old = bytes([3]) * 32
+    assert s.put_many([old], [blk(3)]) == 1
+    assert s.keep([old, bytes([9]) * 32], 600) == 1  # the conductor's Keep: what the store holds
+    for i in range(10, 30):
+        s.put_many([bytes([i]) * 32], [blk(i)], flex=i % 2 == 0)
+        s.check_invariants()
+    assert [s.tier_of(k) for k in (*turn, old)] == ["device", "device", "dram"]
+    snap = {t["name"]: t for t in s.snapshot()["tiers"]}
+    assert (snap["device"]["session_blocks"], snap["dram"]["session_blocks"]) == (2, 1)
+    assert s.put_many([bytes([40]) * 32], [blk(40)], keep_s=float("inf")) == 1  # bounded: MAX_KEEP_S
+    assert s.placement.kept[bytes([40]) * 32] < float("inf")
+    s.close()
+
+
+async def test_the_conductor_has_the_stores_holding_a_sessions_prefix_keep_it():
+    held = {h(1): ["s0", "p0"], h(2): ["s0", "s1"], h(3): []}
+    cluster = SimpleNamespace(of_role=lambda role: [SimpleNamespace(node_id=n, endpoints={"store": f"tcp://{n}"})
+                                                    for n in ("s0", "s1")])
+    kept: list = []
+
+    class Client:
+        def __init__(self, endpoint: str) -> None:
+            self.endpoint = endpoint
+
+        async def keep(self, hashes: list[bytes], keep_s: float) -> int:
+            kept.append((self.endpoint, hashes, keep_s))
+            return len(hashes)
+
+    keeper = SessionKeeper(cluster, SimpleNamespace(holders=lambda x: held[x]), Client)
+    submit = P.Submit("w", "f", [], [h(1), h(2), h(3)], b"", P.Sampling(keep_s=30.0), n_tokens=48, new_request=True)
+    keeper.turn(submit)
+    await asyncio.sleep(0)
+    assert sorted(kept) == [("tcp://s0", [h(1), h(2)], 30.0), ("tcp://s1", [h(2)], 30.0)]
+    kept.clear()
+    keeper.turn(P.Submit("w2", "f", [], [h(1)], b"", P.Sampling(), n_tokens=16, new_request=True))
+    await asyncio.sleep(0)
+    assert not kept  # no session: nothing kept
