@@ -61,7 +61,7 @@ from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceSca
                             run_benchmark)
 from mooncake.bench.arrivals import copies_to_span
 from mooncake.bench.publish import publish
-from mooncake.config import MiB, ModelConfig
+from mooncake.config import ConductorConfig, MiB, ModelConfig
 from mooncake.local.cluster import LocalCluster
 from mooncake.engine.loading.loader import default_model_path, resolve_model_dir
 from mooncake.testing.cluster import small_config
@@ -78,6 +78,7 @@ LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "bu
 def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
     cfg.model.dtype = dtype  # small_config pins float32 for the exactness tests
+    cfg.conductor.store_writes = ConductorConfig().store_writes  # ... and writes every block: serve's default here
     cfg.engine.kv_cache_bytes = 400 * MiB  # ~8,900 tokens per instance
     if system == "cache_off":
         cfg.conductor.use_store = False
@@ -86,6 +87,11 @@ def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
         cfg.conductor.policy = "round_robin"
     if system == "cache_aware_slo":
         cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
+    return start_local(cfg)
+
+
+def start_local(cfg) -> LocalCluster:
+    """The benchmark's mooncake cluster on ``cfg``: 2 prefill, 1 decode, 1 store processes, started."""
     cluster = LocalCluster(cfg, prefill=2, decode=1, store=1)
     try:
         cluster.start(timeout_s=300)

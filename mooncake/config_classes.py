@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 class ClassLimits(Section):
     """One class's SLOs and limits (``[classes.priority]``, ``[classes.default]``, ``[classes.flex]``).
-    A key left unset takes [conductor]'s (flex: its own defaults)."""
+    A key left unset takes [conductor]'s; [classes.flex] has its own defaults (``FLEX_DEFAULTS``)."""
 
     ttft_slo_ms: float | None = Field(None, ge=0, description="Time-to-first-token SLO of the class's requests (early rejection against it, counting the work queued ahead of them); 0: none; unset: [conductor] ttft_slo_ms.")
     tbt_slo_ms: float | None = Field(None, ge=0, description="Time-between-tokens SLO of the class's requests (early rejection; a decode lets flex sequences into a step only while it holds for the interactive ones it runs); 0: none; unset: [conductor] tbt_slo_ms.")
@@ -40,7 +40,7 @@ class ClassesConfig(Section):
     flex: ClassLimits = FLEX_DEFAULTS
     flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
     api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
-    session_ttl_s: float = Field(600.0, ge=0, description="A request naming a session (the extension field session_id, else OpenAI's user) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure; 0: off.")
+    session_ttl_s: float = Field(600.0, ge=0, le=7 * 86400, description="A request naming a session (the extension field session_id, else OpenAI's user; a flex request only by session_id) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure (a store's restart forgets it); 0: off.")
 
     @model_validator(mode="before")
     @classmethod

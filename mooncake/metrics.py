@@ -86,11 +86,15 @@ class Metrics:
                                            "wrote, per node and tier (part of mooncake:tier_evictions).",
                                            ["node", "tier"], registry=r)
         self.device_evictions = Counter("mooncake:device_cache_evictions", "Device prefix-cache blocks evicted "
-                                        "per instance, by class (flex: held only by flex requests; other).",
+                                        "per instance, by class (flex: held only by flex requests; session: kept for "
+                                        "a session; other).",
                                         ["node", "class"], registry=r)
         self.index_blocks = Gauge("mooncake:kv_index_blocks", "Blocks in the global KV index.", registry=r)
         self.nodes = Gauge("mooncake:nodes", "Live nodes per role.", ["role"], registry=r)
         self.replications = Counter("mooncake:replications", "Hot blocks replicated.", registry=r)
+        self.store_write_blocks = Counter("mooncake:store_write_blocks", "Prompt blocks the store write admission "
+                                          "had written (decision=written) or left unwritten, seen once (skipped): "
+                                          "[conductor] store_writes = reused.", ["decision"], registry=r)
         self.migrations = Counter("mooncake:migrations", "Requests moved after a worker failed, died or stalled.",
                                   registry=r)
         self.prediction_ratio = Histogram(

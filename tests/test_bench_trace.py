@@ -181,3 +181,17 @@ def test_salt_changes_every_block_but_keeps_the_sharing():
     assert all(RANGE.lo <= t < RANGE.hi for t in a)
     sessions = trace_sessions([rec([5, 9])], TraceScaling(block_tokens=16, salt=3), RANGE)
     assert list(sessions[0].turns[0]) == expand_prompt(rec([5, 9]), 16, RANGE, salt=3)
+
+
+def test_unique_prefixes_keep_lengths_and_arrivals_and_share_no_block():
+    recs = [rec([1, 2], ts=0, line_no=1), rec([1, 3], ts=10, line_no=2), rec([1, 2, 4], ts=20, line_no=3)]
+    plain = trace_sessions(recs, TraceScaling(block_tokens=8), RANGE)
+    unique = trace_sessions(recs, TraceScaling(block_tokens=8, unique_prefixes=True), RANGE)
+    assert [len(s.turns[0]) for s in unique] == [len(s.turns[0]) for s in plain]
+    assert [s.arrival_s for s in unique] == [s.arrival_s for s in plain]
+    assert common_prefix(plain[0].turns[0], plain[2].turns[0]) == 16
+    blocks = [tuple(s.turns[0][i:i + 8]) for s in unique for i in range(0, len(s.turns[0]), 8)]
+    assert len(set(blocks)) == len(blocks)
+    twice = trace_sessions(recs, TraceScaling(block_tokens=8, unique_prefixes=True, min_span_s=0.05), RANGE)
+    blocks = [tuple(s.turns[0][i:i + 8]) for s in twice for i in range(0, len(s.turns[0]), 8)]
+    assert len(twice) > len(recs) and len(set(blocks)) == len(blocks)  # repetitions share nothing either

@@ -67,6 +67,27 @@ def test_a_sessions_prefix_outlives_a_flood_in_the_prefix_cache_until_its_time_i
     bm.check()
 
 
+def test_a_sessions_time_stays_with_a_block_another_request_releases_last():
+    clock = Clock()
+    bm = BlockManager(4, clock=clock)
+    cache(bm, [h(1)])
+    shared = bm.acquire([h(1)])  # a plain request holds the system prompt ...
+    session = bm.acquire([h(1)])  # ... and a session's turn holds it too, and ends first
+    bm.release(session, keep_s=60)
+    bm.release(shared)
+    assert list(bm.session_lru) == shared and bm.kept_until[shared[0]] == 160
+    bm.check()
+
+
+def test_kept_blocks_expire_by_their_own_time_whatever_order_they_were_kept_in():
+    clock = Clock()
+    lru = LRU(clock)
+    lru.add(b"late", 1, until=200)
+    lru.add(b"soon", 1, until=110)  # kept after, due first (a demoted block keeps its older time)
+    clock.now = 150
+    assert list(lru) == [b"soon", b"late"] and lru.kept_blocks() == 1 and lru.oldest() == b"soon"
+
+
 def test_a_tier_keeps_a_sessions_blocks_last_and_in_the_order_they_expire():
     clock = Clock()
     lru = LRU(clock)

@@ -141,7 +141,8 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     check_response_size(body, max(1, min(max_tokens, room)))  # the conductor clamps to what the context leaves
     api_key = http.scope.get("state", {}).get("api_key", "")
     tier = served_tier(body.service_tier, frontend.cfg.classes.tier_of_key(api_key) if api_key else None)
-    keep_s = frontend.cfg.classes.session_ttl_s if body.session_id or body.user else 0.0  # kept for the session's next turn
+    # a session's prefix is kept for its next turn (flex work's only when it names one: batch clients send user)
+    keep_s = frontend.cfg.classes.session_ttl_s if body.session_id or (body.user and tier != "flex") else 0.0
     sampling = _sampling(body, max_tokens, shape.grammar, body.seed, tier, keep_s)
     salt = request_salt(frontend.cfg.frontend.salts_per_key(), http.scope, body.cache_salt or "")
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),

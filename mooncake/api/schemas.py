@@ -100,7 +100,7 @@ class _Sampling(BaseModel):
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)  # extension (vLLM): within a class, lower first
     # the session a request is a turn of (extension; else OpenAI's end-user id): its prefix is kept for the next
     session_id: StrictStr | None = Field(None, min_length=1, max_length=256)
-    user: StrictStr | None = Field(None, max_length=256)
+    user: StrictStr | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -43,6 +43,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, help="stop issuing requests after this many seconds")
     g.add_argument("--prefix-groups", type=int,
                    help="trace: keep only the requests of the N largest prefix groups (keeps sharing in short runs)")
+    g.add_argument("--unique-prefixes", action="store_true",
+                   help="trace: every request on blocks of its own (the same lengths and arrivals, no reuse)")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: prefix groups")
     g.add_argument("--sessions-per-group", type=int, default=4, help="shared-prefix: conversations per group")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: shared prefix tokens")
@@ -93,7 +95,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ignore_eos=args.ignore_eos, workload=workload, trace_path=args.trace,
         scaling=TraceScaling(block_tokens=args.block_tokens, time_scale=args.time_scale,
                              max_input_tokens=args.max_input_tokens,
-                             max_output_tokens=args.max_output_tokens, prefix_groups=args.prefix_groups),
+                             max_output_tokens=args.max_output_tokens, prefix_groups=args.prefix_groups,
+                             unique_prefixes=args.unique_prefixes),
         shared_prefix=SharedPrefixSpec(groups=args.groups, sessions_per_group=args.sessions_per_group,
                                        prefix_tokens=args.prefix_len, suffix_tokens=args.suffix_len,
                                        turns=args.turns, output_tokens=args.output_len, seed=seed),

@@ -78,6 +78,9 @@ class TraceScaling:
     min_span_s: float | None = None
     """Repeat the selected requests (each repetition on hash ids of its own, arrivals at
     the selection's mean rate) until the scaled arrivals span at least this many seconds."""
+    unique_prefixes: bool = False
+    """Every request on hash ids of its own: the same lengths and arrivals, no block shared
+    between requests (the trace with its reuse taken out)."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -226,9 +229,11 @@ def trace_sessions(records: list[TraceRecord], scaling: TraceScaling,
     sessions = []
     for r in range(reps):
         cache: dict[int, list[int]] = {}
-        for rec, arrival in chosen:
+        for i, (rec, arrival) in enumerate(chosen):
             if r:  # a repetition of its own: every hash id moved past all of the previous ones
                 rec = replace(rec, hash_ids=tuple(h + r * stride for h in rec.hash_ids))
+            if scaling.unique_prefixes:  # ... and each request past all of its repetition's others
+                rec = replace(rec, hash_ids=tuple(h + (reps + r * len(chosen) + i) * stride for h in rec.hash_ids))
             prompt = expand_prompt(rec, scaling.block_tokens, token_range, cache, scaling.salt)
             if scaling.max_input_tokens is not None:
                 prompt = prompt[:scaling.max_input_tokens]

@@ -26,6 +26,8 @@ Invariant: ``len(free) + len(lru) + len(flex_lru) + len(session_lru) + #referenc
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict, deque
 from typing import Callable
@@ -56,6 +58,8 @@ class BlockManager:
         self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
         self.session_lru: OrderedDict[int, None] = OrderedDict()  # soonest to expire first
         self.kept_until: dict[int, float] = {}  # blocks a session keeps (referenced ones too): until when
+        self._deadlines: list[tuple[float, int, int]] = []  # heap of (until, order, block); stale ones skipped
+        self._kept_count = itertools.count()  # ``order``: the same time, the order they were kept
         self.evicted = {"flex": 0, "other": 0, "session": 0}  # cached blocks evicted, by segment
         self._on_event = on_event
         self._clock = clock
@@ -88,7 +92,7 @@ class BlockManager:
         if n > self.num_available():
             return None
         if n > len(self.free):
-            self._expire_sessions()
+            self.expire_sessions()
         out: list[int] = []
         evicted: list[BlockHash] = []
         for _ in range(n):
@@ -160,7 +164,10 @@ class BlockManager:
             if r <= 0:
                 raise RuntimeError("block %d released more often than referenced" % b)
             self.ref[b] = r - 1
-            if r == 1:
+            if r > 1:  # another holder releases it last: the session's time goes with the block
+                if until > self.kept_until.get(b, 0.0) and self.hash_of[b] is not None:
+                    self.kept_until[b] = until
+            else:
                 kept = max(until, self.kept_until.pop(b, 0.0))
                 if self.hash_of[b] is None:
                     self.flex.discard(b)
@@ -169,6 +176,7 @@ class BlockManager:
                     self.flex.discard(b)
                     self.session_lru[b] = None
                     self.kept_until[b] = kept
+                    heapq.heappush(self._deadlines, (kept, next(self._kept_count), b))
                 elif b in self.flex:
                     self.flex_lru[b] = None
                 else:
@@ -202,6 +210,7 @@ class BlockManager:
                    for b in (*self.lru, *self.flex_lru, *self.session_lru))
         assert not set(self.lru) & set(self.flex_lru) and set(self.flex_lru) <= self.flex
         assert not set(self.session_lru) & (set(self.lru) | self.flex) and set(self.session_lru) <= set(self.kept_until)
+        assert all(b in self.session_lru or self.ref[b] for b in self.kept_until)
         assert not self.flex & set(self.free)
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert len(set(self.free)) == len(self.free) and not set(self.free) & set(self.lru)
@@ -212,13 +221,14 @@ class BlockManager:
             return self.flex_lru
         return self.session_lru if name == "session" or b in self.session_lru else self.lru
 
-    def _expire_sessions(self) -> None:
+    def expire_sessions(self) -> None:
         """Blocks whose session's time is up join ``lru`` as its oldest."""
         now, expired = self._clock(), []
-        while self.session_lru and self.kept_until[next(iter(self.session_lru))] <= now:
-            b, _ = self.session_lru.popitem(last=False)
-            del self.kept_until[b]
-            expired.append(b)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, _, b = heapq.heappop(self._deadlines)
+            if b in self.session_lru and self.kept_until.get(b) == until:  # else: released or kept longer since
+                del self.session_lru[b], self.kept_until[b]
+                expired.append(b)
         for b in reversed(expired):
             self.lru[b] = None
             self.lru.move_to_end(b, last=False)

@@ -28,6 +28,10 @@ class KVConnector(ABC):
         (empty: nothing to load)."""
 
     @abstractmethod
+    def store_start(self, cached: int) -> int:
+        """The first block to write to the store when ``cached`` leading blocks came from a cache."""
+
+    @abstractmethod
     def save_plan(self, saved: int, full: int) -> tuple[int, int]:
         """Blocks ``[first, end)`` to write to the store now that ``full`` blocks are whole and the
         ones before ``saved`` are written (empty when there is nothing to write)."""

@@ -70,8 +70,14 @@ class PrefillKV(KVConnector):
             nxt = plan.end
         return plans[:1] if self._layer_load else plans  # a stream comes from one store
 
+    def store_start(self, cached: int) -> int:
+        """The first block to write to the store when ``cached`` leading blocks are cached or fetched:
+        the first it computes, or where the conductor's ``store_range`` starts (the first block
+        the store lacks: a recurring prefix in the device cache is written from there)."""
+        return self.req.store_range[0] if self.req.store_range else cached
+
     def save_plan(self, saved: int, full: int) -> tuple[int, int]:
-        full = min(full, len(self.hashes))
+        full = min(full, len(self.hashes), *self.req.store_range[1:])
         if not self.req.store_endpoint or full <= saved:
             return saved, saved
         return saved, full

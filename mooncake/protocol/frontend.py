@@ -77,6 +77,8 @@ class Route(msgspec.Struct, array_like=True):
     store_from_block: int = -1  # a group's decode writes the prompt's blocks from this one to the store
     planned: bool = True
     prefill_beside: bool = False  # the prefill runs on the decode's machine (``NodeInfo.machine``): they share its cores
+    store_range: list[int] = []  # [lo, hi): the chain's blocks the prefill writes to the store (empty: those it computes)
+    decode_writes: bool = True  # the decode writes the blocks it completes to the store
 
     @property
     def node_ids(self) -> set[str]:

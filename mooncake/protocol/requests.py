@@ -120,6 +120,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     kv_token: bytes = b""  # the attempt's token: every KVTransfer to decode carries it
     stage: StagePlan | None = None  # set when the request runs on a pipeline group
     fallback: bool = False  # as DecodeRequest's
+    store_range: list[int] = []  # [lo, hi): the chain's blocks to write to the store (empty: those it computes)
 
 
 class PrefillDone(Msg, tag="prefill_done"):

@@ -224,12 +224,12 @@ class PrefillWorker(EngineWorker):
         loading = await kv.attach(seq, have)
         on_layer = kv.save_layer if self.cfg.engine.kv_transfer == "layer" else None
         cached = seq.num_cached_tokens
-        written = cached // T
+        written = kv.store_start(cached // T)
         compute_s = 0.0  # this request's own share of the forwards (a packed one is shared by tokens)
         while True:
             if loading:
                 step, loading = await kv.first_chunk(sent, loading, on_layer)
-                fetched, cached, written = loading, seq.num_cached_tokens, seq.num_cached_tokens // T
+                fetched, cached, written = loading, seq.num_cached_tokens, kv.store_start(seq.num_cached_tokens // T)
                 sent += loading
                 loading = 0
             else:

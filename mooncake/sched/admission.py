@@ -64,7 +64,7 @@ class Admission:
         against the class's ``max_waiting``."""
         tier = TIERS[rank(sampling)]
         max_waiting = self.classes.limit(tier, "max_waiting", self.cfg)
-        share = int(self.classes.limit(tier, "max_share", self.cfg) * self.cfg.max_requests)
+        share = max(1, int(self.classes.limit(tier, "max_share", self.cfg) * self.cfg.max_requests))
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
@@ -78,9 +78,9 @@ class Admission:
         if pool_blocks and need > pool_blocks:
             return Rejection(400, "context_length_exceeded",
                              f"the prompt needs {need} KV blocks; the largest instance holds {pool_blocks}", "prompt")
-        if choices > min(self.cfg.max_requests, max_waiting):
+        if choices > min(share, max_waiting):
             return Rejection(400, "invalid_value", f"n={choices} choices are more requests than this cluster takes at "
-                             f"once ({min(self.cfg.max_requests, max_waiting)})", "n")
+                             f"once in this class ({min(share, max_waiting)})", "n")
         if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
         if class_in_flight + choices > share:

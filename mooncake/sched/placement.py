@@ -17,7 +17,7 @@ from mooncake.sched.scheduler import Scheduler
 def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
           max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
           deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True,
-          rank: int = DEFAULT_RANK) -> Booking | Rejection:
+          rank: int = DEFAULT_RANK, session: bool = False) -> Booking | Rejection:
     """Plan, admit and book an attempt of ``n_tokens`` (``hashes``: its full blocks) that may
     generate ``max_tokens``; its booking (``booking.plan``: the plan), or why it is refused.
     ``deadline``: when its first token is due; ``evidence``: see ``Admission.check_plan``;
@@ -25,7 +25,8 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
     the request's class's (``request_class.py``): it waits only for the work served before it,
     and is judged against its class's SLOs (``[classes.<tier>]``) alone: flex work is never
-    refused for the interactive ones (it waits behind the rest instead)."""
+    refused for the interactive ones (it waits behind the rest instead). ``session``: the request
+    names one (its blocks are written to the store whatever the write admission says)."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
     slos = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in ("ttft_slo_ms", "tbt_slo_ms"))
     judge = judge and any(slos)  # a class with no SLO is never refused for one (nor counts as admitted)
@@ -33,4 +34,5 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     if rejection is not None:
         return rejection
     assert plan is not None  # check_plan refuses a missing plan
+    scheduler.writes.admit(plan, hashes, session, admission.metrics)
     return scheduler.book(booking_id, plan, deadline, rank)

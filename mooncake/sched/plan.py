@@ -33,6 +33,10 @@ class Plan:
     decode_kv_tokens: int = 0  # KV tokens it holds there halfway through its output
     hashes: Sequence[bytes] = ()  # the prompt's full blocks (resident on both instances once served)
     stages: list[Node] = field(default_factory=list)  # a pipeline group, in stage order ([-1] is ``prefill``)
+    # blocks [lo, hi) of the chain the prefill writes to ``store_endpoint`` (None: those it computes;
+    # ``write_admission.py``), and whether the decode writes the blocks it completes
+    store_range: tuple[int, int] | None = None
+    decode_writes: bool = True
 
     @property
     def prefill_ids(self) -> list[str]:

@@ -39,6 +39,7 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import PipelineShape, pipeline_groups
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
+from mooncake.sched.write_admission import WriteAdmission
 
 
 _NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never written)
@@ -69,6 +70,7 @@ class Scheduler:
         self._stores_version = -1  # the cluster version ``_store_view``/``_local_view`` were built at
         self._store_view: dict[str, Node] = {}
         self._local_view: dict[str, tuple[list[str], str]] = {}
+        self.writes = WriteAdmission(cfg.store_writes, cluster, index)  # which blocks go to the store
 
     # ------------------------------------------------------------ planning
 

@@ -10,7 +10,7 @@ import sys
 from mooncake.sim.setup import POLICIES
 
 _FIELDS = ("requests", "rejected", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p90_s",
-           "slo_attainment", "goodput_rps", "cache_hit_rate", "sim_wall_s")
+           "slo_attainment", "goodput_rps", "cache_hit_rate", "store_write_share", "sim_wall_s")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                        help="the shared store pool; auto (default): on for cache_aware, off for the cache-oblivious "
                             "policies, as in the paper's comparison, where only global cache-aware scheduling draws "
                             "on the pool")
+    p.add_argument("--store-writes", choices=["reused", "all"], default="reused",
+                   help="which blocks go to the stores: reused, a block on its second sighting (default), or all "
+                        "([conductor] store_writes)")
     hw = p.add_mutually_exclusive_group()
     hw.add_argument("--profile", help="built-in hardware profile (default: a800x8-llama2-70b; see 'sim profiles')")
     hw.add_argument("--calibrate", metavar="URL", help="cost models of a running cluster, from URL/cluster")
@@ -106,7 +109,7 @@ def run_sim(args: argparse.Namespace) -> int:
                                  max_requests=args.max_requests, flex_share=args.flex_share, seed=args.seed)
         if args.sim_action == "run":
             setup = SimSetup(args.prefill, args.decode, args.policy, _use_store(args), args.ttft_slo_ms,
-                             args.tbt_slo_ms, args.seed, args.classes)
+                             args.tbt_slo_ms, args.seed, args.classes, args.store_writes)
             result = simulate(setup, hw, requests)
             _print_result(result)
             out = result.to_dict()
@@ -136,7 +139,7 @@ def _size(args: argparse.Namespace, hw, requests) -> dict:
     if not args.ttft_slo_ms and not args.tbt_slo_ms:
         raise ValueError("sim size needs an SLO: give --ttft-slo-ms and/or --tbt-slo-ms")
     template = SimSetup(1, 1, args.policy, _use_store(args), args.ttft_slo_ms, args.tbt_slo_ms, args.seed,
-                        args.classes)
+                        args.classes, args.store_writes)
     print(f"{'prefill':>7} {'decode':>6} {'attain':>7} {'ttft_p90':>9} {'tbt_p90':>8} {'rejected':>8} {'wall_s':>7}")
 
     def show(r) -> None:

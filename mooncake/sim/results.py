@@ -16,13 +16,13 @@ if TYPE_CHECKING:
 
 class Outcome:
     __slots__ = ("req", "rejected", "started_s", "first_token_s", "decode_joined_s", "finished_s",
-                 "device_blocks", "reused_blocks")
+                 "device_blocks", "reused_blocks", "written_blocks")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
         self.rejected: str | None = None
         self.started_s = self.first_token_s = self.decode_joined_s = self.finished_s = -1.0
-        self.device_blocks = self.reused_blocks = 0
+        self.device_blocks = self.reused_blocks = self.written_blocks = 0  # written: to a store
 
     @property
     def ttft_s(self) -> float:
@@ -61,6 +61,7 @@ class SimResult:
     cache_hit_rate: float  # prompt tokens reused (device + store) / prompt tokens, served requests
     device_hit_rate: float
     prefill_utilization: float
+    store_write_share: float  # blocks written to the stores / prompt blocks computed, served requests
     sim_duration_s: float
     sim_wall_s: float
     # per request class, where the trace has more than one: attainment (interactive classes
@@ -112,6 +113,7 @@ def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcome
     prompt = sum(o.req.prompt_tokens for o in served)
     reused = sum(o.reused_blocks for o in served) * block_tokens
     device = sum(o.device_blocks for o in served) * block_tokens
+    computed = sum(len(o.req.hashes) - o.reused_blocks for o in served)
     prefills = list(prefills)
     busy = sum(p.busy_s for p in prefills) / max(1e-9, end_s * len(prefills))
     gap_mean = (sum(g * c for g, c in gaps) / sum(c for _, c in gaps)) if gaps else 0.0
@@ -125,6 +127,7 @@ def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcome
         slo_attainment=met / n if n else 0.0, goodput_rps=met / span,
         cache_hit_rate=reused / prompt if prompt else 0.0, device_hit_rate=device / prompt if prompt else 0.0,
         prefill_utilization=min(1.0, busy), sim_duration_s=end_s, sim_wall_s=wall_s,
+        store_write_share=sum(o.written_blocks for o in served) / max(1, computed),
         by_class=_by_class(setup, outcomes.values(), span))
 
 

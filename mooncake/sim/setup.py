@@ -18,6 +18,7 @@ class SimSetup:
     tbt_slo_ms: float = 0.0
     seed: int = 0
     classes: bool = True  # False: every request is served as default, whatever its tier (the baseline)
+    store_writes: str = "reused"  # which blocks go to the stores ([conductor] store_writes)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:

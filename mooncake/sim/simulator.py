@@ -45,7 +45,7 @@ class Simulation:
         self.hw = hw
         self.requests = requests
         self.B = hw.block_tokens
-        self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store,
+        self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store, store_writes=setup.store_writes,
                                    ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms)
         self.loop = EventLoop()
         self.index = KVIndex()
@@ -186,8 +186,10 @@ class Simulation:
         out.first_token_s = now
         flex = self._rank(r) == FLEX_RANK
         inst.cache_blocks(self.index, r.hashes, flex)
-        if inst.store is not None and plan.store_endpoint:
-            inst.store.put(r.hashes[out.reused_blocks:], flex)
+        if inst.store is not None and plan.store_endpoint:  # what the write admission lets through
+            lo, hi = plan.store_range or (out.reused_blocks, len(r.hashes))
+            inst.store.put(r.hashes[lo:hi], flex)
+            out.written_blocks = max(0, hi - lo)
         self.sched.prefill_finished(r.req_id)
         # The engine times its compute on the wall clock, sharing included (as the real one does).
         self.prefill_cost.observe(n_new, cached, compute_s * (now - started) / work if work > 0 else compute_s)

@@ -14,10 +14,13 @@ from mooncake.testing.ports import free_port
 
 def small_config(data_dir: Path, **conductor: object) -> Config:
     """A config sized for tests on a 2-core machine: small pools, one torch thread per role,
-    float32 (outputs are compared with transformers token for token)."""
+    float32 (outputs are compared with transformers token for token), every block written to the
+    stores (``store_writes = "all"``: tests of the store find a prompt there after one request;
+    the write admission's default is tested on its own)."""
     cfg = Config()
     cfg.model.dtype = "float32"
     cfg.frontend.port = free_port()
+    cfg.conductor.store_writes = "all"
     for k, v in conductor.items():  # the keys that moved to [frontend] are taken here too
         setattr(cfg.frontend if k in MOVED_TO_FRONTEND else cfg.conductor, k, v)
     cfg.engine.kv_cache_bytes = 160 * MiB

@@ -38,7 +38,7 @@ class Durability:
                     if i is None or i >= d or disk.has_copy(key):
                         continue
                     block = p.tiers[i].get(key)  # held here: its memory is not recycled meanwhile
-                    if block is not None and p.make_room(d, block.nbytes) and disk.reserve_copy(key, block.nbytes):
+                    if block is not None and p.make_room(d, block.nbytes, p.level(key)) and disk.reserve_copy(key, block.nbytes):
                         items.append((key, block))
             finally:
                 p.finish()

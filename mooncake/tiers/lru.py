@@ -5,12 +5,14 @@ insert, remove and pop-oldest are O(1). Blocks only flex requests wrote
 (``sched/request_class.py``) sit in a segment of their own that goes first: a flex scan
 of unique prompts displaces other flex blocks before any interactive prefix. Blocks a
 session keeps (until a time: ``[classes] session_ttl_s`` after its turn) sit in one that
-goes last, in the order they were kept (with one TTL, the order they expire); once their time
-is up they are the oldest of the rest.
+goes last, in the order they were kept; once their time is up (a heap of their deadlines says
+when) they are the oldest of the rest.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from itertools import chain
@@ -23,6 +25,8 @@ class LRU:
         self._flex: OrderedDict[bytes, int] = OrderedDict()  # evicted first
         self._kept: OrderedDict[bytes, int] = OrderedDict()  # evicted last, soonest to expire first
         self._until: dict[bytes, float] = {}  # of the kept ones
+        self._deadlines: list[tuple[float, int, bytes]] = []  # heap of (until, order, key); stale ones skipped
+        self._kept_count = itertools.count()  # ``order``: the same time, the order they were kept
         self._clock = clock
         self.total_bytes = 0
 
@@ -33,6 +37,7 @@ class LRU:
         if until > self._clock():
             self._kept[key] = nbytes
             self._until[key] = until
+            heapq.heappush(self._deadlines, (until, next(self._kept_count), key))
         else:
             (self._flex if flex else self._order)[key] = nbytes
         self.total_bytes += nbytes
@@ -79,10 +84,11 @@ class LRU:
     def _expire(self) -> None:
         """Kept keys whose time is up join the ordinary segment as its oldest."""
         now, expired = self._clock(), []
-        while self._kept and self._until[next(iter(self._kept))] <= now:
-            key, n = self._kept.popitem(last=False)
-            del self._until[key]
-            expired.append((key, n))
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, _, key = heapq.heappop(self._deadlines)
+            if self._until.get(key) == until:  # else: removed or kept longer since
+                del self._until[key]
+                expired.append((key, self._kept.pop(key)))
         for key, n in reversed(expired):
             self._order[key] = n
             self._order.move_to_end(key, last=False)

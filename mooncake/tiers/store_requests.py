@@ -82,7 +82,7 @@ class StoreRequests:
         if isinstance(msg, Replicate):
             return encode(Ok(count=await self._replicate(msg)))
         if isinstance(msg, Keep):
-            return encode(Ok(count=s.keep(msg.hashes, msg.keep_s)))
+            return encode(Ok(count=await self._run(s.keep, msg.hashes, msg.keep_s)))
         if isinstance(msg, ShmPut):
             return encode(Ok(count=await self._run(self._shm_put, msg)))
         if isinstance(msg, ShmGet):
