@@ -1,17 +1,17 @@
 """What the store costs when nothing is reused, and what reuse-aware writes save (issue 33), through
 the served path.
 
-Three clusters as ``bench_e2e.py`` starts mooncake (2 prefill, 1 decode, 1 store, 400 MiB KV
+Clusters as ``bench_e2e.py`` starts mooncake (2 prefill, 1 decode, 1 store, 400 MiB KV
 pools): ``reused`` (the default ``[conductor] store_writes``), ``all`` (every block written, as
 before), and ``no_store`` (``use_store = false``; the device prefix caches on). Two replays each,
 of ``bench_e2e.py``'s trace workload (the shared trace's 3 largest prefix groups, 69 requests,
 blocks of 16 tokens, prompts up to 1,500 tokens, 32 out) at ``--rate-scale``: as it is, and with
 every prefix made unique (``TraceScaling.unique_prefixes``: the same lengths and arrivals, no block
-shared). Per replay: goodput (TTFT <= 3 s, TPOT <= 300 ms), prefix hit rate, and the blocks the
+shared), each on a cluster of its own. Per replay: goodput (TTFT <= 3 s, TPOT <= 300 ms), prefix hit rate, and the blocks the
 store took against the prompt blocks computed (the conductor's prompt tokens less its cache hits).
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_store_writes.py \
-        [--rate-scale 2] [--systems reused all no_store]
+        [--rate-scale 2] [--systems reused all no_store] [--replays "as is" "unique prefixes"] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from mooncake.testing.cluster import small_config
 from mooncake.tiers.client import StoreClient
 
 SYSTEMS = ["reused", "all", "no_store"]
+REPLAYS = {"as is": False, "unique prefixes": True}  # name -> every prefix made unique
 
 
 def start(system: str) -> LocalCluster:
@@ -84,18 +85,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate-scale", type=float, default=2.0)
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--replays", nargs="+", default=list(REPLAYS), choices=list(REPLAYS))
+    ap.add_argument("--rounds", type=int, default=1, help="run every system's replays this many times, in turn")
     args = ap.parse_args()
     rows = []
-    for system in args.systems:
-        cluster = start(system)
-        try:
-            asyncio.run(warm(cluster.url, None, False))
-            for salt, (name, unique) in enumerate((("as is", False), ("unique prefixes", True)), start=1):
-                kw = workloads(False, "", args.rate_scale, salt=salt)["trace"]
+    for system in [s for _ in range(args.rounds) for s in args.systems]:
+        for name in args.replays:
+            unique = REPLAYS[name]
+            cluster = start(system)  # a cluster of its own: a workload from its start
+            try:
+                asyncio.run(warm(cluster.url, None, False))
+                kw = workloads(False, "", args.rate_scale, salt=1)["trace"]
                 kw["scaling"] = replace(kw["scaling"], unique_prefixes=unique)
                 rows.append(replay(system, cluster.url, name, kw))
-        finally:
-            cluster.stop()
+            finally:
+                cluster.stop()
     print(f"\nrate scale {args.rate_scale:g}\n")
     print("| replay | system | ok | goodput req/s | prefix hit rate | store blocks written / prompt blocks computed | TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")

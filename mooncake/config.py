@@ -108,7 +108,7 @@ class ConductorConfig(Section):
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = Field(
         "cache_aware", description="Prefill selection policy (random: a uniform draw; a baseline).")
     use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
-    store_writes: Literal["reused", "all"] = Field("reused", description="Which blocks go to the stores: reused, a prompt block whose prefix an earlier request sighted too (its second sighting; written from the prefill's device cache if it is cached there) and every block of a request naming a session, so that a workload with no reuse writes nothing; all: every block a prefill computes and every block a decode completes.")
+    store_writes: Literal["reused", "all"] = Field("reused", description="Which blocks go to the stores: reused, a block once its prefix recurs (a prompt mostly made of a recurring prefix, or a session's, whole, with its decode's blocks; a prompt new from its first block while the workload reuses), so that a workload with no reuse writes nothing (README \"What goes to the stores\"); all: every block a prefill computes and every block a decode completes.")
     ttft_slo_ms: float = Field(0.0, ge=0, description="Time-to-first-token SLO; 0: no early rejection on TTFT.")
     tbt_slo_ms: float = Field(0.0, ge=0, description="Time-between-tokens SLO; 0: no early rejection on TBT.")
     max_retry_after_s: float = Field(60.0, ge=1, description="Upper bound of the Retry-After a rejection carries.")

@@ -45,33 +45,36 @@ def test_a_chain_reads_as_sighted_up_to_where_it_first_differs_for_a_generation_
     assert sum(big.seen_run([os.urandom(32)]) for _ in range(20_000)) <= 10  # false positives: rare
 
 
-def test_a_new_chain_is_written_once_it_recurs_or_while_the_workload_reuses():
+def test_a_block_is_written_once_its_prefix_recurs_and_a_new_chain_while_the_workload_reuses():
     sched, cluster, idx = make()
     adm, metrics = Admission(ConductorConfig(), Metrics()), Metrics()
     adm.metrics = metrics
 
-    def plan_of(req: str, hashes: list[bytes], session: bool = False):
-        booking = place(sched, adm, req, hashes, len(hashes) * 16 + 5, 4, 16, 0.0, session=session)
+    def plan_of(req: str, hashes: list[bytes], session: bool = False, first: bool = True):
+        booking = place(sched, adm, req, hashes, len(hashes) * 16 + 5, 4, 16, 0.0, session=session, judge=first)
         sched.release(req)
         return booking.plan
 
-    first = plan_of("a", H[:8])  # nothing has recurred yet: a new chain stays in the device cache
+    first = plan_of("a", H[:8])  # seen for the first time: it stays in the device cache
     assert first.store_range == (0, 0) and not first.decode_writes and first.store_endpoint
-    again = plan_of("b", H[:10])  # it recurs: written whole, from the device cache where it is cached
-    assert again.store_range == (0, 10) and again.decode_writes
+    again = plan_of("b", H[:10])  # mostly a recurring prefix (a conversation going on): all of it,
+    assert again.store_range == (0, 10) and again.decode_writes  # from the device cache where it is cached
     store = next(n.node_id for n in cluster.of_role("store") if n.endpoints["store"] == again.store_endpoint)
     idx.add(store, "dram", H[:5])
     assert plan_of("c", H[:10]).store_range == (5, 10)  # from the first block the store lacks
     chat = plan_of("d", H[:12], session=True)
     assert chat.store_range == (5, 12) and chat.decode_writes
-    # three of four requests recurred: the workload reuses, so a new chain is written at once
-    fresh = plan_of("e", OTHER[:6])
-    assert fresh.store_range == (0, 6) and fresh.decode_writes
+    document = plan_of("e", H[:2] + OTHER[2:10])  # a shared system prompt, then a new document:
+    assert document.store_range == (2, 2) and not document.decode_writes  # only the recurring part
+    fork = plan_of("f", H[:12], first=False)  # another choice or a retry: its first attempt decided
+    assert fork.store_range == (0, 0) and not fork.decode_writes
+    fresh = plan_of("g", [bytes([i, 3]) * 16 for i in range(6)])  # new, but the workload reuses now:
+    assert fresh.store_range == (0, 6) and fresh.decode_writes  # written at once
     counted = {s.labels["decision"]: s.value for m in metrics.store_write_blocks.collect() for s in m.samples
                if s.name.endswith("_total")}
-    assert counted == {"written": 10 + 5 + 7 + 6, "skipped": 8}
+    assert counted == {"written": 10 + 5 + 7 + 6, "skipped": 8 + 8}
     every, _, _ = make(store_writes="all")
-    assert place(every, adm, "f", H[:8], 8 * 16 + 5, 4, 16, 0.0).plan.store_range is None
+    assert place(every, adm, "g", H[:8], 8 * 16 + 5, 4, 16, 0.0).plan.store_range is None
 
 
 def test_the_prefill_writes_the_range_the_conductor_names():
@@ -85,6 +88,7 @@ def test_the_prefill_writes_the_range_the_conductor_names():
     recurring = kv([0, 6])  # the first 6 recur and the store lacks them; 4 are in the device cache
     assert PrefillKV.store_start(recurring, 4) == 0 and PrefillKV.save_plan(recurring, 0, 10) == (0, 6)
     assert PrefillKV.save_plan(recurring, 6, 10) == (6, 6)  # nothing past the range
+    assert PrefillKV.store_start(kv([6, 10]), 4) == 4  # the device cache lost some: from what it computes
     unseen = kv([0, 0])
     first, end = PrefillKV.save_plan(unseen, PrefillKV.store_start(unseen, 4), 10)
     assert end <= first

@@ -60,7 +60,8 @@ def route_of(plan: Plan, stages: list[P.StagePlan]) -> P.Route:
     """The route a frontend drives ``plan``'s attempt along (``stages``: a pipeline group's)."""
     prefills = plan.stages or [plan.prefill]
     return P.Route(worker_ref(plan.decode), [worker_ref(n) for n in prefills], secrets.token_bytes(16),
-                   plan.fetch, plan.store_endpoint, stages, plan.reusable_blocks if plan.stages else -1,
+                   plan.fetch, plan.store_endpoint, stages,
+                   (plan.store_range or (plan.reusable_blocks,))[0] if plan.stages else -1,
                    prefill_beside=bool(plan.decode.info.machine)
                    and any(n.info.machine == plan.decode.info.machine for n in prefills),
                    store_range=list(plan.store_range or ()), decode_writes=plan.decode_writes)

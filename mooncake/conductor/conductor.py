@@ -184,7 +184,8 @@ class Conductor:
         placed = place(self.scheduler, self.admission, msg.wire_id, msg.hashes, msg.n_tokens,
                        msg.sampling.max_tokens - msg.num_generated, facts.block_tokens, now, pipeline=shape,
                        deadline=now + msg.ttft_budget_s if msg.ttft_budget_s > 0 else float("inf"),
-                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling))
+                       evidence=self.costs.evidence(), judge=msg.new_request, rank=rank(msg.sampling),
+                       session=msg.sampling.keep_s > 0)
         self.metrics.decision.observe(time.perf_counter() - t0)
         return placed
 

@@ -72,9 +72,9 @@ class PrefillKV(KVConnector):
 
     def store_start(self, cached: int) -> int:
         """The first block to write to the store when ``cached`` leading blocks are cached or fetched:
-        the first it computes, or where the conductor's ``store_range`` starts (the first block
-        the store lacks: a recurring prefix in the device cache is written from there)."""
-        return self.req.store_range[0] if self.req.store_range else cached
+        the first it computes, or earlier where the conductor's ``store_range`` starts (the first
+        block the store lacks: a recurring prefix in the device cache is written from there)."""
+        return min(self.req.store_range[0], cached) if self.req.store_range else cached
 
     def save_plan(self, saved: int, full: int) -> tuple[int, int]:
         full = min(full, len(self.hashes), *self.req.store_range[1:])

@@ -29,10 +29,10 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     names one (its blocks are written to the store whatever the write admission says)."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
     slos = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in ("ttft_slo_ms", "tbt_slo_ms"))
-    judge = judge and any(slos)  # a class with no SLO is never refused for one (nor counts as admitted)
-    rejection = admission.check_plan(plan, now, evidence, slos) if judge or plan is None else None
+    judged = judge and any(slos)  # a class with no SLO is never refused for one (nor counts as admitted)
+    rejection = admission.check_plan(plan, now, evidence, slos) if judged or plan is None else None
     if rejection is not None:
         return rejection
     assert plan is not None  # check_plan refuses a missing plan
-    scheduler.writes.admit(plan, hashes, session, admission.metrics)
+    scheduler.writes.admit(plan, hashes, session, judge, admission.metrics)  # judge: its first attempt
     return scheduler.book(booking_id, plan, deadline, rank)

@@ -1,13 +1,16 @@
 """Which of a request's blocks go to the store (issue 33), with ``[conductor] store_writes =
-"reused"``: a prompt whose prefix recurs — its leading block was sighted in an earlier request
-(``sightings.py``) — has its blocks written, and so does a session's (the next turn reads them),
-and its decode writes the blocks it completes; a chain seen for the first time is written too
-while the workload reuses (at least ``WRITE_FIRST_SIGHTINGS_AT`` of recent requests start with a
-recurring prefix), and left in the prefill's device cache alone otherwise. So a workload with no
-reuse writes nothing to the store, and one with reuse writes what it did before; a prefix left
-unwritten the first time is written on its second sighting, from the device cache of the prefill
-that holds it when it is cached there (``Plan.store_range`` starts at the first block the store
-lacks). ``"all"`` writes every block a prefill computes and every block a decode completes."""
+"reused"``. A block goes to the store once its prefix recurs: it was in an earlier prompt
+(``sightings.py``). A prompt that is mostly a recurring prefix (at least half of it: a
+conversation or an agent going on) is written whole, and its decode writes the blocks it
+completes, as the next turn will start with them; so is a session's. A prompt that is mostly new
+after a recurring prefix (a fresh document after a shared system prompt) has only the recurring
+part written. A prompt new from its first block is written whole while the workload reuses (at
+least ``WRITE_NEW_CHAINS_AT`` of recent requests start with a recurring prefix: the next turn of
+a conversation may land on another instance), and stays in the prefill's device cache alone
+otherwise: a workload with no reuse writes nothing. A prefix left unwritten that recurs is
+written from the first block the store lacks, from the device cache of the prefill that holds it.
+A fork of a request (``n`` > 1) or a retry writes no prompt blocks (its first attempt decided).
+``"all"`` writes every block a prefill computes and every block a decode completes."""
 
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.plan import Plan
 from mooncake.sched.sightings import Sightings
 
-REUSE_ALPHA = 1 / 256  # weight of each request in ``WriteAdmission.reuse``
-WRITE_FIRST_SIGHTINGS_AT = 0.01  # from this share of recurring requests on, new chains are written at once
+REUSE_ALPHA = 1 / 64  # weight of each request in ``WriteAdmission.reuse``
+WRITE_NEW_CHAINS_AT = 0.01  # from this share of recurring requests on, a new chain is written at once
 
 
 class WriteAdmission:
@@ -28,28 +31,32 @@ class WriteAdmission:
         self.policy = policy
         self.cluster = cluster
         self.index = index
-        self.sightings = Sightings()  # every prompt's blocks
-        self.unwritten = Sightings()  # the blocks of prompts left unwritten
+        self.sightings = Sightings()
+        self.unwritten = Sightings(log2_bits=22)  # the leading blocks of prompts left (partly) unwritten
         self.reuse = 0.0  # the share of recent requests whose prompt starts with a recurring prefix
 
-    def admit(self, plan: Plan, hashes: Sequence[bytes], session: bool, metrics: Metrics) -> None:
+    def admit(self, plan: Plan, hashes: Sequence[bytes], session: bool, first: bool, metrics: Metrics) -> None:
         """Set ``plan.store_range`` (blocks ``[lo, hi)`` of the chain to write) and whether its
-        decode writes the blocks it completes (``decode_writes``); counted in
+        decode writes the blocks it completes (``decode_writes``); ``first``: the request's first
+        attempt (only it is sighted and writes its prompt). Counted in
         ``mooncake:store_write_blocks_total{decision}``."""
         if self.policy == "all" or not plan.store_endpoint or not hashes:
             return
-        recurs = self.sightings.seen_run(hashes) > 0
-        self.reuse += REUSE_ALPHA * (recurs - self.reuse)
-        write = recurs or session or self.reuse >= WRITE_FIRST_SIGHTINGS_AT
-        if not write:
-            self.unwritten.seen_run(hashes)
-            plan.store_range, plan.decode_writes = (0, 0), False
-            metrics.store_write_blocks.labels("skipped").inc(len(hashes))
+        if not first:
+            plan.store_range, plan.decode_writes = (0, 0), session
             return
-        lo = plan.reusable_blocks  # what it computes, as with "all" ...
-        if self.unwritten.seen_run(hashes, record=False):  # ... or a prefix left unwritten before, from its start
-            store = next((n.node_id for n in self.cluster.of_role("store")
+        seen = self.sightings.seen_run(hashes)  # leading blocks sighted before
+        self.reuse += REUSE_ALPHA * ((seen > 0) - self.reuse)
+        # a new chain while the workload reuses, a conversation going on, a session: all of it
+        whole = session or 2 * seen >= len(hashes) or (not seen and self.reuse >= WRITE_NEW_CHAINS_AT)
+        hi = len(hashes) if whole else seen
+        lo = min(hi, plan.reusable_blocks)  # what it computes, as with "all" ...
+        if lo and self.unwritten.seen_run(hashes[:1], record=False):  # ... or a prefix left unwritten before,
+            store = next((n.node_id for n in self.cluster.of_role("store")  # from the first block the store lacks
                           if n.endpoints.get("store") == plan.store_endpoint), "")
-            lo = min(lo, self.index.prefix_runs(hashes)[0].get(store, 0))
-        plan.store_range, plan.decode_writes = (lo, len(hashes)), True
-        metrics.store_write_blocks.labels("written").inc(len(hashes) - lo)
+            lo = min(lo, self.index.prefix_runs(hashes[:hi])[0].get(store, 0))
+        if hi < len(hashes):
+            self.unwritten.seen_run(hashes[:1])
+        plan.store_range, plan.decode_writes = (lo, hi), whole
+        metrics.store_write_blocks.labels("written").inc(hi - lo)
+        metrics.store_write_blocks.labels("skipped").inc(len(hashes) - hi)
