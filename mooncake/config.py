@@ -35,6 +35,8 @@ class ModelConfig(Section):
         "sha256", description="Chained hash keying KV blocks: sha256, or xxh3_128 (faster; part of the model id, so stores never mix schemes).")
     quantization: Literal["none", "int8"] = Field(
         "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16; float32 runs too, slower): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
+    kv_codec: Literal["none", "int8", "fp8"] = Field(
+        "none", description="How KV blocks travel and are stored outside an engine's pool: none (the serving dtype's bytes), int8 (a float16 scale per channel of each layer's K and V of each head over the block's positions: 0.56x the bytes of bfloat16, 0.28x of float32) or fp8 (e4m3, same size, less accurate). Decoded where they land in a pool; part of the model id, so blocks of different codecs never mix. Exactness against transformers holds with none (BENCHMARKS.md section 23: the accuracy of each).")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
 

@@ -69,7 +69,7 @@ class Metrics:
         # the cluster's own
         self.decision = Histogram("mooncake:scheduler_decision_seconds", "Scheduler decision time.",
                                   buckets=_FAST_BUCKETS, registry=r)
-        self.kv_bytes = Counter("mooncake:kv_bytes_moved", "KV bytes moved between roles.", ["path"], registry=r)
+        self.kv_bytes = Counter("mooncake:kv_bytes_moved", "KV bytes moved between roles, as they travel (encoded by [model] kv_codec).", ["path"], registry=r)
         self.rejected = Counter("mooncake:requests_rejected", "Requests refused.", ["reason"], registry=r)
         self.requests = Counter("mooncake:requests", "Finished requests by outcome.", ["outcome"], registry=r)
         self.prefill_dispatched = Counter("mooncake:prefill_dispatched", "Prefill requests sent to an instance.",

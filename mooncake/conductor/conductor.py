@@ -225,7 +225,7 @@ class Conductor:
         if prefill is not None:
             self.stats.prefilled(a, done, prefill, p.prefilled_s)
             if done.finished is None:
-                self.stats.handed_to_decode(a, done, prefill.info.block_bytes, self.facts.block_tokens)
+                self.stats.handed_to_decode(a, done, prefill.info.moved_block_bytes, self.facts.block_tokens)
 
     def _on_release(self, node: Node, msg: P.Release) -> None:
         now = time.monotonic()

@@ -22,7 +22,7 @@ class ExpectedModel:
     dtype: str | None  # None: any (``[model] dtype = "auto"``)
     block_tokens: int
     block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_tokens, head_dim]
-    variant: str = ""  # after the dtype: quantization and block hash scheme (loader.model_variant)
+    variant: str = ""  # after the dtype: quantization, KV codec and block hash scheme (loader.model_variant)
 
     def problem(self, facts: P.ModelFacts) -> str | None:
         """Why ``facts`` (from a registering engine) are not this model, or None."""
@@ -31,7 +31,7 @@ class ExpectedModel:
             return f"it serves weights {weights_id!r}, the conductor's model is {self.weights_id!r}"
         bare = dtype.removesuffix(self.variant) if self.variant else dtype
         if not dtype.endswith(self.variant) or "-" in bare or "+" in bare:
-            return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, block hash)"
+            return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, KV codec, block hash)"
         dtype = bare
         if self.dtype is not None and dtype != self.dtype:
             return f"it computes in {dtype}, the cluster in {self.dtype}"

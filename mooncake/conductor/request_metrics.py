@@ -23,7 +23,7 @@ class AttemptMetrics:
         """An attempt's prefill is done on ``node``, ``seconds`` after it was placed."""
         self.predictions.ttft(node.node_id, a.plan.est_ttft_s, seconds)
         if msg.fetched_blocks:
-            self.store_to_prefill.inc(msg.fetched_blocks * node.info.block_bytes)
+            self.store_to_prefill.inc(msg.fetched_blocks * node.info.moved_block_bytes)  # encoded, as they travel
 
     def handed_to_decode(self, a: Attempt, msg: P.PrefillDone, block_bytes: int, block_tokens: int) -> None:
         """The prefill's KV went to the decode instance (the prompt and the tokens before the last)."""

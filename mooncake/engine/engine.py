@@ -27,6 +27,7 @@ from mooncake.engine.request_checks import check_request
 from mooncake.engine.sampler import sequence_seed
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
 from mooncake.engine.token_picker import TokenPicker
+from mooncake.kv.codec import KVCodec
 from mooncake.kv.layers import ChunkLayers, LayerFn, LayerHooks
 from mooncake.kv.pool_io import PoolKV
 from mooncake.protocol import Sampling
@@ -56,7 +57,9 @@ class Engine:
         self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
         self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
         self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
-        self.kv = PoolKV(self.pool, self.blocks, self.model)  # KV into and out of the pool
+        # KV into and out of the pool, encoded outside it ([model] kv_codec)
+        self.kv = PoolKV(self.pool, self.blocks, self.model, KVCodec(loaded.kv_codec, self.block_shape, self.dtype))
+        self.kv_block_bytes = self.kv.codec.wire_block_bytes  # one block as it travels and is stored
         self.vocab_size = int(self.model.embed.shape[0])
         self.picker = TokenPicker(loaded, self.vocab_size, self.max_model_len, cfg.threads or 1)
         self.chunk_tokens = cfg.prefill_chunk_tokens

@@ -134,7 +134,7 @@ class KVIngress:
             log.warning("dropping KV from a non-worker key")
             return
         try:
-            msg, tensors = P.decode(frames, block_shape=self.engine.block_shape)
+            msg, tensors = P.decode(frames, self.engine.kv.wire_shape, self.engine.kv.wire_dtype)
             if not isinstance(msg, (P.KVTransfer, P.KVLayer)):
                 raise P.ProtocolError(f"expected KV, got {type(msg).__name__}")
             if isinstance(msg, P.KVLayer) and (len(tensors) != 1 or len(tensors[0]) < 1):
@@ -164,10 +164,11 @@ class KVIngress:
         """Check KV messages of ``slot`` (in arrival order) and write them in one engine call, which
         also begins decoding when they complete the KV and the first token is known."""
         eng = self.engine
+        wire = eng.kv.wire_shape
         for msg, tensors in batch:
             layer = msg.layer if isinstance(msg, P.KVLayer) else None
             problem = shape_problem([t[0] for t in tensors] if layer is not None else tensors,
-                                    eng.block_shape if layer is None else eng.block_shape[1:], eng.dtype)
+                                    wire if layer is None else wire[1:], eng.kv.wire_dtype)
             if problem:
                 self.rejections.add("shape", len(tensors))
                 await self._give_up(slot, f"its KV is corrupt ({problem}): recomputed elsewhere")

@@ -2,7 +2,7 @@
 in stores (local node first), imported whole before the prompt computes (``[engine] kv_load =
 "block"``) or streamed layer by layer while its first chunk computes (``"layer"``,
 ``prefix_stream.py``). Blocks read from a store must be the ones asked for, in the model's block
-shape and dtype; else they are a miss, recomputed (each refusal counted by reason).
+shape and dtype as they travel (``codec.py``); else they are a miss, recomputed (each refusal counted by reason).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class PrefixLoader:
         asked = hashes[plan.start:plan.end]
         try:
             replies = self._stores.client(plan.endpoint).get_layers(asked)
-            stream = await PrefixStream.open(plan.endpoint, replies, asked, self._engine.block_shape,
-                                             self._engine.dtype)
+            stream = await PrefixStream.open(plan.endpoint, replies, asked, self._engine.kv.wire_shape,
+                                             self._engine.kv.wire_dtype)
         except StoreError as e:
             log.warning("streaming from %s failed, recomputing instead: %s", plan.endpoint, e)
             self._stores.forget(plan.endpoint, e)
@@ -81,7 +81,8 @@ class PrefixLoader:
         if n <= 0:
             return 0
         seq.num_cached_tokens = seq.num_computed = (first + n) * T
-        stream.start(lambda lo, kv: eng.kv.land_layers(seq, first, lo, kv), n, ship_prefix, eng.block_shape, eng.dtype)
+        stream.start(lambda lo, kv: eng.kv.land_layers(seq, first, lo, kv), n, ship_prefix, eng.kv.wire_shape,
+                     eng.kv.wire_dtype)
         return n
 
     async def first_chunk_loading(self, req: P.PrefillRequest, seq: Sequence, stream: PrefixStream,
@@ -111,7 +112,7 @@ class PrefixLoader:
         if n < len(found):
             self._rejections.add("hash", len(found) - n)
             log.warning("store %s returned blocks that were not asked for: %d of %d used", endpoint, n, len(found))
-        problem = shape_problem(blocks[:n], self._engine.block_shape, self._engine.dtype)
+        problem = shape_problem(blocks[:n], self._engine.kv.wire_shape, self._engine.kv.wire_dtype)
         if problem is not None:
             self._rejections.add("shape", n)
             log.warning("store %s returned unusable KV (%s): recomputing", endpoint, problem)

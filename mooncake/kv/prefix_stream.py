@@ -142,7 +142,7 @@ class PrefixStream:
                 rows = part.contiguous().view(n_use, -1).view(torch.uint8).numpy()  # one byte row per block
                 for h, row in zip(hashers, rows):  # (not a torch view per block: 30 x n of them held the GIL)
                     h.update(row)
-                land(reply.lo, part)
+                await asyncio.to_thread(land, reply.lo, part)  # decoded into the pool off the event loop
                 layers.extend(part.unbind(1))
                 expect_lo = reply.hi
                 if reply.last or reply.hi >= block_shape[0]:

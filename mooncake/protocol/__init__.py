@@ -170,10 +170,12 @@ def encode(msg: Msg, tensors: Iterable[torch.Tensor] = ()) -> list:
     return [_encoder.encode(msg), *payload]
 
 
-def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) -> tuple[Msg, list[torch.Tensor]]:
+def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None,
+           block_dtype: torch.dtype | None = None) -> tuple[Msg, list[torch.Tensor]]:
     """(message, tensors) from received frames. Raises ProtocolError, and nothing else, on
-    anything malformed. With ``block_shape``, every tensor must be one KV block of that shape
-    in a floating dtype, or for a ``KVLayer`` one layer of ``n`` blocks (for sockets that receive KV)."""
+    anything malformed. With ``block_shape``, every tensor must be one KV block of that shape in
+    ``block_dtype`` (None: any floating dtype), or for a ``KVLayer`` one layer of ``n`` blocks (for
+    sockets that receive KV)."""
     if not frames:
         raise ProtocolError("empty message")
     try:
@@ -191,8 +193,10 @@ def decode(frames: Sequence[Any], block_shape: tuple[int, ...] | None = None) ->
             want = (-1, *block_shape[1:]) if layer else tuple(block_shape)
             for s in specs:
                 shape = (-1, *s.shape[1:]) if layer and s.shape else tuple(s.shape)
-                if shape != want or not tensors.dtype_from_name(s.dtype).is_floating_point:
-                    raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} float block")
+                dtype = tensors.dtype_from_name(s.dtype)
+                if shape != want or not (dtype == block_dtype if block_dtype is not None else dtype.is_floating_point):
+                    raise ProtocolError(f"KV block {s.dtype}{list(s.shape)} is not a {list(block_shape)} "
+                                        f"{tensors.dtype_name(block_dtype) if block_dtype is not None else 'float'} block")
         return msg, [tensors.frame_tensor(f, s) for f, s in zip(frames[1:], specs)]
     except ProtocolError:
         raise

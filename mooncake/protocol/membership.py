@@ -45,6 +45,12 @@ class NodeInfo(msgspec.Struct, frozen=True):
     threads: int = 0  # compute threads the engine uses (engine roles)
     machine: str = ""  # the same for every process sharing one machine's cores (engine roles)
     instance: str = ""  # this process start's id (``process_instance``): a restart shows where pids repeat
+    kv_block_bytes: int = 0  # one KV block as it travels and is stored ([model] kv_codec); 0: block_bytes
+
+    @property
+    def moved_block_bytes(self) -> int:
+        """Bytes of one KV block on the wire and in stores (encoded), not in the pool."""
+        return self.kv_block_bytes or self.block_bytes
 
 
 class TierLoad(msgspec.Struct, frozen=True):

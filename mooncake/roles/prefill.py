@@ -149,7 +149,7 @@ class PrefillWorker(EngineWorker):
 
     def layer_frame_blocks(self) -> int:
         """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""
-        return self.max_message_bytes // 2 // (self.engine.block_bytes // self.engine.block_shape[0])
+        return self.max_message_bytes // 2 // (self.engine.kv_block_bytes // self.engine.block_shape[0])
 
     def _progressed(self) -> None:
         self.progress += 1
@@ -255,7 +255,7 @@ class PrefillWorker(EngineWorker):
         await self.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
             prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob,
-            kv_pending_bytes=kv.in_flight() + (len(seq.block_table) - sent) * eng.block_bytes))
+            kv_pending_bytes=kv.in_flight() + (len(seq.block_table) - sent) * eng.kv_block_bytes))
         if finished is None:
             if sent < len(seq.block_table):
                 await kv.save_blocks(sent, None)

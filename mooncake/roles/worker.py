@@ -112,7 +112,8 @@ class EngineWorker(ABC):
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
                           self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
-                          threads=torch.get_num_threads(), machine=machine_id(), instance=P.process_instance())
+                          threads=torch.get_num_threads(), machine=machine_id(), instance=P.process_instance(),
+                          kv_block_bytes=self.engine.kv_block_bytes)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor:

@@ -86,8 +86,8 @@ def pipeline_shape(cfg: Config, facts: ModelFacts, cluster: Cluster, fetch_block
     prefills = cluster.of_role("prefill")
     if size <= 1 or not facts.block_shape or not facts.hidden_size or not prefills:
         return None
-    block_bytes = prefills[0].info.block_bytes
-    dtype_bytes = max(1, block_bytes // math.prod(facts.block_shape))
-    rate = block_bytes / fetch_block_s if fetch_block_s > 0 else 0.0
+    info = prefills[0].info
+    dtype_bytes = max(1, info.block_bytes // math.prod(facts.block_shape))  # the pool's, the activations'
+    rate = info.moved_block_bytes / fetch_block_s if fetch_block_s > 0 else 0.0
     return PipelineShape(size, cfg.conductor.cpp_min_tokens, facts.block_shape[0], cfg.engine.prefill_chunk_tokens,
                          facts.hidden_size * dtype_bytes, rate)

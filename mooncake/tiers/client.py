@@ -1,7 +1,11 @@
 """StoreClient: async client of a StoreServer (one DEALER, replies matched by request id).
 
 Many calls may be in flight at once from one event loop; each waits at most
-``timeout_s`` and then raises ``StoreUnavailable`` (never hangs). An ``Error``
+``timeout_s``, plus a second per MB it sends and the calls queued before it on its socket send (a
+large put on a slow or shared link is not a dead store), and then raises ``StoreUnavailable``
+(never hangs). Puts travel on a socket of their own: reads and control calls never queue behind
+background write-backs (on a 50 Mbit/s link a prefill's write-backs of one long prompt took longer
+than a read's timeout). An ``Error``
 reply raises ``StoreError``. The socket is created on first use and belongs to
 that event loop: use one client per loop.
 
@@ -33,6 +37,8 @@ from ..blocks import BlockHash
 from ..protocol import (Blocks, Error, Exists, Get, GetLayers, Keep, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
                         Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
 from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
+
+SLOW_LINK_BYTES_PER_S = 1e6  # what a call's payload adds to its timeout: a second per MB
 
 MiB = 1 << 20
 log = logging.getLogger(__name__)
@@ -71,8 +77,9 @@ class StoreClient:
         self.shm_min_bytes = shm_min_bytes
         self.shm_max_bytes = shm_max_bytes
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._socks: dict[str, zmq.asyncio.Socket] = {}  # lane ("main", "puts") -> its DEALER
+        self._readers: list[asyncio.Task] = []
+        self._queued_bytes: dict[str, int] = {}  # lane -> payload bytes of its calls in flight
         self._pending: dict[bytes, asyncio.Future] = {}
         self._streams: dict[bytes, asyncio.Queue] = {}  # request id -> replies of a GetLayers stream
         self._ids = itertools.count(1)
@@ -83,11 +90,11 @@ class StoreClient:
 
     # ---------------------------------------------------------------- transport
 
-    def _ensure(self) -> zmq.asyncio.Socket:
+    def _ensure(self, lane: str = "main") -> zmq.asyncio.Socket:
         if self._closed:
             raise StoreUnavailable("client is closed")
-        if self._sock is None:
-            ctx = zmq.asyncio.Context()
+        if lane not in self._socks:
+            ctx = self._ctx = self._ctx or zmq.asyncio.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -98,15 +105,14 @@ class StoreClient:
                 sock.connect(self.endpoint)
             except zmq.ZMQError as e:
                 sock.close(linger=0)
-                ctx.term()
                 raise StoreUnavailable(f"cannot connect to {self.endpoint}: {e}") from None
-            self._ctx, self._sock = ctx, sock
-            self._reader = asyncio.create_task(self._read())
-        return self._sock
+            self._socks[lane] = sock
+            self._readers.append(asyncio.create_task(self._read(sock)))
+        return self._socks[lane]
 
-    async def _read(self) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await recv_multipart(self._sock)
+            frames = await recv_multipart(sock)
             stream = self._streams.get(frames[0].bytes)
             if stream is not None:
                 try:
@@ -122,8 +128,9 @@ class StoreClient:
             except ProtocolError as e:
                 fut.set_exception(StoreError(f"malformed reply: {e}", "bad_reply"))
 
-    async def _call(self, msg: Msg, tensors: Sequence[torch.Tensor] = ()) -> tuple[Msg, list[torch.Tensor]]:
-        sock = self._ensure()
+    async def _call(self, msg: Msg, tensors: Sequence[torch.Tensor] = (), lane: str = "main"
+                    ) -> tuple[Msg, list[torch.Tensor]]:
+        sock = self._ensure(lane)
         rid = next(self._ids).to_bytes(8, "little")
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -133,19 +140,23 @@ class StoreClient:
             await sock.send_multipart([rid, *frames], copy=False)
             return await fut
 
+        nbytes = sum(t.nbytes for t in tensors)
+        self._queued_bytes[lane] = queued = self._queued_bytes.get(lane, 0) + nbytes
+        timeout_s = self.timeout_s + queued / SLOW_LINK_BYTES_PER_S
         try:
-            reply, out = await asyncio.wait_for(roundtrip(), self.timeout_s)
+            reply, out = await asyncio.wait_for(roundtrip(), timeout_s)
         except asyncio.TimeoutError:
             raise StoreUnavailable(f"store {self.endpoint} did not answer {type(msg).__name__} "
-                                   f"within {self.timeout_s}s") from None
+                                   f"within {timeout_s:.0f}s") from None
         finally:
             self._pending.pop(rid, None)
+            self._queued_bytes[lane] -= nbytes
         if isinstance(reply, Error):
             raise StoreError(reply.message, reply.code)
         return reply, out
 
-    async def _ok(self, msg: Msg, tensors: Sequence[torch.Tensor] = ()) -> Ok:
-        reply, _ = await self._call(msg, tensors)
+    async def _ok(self, msg: Msg, tensors: Sequence[torch.Tensor] = (), lane: str = "main") -> Ok:
+        reply, _ = await self._call(msg, tensors, lane)
         if not isinstance(reply, Ok):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
         return reply
@@ -240,7 +251,8 @@ class StoreClient:
             n = await self._shm_put(hs, ts, model_id, list(checksums), flex, keep_s)
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s), [t.detach() for t in ts])).count
+        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s), [t.detach() for t in ts],
+                               lane="puts")).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
@@ -314,12 +326,15 @@ class StoreClient:
         self._pending.clear()
         for stream in self._streams.values():
             stream.put_nowait(StoreUnavailable("client closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        for reader in self._readers:
+            reader.cancel()
+        self._readers.clear()
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        if self._ctx is not None:
             self._ctx.term()
-            self._sock = None
+            self._ctx = None
         for seg in self._all_segs:
             seg.close()
         self._all_segs.clear()

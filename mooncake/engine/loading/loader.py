@@ -45,6 +45,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.model.int8)
+    kv_codec: str = "none"  # how KV blocks leave the engine's pool (mooncake.kv.codec)
 
 
 def default_model_path() -> Path:
@@ -122,7 +123,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if device.type == "cuda":
         prefer_sdpa_kernels_without_planning()
     model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}{model_variant(cfg)}"
-    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization)
+    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization,
+                       cfg.kv_codec)
 
 
 def prefer_sdpa_kernels_without_planning() -> None:
@@ -133,9 +135,12 @@ def prefer_sdpa_kernels_without_planning() -> None:
 
 
 def model_variant(cfg: ModelConfig) -> str:
-    """What follows the dtype in a ``model_id``: ``-int8`` when quantized, ``+xxh3_128`` when
-    blocks hash with xxh3 (both change what a block key means)."""
-    return scheme_model_id("-" + cfg.quantization if cfg.quantization != "none" else "", cfg.block_hash)
+    """What follows the dtype in a ``model_id``: ``-int8`` when quantized, ``+kv_int8`` (``+kv_fp8``)
+    when KV blocks travel encoded, ``+xxh3_128`` when blocks hash with xxh3 (each changes what a
+    block key means; the hash scheme's suffix stays last, ``blocks.root_hash`` reads it there)."""
+    quant = "-" + cfg.quantization if cfg.quantization != "none" else ""
+    codec = "+kv_" + cfg.kv_codec if cfg.kv_codec != "none" else ""
+    return scheme_model_id(quant + codec, cfg.block_hash)
 
 
 def weights_id(model_dir: str | Path, name: str, cache_dir: str) -> str:

@@ -1,0 +1,212 @@
+"""KV codecs (issue 33): blocks leave an engine encoded, travel and are stored encoded, and are
+decoded where they land; round-trip error bounds, the engine's import/export in wire form,
+integrity over the encoded bytes, the codec in the model id (no mixing), and a served cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from mooncake import protocol as P
+from mooncake.blocks import root_hash
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine
+from mooncake.engine.loading.loader import model_variant
+from mooncake.kv.codec import MIN_SCALE, KVCodec
+from mooncake.kv.integrity import block_checksum, first_corrupt, shape_problem
+from mooncake.protocol import Sampling
+from mooncake.testing.api import complete, metric, metrics
+from mooncake.testing.cluster import running_cluster, small_config
+
+SHAPE = (4, 2, 3, 16, 64)  # [layers, 2, kv_heads, T, head_dim]
+GREEDY = Sampling(max_tokens=8, temperature=0, ignore_eos=True)
+TEXT = "A paged KV cache keeps keys and values in blocks that requests share across turns. " * 20
+
+
+def kv_like(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Blocks whose heads and channels differ in scale by 1000x (as K's outlier channels do)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, *SHAPE, generator=g) * torch.logspace(-2, 1, SHAPE[2]).view(1, 1, 1, -1, 1, 1)
+    x *= torch.logspace(-1, 1, SHAPE[-1])[torch.randperm(SHAPE[-1], generator=g)]
+    x[0, 0, 0, 0] = 0  # an all-zero head (a silent head)
+    x[1, 0, 0, 0, 5:] = 0  # a partial block's tail
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name,bound", [("int8", 1 / 254 * 1.001), ("fp8", 1 / 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_round_trip_errs_by_at_most_half_a_step_of_each_channels_scale(name, bound, dtype):
+    codec = KVCodec(name, SHAPE, dtype)
+    x = kv_like(5, dtype)
+    before = x.clone()
+    enc = codec.encode(x)
+    assert torch.equal(x, before)  # the pool is never touched
+    assert enc.dtype == torch.uint8 and tuple(enc.shape) == (5, *codec.wire_shape)
+    assert codec.wire_shape == (4, 2, 3, 16 * 64 + 2 * 64)  # the codes, then a float16 scale per channel
+    back = codec.decode(enc)
+    assert back.dtype == dtype and back.shape == x.shape
+    err = (back.float() - x.float()).abs()
+    amax = x.float().abs().amax(dim=-2, keepdim=True)  # per channel, over the block's positions
+    slack = 0.0 if dtype == torch.float32 else 1 / 128  # the pool's own rounding of the decoded value
+    assert bool((err <= amax * (bound + slack) + MIN_SCALE).all())
+    assert not back[0, 0, 0, 0].any() and not back[1, 0, 0, 0, 5:].any()
+    assert torch.equal(codec.encode(back), enc) or name == "fp8" or dtype != torch.float32  # stable re-encoding
+    # one layer of several blocks, and several layers, encode as the same rows
+    assert torch.equal(codec.encode(x[:, 2]), enc[:, 2])
+    assert torch.equal(codec.encode(x[:, 1:3]), enc[:, 1:3])
+
+
+def test_none_is_the_pools_own_bytes_and_int8_halves_bfloat16():
+    none = KVCodec("none", SHAPE, torch.bfloat16)
+    x = kv_like(2, torch.bfloat16)
+    assert none.encode(x) is x and none.wire_shape == SHAPE and none.wire_dtype == torch.bfloat16
+    int8 = KVCodec("int8", SHAPE, torch.bfloat16)
+    assert int8.wire_block_bytes / none.wire_block_bytes == 1152 / 2048  # codes + scales: 0.56x
+    assert int8.wire_block_bytes / KVCodec("none", SHAPE, torch.float32).wire_block_bytes < 0.29
+    with pytest.raises(ValueError, match="unknown kv_codec"):
+        KVCodec("int4", SHAPE, torch.float32)
+    with pytest.raises(ValueError, match="int8-encoded"):
+        int8.decode(torch.zeros(1, *SHAPE))
+
+
+def test_the_checksum_covers_the_scales_as_well_as_the_codes():
+    codec = KVCodec("int8", SHAPE, torch.float32)
+    enc = codec.encode(kv_like(3))
+    sums = [block_checksum(b) for b in enc]
+    assert first_corrupt(list(enc), sums) is None
+    bad = enc.clone()
+    bad[1, 3, 1, 2, -1] ^= 0x40  # a scale byte: every value of that row would decode wrong
+    assert first_corrupt(list(bad), sums) == 1
+
+
+def test_the_codec_is_part_of_the_model_id_and_the_hash_scheme_stays_last():
+    assert model_variant(ModelConfig()) == ""
+    assert model_variant(ModelConfig(kv_codec="int8")) == "+kv_int8"
+    assert model_variant(ModelConfig(kv_codec="fp8", quantization="int8", block_hash="xxh3_128")) == "-int8+kv_fp8+xxh3_128"
+    assert len(root_hash("m@x/bfloat16+kv_int8+xxh3_128")) == 16  # still an xxh3 chain
+    assert root_hash("m@x/float32+kv_int8") != root_hash("m@x/float32")  # no block is shared across codecs
+
+
+@pytest.fixture(scope="module")
+def engines(loaded_model):
+    def make(codec: str) -> Engine:
+        loaded = dataclasses.replace(loaded_model, kv_codec=codec, model_id=loaded_model.model_id + model_variant(
+            ModelConfig(kv_codec=codec)))
+        return Engine(loaded, EngineConfig(kv_cache_bytes=48 << 20))
+    return {c: make(c) for c in ("none", "int8")}
+
+
+def run(eng: Engine, seq, n: int) -> list[int]:
+    while not seq.prefilled:
+        eng.prefill(seq)
+    for _ in range(n - 1):
+        eng.decode_step([seq])
+    return seq.tokens[-n:]
+
+
+def test_an_engine_exports_encoded_blocks_and_a_cached_prefix_imported_encoded_decodes_close(engines, loaded_model):
+    none, int8 = engines["none"], engines["int8"]
+    ids = loaded_model.tokenizer(TEXT)["input_ids"][:200]
+    ref = none.add_sequence("ref", ids, GREEDY)
+    want = run(none, ref, 8)
+    exact = none.kv.export_sequence(ref, 0, 12)
+    none.free(ref)
+
+    a = int8.add_sequence("a", ids, GREEDY)
+    assert run(int8, a, 8) == want  # computed in the pool: exact
+    enc = int8.kv.export_sequence(a, 0, 12)
+    assert enc.dtype == torch.uint8 and tuple(enc.shape[1:]) == int8.kv.wire_shape
+    assert enc.nbytes < 0.29 * exact.nbytes  # float32 pool: a quarter of its bytes, plus the scales
+    hashes = int8.hashes(ids)
+    assert torch.equal(int8.kv.export_blocks(hashes), enc)
+    int8.free(a)
+    int8.blocks.forget(hashes)
+
+    with pytest.raises(ValueError, match="expected"):  # a block of the pool's own shape is not wire form
+        int8.kv.import_blocks(hashes[:12], exact)
+    assert shape_problem(list(exact), int8.kv.wire_shape, int8.kv.wire_dtype) is not None
+    assert int8.kv.import_blocks(hashes[:12], enc) == 12
+    b = int8.add_sequence("b", ids, GREEDY)
+    assert b.num_cached_tokens == 192
+    landed = int8.kv.codec.decode(enc)
+    rel = (landed - exact).norm() / exact.norm()
+    assert rel < 0.02
+    got = run(int8, b, 8)
+    assert sum(x == y for x, y in zip(got, want)) >= 6  # the agreement the accuracy benchmark measures
+    int8.free(b)
+
+    # a decode instance's landing: whole blocks and one layer of blocks, both decoded into its pool
+    d = int8.reserve("d", ids, hashes, int8.root(), GREEDY)
+    int8.kv.write_kv(d, 0, enc[:6])
+    for layer in range(int8.block_shape[0]):
+        int8.kv.write_kv_layer(d, 6, layer, enc[6:12, layer].contiguous())
+    back = int8.pool[torch.tensor(d.block_table[:12])]
+    shared = d.num_cached_tokens // 16  # blocks the cache held already stay as they were
+    torch.testing.assert_close(back[shared:], landed[shared:])
+    int8.free(d)
+
+
+def test_a_decode_refuses_kv_messages_in_another_codecs_form():
+    codec = KVCodec("int8", SHAPE, torch.float32)
+    raw = kv_like(2)
+    frames = P.encode(P.KVTransfer("r#1", 0), list(raw.unbind(0)))
+    with pytest.raises(P.ProtocolError, match="uint8"):
+        P.decode(frames, codec.wire_shape, codec.wire_dtype)
+    frames = P.encode(P.KVTransfer("r#1", 0), list(codec.encode(raw).unbind(0)))
+    _, tensors = P.decode(frames, codec.wire_shape, codec.wire_dtype)
+    assert torch.equal(torch.stack(tensors), codec.encode(raw))
+
+
+def test_an_engine_of_another_codec_cannot_join(tmp_path):
+    from mooncake.conductor.expected_model import expected_model
+
+    cfg = small_config(tmp_path)
+    cfg.model.kv_codec = "int8"
+    want = expected_model(cfg)
+    assert want is not None and want.variant == "+kv_int8"
+    facts = P.ModelFacts(f"{want.weights_id}/float32", want.block_tokens, 2048, 49152, want.block_shape)
+    assert "KV codec" in (want.problem(facts) or "")
+    assert want.problem(msgspec.structs.replace(facts, model_id=f"{want.weights_id}/float32+kv_int8")) is None
+
+
+@pytest.fixture(scope="module")
+def int8_cluster(tmp_path_factory):
+    cfg = small_config(tmp_path_factory.mktemp("data"))
+    cfg.model.kv_codec = "int8"
+    cfg.engine.kv_cache_bytes = 24 << 20  # 34 blocks: two other prompts push a prefix out to the store
+    with running_cluster(cfg=cfg) as c:
+        yield c
+
+
+def test_a_served_int8_cluster_moves_and_stores_a_quarter_of_float32s_bytes_and_answers_alike(
+        int8_cluster, loaded_model, oracle_model):
+    from oracle import greedy
+
+    url = int8_cluster.url
+    ids = loaded_model.tokenizer(TEXT)["input_ids"][:16 * 12 + 5]
+    want = loaded_model.tokenizer.decode(greedy(oracle_model, ids, 8)[:4])
+
+    def ask(prompt: list[int]) -> httpx.Response:
+        r = complete(url, prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        return r
+
+    assert ask(ids).json()["choices"][0]["text"].startswith(want)  # the decode ran on int8 KV of the prompt
+    for start in (20000, 21000):  # push the prompt out of the prefill's device cache
+        ask(list(range(start, start + 320)))
+    again = ask(ids)  # its prefix now comes from the store, streamed layer by layer in int8
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+    assert again.json()["choices"][0]["text"].startswith(want)
+    nodes = httpx.get(url + "/cluster").json()["nodes"]
+    prefill = next(n for n in nodes if n["role"] == "prefill")
+    block = prefill["kv_block_bytes"]
+    assert block == 30 * 2 * 3 * (16 * 64 + 2 * 64) < 0.29 * 30 * 2 * 3 * 16 * 64 * 4  # float32's
+    tiers = [t for n in nodes if n["role"] == "store" for t in n["load"]["tiers"].values() if t["blocks"]]
+    assert tiers and all(t["used_bytes"] == t["blocks"] * block for t in tiers)
+    m = metrics(url)
+    assert metric(m, "mooncake:kv_bytes_moved_total", path="store_to_prefill") == 12 * block
+    assert metric(m, "mooncake:kv_bytes_moved_total", path="prefill_to_decode") == (13 + 20 + 20 + 13) * block  # KV of all but the last token
