@@ -175,3 +175,43 @@ async def test_replication_between_two_stores(tmp_path):
         finally:
             a.close()
             b.close()
+
+
+async def test_puts_travel_apart_from_reads_and_wait_longer_the_more_they_carry():
+    """A read never queues behind a write-back on the client's socket (on a slow link a long
+    prompt's writes took longer than a read's timeout): puts go on a socket of their own, and a
+    call waits a second more per MB queued before it on its socket (a stub store that answers
+    reads at once and never answers puts)."""
+    from mooncake.protocol import Exists, Ok
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: dict[str, set[bytes]] = {"put": set(), "read": set()}
+
+    async def serve() -> None:
+        while True:
+            ident, rid, *frames = await router.recv_multipart()
+            msg = decode(frames)[0]
+            if isinstance(msg, Put):
+                seen["put"].add(ident)
+            else:
+                seen["read"].add(ident)
+                assert isinstance(msg, Exists)
+                await router.send_multipart([ident, rid, *encode(Ok(flags=[False] * len(msg.hashes)))])
+
+    stub = asyncio.create_task(serve())
+    c = StoreClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3, shm=False)
+    try:
+        put = asyncio.create_task(c.put(hashes("slow", 2), torch.zeros(2, 1 << 18)))  # 2 MiB, never answered
+        await asyncio.sleep(0.05)
+        assert await c.exists(hashes("q", 3)) == [False, False, False]  # answered while the put waits
+        assert seen["put"] and seen["read"] and not seen["put"] & seen["read"]  # two sockets
+        with pytest.raises(StoreUnavailable, match="within 2s"):  # 0.3 s, and 2 MiB queued
+            await put
+        assert c._queued_bytes == {"puts": 0, "main": 0}
+    finally:
+        c.close()
+        stub.cancel()
+        router.close(0)
+        ctx.term()
