@@ -17,7 +17,10 @@ prefix read back from host3's store over its capped link, after other prompts pu
 prefill's device cache: the TTFT waits for the prefix.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_kv_codec.py \\
-        [--part local|hosts|both] [--codecs none,int8] [--rate 50mbit] [--long 3000] [--out FILE.md]
+        [--part local|hosts|both] [--codecs none,int8] [--rate 50mbit] [--long 3000] [--model DIR] [--out FILE.md]
+
+On a GPU host (``--model``: a model directory; the serve defaults put every engine on ``cuda``) the
+local part runs the same cluster there.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from mooncake.config import Config, MiB
+from mooncake.config import Config, MiB, ModelConfig
 from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.local.cluster import LocalCluster
 from mooncake.security import generate_keys
@@ -81,9 +84,9 @@ def store_bytes_per_block(url: str) -> float:
 
 # ---- local: a dev cluster
 
-def run_local(codec: str, prompts: list[list[int]]) -> dict:
+def run_local(codec: str, prompts: list[list[int]], model: str) -> dict:
     cfg = Config()
-    cfg.model.kv_codec = codec  # type: ignore[assignment]
+    cfg.model.kv_codec, cfg.model.path, cfg.model.name = codec, model, MODEL  # type: ignore[assignment]
     cfg.frontend.port = free_port()
     cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-bench-codec-")
     cluster = LocalCluster(cfg, prefill=1, decode=1, store=1)
@@ -110,9 +113,9 @@ def run_local(codec: str, prompts: list[list[int]]) -> dict:
 
 # ---- hosts: a capped link
 
-def run_hosts(codec: str, rate: str, doc_prompts: list[list[int]], long: int, work: Path) -> dict:
+def run_hosts(codec: str, rate: str, doc_prompts: list[list[int]], long: int, work: Path, model: str) -> dict:
     base = Config()
-    base.model.kv_codec = codec  # type: ignore[assignment]
+    base.model.kv_codec, base.model.path, base.model.name = codec, model, MODEL  # type: ignore[assignment]
     base.engine.threads = 1
     base.conductor.store_writes = "all"  # the document reaches the store on its first request
     base.store.dram_bytes, base.store.lmdb_bytes = 512 * MiB, 0
@@ -165,11 +168,12 @@ def main() -> int:
     ap.add_argument("--rate", default="50mbit")
     ap.add_argument("--long", type=int, default=3000, help="tokens of the fresh prompt on the capped link")
     ap.add_argument("--doc-tokens", type=int, default=1300)
+    ap.add_argument("--model", default="", help="[model] path (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    model_dir, _ = resolve_model_dir(Config().model)
+    model_dir, _ = resolve_model_dir(ModelConfig(path=args.model))
     tok = AutoTokenizer.from_pretrained(model_dir)
     doc = document(tok, args.doc_tokens)
     prompts = [chat_prompt(tok, doc, q) for q in QUESTIONS]
@@ -177,7 +181,7 @@ def main() -> int:
     lines = [f"    {' '.join(['flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python', *sys.argv])}", ""]
     result: dict = {"prompt_tokens": [len(p) for p in prompts]}
     if args.part in ("local", "both"):
-        local = {c: run_local(c, prompts) for c in codecs}
+        local = {c: run_local(c, prompts, args.model) for c in codecs}
         ref = local[codecs[0]]
         lines += [f"Dev cluster (1 prefill, 1 decode, 1 store), 6 prompts of {min(map(len, prompts))}-"
                   f"{max(map(len, prompts))} tokens sharing a {args.doc_tokens}-token document, 16 greedy tokens:", "",
@@ -197,7 +201,7 @@ def main() -> int:
         hosts = {}
         for c in codecs:
             with tempfile.TemporaryDirectory(prefix="mooncake-bench-codec-hosts-") as work:
-                hosts[c] = run_hosts(c, args.rate, prompts, args.long, Path(work))
+                hosts[c] = run_hosts(c, args.rate, prompts, args.long, Path(work), args.model)
             print(json.dumps(hosts[c]), flush=True)
         ref = hosts[codecs[0]]
         lines += [f"Capped links ({args.rate} egress per host; prefill on host2, decode and store on host3):", "",
