@@ -76,6 +76,10 @@ def test_richer_fields_are_used_when_present(server) -> None:
     assert hw.fetch_block_s("dram", False) == pytest.approx(0.004)  # 4 engine blocks per simulated block
     assert hw.caps.prefill_cache_blocks == 1024
     assert (hw.caps.store_dram_blocks, hw.caps.store_ssd_blocks) == (16, 80)
+    body["nodes"][0]["kv_block_bytes"] = 500  # blocks stored encoded ([model] kv_codec): twice as many fit
+    hw = calibrated_hardware(fetch_cluster(server["url"]), block_tokens=64)
+    assert (hw.caps.store_dram_blocks, hw.caps.store_ssd_blocks) == (32, 160)
+    assert hw.caps.prefill_cache_blocks == 1024  # the pool's blocks are not encoded
 
 
 def test_api_key_is_sent_and_a_refusal_names_it(server) -> None:

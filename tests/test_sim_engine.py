@@ -177,3 +177,16 @@ def test_scheduler_random_policy_draws_from_its_seeded_rng() -> None:
     a = picks(1)
     assert a == picks(1) and a != picks(2)
     assert len(set(a)) >= 6  # spread over the instances, not stuck on the least loaded one
+
+
+def test_an_encoded_kv_codec_costs_its_bytes_on_links_and_in_stores_not_in_the_pool() -> None:
+    plain, int8 = hardware_for("l4-llama3-8b", 512), hardware_for("l4-llama3-8b", 512, "int8")
+    share = (1 + 2 / 16) / 2  # a byte per value and a float16 scale per channel of each 16-token block
+    assert int8.fetch_block_s("dram", False) == pytest.approx(plain.fetch_block_s("dram", False) * share)
+    assert int8.kv_transfer_s(4096) == pytest.approx(plain.kv_transfer_s(4096) * share)
+    assert int8.caps.store_dram_blocks == pytest.approx(plain.caps.store_dram_blocks / share, rel=1e-3)
+    assert int8.caps.prefill_cache_blocks == plain.caps.prefill_cache_blocks
+    assert int8.caps.decode_kv_tokens == plain.caps.decode_kv_tokens
+    assert int8.name == "l4-llama3-8b+kv_int8"
+    with pytest.raises(ValueError, match="kv_codec"):
+        hardware_for("l4-llama3-8b", 512, "int4")

@@ -9,7 +9,7 @@ faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 (per store block read), ``estimates.kv_transfer_token_s``, ``estimates.transit_s`` (per
 request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
-per node, ``num_blocks`` / ``block_bytes`` (engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
+per node, ``num_blocks`` / ``kv_block_bytes`` (else ``block_bytes``: a stored block, engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
 When all engine nodes share one ``machine`` and report ``cpus`` (and ``threads``), the
 simulated instances share that many cores as the live ones do (``shared_cpu.py``).
 """
@@ -69,7 +69,8 @@ def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
     """``ratio``: engine block tokens / simulated block tokens."""
     engines = [n for n in nodes if isinstance(n, dict) and n.get("role") in ("prefill", "decode")]
     stores = [n for n in nodes if isinstance(n, dict) and n.get("role") == "store"]
-    block_bytes = next((b for n in engines if (b := _number(n, "block_bytes"))), None)
+    # a stored block's bytes: encoded by [model] kv_codec (kv_block_bytes), else the pool's
+    block_bytes = next((b for n in engines if (b := _number(n, "kv_block_bytes") or _number(n, "block_bytes"))), None)
 
     def blocks(role: str) -> int:
         found = [int(b) for n in engines if n.get("role") == role and (b := _number(n, "num_blocks"))]

@@ -32,6 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--profile", help="built-in hardware profile (default: a800x8-llama2-70b; see 'sim profiles')")
     hw.add_argument("--calibrate", metavar="URL", help="cost models of a running cluster, from URL/cluster")
     p.add_argument("--api-key", help="--calibrate: the cluster's API key")
+    p.add_argument("--kv-codec", choices=["none", "int8", "fp8"], default="none",
+                   help="--profile: how KV travels and is stored ([model] kv_codec); a calibrated cluster's "
+                        "own is read from its block sizes")
     p.add_argument("--ttft-slo-ms", type=float, default=0.0, help="TTFT SLO (also early rejection); 0: none")
     p.add_argument("--tbt-slo-ms", type=float, default=0.0, help="time-between-tokens SLO; 0: none")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace timestamps")
@@ -73,7 +76,7 @@ def _hardware(args: argparse.Namespace):
                                    name=f"calibrated:{args.calibrate}")
     from mooncake.sim.profiles import hardware_for
 
-    return hardware_for(args.profile or "a800x8-llama2-70b", args.block_tokens)
+    return hardware_for(args.profile or "a800x8-llama2-70b", args.block_tokens, args.kv_codec)
 
 
 def _print_result(r) -> None:

@@ -14,6 +14,7 @@ from mooncake.sim.hardware import Capacities, Hardware
 
 GB = 1e9
 TB = 1e12
+ENGINE_BLOCK_TOKENS = 16  # [engine] block_tokens: the blocks a codec scales per channel
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,17 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
 
 
 class AnalyticHardware(Hardware):
-    def __init__(self, profile: Profile, block_tokens: int) -> None:
+    """``kv_codec`` ([model] kv_codec): what a block costs outside the pool, on links and in the
+    store tiers (the pool and decode's KV stay in the serving dtype)."""
+
+    def __init__(self, profile: Profile, block_tokens: int, kv_codec: str = "none") -> None:
         p = self.profile = profile
-        self.name = p.name
+        self.name = p.name + ("" if kv_codec == "none" else f"+kv_{kv_codec}")
         self.block_tokens = block_tokens
         self.kv_bytes_per_token = 2 * p.layers * p.kv_heads * p.head_dim * p.dtype_bytes
+        self.wire_bytes_per_token = self.kv_bytes_per_token * encoded_share(kv_codec, p.dtype_bytes)
         self.block_bytes = self.kv_bytes_per_token * block_tokens
+        wire_block = self.wire_bytes_per_token * block_tokens
         self.weight_bytes = p.params * p.dtype_bytes
         self._flops = p.gpus * p.peak_flops * p.prefill_mfu
         self._weights_read_s = self.weight_bytes / (p.gpus * p.hbm_bw)
@@ -79,8 +85,8 @@ class AnalyticHardware(Hardware):
             prefill_cache_blocks=int(free_hbm * p.prefill_cache_fraction // self.block_bytes),
             decode_kv_tokens=int(free_hbm // self.kv_bytes_per_token),
             decode_max_batch=p.decode_max_batch,
-            store_dram_blocks=int(p.dram_bytes // self.block_bytes),
-            store_ssd_blocks=int(p.ssd_bytes // self.block_bytes))
+            store_dram_blocks=int(p.dram_bytes // wire_block),
+            store_ssd_blocks=int(p.ssd_bytes // wire_block))
 
     def _chunk_s(self, n: int, ctx: int) -> float:
         p = self.profile
@@ -109,10 +115,10 @@ class AnalyticHardware(Hardware):
         bw = p.local_bw if local else min(p.local_bw, p.network_bw)
         if tier == "ssd":
             bw = min(bw, p.ssd_bw)
-        return self.block_bytes / bw
+        return self.wire_bytes_per_token * self.block_tokens / bw
 
     def kv_transfer_s(self, tokens: int) -> float:
-        return tokens * self.kv_bytes_per_token / self.profile.network_bw
+        return tokens * self.wire_bytes_per_token / self.profile.network_bw
 
 
     def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
@@ -122,8 +128,18 @@ class AnalyticHardware(Hardware):
         return max(t - compute_s, t / self.profile.layers)
 
 
-def hardware_for(name: str, block_tokens: int) -> Hardware:
+def encoded_share(kv_codec: str, dtype_bytes: int) -> float:
+    """Bytes of KV outside the pool per byte inside it: int8 and fp8 store one byte per value and a
+    float16 scale per channel of each 16-token engine block (``mooncake/kv/codec.py``)."""
+    if kv_codec == "none":
+        return 1.0
+    if kv_codec not in ("int8", "fp8"):
+        raise ValueError(f"unknown kv_codec {kv_codec!r}")
+    return (1 + 2 / ENGINE_BLOCK_TOKENS) / dtype_bytes
+
+
+def hardware_for(name: str, block_tokens: int, kv_codec: str = "none") -> Hardware:
     try:
-        return AnalyticHardware(PROFILES[name], block_tokens)
+        return AnalyticHardware(PROFILES[name], block_tokens, kv_codec)
     except KeyError:
         raise ValueError(f"unknown profile {name!r}; built-in: {', '.join(sorted(PROFILES))}") from None
