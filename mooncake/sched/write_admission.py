@@ -32,7 +32,8 @@ class WriteAdmission:
         self.cluster = cluster
         self.index = index
         self.sightings = Sightings()
-        self.unwritten = Sightings(log2_bits=22)  # the leading blocks of prompts left (partly) unwritten
+        # the leading blocks of prompts left (partly) unwritten: one hash a prompt, 32 bits each
+        self.unwritten = Sightings(per_generation=1 << 17, log2_bits=22)
         self.reuse = 0.0  # the share of recent requests whose prompt starts with a recurring prefix
 
     def admit(self, plan: Plan, hashes: Sequence[bytes], session: bool, first: bool, metrics: Metrics) -> None:
