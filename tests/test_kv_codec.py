@@ -210,3 +210,26 @@ def test_a_served_int8_cluster_moves_and_stores_a_quarter_of_float32s_bytes_and_
     m = metrics(url)
     assert metric(m, "mooncake:kv_bytes_moved_total", path="store_to_prefill") == 12 * block
     assert metric(m, "mooncake:kv_bytes_moved_total", path="prefill_to_decode") == (13 + 20 + 20 + 13) * block  # KV of all but the last token
+
+
+def test_extreme_channels_saturate_instead_of_turning_nan_and_long_runs_encode_in_slices():
+    codec = KVCodec("int8", SHAPE, torch.float32)
+    x = kv_like(70)  # more blocks than one slice of the encoder
+    x[3, 1, 0, 2, :, 7] = 1e7  # past 127 x float16's largest scale
+    enc = codec.encode(x)
+    assert torch.equal(enc, torch.cat([codec.encode(b.unsqueeze(0)) for b in x]))
+    back = codec.decode(enc)
+    assert torch.isfinite(back).all() and back[3, 1, 0, 2, 0, 7] == 127 * 65504
+
+
+def test_a_partial_blocks_stale_positions_are_not_encoded(engines, loaded_model):
+    eng = engines["int8"]
+    ids = loaded_model.tokenizer(TEXT)["input_ids"][:40]  # 2 blocks and 8 positions
+    seq = eng.add_sequence("tail", ids, GREEDY)
+    eng.prefill(seq)
+    last = seq.block_table[2]
+    eng.pool[last, ..., 8:, :] = 1e3  # what a reused block holds past the prompt's end
+    out = eng.kv.codec.decode(eng.kv.export_sequence(seq, 2, 3))
+    assert not out[0, ..., 8:, :].any()  # zeros, as layer-wise KV leaves them
+    assert out[0, ..., :8, :].abs().max() < 100  # the valid positions' scales are their own
+    eng.free(seq)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from mooncake import protocol as P
 from mooncake.config import EngineConfig
 from mooncake.engine import Engine
 from mooncake.kv.integrity import checksums
@@ -186,3 +187,34 @@ def test_layer_gate():
     failing.fail(ConnectionError("store gone"))
     with pytest.raises(PrefixLoadFailed, match="store gone"):
         failing.wait(5)
+
+
+async def test_a_stream_closed_while_a_layer_lands_returns_only_once_it_has_landed():
+    """A layer lands in a worker thread; closing the stream (an aborted request, whose blocks are
+    then freed and reused) must not return while that thread may still write the pool."""
+    import threading
+
+    shape = (2, 2, 1, 4, 8)
+    entered, release, order = threading.Event(), threading.Event(), []
+
+    async def replies():
+        for lo in range(2):
+            yield P.LayerSlices([b"h"], lo, lo + 1, checksums=[0], last=lo == 1), torch.zeros(1, 1, *shape[1:])
+            await asyncio.sleep(3600)  # the second layer never comes
+
+    def land(lo: int, kv: torch.Tensor) -> None:  # a slow copy into the pool
+        entered.set()
+        release.wait(10)
+        order.append("landed")
+
+    stream = await PrefixStream.open("tcp://store", replies(), [b"h"], shape, torch.float32)
+    assert stream is not None
+    stream.start(land, 1, lambda layers: None, shape, torch.float32)
+    await asyncio.to_thread(entered.wait, 10)
+    closing = asyncio.create_task(stream.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # still landing
+    release.set()
+    await closing
+    order.append("closed")
+    assert order == ["landed", "closed"]

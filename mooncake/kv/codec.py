@@ -33,6 +33,8 @@ import torch
 KV_CODECS = ("none", "int8", "fp8")
 SCALE_DTYPE = torch.float16  # one scale per channel
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: a near-silent channel keeps a usable scale
+MAX_SCALE = 65504.0  # float16's largest: a channel past 127 (448) times it saturates, never turns inf
+ENCODE_BLOCKS = 32  # blocks encoded at a time: the float32 working copy stays small on a full GPU
 
 _RANGE = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each code holds
 
@@ -69,9 +71,11 @@ class KVCodec:
         several layers) as ``[..., T * head_dim + 2 * head_dim]`` bytes; ``none``: ``kv`` itself."""
         if self.name == "none":
             return kv
+        if kv.dim() > 3 and len(kv) > ENCODE_BLOCKS:
+            return torch.cat([self.encode(part) for part in kv.split(ENCODE_BLOCKS)])
         x = kv.to(torch.float32, copy=True)  # scaled in place below; the pool is never written
         amax = x.abs().amax(dim=-2, keepdim=True)  # [..., 1, D]: per channel over the block's positions
-        scale = (amax / _RANGE[self.name]).clamp_(min=MIN_SCALE).to(SCALE_DTYPE)
+        scale = (amax / _RANGE[self.name]).clamp_(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
         x.div_(scale.float())
         if self.name == "int8":
             codes = x.round_().clamp_(-127, 127).to(torch.int8)

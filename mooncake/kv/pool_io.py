@@ -141,7 +141,11 @@ class PoolKV:
         """``[n, *wire_shape]``: the sequence's computed blocks ``[first_block, last_block)``,
         the partial tail included, encoded."""
         end = -(-seq.num_computed // self.block_tokens) if last_block is None else last_block
-        return self.codec.encode(self.pool[self._tensor(seq.block_table[first_block:end])])
+        blocks = self.pool[self._tensor(seq.block_table[first_block:end])]  # a copy
+        tail = seq.num_computed - (end - 1) * self.block_tokens  # positions computed in the last block
+        if not self.codec.lossless and len(blocks) and 0 < tail < self.block_tokens:
+            blocks[-1, ..., tail:, :] = 0  # a reused block's stale positions would coarsen the scales
+        return self.codec.encode(blocks)
 
     def encode(self, kv: torch.Tensor) -> torch.Tensor:
         """KV in the pool's layout (e.g. one layer of a chunk's blocks) in its wire form."""

@@ -2,15 +2,16 @@
 
 ``[engine] kv_load = "layer"``: instead of fetching whole blocks and then computing, the prefill
 asks the store for the prefix as a stream (``GetLayers``: one ``LayerSlices`` reply per layer,
-``[n, 1, 2, Hkv, T, D]``, lowest layer first) and starts the forward of the new tokens as soon as
-the first reply says how many blocks the store holds. Each reply lands in the sequence's own
-(not yet keyed) pool blocks on the event loop while the engine thread computes; the forward waits,
-per layer, only for that layer (``LayerGate.wait``, the forward's ``past_ready``).
+``[n, 1, *wire_shape[1:]]`` as the blocks travel (``codec.py``), lowest layer first) and starts the
+forward of the new tokens as soon as the first reply says how many blocks the store holds. Each
+reply is decoded into the sequence's own (not yet keyed) pool blocks in a worker thread while the
+engine thread computes; the forward waits, per layer, only for that layer (``LayerGate.wait``, the
+forward's ``past_ready``). A stream closed meanwhile returns only once no landing writes the pool.
 
 Integrity: every block carries the checksum it was put with (xxh3_64 of the whole block, from the
 process that computed it; 0 where the store does not know it, which is not checked, as for whole
 blocks: ``integrity.verified_prefix``). A block's layer slices are consecutive byte ranges of its layout
-``[layers, 2, Hkv, T, D]``, so one streaming xxh3 per block over its slices, in order, gives the
+``[layers, ...]``, so one streaming xxh3 per block over its slices, in order, gives the
 block's checksum when the last layer is in. Until then nothing derived from the prefix leaves the
 process: the new tokens' per-layer KV for decode is held back (``LayerGate.hold``), the last
 layer's gate opens only once every block verified, and the prefix itself goes to decode (one
@@ -119,7 +120,7 @@ class PrefixStream:
               on_verified: Callable[[list[torch.Tensor]], None], block_shape: tuple[int, ...],
               dtype: torch.dtype) -> None:
         """Land the first ``n_use`` blocks: ``land(lo, kv)`` per reply (``kv``: ``[n_use, layers, ...]``),
-        then, once all are verified, ``on_verified(layers)`` (one ``[n_use, 2, Hkv, T, D]`` per layer)
+        then, once all are verified, ``on_verified(layers)`` (one ``[n_use, *wire_shape[1:]]`` per layer)
         before the gate's last layer opens."""
         self._task = asyncio.create_task(self._land(land, n_use, on_verified, block_shape, dtype))
 
@@ -142,7 +143,7 @@ class PrefixStream:
                 rows = part.contiguous().view(n_use, -1).view(torch.uint8).numpy()  # one byte row per block
                 for h, row in zip(hashers, rows):  # (not a torch view per block: 30 x n of them held the GIL)
                     h.update(row)
-                await asyncio.to_thread(land, reply.lo, part)  # decoded into the pool off the event loop
+                await _landed(asyncio.get_running_loop().run_in_executor(None, land, reply.lo, part))
                 layers.extend(part.unbind(1))
                 expect_lo = reply.hi
                 if reply.last or reply.hi >= block_shape[0]:
@@ -176,6 +177,20 @@ class PrefixStream:
             await asyncio.gather(self._task, return_exceptions=True)
         elif self._task is None:
             await self._replies.aclose()
+
+
+async def _landed(landing: asyncio.Future) -> None:
+    """Wait for a landing in a worker thread; cancelled, still wait for it before the cancellation
+    goes on: a closed stream's blocks are freed and reused, and a late landing would overwrite them."""
+    try:
+        await asyncio.shield(landing)
+    except asyncio.CancelledError:
+        while not landing.done():
+            try:
+                await asyncio.wait({landing})
+            except asyncio.CancelledError:
+                pass
+        raise
 
 
 def _slice_problem(reply: P.LayerSlices, kv: torch.Tensor | None, n: int, block_shape: tuple[int, ...],

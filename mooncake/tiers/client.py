@@ -1,4 +1,5 @@
-"""StoreClient: async client of a StoreServer (one DEALER, replies matched by request id).
+"""StoreClient: async client of a StoreServer (two DEALERs, for puts and the rest; replies matched
+by request id).
 
 Many calls may be in flight at once from one event loop; each waits at most
 ``timeout_s``, plus a second per MB it sends and the calls queued before it on its socket send (a
@@ -271,7 +272,7 @@ class StoreClient:
     async def get_layers(self, hashes: Sequence[BlockHash], layers_per_frame: int = 1
                          ) -> AsyncIterator[tuple[LayerSlices, torch.Tensor | None]]:
         """The leading run of present blocks, streamed layer by layer: ``(reply, kv)`` per
-        ``layers_per_frame`` layers, ``kv`` ``[n, hi - lo, 2, Hkv, T, D]`` (None when nothing was
+        ``layers_per_frame`` layers, ``kv`` ``[n, hi - lo, ...]``, the blocks' layer slices (None when nothing was
         found). Each reply waits at most ``timeout_s`` (then ``StoreUnavailable``); the caller
         verifies the blocks' checksums over all slices (``mooncake.kv.prefix_stream``)."""
         sock = self._ensure()
