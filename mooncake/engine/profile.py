@@ -92,7 +92,7 @@ def _time_prefill(engine: Engine, tokens: list[int], cached: int, salt: str,
 
 def _zeros(engine: Engine, blocks: int) -> torch.Tensor:
     """Zero KV blocks as they arrive (encoded: landing them decodes, as served KV does)."""
-    return engine.kv.encode(torch.zeros((blocks, *engine.block_shape), dtype=engine.dtype, device=engine.device))
+    return engine.kv.codec.encode(torch.zeros((blocks, *engine.block_shape), dtype=engine.dtype, device=engine.device))
 
 
 def _time_decode(engine: Engine, batch: int, context: int, steps: int, salt: str, sampling: Sampling) -> float:

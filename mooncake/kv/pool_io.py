@@ -146,7 +146,3 @@ class PoolKV:
         if not self.codec.lossless and len(blocks) and 0 < tail < self.block_tokens:
             blocks[-1, ..., tail:, :] = 0  # a reused block's stale positions would coarsen the scales
         return self.codec.encode(blocks)
-
-    def encode(self, kv: torch.Tensor) -> torch.Tensor:
-        """KV in the pool's layout (e.g. one layer of a chunk's blocks) in its wire form."""
-        return self.codec.encode(kv)

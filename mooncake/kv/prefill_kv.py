@@ -129,7 +129,7 @@ class PrefillKV(KVConnector):
     def save_layer(self, layer: int, first: int, kv: torch.Tensor) -> None:
         """The engine thread: one layer of the blocks a chunk completes, encoded here, queued to decode."""
         assert self._sender is not None
-        self._sender.put_layer(self.req, layer, first, self._engine.kv.encode(kv), self._frame_blocks, self._loop)
+        self._sender.put_layer(self.req, layer, first, self._engine.kv.codec.encode(kv), self._frame_blocks, self._loop)
 
     def save_prefix_layers(self, first: int, layers: Iterable[tuple[int, torch.Tensor]]) -> None:
         """``(layer, kv)`` pairs of the blocks from ``first``, queued now (the event loop)."""
