@@ -61,7 +61,7 @@ from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceSca
                             run_benchmark)
 from mooncake.bench.arrivals import copies_to_span
 from mooncake.bench.publish import publish
-from mooncake.config import ConductorConfig, MiB, ModelConfig
+from mooncake.config import Config, ConductorConfig, MiB, ModelConfig
 from mooncake.local.cluster import LocalCluster
 from mooncake.engine.loading.loader import default_model_path, resolve_model_dir
 from mooncake.testing.cluster import small_config
@@ -70,12 +70,17 @@ from mooncake.testing.ports import free_port
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve", "llama_server"]
-OPTIONAL_SYSTEMS = ["cache_aware_slo"]  # run only when named
+OPTIONAL_SYSTEMS = ["cache_aware_slo", "colocated", "pair"]  # run only when named
 WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
 def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
+    if system in ("colocated", "pair"):  # `mooncake serve --dev` with --colocated 1, or --prefill 1 --decode 1
+        cfg = Config()
+        cfg.model.dtype, cfg.frontend.port = dtype, free_port()
+        cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-e2e-")
+        return start_local(cfg, **({"prefill": 0, "decode": 0, "colocated": 1} if system == "colocated" else {"prefill": 1}))
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
     cfg.model.dtype = dtype  # small_config pins float32 for the exactness tests
     cfg.conductor.store_writes = ConductorConfig().store_writes  # ... and writes every block: serve's default here
@@ -90,9 +95,9 @@ def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
     return start_local(cfg)
 
 
-def start_local(cfg) -> LocalCluster:
-    """The benchmark's mooncake cluster on ``cfg``: 2 prefill, 1 decode, 1 store processes, started."""
-    cluster = LocalCluster(cfg, prefill=2, decode=1, store=1)
+def start_local(cfg, prefill: int = 2, decode: int = 1, colocated: int = 0) -> LocalCluster:
+    """The benchmark's mooncake cluster on ``cfg`` (by default 2 prefill, 1 decode, 1 store processes), started."""
+    cluster = LocalCluster(cfg, prefill=prefill, decode=decode, store=1, colocated=colocated)
     try:
         cluster.start(timeout_s=300)
     except BaseException:

@@ -18,7 +18,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                      "with --role")
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="model directory, GGUF file, or Hugging Face repo id (as --model)")
-    p.add_argument("--role", choices=["conductor", "frontend", "prefill", "decode", "store"],
+    p.add_argument("--role", choices=["conductor", "frontend", "prefill", "decode", "colocated", "store"],
                    help="run this one role (default: every role on this machine, one process each)")
     p.add_argument("--config", help="TOML config file (see config.example.toml); MOONCAKE_<SECTION>_<KEY> "
                                     "environment variables apply over it, or alone without it")
@@ -36,8 +36,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "separate keys with commas, to accept several: the first becomes [frontend] api_key, "
                         "the rest api_keys)")
     p.add_argument("--data-dir", help="directory of the stores' LMDB tier")
-    p.add_argument("--prefill", type=int, default=1, help="single machine: prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="single machine: decode instances")
+    p.add_argument("--prefill", type=int, help="single machine: prefill instances (default 1; 0 with --colocated)")
+    p.add_argument("--decode", type=int, help="single machine: decode instances (default 1; 0 with --colocated)")
+    p.add_argument("--colocated", type=int, default=0,
+                   help="single machine: colocated instances, each prefilling and decoding in one engine")
     p.add_argument("--store", type=int, default=1, help="single machine: store instances")
     p.add_argument("--frontends", type=int, default=1,
                    help="single machine: frontends serving the API on --port, --port+1, ... (one: in the "
@@ -78,7 +80,13 @@ def serve(args: argparse.Namespace) -> int:
     if not args.role:
         from mooncake.local.cluster import run_local
 
-        return run_local(cfg, args.prefill, args.decode, args.store, args.log_level, args.frontends)
+        pair = 0 if args.colocated else 1  # a disaggregated pair unless colocated instances are asked for
+        prefill = pair if args.prefill is None else args.prefill
+        decode = pair if args.decode is None else args.decode
+        if not args.colocated and not (prefill and decode):
+            print("mooncake serve: the cluster needs a prefill and a decode instance, or --colocated", file=sys.stderr)
+            return 2
+        return run_local(cfg, prefill, decode, args.store, args.log_level, args.frontends, args.colocated)
     tag_logs(args.role, cfg.node.node_id or cfg.node.name)
     from mooncake.roles.cpu_priority import apply_role_priority
 
@@ -90,10 +98,11 @@ def serve(args: argparse.Namespace) -> int:
     elif args.role == "store":
         from mooncake.roles.store import run_store as main
     else:
+        from mooncake.roles.colocated import ColocatedWorker
         from mooncake.roles.decode import DecodeWorker
         from mooncake.roles.prefill import PrefillWorker
 
-        worker_cls = PrefillWorker if args.role == "prefill" else DecodeWorker
+        worker_cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}[args.role]
 
         async def main(cfg):  # type: ignore[no-redef]
             await worker_cls(cfg).start()
@@ -122,7 +131,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:
     check = config_sub.add_parser("check", help="print the effective config (file + MOONCAKE_* environment) or its errors")
     check.add_argument("file", nargs="?", help="TOML config file (omit: defaults + environment only)")
     probe = sub.add_parser("probe", help="exec health probe of a role: exit 0 when healthy, 1 when not")
-    probe.add_argument("--role", required=True, choices=["conductor", "frontend", "prefill", "decode", "store"])
+    probe.add_argument("--role", required=True, choices=["conductor", "frontend", "prefill", "decode", "colocated", "store"])
     probe.add_argument("--config", help="TOML config file (the environment applies over it)")
     probe.add_argument("--check", default="ready", choices=["live", "ready"])
     deploy = sub.add_parser("deploy", help="render deployment manifests from a config")
@@ -134,6 +143,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--namespace", default="mooncake")
     for role in ("prefill", "decode", "store"):
         k8s.add_argument(f"--{role}", type=int, default=1, help=f"{role} replicas")
+    k8s.add_argument("--colocated", type=int, default=0, help="colocated replicas (prefill and decode in one engine)")
     k8s.add_argument("--frontend", type=int, default=2, help="frontend replicas (the OpenAI API, behind one Service)")
     k8s.add_argument("--conductor", type=int, default=2,
                      help="conductor replicas: more than one fail over through etcd ([coordination] etcd_endpoints, "
@@ -166,7 +176,8 @@ def run_ops(args: argparse.Namespace) -> int:
 
     try:
         topology = Topology(image=args.image, namespace=args.namespace, prefill=args.prefill,
-                            decode=args.decode, store=args.store, frontend=args.frontend, conductor=args.conductor)
+                            decode=args.decode, store=args.store, colocated=args.colocated, frontend=args.frontend,
+                            conductor=args.conductor)
         written = write_manifests(cfg, topology, args.out)
     except DeployError as e:
         print(f"mooncake deploy: {e}", file=sys.stderr)

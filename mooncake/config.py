@@ -46,6 +46,7 @@ class EngineConfig(Section):
     kv_cache_bytes: int = Field(1 * GiB, ge=1 * MiB, description="Bytes of the preallocated paged KV pool.")
     max_batch: int = Field(32, ge=1, le=1024, description="Most sequences in one decode step.")
     prefill_chunk_tokens: int = Field(512, ge=16, description="Tokens computed per prefill chunk (per forward: the chunks of several prompts share it).")
+    step_tokens: int = Field(0, ge=0, description="A colocated instance's tokens per step while it decodes: one per decoding sequence, the rest for prompt chunks (a step waits behind at most this many prompt tokens). 0: the most that keeps a step within [conductor] tbt_slo_ms by the start-up profile, else 256.")
     max_prefill_batch: int = Field(8, ge=1, le=256, description="Prompts a prefill instance computes at once: their chunks go in one forward, so a burst of short prompts is not serialized (1: one prompt at a time).")
     max_model_len: int = Field(0, ge=0, description="Context limit in tokens, prompt and output (--max-model-len); 0: the model's own (max_position_embeddings); larger than the model's own: the model's own.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")

@@ -33,7 +33,7 @@ from zmq.utils import z85
 log = logging.getLogger(__name__)
 
 KINDS = ("conductor", "worker", "store")
-ROLE_KIND = {"conductor": "conductor", "frontend": "conductor", "prefill": "worker", "decode": "worker", "store": "store"}
+ROLE_KIND = {"conductor": "conductor", "frontend": "conductor", "prefill": "worker", "decode": "worker", "colocated": "worker", "store": "store"}
 
 
 class CurveError(RuntimeError):

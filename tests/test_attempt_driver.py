@@ -123,6 +123,22 @@ def test_the_fallback_keeps_a_prefix_on_its_prefill_until_it_is_too_far_ahead_an
     assert not FallbackPlacer().can_place([w for w in WORKERS if w.role == "decode"])
 
 
+def test_the_fallback_places_on_colocated_instances_which_decode_their_own():
+    c0 = P.WorkerRef("c0", "colocated", "tcp://127.0.0.1:6")
+    f = FallbackPlacer()
+    assert f.can_place([c0]) and not FallbackPlacer().can_place([P0])  # a prefill alone cannot serve
+    route = f.place(submit(1), 4096, Counter()).route
+    assert route.decode == c0 and route.prefills == [c0]
+    f.can_place([P0, c0])  # a prefill without a decode is passed over
+    assert {f.place(submit(i, b"p%d" % i), 4096, Counter()).route.decode.node_id for i in range(8)} == {"c0"}
+    d = Driver()  # driven as a pair whose two halves are one instance
+    d.drive(submit(1), route)
+    d.handle("c0", P.Reserved("r1#1", "c0"))
+    d.handle("c0", P.PrefillDone("r1#1", "c0", 42, 0, 3, 0.01))
+    assert [(n, type(m).__name__) for n, m in d.sent] == [("c0", "DecodeRequest"), ("c0", "PrefillRequest"),
+                                                          ("c0", "FirstToken")]
+
+
 def test_a_fallback_attempt_says_so_to_its_workers():
     d = Driver()
     d.drive(submit(1), P.Route(D0, [P0], b"k" * 16, planned=False))

@@ -194,7 +194,7 @@ def test_without_a_p2p_model_no_pod_mounts_a_node_directory():
     ("[conductor]\nport = 0\n", Topology(), "port is 0"),
     ('[security]\ncurve_keys_dir = "/nonexistent/keys"\n', Topology(), "conductor.key_secret"),
     ("", Topology(namespace="Bad_NS"), "DNS label"),
-    ("", Topology(decode=0), "at least one prefill and one decode"),
+    ("", Topology(decode=0), "at least one prefill and one decode replica, or a colocated one"),
     ("", Topology(image=" "), "--image"),
 ])
 def test_undeployable_configs_say_why(tmp_path, toml, topology, message):
@@ -209,3 +209,14 @@ def test_cli_reports_deploy_errors(tmp_path):
     path.write_text('[conductor]\nendpoint = "ipc:///tmp/x"\n')
     r = k8s.cli("deploy", "kubernetes", "--config", str(path), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr
+
+
+def test_colocated_replicas_render_a_deployment_of_their_own():
+    files = render(load_config(ROOT / "config.example.toml", env={}), Topology(prefill=0, decode=0, colocated=3))
+    objects = [o for objs in files.values() for o in objs]
+    colocated = next(o for o in objects if o["kind"] == "Deployment"
+                     and o["metadata"]["labels"]["app.kubernetes.io/component"] == "colocated")
+    assert colocated["spec"]["replicas"] == 3
+    assert "colocated" in _pod_spec(objects, "colocated")["containers"][0]["command"]
+    assert not any(o["metadata"]["labels"].get("app.kubernetes.io/component") in ("prefill", "decode")
+                   for o in objects if o["kind"] == "Deployment")

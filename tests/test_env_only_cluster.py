@@ -41,7 +41,7 @@ def test_roles_configured_only_by_environment_form_a_cluster(tmp_path, oracle_mo
         def ready() -> bool:
             assert all(p.poll() is None for p in procs.values()), {r: p.returncode for r, p in procs.items()}
             try:
-                return httpx.get(url + "/health", timeout=2).json()["nodes"] == {"prefill": 1, "decode": 1,
+                return httpx.get(url + "/health", timeout=2).json()["nodes"] == {"prefill": 1, "decode": 1, "colocated": 0,
                                                                                "store": 1, "frontend": 1}
             except (httpx.HTTPError, ValueError):
                 return False

@@ -61,6 +61,26 @@ def test_an_overfilled_decode_pool_preempts_and_every_request_matches_transforme
         assert metric(text, "mooncake:requests_total", outcome="ok") == len(ps)
 
 
+def test_an_overfilled_colocated_pool_preempts_and_every_request_matches_transformers(
+        tmp_path, loaded_model, oracle_model):
+    """The same on one colocated instance: its prompts compute into the blocks they decode from;
+    as the sequences grow past its 24 blocks the newest are preempted and resumed from the store."""
+    cfg = small_config(tmp_path)
+    cfg.engine.kv_cache_bytes = 24 * 737_280
+    tok = loaded_model.tokenizer
+    ps = prompts(tok, 60)
+    expected = [tok.decode(greedy(oracle_model, p, 80), skip_special_tokens=True) for p in ps]
+    with running_cluster(prefill=0, decode=0, colocated=1, cfg=cfg) as c:
+        with ThreadPoolExecutor(len(ps)) as pool:
+            responses = list(pool.map(lambda p: complete(c.url, p, max_tokens=80, ignore_eos=True), ps))
+        for r, want in zip(responses, expected):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        text = metrics(c.url)
+        assert metric(text, "mooncake:preemptions_total") >= 1
+        assert metric(text, "mooncake:requests_total", outcome="ok") == len(ps)
+
+
 def test_a_stalled_engine_is_marked_unhealthy_and_its_request_completes_elsewhere(
         tmp_path, loaded_model, oracle_model):
     cfg = small_config(tmp_path, stall_after_s=3.0, heartbeat_s=0.5, drain_timeout_s=1.0)

@@ -82,7 +82,7 @@ def cluster(tmp_path_factory):
                 nodes = httpx.get(c.url + "/health", timeout=2).json()["nodes"]
             except (httpx.HTTPError, ValueError):
                 return False
-            return nodes == {"prefill": 1, "decode": 2, "store": 2, "frontend": 2}
+            return nodes == {"prefill": 1, "decode": 2, "colocated": 0, "store": 2, "frontend": 2}
 
         wait_for(ready, 240, "the four hosts' roles to register")
         yield c
@@ -258,5 +258,5 @@ def test_conductor_host_link_down_briefly_loses_no_request(cluster, oracle_model
         got = [f.result() for f in futures]
     assert [text_of(r) for r in got] == expected
     assert metric(metrics(cluster.url), "mooncake:migrations_total") == migrations  # nobody was declared dead
-    assert httpx.get(cluster.url + "/health", timeout=5).json()["nodes"] == {"prefill": 1, "decode": 2, "store": 2,
+    assert httpx.get(cluster.url + "/health", timeout=5).json()["nodes"] == {"prefill": 1, "decode": 2, "colocated": 0, "store": 2,
                                                                             "frontend": 2}

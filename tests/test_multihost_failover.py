@@ -66,7 +66,7 @@ def hosts(tmp_path_factory):
                 nodes = httpx.get(h.url + "/health", timeout=2).json()["nodes"]
             except (httpx.HTTPError, ValueError):
                 return False
-            return nodes == {"prefill": 1, "decode": 1, "store": 1, "frontend": 1}
+            return nodes == {"prefill": 1, "decode": 1, "colocated": 0, "store": 1, "frontend": 1}
 
         wait_for(ready, 240, "the four hosts' roles to register")
         yield h

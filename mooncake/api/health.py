@@ -13,7 +13,7 @@ from typing import Protocol
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-ROLES = ("prefill", "decode", "store", "frontend")
+ROLES = ("prefill", "decode", "colocated", "store", "frontend")
 
 
 class _Frontend(Protocol):

@@ -114,7 +114,8 @@ class Conductor:
 
     @property
     def ready(self) -> bool:
-        return bool(self.cluster.of_role("prefill")) and bool(self.cluster.of_role("decode"))
+        of = self.cluster.of_role
+        return bool(of("colocated")) or (bool(of("prefill")) and bool(of("decode")))
 
     @property
     def facts(self) -> P.ModelFacts | None:
@@ -122,8 +123,8 @@ class Conductor:
 
     def view(self, snapshot: bool = False) -> P.ClusterView:
         """What frontends are told of the cluster (with ``snapshot``: what ``GET /cluster`` shows)."""
-        nodes = {role: len(self.cluster.of_role(role)) for role in ("prefill", "decode", "store", "frontend")}
-        workers = [worker_ref(n) for role in ("prefill", "decode") for n in self.cluster.of_role(role)
+        nodes = {role: len(self.cluster.of_role(role)) for role in (*P.ENGINE_ROLES, "store", "frontend")}
+        workers = [worker_ref(n) for role in P.ENGINE_ROLES for n in self.cluster.of_role(role)
                    if n.endpoints.get("orders")]
         return P.ClusterView(self.name, self.facts, self.ready, nodes, cluster_snapshot(self) if snapshot else {},
                              workers)
@@ -153,7 +154,7 @@ class Conductor:
         attempt; a Rejection says why it is refused."""
         facts = self.facts
         if msg.new_request:
-            pool, cls = min(self.membership.largest_pool("prefill"), self.membership.largest_pool("decode")), rank(msg.sampling)
+            pool, cls = self.membership.largest_pool(), rank(msg.sampling)
             rejection = self.admission.check_request(msg.n_tokens, msg.sampling, facts, pool,
                                                      sum(self.requests_in_flight.values()),  # and its class's queue:
                                                      self.scheduler.waiting(cls), max(1, msg.choices), self.scheduler.in_flight(cls))
@@ -309,7 +310,7 @@ class Conductor:
             for a in [a for a in self.attempts.values() if a.owner == node.node_id]:
                 self.metrics.frontend_aborts.inc()
                 self._end(a, abort=False)
-            for worker in (*self.cluster.of_role("prefill"), *self.cluster.of_role("decode")):
+            for worker in (n for role in P.ENGINE_ROLES for n in self.cluster.of_role(role)):
                 self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.instance, node.info.pid))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
@@ -342,7 +343,7 @@ class Conductor:
 
     def _on_heartbeat(self, node: Node, msg: P.Heartbeat) -> None:
         self.membership.heartbeat(node, msg.load, time.monotonic())
-        if node.role == "decode":
+        if node.role in ("decode", "colocated"):
             self.costs.observe_decode(msg.load.steps)
         elif node.role == "frontend":
             self.requests_in_flight[node.node_id] = msg.load.running + msg.load.waiting

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"prefill": (), "decode": ("kv",), "store": ("store",), "frontend": ("tokens",)}  # what each role must advertise
+_ENDPOINTS = {"prefill": (), "decode": ("kv",), "colocated": (), "store": ("store",), "frontend": ("tokens",)}  # what each role must advertise
 
 
 def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
@@ -43,7 +43,7 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
     if needs is None or not msg.node_id:
         return P.Error(f"cannot register {msg.node_id!r} as role {msg.role!r}", "bad_register")
     missing = [k for k in needs if not msg.endpoints.get(k)]
-    if msg.role in ("prefill", "decode") and msg.info.model is None:
+    if msg.role in P.ENGINE_ROLES and msg.info.model is None:
         missing.append("info.model")
     if missing:
         return P.Error(f"cannot register role {msg.role!r} (missing: {missing})", "bad_register")
@@ -135,7 +135,7 @@ class Membership:
             node.stalled = False
             self.cluster.reindex()
         m = self.metrics
-        if node.role in ("prefill", "decode"):
+        if node.role in P.ENGINE_ROLES:
             m.of_node(m.running, node.node_id).set(load.running)
             m.of_node(m.waiting, node.node_id).set(load.waiting)
             m.report(m.writes_dropped, node.node_id, (), load.writes_dropped)
@@ -180,9 +180,12 @@ class Membership:
                 self._count(node.role)
                 self.on_lost(node, f"{node.role} instance {node.node_id} is stalled")
 
-    def largest_pool(self, role: str) -> int:
-        """The most KV blocks an instance of ``role`` holds (0 when none takes work)."""
-        return max((n.info.num_blocks for n in self.cluster.of_role(role)), default=0)
+    def largest_pool(self) -> int:
+        """The most KV blocks a request can have on one instance: the smaller of the largest
+        prefill's and the largest decode's pool, or a colocated instance's (0 when none takes work)."""
+        def largest(role: str) -> int:
+            return max((n.info.num_blocks for n in self.cluster.of_role(role)), default=0)
+        return max(min(largest("prefill"), largest("decode")), largest("colocated"))
 
     def _count(self, role: str) -> None:
         self.metrics.nodes.labels(role).set(len(self.cluster.of_role(role)))

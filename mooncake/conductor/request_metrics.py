@@ -37,6 +37,6 @@ class AttemptMetrics:
             self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, decode_s / decoded)
 
     def kv_usage(self, cluster: Cluster) -> None:
-        decodes = cluster.of_role("decode")
+        decodes = cluster.of_role("decode") + cluster.of_role("colocated")
         total = sum(n.info.num_blocks for n in decodes)
         self.metrics.kv_usage.labels(self.name).set(sum(n.load.used_blocks for n in decodes) / total if total else 0.0)

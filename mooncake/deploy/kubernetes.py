@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from mooncake import protocol as P
 from mooncake.config import GiB, Config, env_name
 from mooncake.config_toml import dump_toml
 from mooncake.deploy.keys import KeysError, pod_key_files
@@ -68,6 +69,7 @@ class Topology:
     prefill: int = 1
     decode: int = 1
     store: int = 1
+    colocated: int = 0
     frontend: int = 2
     conductor: int = 2
 
@@ -76,11 +78,11 @@ class Topology:
             raise DeployError(f"namespace {self.namespace!r} is not a DNS label (lowercase letters, digits, '-')")
         if not self.image.strip():
             raise DeployError("--image is empty")
-        for role in ("prefill", "decode", "store"):
+        for role in ("prefill", "decode", "colocated", "store"):
             if getattr(self, role) < 0:
                 raise DeployError(f"--{role} must be >= 0")
-        if self.prefill < 1 or self.decode < 1:
-            raise DeployError("a working cluster needs at least one prefill and one decode replica")
+        if self.colocated < 1 and (self.prefill < 1 or self.decode < 1):
+            raise DeployError("a working cluster needs at least one prefill and one decode replica, or a colocated one")
         if self.frontend < 1 or self.conductor < 1:
             raise DeployError("a working cluster needs at least one frontend and one conductor replica")
 
@@ -214,7 +216,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                       "template": {"metadata": {"labels": etcd}, "spec": etcd_pod(ETCD_IMAGE)},
                       "volumeClaimTemplates": [{"metadata": {"name": "etcd-data"}, "spec": {
                           "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}}]
-    for role in ("prefill", "decode"):
+    for role in (r for r in P.ENGINE_ROLES if getattr(topology, r)):
         labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": role}
         threads = cfg.engine.threads or 1
         memory = cfg.engine.kv_cache_bytes + 2 * GiB  # KV pool + weights and runtime

@@ -19,6 +19,7 @@ from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill_batch
 from mooncake.engine.constraints import consume
+from mooncake.engine.mixed_step import mixed_step
 from mooncake.engine.model.decoder import DecoderForward
 from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
@@ -174,7 +175,7 @@ class Engine:
         logits = self.model.forward(self.pool, prefill_batch(seq, start, end, end == n, self.block_tokens, self.device),
                                     hooks)
         seq.num_computed = end
-        full = self._register_full(seq, start, end)
+        full = self.register_full(seq, start, end)
         if end < n:
             return PrefillStep(full, False, compute_s=time.perf_counter() - t0)
         seq.prefilled = True
@@ -249,7 +250,7 @@ class Engine:
         finishing: list[Sequence] = []
         for s, start, end, last in parts:
             s.num_computed = end
-            steps[id(s)] = PrefillStep(self._register_full(s, start, end), False)
+            steps[id(s)] = PrefillStep(self.register_full(s, start, end), False)
             if last:
                 finishing.append(s)
         if finishing:
@@ -289,11 +290,16 @@ class Engine:
             for s, tok, lp in zip(part, picked.tokens, picked.logprobs):
                 s.num_computed += 1
                 if s.num_computed % T == 0:
-                    self._register_full(s, s.num_computed - 1, s.num_computed)
+                    self.register_full(s, s.num_computed - 1, s.num_computed)
                 out[id(s)] = StepOutput(s, tok, self.picker.append(s, tok), lp)
         return [out[id(s)] for s in seqs]
 
-    def _register_full(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def mixed_step(self, decoding: list[Sequence], prefilling: list[Sequence],
+                   budget: int) -> tuple[list[StepOutput], list[PrefillStep]]:
+        """A decode step and prefill chunks in one forward (``mixed_step.py``)."""
+        return mixed_step(self, decoding, prefilling, budget)
+
+    def register_full(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Key the blocks that became full while computing positions [start, end)."""
         T = self.block_tokens
         idx = list(range(start // T, end // T))

@@ -2,10 +2,10 @@
 etcd unreachable, every conductor down), so that requests are served instead of failed.
 
 It places over the workers the conductor last described (``ClusterView.workers``): the
-prefill chosen by prefix affinity (rendezvous hashing of the prompt's first block, so one
-system prompt keeps landing where its KV is) unless that instance holds ``AFFINITY_SLACK``
-more of this frontend's attempts than the least loaded one; the decode with the fewest of
-them. The frontend then drives the attempt as it drives a conductor's (``attempt_driver.py``);
+prefill (or colocated instance, which then decodes too) chosen by prefix affinity (rendezvous
+hashing of the prompt's first block, so one system prompt keeps landing where its KV is) unless
+that instance holds ``AFFINITY_SLACK`` more of this frontend's attempts than the least loaded
+one; a prefill's decode the one with the fewest of them. The frontend then drives the attempt as it drives a conductor's (``attempt_driver.py``);
 the route says it is unplanned, so that a conductor leading again leaves it to run to its end.
 No store is read or written for these attempts (the prefill reuses its own device cache),
 and no cluster limit is checked beyond the context length.
@@ -31,18 +31,19 @@ class FallbackPlacer:
         they are the ones placed over from now on."""
         self.workers = {w.node_id: w for w in workers}
         roles = {w.role for w in self.workers.values()}
-        return {"prefill", "decode"} <= roles
+        return {"prefill", "decode"} <= roles or "colocated" in roles
 
     def place(self, msg: P.Submit, max_model_len: int, load: Counter[str]) -> P.Admitted:
         """A route for ``msg``'s attempt (``load``: node id -> this frontend's attempts on it);
         ``can_place`` must have said yes."""
-        prefills = [w for w in self.workers.values() if w.role == "prefill"]
         decodes = [w for w in self.workers.values() if w.role == "decode"]
+        # a prefill (when a decode is there to pair it with) or a colocated instance, which decodes too
+        prefills = [w for w in self.workers.values() if w.role == "colocated" or (w.role == "prefill" and decodes)]
         key = msg.hashes[0] if msg.hashes else msg.root
         least = min(load[w.node_id] for w in prefills)
         near = [w for w in prefills if load[w.node_id] <= least + AFFINITY_SLACK]
         prefill = max(near, key=lambda w: zlib.crc32(key + w.node_id.encode()))
-        decode = min(decodes, key=lambda w: (load[w.node_id], w.node_id))
+        decode = prefill if prefill.role == "colocated" else min(decodes, key=lambda w: (load[w.node_id], w.node_id))
         max_tokens = msg.sampling.max_tokens
         if msg.num_generated == 0:  # what the context leaves, as the conductor clamps it
             max_tokens = max(1, min(max_tokens, max_model_len - len(msg.tokens)))

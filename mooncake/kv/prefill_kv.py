@@ -115,6 +115,10 @@ class PrefillKV(KVConnector):
 
         return self._loader.start_stream(req, seq, self.stream, have, ship_prefix)
 
+    def keep_local(self, seq: Sequence) -> None:
+        """A colocated instance's request: its KV stays where it is computed (only the store writes go out)."""
+        self._seq = seq
+
     async def first_chunk(self, first: int, n: int, on_layer: LayerFn | None) -> tuple[PrefillStep, int]:
         """The first chunk over the ``n`` blocks still streaming in from block ``first``; the step and
         the blocks the stream brought (0: it failed, and the chunk was computed without them)."""

@@ -43,13 +43,14 @@ def die_with_parent() -> None:
 
 class LocalCluster:
     def __init__(self, cfg: Config, prefill: int = 1, decode: int = 1, store: int = 1,
-                 log_level: str = "warning", frontends: int = 1, conductors: int = 1) -> None:
+                 log_level: str = "warning", frontends: int = 1, conductors: int = 1, colocated: int = 0) -> None:
         """``frontends``: one runs in the conductor's process; more run as processes of their own,
         on ``[frontend] port``, port + 1, ...; ``urls`` lists where each serves. ``conductors`` > 1
         (``[coordination]`` set): conductors ``conductor0``... on sockets of their own, one leads,
         and every frontend is a process of its own."""
         self.cfg = cfg.model_copy(deep=True)
-        self.counts = {"prefill": prefill, "decode": decode, "store": store, "frontend": frontends}
+        self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated, "store": store,
+                       "frontend": frontends}
         self.conductors = conductors
         self.own_frontends = frontends > 1 or conductors > 1
         self.log_level = log_level
@@ -88,7 +89,7 @@ class LocalCluster:
         resolve_model_dir(self.cfg.model)  # convert the model once, before the children race for it
         for i in range(self.conductors):
             self.spawn("conductor", i)
-        for role in ("frontend",) * self.own_frontends + ("store", "prefill", "decode"):
+        for role in ("frontend",) * self.own_frontends + ("store", "prefill", "decode", "colocated"):
             for i in range(self.counts[role]):
                 self.spawn(role, i)
 
@@ -162,13 +163,14 @@ def _forward(proc: subprocess.Popen, tag: str) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str, frontends: int = 1) -> int:
+def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str, frontends: int = 1,
+              colocated: int = 0) -> int:
     """``mooncake serve``: start the cluster, say where it serves once every role has registered,
     restart a role that dies, stop everything on Ctrl-C or SIGTERM."""
     from mooncake.local.supervisor import GaveUp, Supervisor
 
     tag_logs("supervisor", cfg.node.name, quiet_libraries=False)  # a GGUF's conversion shows its progress
-    cluster = LocalCluster(cfg, prefill, decode, store, log_level, frontends)
+    cluster = LocalCluster(cfg, prefill, decode, store, log_level, frontends, colocated=colocated)
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -200,7 +202,7 @@ def run_local(cfg: Config, prefill: int, decode: int, store: int, log_level: str
 
 def ready_banner(cluster: LocalCluster, seconds: float) -> str:
     """The first line a user reads: where to send requests, and how to stop."""
-    counts = ", ".join(f"{n} {role}" for role, n in cluster.counts.items())
+    counts = ", ".join(f"{n} {role}" for role, n in cluster.counts.items() if n)
     at = " and ".join(f"{url}/v1" for url in cluster.urls)
     return (f"mooncake ready in {seconds:.0f}s ({counts}): OpenAI API at {at} "
             f"(try: curl {cluster.url}/v1/models); Ctrl-C stops it")

@@ -33,7 +33,7 @@ import msgspec
 from mooncake.protocol.base import Msg, ProtocolError, TensorSpec
 from mooncake.protocol.frontend import (Admitted, AttemptEnded, Claim, Claims, ClusterQuery, ClusterView, Ended, Prefilled,
                                         Refused, Release, Route, Submit, WorkerRef)
-from mooncake.protocol.membership import (Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
+from mooncake.protocol.membership import (ENGINE_ROLES, Heartbeat, Leave, Load, ModelFacts, NodeInfo, Register, Registered,
                                           Reregister, TierLoad, node_of, process_instance,
                                           routing_id)
 from mooncake.protocol.p2p import P2PMessage
@@ -63,6 +63,7 @@ __all__ = [
     "WorkerRef",
     "ALLOWED_DTYPES",
     "Abort",
+    "ENGINE_ROLES",
     "Activations",
     "BlockEvent",
     "Blocks",

@@ -10,6 +10,8 @@ import msgspec
 from mooncake.protocol.base import Msg
 from mooncake.protocol.engine_profile import EngineProfile
 
+ENGINE_ROLES = ("prefill", "decode", "colocated")  # the roles that run an engine
+
 _instance: tuple[int, str] = (0, "")
 
 
@@ -46,6 +48,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     machine: str = ""  # the same for every process sharing one machine's cores (engine roles)
     instance: str = ""  # this process start's id (``process_instance``): a restart shows where pids repeat
     kv_block_bytes: int = 0  # one KV block as it travels and is stored ([model] kv_codec); 0: block_bytes
+    step_tokens: int = 0  # a colocated instance's tokens per step (decode rows and prompt chunks together)
 
     @property
     def moved_block_bytes(self) -> int:
@@ -84,7 +87,7 @@ class Load(msgspec.Struct):
 
 
 class Register(Msg, tag="register"):
-    role: str  # "prefill" | "decode" | "store"
+    role: str  # "prefill" | "decode" | "colocated" | "store" | "frontend"
     node_id: str
     info: NodeInfo
     endpoints: dict[str, str] = {}  # e.g. {"kv": "tcp://...", "store": "tcp://..."}

@@ -29,7 +29,9 @@ import torch
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
+from mooncake.engine import Sequence
 from mooncake.engine.errors import InvalidRequestError
+from mooncake.engine.sequence import StepOutput
 from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
@@ -123,9 +125,7 @@ class DecodeWorker(EngineWorker):
                 seq = None
                 if eng.blocks.num_available() >= need + len(self.running):
                     try:
-                        seq = await self.run_engine(eng.reserve, msg.req_id, msg.tokens,
-                                                    [BlockHash(h) for h in msg.hashes], BlockHash(msg.root),
-                                                    msg.sampling, msg.num_generated)
+                        seq = await self._hold(msg)
                     except InvalidRequestError as e:
                         self._unqueue(msg)
                         await self.fail(msg.req_id, e)
@@ -147,6 +147,11 @@ class DecodeWorker(EngineWorker):
                                                  next_index=msg.num_generated + 1, stored=msg.store_from_block,
                                                  reserved_at=time.monotonic())
                 await self.send(P.Reserved(msg.req_id, self.node_id))
+
+    async def _hold(self, msg: P.DecodeRequest) -> Sequence | None:
+        """Blocks for ``msg``'s KV, which will be written in; None if the pool cannot hold them now."""
+        return await self.run_engine(self.engine.reserve, msg.req_id, msg.tokens, [BlockHash(h) for h in msg.hashes],
+                                     BlockHash(msg.root), msg.sampling, msg.num_generated)
 
     def _enqueue(self, msg: P.DecodeRequest) -> None:
         """Wait for room behind the requests of its class and those before it, ahead of the rest
@@ -198,22 +203,34 @@ class DecodeWorker(EngineWorker):
 
     async def _step(self) -> bool:
         """One decode step of the batch; False when there is nothing to run."""
-        for rid in [r for r in self.running if r in self.aborted]:
-            await self._retire(self.running.pop(rid), write=False)
-        self.aborted.clear()
-        await self._reserve_pending()
-        if not self.running:
-            return False
-        await self._make_room()
-        slots = self._batch()
+        slots = await self._prepare_step()
         if not slots:
             return False
         kv_tokens = sum(s.seq.num_tokens for s in slots)
         t0 = time.perf_counter()
         outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
-        step = (len(slots), kv_tokens, time.perf_counter() - t0)
+        self._observe_step(len(slots), kv_tokens, time.perf_counter() - t0)
+        await self._emit(slots, outs)
+        return True
+
+    async def _prepare_step(self) -> list[Slot]:
+        """Before a step: retire the aborted, reserve for the waiting, make room; the step's batch."""
+        for rid in [r for r in self.running if r in self.aborted]:
+            await self._retire(self.running.pop(rid), write=False)
+        self.aborted.clear()
+        await self._reserve_pending()
+        if not self.running:
+            return []
+        await self._make_room()
+        return self._batch()
+
+    def _observe_step(self, batch: int, kv_tokens: int, seconds: float) -> None:
+        step = (batch, kv_tokens, seconds)
         self.steps.append(step)
         self.step_cost.observe(*step)
+
+    async def _emit(self, slots: list[Slot], outs: list[StepOutput]) -> None:
+        """A step's tokens to their frontends; the finished retire."""
         self.progress += 1
         events: dict[str, list[P.TokenEvent]] = {}  # frontend token endpoint -> this step's events for it
         done = []
@@ -233,7 +250,6 @@ class DecodeWorker(EngineWorker):
         for slot in done:  # still running if the send failed: the step's failure gives them up
             if self.running.get(slot.msg.req_id) is slot:
                 await self._retire(self.running.pop(slot.msg.req_id), write=True)
-        return True
 
     def _batch(self) -> list[Slot]:
         """The running sequences this step: every one, except flex work past what keeps the

@@ -59,6 +59,7 @@ class EngineWorker(ABC):
     one thread owns the engine (the most urgent call first), the event loop never computes."""
 
     role = ""
+    step_tokens = 0  # a colocated instance's tokens per step
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -103,7 +104,7 @@ class EngineWorker(ABC):
         """Time this engine before serving (prefill sizes or decode batches, by role)."""
         if not self.cfg.engine.profile_at_start:
             return None
-        sizes = {"decode_batches": ()} if self.role == "prefill" else {"prefill_sizes": ()}
+        sizes = {"decode_batches": ()} if self.role == "prefill" else {"prefill_sizes": ()} if self.role == "decode" else {}
         with one_profile_at_a_time():
             p = profile_engine(self.engine, **sizes)
         log.info("%s profiled in %.1fs: %s", self.node_id, p.seconds, describe_profile(p))
@@ -113,7 +114,7 @@ class EngineWorker(ABC):
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
                           self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
                           threads=torch.get_num_threads(), machine=machine_id(), instance=P.process_instance(),
-                          kv_block_bytes=self.engine.kv_block_bytes)
+                          kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor:

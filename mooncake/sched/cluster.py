@@ -14,7 +14,7 @@ from mooncake.protocol import Load, NodeInfo
 @dataclass(eq=False)
 class Node:
     node_id: str
-    role: str  # "prefill" | "decode" | "store"
+    role: str  # "prefill" | "decode" | "colocated" | "store" | "frontend"
     ident: bytes  # ZeroMQ routing id on the conductor's ROUTER
     endpoints: dict[str, str]
     info: NodeInfo

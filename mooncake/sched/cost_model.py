@@ -164,6 +164,8 @@ class CostModels:
 
     def seed(self, role: str, profile: EngineProfile) -> bool:
         """Start ``role``'s model from its first instance's profile; True if it did."""
+        if role == "colocated":  # it measured both halves
+            return self.seed("prefill", profile) | self.seed("decode", profile)
         if role in self.profiled:
             return False
         if role == "prefill" and profile.prefill:

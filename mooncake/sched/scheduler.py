@@ -36,7 +36,8 @@ from mooncake.sched.booking import Booking, DecodeSlots, PendingBlocks, PrefillQ
 from mooncake.sched.cluster import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.pipeline import PipelineShape, pipeline_groups
+from mooncake.sched.colocated import mixed_prefill_s, mixed_tbt_s
+from mooncake.sched.pipeline import PipelineShape, best_group
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
 from mooncake.sched.write_admission import WriteAdmission
@@ -76,15 +77,18 @@ class Scheduler:
 
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
              now: float, pipeline: PipelineShape | None = None, rank: int = DEFAULT_RANK) -> Plan | None:
-        """The pair for a request of ``n_tokens`` (``hashes``: its full blocks); None when no
-        prefill or no decode instance takes work. ``pipeline``: consider pipeline groups too;
-        ``rank``: its class's (``request_class.py``): it waits only for the queued work served before it.
+        """Where a request of ``n_tokens`` (``hashes``: its full blocks) runs: a prefill/decode pair or
+        a colocated instance (``colocated.py``), whichever is predicted to serve it sooner; None when
+        neither takes work. ``pipeline``: consider pipeline groups too; ``rank``: its class's
+        (``request_class.py``): it waits only for the queued work served before it.
 
         It runs once per request on the conductor's event loop, over every instance: the loops
         below avoid per-instance calls and allocations (BENCHMARKS.md section 13)."""
-        prefills = self.cluster.of_role("prefill")
-        decodes = self.cluster.of_role("decode")
-        if not prefills or not decodes:
+        prefills, decodes = self.cluster.of_role("prefill"), self.cluster.of_role("decode")
+        colocated = self.cluster.of_role("colocated")
+        if not decodes:
+            prefills = []
+        if not prefills and not colocated:
             return None
         stores = self._stores()
         # Blocks must leave at least one prompt token to compute (it yields the logits).
@@ -96,15 +100,15 @@ class Scheduler:
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         queues = self.queues
-        all_slots, pending_blocks = self._views(rank)
+        all_slots, pending_blocks = self.views(rank)
         pending = pending_blocks.nodes()
         candidates = []  # (est TTFT, prefill s, device blocks, reusable blocks, instance, its queue s)
-        for p in prefills:
+        for p in itertools.chain(prefills, colocated):
             nid = p.node_id
             queue = queues.get(nid)
             q = queue.ahead_s(rank) if queue is not None else 0.0
             if nid in pending:
-                dev = self._resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), usable)
+                dev = self.resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), usable)
             else:
                 dev = runs.get(nid, 0)
             reusable = dev if dev > store_end else store_end
@@ -112,36 +116,46 @@ class Scheduler:
             if prefill_s is None:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
+            if p.role == "colocated":  # its chunks share steps with its decoding batch
+                prefill_s = mixed_prefill_s(self, p, prefill_s, n_tokens - reusable * block_tokens)
             candidates.append((dispatch_s + q + (reusable - dev) * fetch_s + prefill_s, prefill_s, dev, reusable, p, q))
 
         if self.cfg.policy == "random":
-            chosen = candidates[self._rng.randrange(len(candidates))]
+            chosen = [candidates[self._rng.randrange(len(candidates))]]
         elif self.cfg.policy == "round_robin":
-            chosen = candidates[next(self._rr) % len(candidates)]
+            chosen = [candidates[next(self._rr) % len(candidates)]]
         elif self.cfg.policy == "least_loaded":
-            chosen = min(candidates, key=lambda c: (c[5], self.queued(c[4].node_id)))
-        else:
-            chosen = min(candidates, key=itemgetter(0))
-        est, prefill_s, dev, reusable, p, p_queue_s = chosen
-        stages: list[Node] = []
-        group = self._best_group(pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens, rank) \
-            if pipeline is not None and pipeline.group_size > 1 else None
-        if group is not None and group[0] < min(c[0] for c in candidates):
-            est, prefill_s, dev, reusable, stages = group
-            p = stages[-1]
-            p_queue_s = self.queue_s(p.node_id, rank)
-            candidates.append((est, prefill_s, dev, reusable, p, p_queue_s))
+            chosen = [min(candidates, key=lambda c: (c[5], self.queued(c[4].node_id)))]
+        else:  # the fastest prefill, and the fastest colocated instance
+            chosen = [min(c, key=itemgetter(0)) for c in (candidates[:len(prefills)], candidates[len(prefills):]) if c]
+        if prefills and pipeline is not None and pipeline.group_size > 1 and chosen[0][4].role == "prefill":
+            group = best_group(self, pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens, rank)
+            if group is not None and group[0] < min(c[0] for c in candidates):
+                est, prefill_s, dev, reusable, stages = group
+                chosen[0] = (est, prefill_s, dev, reusable, stages[-1], self.queue_s(stages[-1].node_id, rank), stages)
+                candidates.append(chosen[0][:6])
+        plans = [self._placed(c, decodes, candidates, hashes, runs, usable, stores, n_tokens, max_tokens, block_tokens,
+                              now, rank) for c in chosen]
+        return min(plans, key=lambda plan: plan.expected_end) if len(plans) > 1 else plans[0]
 
-        # The decode instance: one with room in its pool now, then the smallest batch when the
-        # first token comes, then the shortest wait for room.
+    def _placed(self, chosen: tuple, decodes: list[Node], candidates: list[tuple], hashes: Sequence[bytes],
+                runs: dict[str, int], usable: int, stores: dict[str, Node], n_tokens: int, max_tokens: int,
+                block_tokens: int, now: float, rank: int) -> Plan:
+        """The plan once its prefill instance is chosen: a colocated instance decodes too; a
+        prefill's decode instance is one with room in its pool now, then the smallest batch when
+        the first token comes, then the shortest wait for room."""
+        est, prefill_s, dev, reusable, p, p_queue_s, *rest = chosen
+        stages: list[Node] = rest[0] if rest else []
+        all_slots, pending_blocks = self.views(rank)
+        pending = pending_blocks.nodes()
         full = min(len(hashes), n_tokens // block_tokens)
         total_blocks = -(-(n_tokens + max_tokens) // block_tokens) + 1  # + the reservation's headroom
         ready_at = now + est
         best_key: tuple | None = None
-        for d in decodes:
+        for d in [p] if p.role == "colocated" else decodes:
             nid, capacity = d.node_id, d.info.num_blocks
             slots = all_slots.get(nid, _NO_SLOTS)
-            resident = self._resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), full) \
+            resident = self.resident_run(pending_blocks, nid, hashes, runs.get(nid, 0), full) \
                 if nid in pending else runs.get(nid, 0)
             need = total_blocks - resident
             ends = slots.ends  # the batch it joins: those still decoding then, and itself (``running_at``)
@@ -163,6 +177,8 @@ class Scheduler:
         slots = all_slots.get(decode.node_id, _NO_SLOTS)  # read only: planning books nothing
         others = slots.kv_tokens_total / len(slots.assigned) if slots.assigned else kv_tokens
         tbt = self.decode_cost.predict(batch, int(kv_tokens + (batch - 1) * others))
+        if decode is p:  # a colocated instance's steps also carry the prompts queued there
+            tbt += mixed_tbt_s(self, p, max_tokens, rank)
         ttft = first_token_at - now
         if wait > 0:
             best_ttft = min(c[0] + max(0.0, wait - c[5]) for c in candidates)
@@ -174,35 +190,14 @@ class Scheduler:
         if reusable > dev:  # read from the stores local to the chosen instance first
             fetch = [FetchPlan(s, e, stores[node].endpoints["store"])
                      for s, e, node in self.index.covering_run(hashes[:reusable], dev, stores, local, runs)]
-        queue = queues.get(p.node_id)
+        queue = self.queues.get(p.node_id)
         slack = (queue.earliest_deadline(now, rank) if queue is not None else math.inf) - now
         return Plan(p, decode, fetch, write_to, dev, reusable, prefill_s, ttft, best_ttft, batch, tbt,
                     first_token_at + max_tokens * tbt, slots.next_end_after(first_token_at) - first_token_at,
-                    reserve_wait_s=wait, queue_s=p_queue_s,
-                    queue_slack_s=slack,
+                    reserve_wait_s=wait, queue_s=p_queue_s, queue_slack_s=slack,
                     decode_blocks=need, decode_kv_tokens=kv_tokens, hashes=hashes[:full], stages=stages)
 
-    def _best_group(self, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes], runs: dict[str, int],
-                    usable: int, store_end: int, n_tokens: int, block_tokens: int,
-                    rank: int = DEFAULT_RANK) -> tuple[float, float, int, int, list[Node]] | None:
-        """(est TTFT, prefill s, device blocks, reusable blocks, stages) of the group predicted
-        fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
-        best = None
-        for group in pipeline_groups(prefills, shape.group_size):
-            dev = min(self._resident_run(self._views(rank)[1], p.node_id, hashes, runs.get(p.node_id, 0), usable)
-                      for p in group)
-            reusable = max(dev, store_end)
-            cached = reusable * block_tokens
-            if n_tokens - cached < shape.min_tokens:
-                continue
-            prefill_s = shape.prefill_s(self.prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
-            est = (self.prefill_cost.dispatch.value + max(self.queue_s(p.node_id, rank) for p in group)
-                   + (reusable - dev) * self.prefill_cost.fetch_block_s + prefill_s)
-            if best is None or est < best[0]:
-                best = (est, prefill_s, dev, reusable, group)
-        return best
-
-    def _resident_run(self, pending_blocks: PendingBlocks, node_id: str, hashes: Sequence[bytes], indexed: int,
+    def resident_run(self, pending_blocks: PendingBlocks, node_id: str, hashes: Sequence[bytes], indexed: int,
                       limit: int) -> int:
         """Leading blocks of ``hashes`` (at most ``limit``) an instance holds, or will hold once
         the requests booked on it (``pending_blocks``: those served before) are; ``indexed``:
@@ -269,7 +264,7 @@ class Scheduler:
             b.prefilled = True
             for node_id in b.plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            if not b.plan.stages:
+            if not b.plan.stages and b.plan.prefill is not b.plan.decode:  # a colocated one still holds them
                 for _, pending in self._kept_in(b.rank):
                     pending.remove(b.plan.prefill.node_id, b.hashes)
 
@@ -320,7 +315,7 @@ class Scheduler:
         """Attempts of class ``rank`` booked (placed, not yet ended) cluster-wide."""
         return self._in_flight[rank]
 
-    def _views(self, rank: int) -> tuple[dict[str, DecodeSlots], PendingBlocks]:
+    def views(self, rank: int) -> tuple[dict[str, DecodeSlots], PendingBlocks]:
         """What a plan of ``rank`` counts on the instances: every booking for flex work; for the
         others, the interactive bookings alone (flex work gives way to them)."""
         return (self.slots, self.pending) if rank == FLEX_RANK else (self.interactive_slots, self.interactive_pending)

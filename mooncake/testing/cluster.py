@@ -33,7 +33,7 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
 
 
 def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 1, store: int = 1,
-                  cfg: Config | None = None, frontends: int = 1, **conductor: object) -> LocalCluster:
+                  cfg: Config | None = None, frontends: int = 1, colocated: int = 0, **conductor: object) -> LocalCluster:
     """A started dev cluster (the caller stops it): ``cfg``, or ``small_config(data_dir, **conductor)``;
     ``frontends`` > 1: frontend processes on consecutive ports (``cluster.urls``)."""
     if cfg is None:
@@ -41,7 +41,7 @@ def start_cluster(data_dir: Path | None = None, prefill: int = 1, decode: int = 
         cfg = small_config(data_dir, **conductor)
     if frontends > 1:
         cfg.frontend.port = free_port(consecutive=frontends)
-    cluster = LocalCluster(cfg, prefill, decode, store, frontends=frontends)
+    cluster = LocalCluster(cfg, prefill, decode, store, frontends=frontends, colocated=colocated)
     try:
         cluster.start(timeout_s=240)
     except BaseException:
