@@ -2,7 +2,9 @@
 transformers in float32 on both kinds (round_robin sends requests to each in turn), a prompt
 prefilled on the pair and then served by the colocated instance from the store, concurrent
 requests whose prompt chunks share steps with others' decoding, and a mixed dev cluster's
-/cluster view."""
+/cluster view; a request migrated from a colocated instance that dies to the pair, and from the
+pair's decode that dies to the colocated instance (the module's last test: it kills and restarts
+roles)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import asyncio
 import httpx
 import pytest
 
-from mooncake.testing.api import MODEL, complete, metric, metrics
+from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import start_cluster
+from mooncake.testing.wait import wait_for
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.timeout(900)
@@ -76,8 +79,40 @@ def test_concurrent_prompts_share_steps_with_decoding(cluster, loaded_model, ora
 
 def test_cluster_view_shows_the_colocated_instance(cluster):
     view = httpx.get(cluster.url + "/cluster", timeout=10).json()
-    roles = {n["role"] for n in view["nodes"].values()} if isinstance(view["nodes"], dict) else \
-        {n["role"] for n in view["nodes"]}
+    roles = {n["role"] for n in view["nodes"]}
     assert {"prefill", "decode", "colocated", "store"} <= roles
+    colocated = next(n for n in view["nodes"] if n["role"] == "colocated")
+    assert colocated["step_tokens"] == 256  # no start-up profile in tests: the default budget
     health = httpx.get(cluster.url + "/health", timeout=10).json()
     assert health["nodes"]["colocated"] == 1
+
+
+@pytest.mark.parametrize("first, second", [("colocated", "decode"), ("decode", "colocated")])
+def test_a_request_migrates_between_a_colocated_instance_and_a_pair(cluster, loaded_model, oracle_model,
+                                                                   first, second):
+    """Only ``first``'s kind can serve when the request starts (the other kind's process is stopped
+    and comes back while it streams); then ``first``'s process is killed, and the request resumes
+    on the other kind, with output unchanged."""
+    tok = loaded_model.tokenizer
+    ids = tok(f"Migration from the {first} instance: a long story about a lighthouse keeper.")["input_ids"]
+    want = _text(tok, greedy(oracle_model, ids, 160))
+    stopped = "colocated0" if first != "colocated" else "decode0"
+    cluster.kill(stopped)
+    wait_for(lambda: httpx.get(cluster.url + "/health", timeout=5).json()["nodes"][second] == 0, 30,
+             f"{stopped} to be declared dead")
+    before = metric(metrics(cluster.url), "mooncake:migrations_total")
+    restarted = []
+
+    def on_event(n: int, event: object) -> None:
+        if n == 8 and not restarted:  # streaming on ``first``: the other kind comes back, then ``first`` dies
+            cluster.spawn(stopped[:-1], 0)
+            cluster.wait_ready(120, {second: 1})
+            cluster.kill(f"{first}0")
+            restarted.append(True)
+
+    events = stream(cluster.url, {"model": MODEL, "prompt": ids, "max_tokens": 160, "temperature": 0,
+                                  "ignore_eos": True}, on_event, timeout=300)
+    assert restarted and stream_text(events) == want
+    assert metric(metrics(cluster.url), "mooncake:migrations_total") == before + 1
+    cluster.spawn(first, 0)
+    cluster.wait_ready(120, {"prefill": 1, "decode": 1, "colocated": 1})

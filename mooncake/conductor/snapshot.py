@@ -31,7 +31,7 @@ def cluster_snapshot(c: Conductor) -> dict:
             "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
                        "instance": n.info.instance, "endpoints": n.endpoints,
                        "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
-                       "kv_block_bytes": n.info.moved_block_bytes,
+                       "kv_block_bytes": n.info.moved_block_bytes, "step_tokens": n.info.step_tokens,
                        "cpus": n.info.cpus, "threads": n.info.threads, "machine": n.info.machine,
                        "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),
                        "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,

@@ -12,7 +12,7 @@ next chunks of the prompts being prefilled, within ``step_tokens`` tokens in all
 stall-free batching: a decode step waits behind at most that many prompt tokens, never a whole
 prompt). With nothing decoding, prompts take whole ``prefill_chunk_tokens`` chunks. ``step_tokens``
 comes from ``[engine] step_tokens``, else from the start-up profile and the TBT SLO
-(``step_budget``). Everything else (reservations, the batch, preemption, retiring, tokens
+(``step_budget``). At most ``max_prefill_batch`` prompts hold blocks before they are computed. Everything else (reservations, the batch, preemption, retiring, tokens
 straight to the frontends) is the decode role's; the store reads and writes are the prefill
 role's (``kv/prefill_kv.py``), without a KV hand-off.
 """
@@ -35,10 +35,14 @@ from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.decode import DecodeWorker
+from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.request_class import urgency
 
 log = logging.getLogger(__name__)
+# Without a TBT SLO. Measured on the served shared-prefix replay (BENCHMARKS.md section 24): a budget
+# sized for 200 ms steps by the profile (80 tokens here) met the SLO for 41 of 120 requests, 256 for 99:
+# a step also reads the weights for its decode rows, so small chunks cost prompt throughput.
 DEFAULT_STEP_TOKENS = 256
 TYPICAL_BATCH = 8  # the decode batch a budget derived from the TBT SLO leaves room for
 
@@ -71,6 +75,7 @@ class ColocatedWorker(DecodeWorker):
         super().__init__(cfg)
         self.step_tokens = step_budget(cfg, self._profile)
         self.prompts: dict[str, tuple[Slot, asyncio.Future[PrefillStep]]] = {}  # waiting for their next chunk
+        self.inflight = InflightBlocks()  # prompt blocks the prompts here are computing
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
                                    self.rejections, self._chunk)
         log.info("colocated: %d tokens per step while decoding", self.step_tokens)
@@ -100,6 +105,13 @@ class ColocatedWorker(DecodeWorker):
         """The longest cached prefix attached and blocks for the rest, which this instance computes."""
         return await self.run_engine(self.engine.add_sequence, msg.req_id, msg.tokens, msg.sampling, None,
                                      msg.num_generated, [BlockHash(h) for h in msg.hashes], BlockHash(msg.root))
+
+    def _may_reserve(self) -> bool:
+        """At most ``max_prefill_batch`` prompts hold their blocks before they are computed: the
+        others wait unreserved, leaving the pool to the running batch and the prefix cache (a
+        burst reserving the whole pool would evict the cached prefixes the burst is about to reuse,
+        and leave no room to import those the stores hold)."""
+        return sum(not s.seq.prefilled for s in self.incoming.values()) < self.cfg.engine.max_prefill_batch
 
     async def _maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.seq.prefilled or slot.started:
@@ -131,18 +143,27 @@ class ColocatedWorker(DecodeWorker):
         if fetched:  # the fetched blocks are in the device cache now: the sequence attaches them
             self._check(slot)
             slot.seq = await self.run_engine(self._reattach, slot.seq)
-        seq = slot.seq
-        kv.keep_local(seq)
-        cached = seq.num_cached_tokens
-        written = kv.store_start(cached // T)
-        compute_s = 0.0
-        while True:
-            step = await self._chunk(seq)
-            self._check(slot)
-            compute_s += step.compute_s
-            if step.done:
-                break
-            written = await kv.save_to_store(written, seq.num_computed // T)
+        if eng.prefix_caching:  # blocks a prompt running here computes: wait for them, compute them once
+            while (computing := self.inflight.computing(hashes, slot.seq.num_cached_tokens // T)) is not None:
+                await computing.wait()
+                self._check(slot)
+                slot.seq = await self.run_engine(self._reattach, slot.seq)
+            self.inflight.start(req.req_id, hashes, slot.seq.num_cached_tokens // T)
+        try:
+            seq = slot.seq
+            kv.keep_local(seq)
+            cached = seq.num_cached_tokens
+            written = kv.store_start(cached // T)
+            compute_s = 0.0
+            while True:
+                step = await self._chunk(seq)
+                self._check(slot)
+                compute_s += step.compute_s
+                if step.done:
+                    break
+                written = await kv.save_to_store(written, seq.num_computed // T)
+        finally:
+            self.inflight.finish(req.req_id)  # its blocks are cached: those waiting for them go on
         finished = P.FinishReason(step.finished) if step.finished else None
         await self.send(P.PrefillDone(req.req_id, self.node_id, int(step.token), cached_tokens=cached,  # type: ignore[arg-type]
                                       computed_tokens=len(req.tokens) - cached, prefill_s=compute_s,
@@ -152,8 +173,9 @@ class ColocatedWorker(DecodeWorker):
         await self._maybe_start(slot)  # if its FirstToken came already
 
     def _reattach(self, seq: Sequence) -> Sequence:
-        """Engine thread: ``seq`` again, now attaching the blocks imported for it (none of its own
-        computed yet, so nothing is lost; the blocks it frees cover the new allocation)."""
+        """Engine thread: ``seq`` again, now attaching the blocks imported or computed for it
+        meanwhile (none of its own computed yet, so nothing is lost; the blocks it frees cover the
+        new allocation)."""
         self.engine.free(seq)
         again = self.engine.add_sequence(seq.req_id, seq.tokens, seq.sampling, None, seq.num_generated, seq.hashes,
                                          seq.root)
@@ -197,7 +219,9 @@ class ColocatedWorker(DecodeWorker):
         if not slots and not prompts:
             return False
         prompts.sort(key=lambda p: (urgency(p[0].seq.sampling), p[0].reserved_at))
-        budget = self.step_tokens if slots else self.cfg.engine.prefill_chunk_tokens
+        # whole chunks only while nothing decodes or waits to (a prompt done is about to join)
+        joining = any(s.seq.prefilled for s in self.incoming.values())
+        budget = self.step_tokens if slots or joining else self.cfg.engine.prefill_chunk_tokens
         kv_tokens = sum(s.seq.num_tokens for s in slots)
         t0 = time.perf_counter()
         try:

@@ -119,7 +119,7 @@ class DecodeWorker(EngineWorker):
         caller at a time; a request dropped while its reservation was being made gives it back."""
         async with self._reserving:
             eng = self.engine
-            while self.pending:
+            while self.pending and self._may_reserve():
                 msg = self.pending[0]
                 need = -(-len(msg.tokens) // eng.block_tokens)
                 seq = None
@@ -147,6 +147,10 @@ class DecodeWorker(EngineWorker):
                                                  next_index=msg.num_generated + 1, stored=msg.store_from_block,
                                                  reserved_at=time.monotonic())
                 await self.send(P.Reserved(msg.req_id, self.node_id))
+
+    def _may_reserve(self) -> bool:
+        """Whether another request may reserve now (room permitting)."""
+        return True
 
     async def _hold(self, msg: P.DecodeRequest) -> Sequence | None:
         """Blocks for ``msg``'s KV, which will be written in; None if the pool cannot hold them now."""
