@@ -141,8 +141,9 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--out", required=True, help="directory to write the manifests into")
     k8s.add_argument("--image", default="mooncake:latest", help="container image (see deploy/Dockerfile)")
     k8s.add_argument("--namespace", default="mooncake")
-    for role in ("prefill", "decode", "store"):
-        k8s.add_argument(f"--{role}", type=int, default=1, help=f"{role} replicas")
+    for role in ("prefill", "decode"):
+        k8s.add_argument(f"--{role}", type=int, help=f"{role} replicas (default 1; 0 with --colocated)")
+    k8s.add_argument("--store", type=int, default=1, help="store replicas")
     k8s.add_argument("--colocated", type=int, default=0, help="colocated replicas (prefill and decode in one engine)")
     k8s.add_argument("--frontend", type=int, default=2, help="frontend replicas (the OpenAI API, behind one Service)")
     k8s.add_argument("--conductor", type=int, default=2,
@@ -175,9 +176,11 @@ def run_ops(args: argparse.Namespace) -> int:
     from mooncake.deploy.kubernetes import DeployError, Topology, write_manifests
 
     try:
-        topology = Topology(image=args.image, namespace=args.namespace, prefill=args.prefill,
-                            decode=args.decode, store=args.store, colocated=args.colocated, frontend=args.frontend,
-                            conductor=args.conductor)
+        pair = 0 if args.colocated else 1
+        topology = Topology(image=args.image, namespace=args.namespace,
+                            prefill=pair if args.prefill is None else args.prefill,
+                            decode=pair if args.decode is None else args.decode, store=args.store,
+                            colocated=args.colocated, frontend=args.frontend, conductor=args.conductor)
         written = write_manifests(cfg, topology, args.out)
     except DeployError as e:
         print(f"mooncake deploy: {e}", file=sys.stderr)

@@ -19,7 +19,6 @@ from mooncake.blocks import BlockHash, extend_chain, hash_blocks, root_hash
 from mooncake.config import EngineConfig
 from mooncake.engine.batching import decode_batch, packed_prefill_batch, prefill_batch
 from mooncake.engine.constraints import consume
-from mooncake.engine.mixed_step import mixed_step
 from mooncake.engine.model.decoder import DecoderForward
 from mooncake.engine.host_memory import keep_freed_memory
 from mooncake.engine.kv_cache import BlockManager, allocate_pool
@@ -293,11 +292,6 @@ class Engine:
                     self.register_full(s, s.num_computed - 1, s.num_computed)
                 out[id(s)] = StepOutput(s, tok, self.picker.append(s, tok), lp)
         return [out[id(s)] for s in seqs]
-
-    def mixed_step(self, decoding: list[Sequence], prefilling: list[Sequence],
-                   budget: int) -> tuple[list[StepOutput], list[PrefillStep]]:
-        """A decode step and prefill chunks in one forward (``mixed_step.py``)."""
-        return mixed_step(self, decoding, prefilling, budget)
 
     def register_full(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Key the blocks that became full while computing positions [start, end)."""

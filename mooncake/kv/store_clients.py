@@ -22,7 +22,7 @@ from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
 log = logging.getLogger(__name__)
 MAX_STORE_CLIENTS = 8  # stores a worker talks to at once: its node's and the replicas it reads
 
-ExportFn = Callable[[Sequence, int, int], Awaitable[torch.Tensor]]  # (seq, first block, end) -> a copy of its KV
+ExportFn = Callable[[Sequence, int, int], Awaitable["torch.Tensor | None"]]  # (seq, first, end) -> a copy of its KV (None: freed)
 
 
 class StoreClients:
@@ -65,8 +65,9 @@ class StoreClients:
     async def save_blocks(self, endpoint: str, seq: Sequence, hashes: list[bytes], first: int, end: int) -> None:
         """Write ``seq``'s blocks ``[first, end)`` (keyed by ``hashes``) to a store (``write_back``)."""
         assert self._export is not None
-        self.write_back(endpoint, hashes, await self._export(seq, first, end), rank(seq.sampling) == FLEX_RANK,
-                        seq.sampling.keep_s)
+        kv = await self._export(seq, first, end)
+        if kv is not None:  # None: freed meanwhile
+            self.write_back(endpoint, hashes, kv, rank(seq.sampling) == FLEX_RANK, seq.sampling.keep_s)
 
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor, flex: bool = False,
                    keep_s: float = 0.0) -> None:

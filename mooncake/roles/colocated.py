@@ -7,10 +7,14 @@ decode), ``PrefillRequest`` brings the plan's store reads and writes, ``PrefillD
 first token, ``FirstToken`` lets the sequence join the batch. Nothing moves between the halves:
 the KV is computed into the very blocks the sequence decodes from.
 
-Each step is one forward (``engine/mixed_step.py``): a token for every decoding sequence and the
-next chunks of the prompts being prefilled, within ``step_tokens`` tokens in all (Sarathi-Serve's
-stall-free batching: a decode step waits behind at most that many prompt tokens, never a whole
-prompt). With nothing decoding, prompts take whole ``prefill_chunk_tokens`` chunks. ``step_tokens``
+Each step is a token for every decoding sequence (``Engine.decode_step``) and then the next
+chunks of the prompts being prefilled (``Engine.prefill_many``), within ``step_tokens`` tokens in
+all (Sarathi-Serve's stall-free batching: a token waits behind at most that many prompt tokens,
+never a whole prompt). The halves are two forwards, not one packed forward: a packed forward
+scores every decode row against all the step's keys (rows x all keys, where a decode row needs
+only its own) and leaves the decode kernels unused; on the served trace at twice its rate its ITL
+p99 was 848 ms against 211 ms for two forwards (BENCHMARKS.md section 24), reading the weights
+twice costing a fraction of that. A prompt that fails in its half fails alone. With nothing decoding, prompts take whole ``prefill_chunk_tokens`` chunks. ``step_tokens``
 comes from ``[engine] step_tokens``, else from the start-up profile and the TBT SLO
 (``step_budget``). At most ``max_prefill_batch`` prompts hold blocks before they are computed. Everything else (reservations, the batch, preemption, retiring, tokens
 straight to the frontends) is the decode role's; the store reads and writes are the prefill
@@ -76,6 +80,7 @@ class ColocatedWorker(DecodeWorker):
         self.step_tokens = step_budget(cfg, self._profile)
         self.prompts: dict[str, tuple[Slot, asyncio.Future[PrefillStep]]] = {}  # waiting for their next chunk
         self.inflight = InflightBlocks()  # prompt blocks the prompts here are computing
+        self.prefilling: set[str] = set()  # requests whose prompt is being prefilled here
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
                                    self.rejections, self._chunk)
         log.info("colocated: %d tokens per step while decoding", self.step_tokens)
@@ -123,8 +128,9 @@ class ColocatedWorker(DecodeWorker):
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
         slot = self.incoming.get(req.req_id)
-        if slot is None or slot.seq.prefilled or slot.seq.num_computed > slot.seq.num_cached_tokens:
+        if slot is None or slot.seq.prefilled or req.req_id in self.prefilling:
             return  # dropped meanwhile, or a duplicate order
+        self.prefilling.add(req.req_id)
         try:
             await self._compute(req, slot)
         except _Gone:
@@ -133,6 +139,8 @@ class ColocatedWorker(DecodeWorker):
             if self.incoming.get(req.req_id) is slot:
                 log.exception("prefill of %s failed", req.req_id)
                 await self._give_up(slot, f"prefill failed: {type(e).__name__}: {e}")
+        finally:
+            self.prefilling.discard(req.req_id)
 
     async def _compute(self, req: P.PrefillRequest, slot: Slot) -> None:
         """The store reads the plan names, the chunks (each in a step), the store writes, the first token."""
@@ -141,27 +149,23 @@ class ColocatedWorker(DecodeWorker):
         kv = PrefillKV(req, hashes, eng, self.loader, self._no_hand_off, self.stores, 1, layer_load=False)
         fetched, fetch_s = await kv.start_load(slot.seq.num_cached_tokens // T)
         if fetched:  # the fetched blocks are in the device cache now: the sequence attaches them
-            self._check(slot)
-            slot.seq = await self.run_engine(self._reattach, slot.seq)
+            await self._attach_again(slot)
         if eng.prefix_caching:  # blocks a prompt running here computes: wait for them, compute them once
             while (computing := self.inflight.computing(hashes, slot.seq.num_cached_tokens // T)) is not None:
                 await computing.wait()
-                self._check(slot)
-                slot.seq = await self.run_engine(self._reattach, slot.seq)
+                await self._attach_again(slot)
             self.inflight.start(req.req_id, hashes, slot.seq.num_cached_tokens // T)
         try:
             seq = slot.seq
             kv.keep_local(seq)
             cached = seq.num_cached_tokens
-            written = kv.store_start(cached // T)
             compute_s = 0.0
-            while True:
+            while True:  # nothing awaited between chunks: the next is asked for before the next step
                 step = await self._chunk(seq)
                 self._check(slot)
                 compute_s += step.compute_s
                 if step.done:
                     break
-                written = await kv.save_to_store(written, seq.num_computed // T)
         finally:
             self.inflight.finish(req.req_id)  # its blocks are cached: those waiting for them go on
         finished = P.FinishReason(step.finished) if step.finished else None
@@ -169,8 +173,18 @@ class ColocatedWorker(DecodeWorker):
                                       computed_tokens=len(req.tokens) - cached, prefill_s=compute_s,
                                       fetched_blocks=fetched, fetch_s=fetch_s, finished=finished,
                                       logprob=step.logprob))
-        await kv.save_to_store(written, len(kv.hashes))
+        await kv.save_to_store(kv.store_start(cached // T), len(kv.hashes))  # nothing moves to a decode: all at once
         await self._maybe_start(slot)  # if its FirstToken came already
+
+    async def _attach_again(self, slot: Slot) -> None:
+        """``slot``'s sequence again, attaching the blocks imported or computed for it meanwhile
+        (``_reattach``); the new one is freed if the request left while it was made."""
+        self._check(slot)
+        again = await self.run_engine(self._reattach, slot.seq)
+        if self.incoming.get(slot.msg.req_id) is not slot:
+            await self.run_engine(self.engine.free, again)
+            raise _Gone()
+        slot.seq = again
 
     def _reattach(self, seq: Sequence) -> Sequence:
         """Engine thread: ``seq`` again, now attaching the blocks imported or computed for it
@@ -208,6 +222,7 @@ class ColocatedWorker(DecodeWorker):
 
     async def _step(self) -> bool:
         slots = await self._prepare_step()
+        await asyncio.sleep(0)  # the prompts whose chunk the last step computed ask for their next one
         prompts = []
         for rid, (slot, fut) in list(self.prompts.items()):
             if fut.done():
@@ -219,24 +234,30 @@ class ColocatedWorker(DecodeWorker):
         if not slots and not prompts:
             return False
         prompts.sort(key=lambda p: (urgency(p[0].seq.sampling), p[0].reserved_at))
+        if self.engine.model.windows != {None}:  # such models compute prompts one by one, a chunk each
+            prompts = prompts[:1]
         # whole chunks only while nothing decodes or waits to (a prompt done is about to join)
         joining = any(s.seq.prefilled for s in self.incoming.values())
         budget = self.step_tokens if slots or joining else self.cfg.engine.prefill_chunk_tokens
-        kv_tokens = sum(s.seq.num_tokens for s in slots)
-        t0 = time.perf_counter()
-        try:
-            outs, steps = await self.run_engine(self.engine.mixed_step, [s.seq for s in slots],
-                                                [p[0].seq for p in prompts], budget)
-        except Exception as e:
-            for _, fut in prompts:  # their requests fail with the step (the step loop gives the batch up)
-                if not fut.done():
-                    fut.set_exception(e)
-            raise
-        if slots and not prompts:  # a plain decode step: what the cost model of decode steps learns from
+        outs = []
+        if slots:  # the decode half first: a prompt that fails below fails alone
+            kv_tokens = sum(s.seq.num_tokens for s in slots)
+            t0 = time.perf_counter()
+            outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
             self._observe_step(len(slots), kv_tokens, time.perf_counter() - t0)
-        for (_, fut), step in zip(prompts, steps):
-            if not fut.done():
-                fut.set_result(step)
+        if prompts:
+            left = max(self.engine.block_tokens, budget - len(slots))  # a prompt always moves by a block
+            try:
+                steps = await self.run_engine(self.engine.prefill_many, [p[0].seq for p in prompts], None, left)
+            except Exception as e:
+                steps = [e] * len(prompts)  # _prefill gives each request up
+            for (_, fut), step in zip(prompts, steps):
+                if fut.done():
+                    continue
+                if isinstance(step, Exception):
+                    fut.set_exception(step)
+                else:
+                    fut.set_result(step)
         if slots:
             await self._emit(slots, outs)
         else:

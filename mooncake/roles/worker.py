@@ -117,9 +117,10 @@ class EngineWorker(ABC):
                           kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
-    async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor:
-        """A copy of ``seq``'s blocks ``[first, end)`` (for a store), read on the engine thread."""
-        return await self.run_engine(self.engine.kv.export_sequence, seq, first, end)
+    async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor | None:
+        """A copy of ``seq``'s blocks ``[first, end)`` (for a store), read on the engine thread; None
+        if the sequence was freed meanwhile (its blocks may hold another's KV by now)."""
+        return await self.run_engine(lambda: None if seq.freed else self.engine.kv.export_sequence(seq, first, end))
 
     # ---- reports
 

@@ -2,7 +2,7 @@
 prompt's chunks in the same steps as its decoding batch.
 
 A step carries every decoding sequence's next token and up to ``step_tokens`` (its ``NodeInfo``)
-tokens in all, so a prompt advances ``step_tokens - batch`` tokens a step and takes a decode step's
+tokens in all, so a prompt advances ``step_tokens - batch`` tokens a step (at least a block) and takes a decode step's
 time more per step than it would alone; and each decode step grows by the chunk it carries while
 prompts are queued there. Both halves are estimated from the cluster's cost models, the running
 batch from the bookings (``booking.py``).
@@ -22,13 +22,14 @@ def _budget(node: Node) -> int:
     return max(1, node.info.step_tokens or 512)
 
 
-def mixed_prefill_s(sched: Scheduler, node: Node, prefill_s: float, compute_tokens: int) -> float:
-    """A prompt's prefill time on ``node`` (``prefill_s``: alone) while its booked batch decodes."""
+def mixed_prefill_s(sched: Scheduler, node: Node, prefill_s: float, compute_tokens: int, block_tokens: int) -> float:
+    """A prompt's prefill time on ``node`` (``prefill_s``: alone) while its booked batch decodes
+    (a step gives prompts what the batch leaves of the budget, at least a block)."""
     slots = sched.slots.get(node.node_id)
     batch = len(slots.assigned) if slots is not None else 0
     if not batch:
         return prefill_s
-    steps = -(-max(compute_tokens, 1) // max(1, _budget(node) - batch))
+    steps = -(-max(compute_tokens, 1) // max(block_tokens, _budget(node) - batch))
     return prefill_s + steps * sched.decode_cost.predict(batch, slots.kv_tokens_total)
 
 

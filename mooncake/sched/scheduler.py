@@ -117,7 +117,7 @@ class Scheduler:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
             if p.role == "colocated":  # its chunks share steps with its decoding batch
-                prefill_s = mixed_prefill_s(self, p, prefill_s, n_tokens - reusable * block_tokens)
+                prefill_s = mixed_prefill_s(self, p, prefill_s, n_tokens - reusable * block_tokens, block_tokens)
             candidates.append((dispatch_s + q + (reusable - dev) * fetch_s + prefill_s, prefill_s, dev, reusable, p, q))
 
         if self.cfg.policy == "random":

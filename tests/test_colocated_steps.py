@@ -1,6 +1,7 @@
-"""A colocated instance's step (``Engine.mixed_step``): decode rows and prefill chunks in one
-forward give the same greedy tokens as transformers, with cached prefixes and a budget smaller
-than a prompt (its chunks spread over several steps while others decode)."""
+"""A colocated instance's steps on the engine, as ``roles/colocated.py`` makes them (a decode step,
+then prompt chunks within what the batch leaves of the budget): the same greedy tokens as
+transformers, with cached prefixes and a budget smaller than a prompt (its chunks spread over
+several steps while others decode)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from tests.oracle import greedy
 
 N = 12
 GREEDY = Sampling(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def step(engine: Engine, decoding: list, prefilling: list, budget: int) -> tuple[list, list]:
+    outs = engine.decode_step(decoding) if decoding else []
+    chunks = engine.prefill_many(prefilling, None, max(engine.block_tokens, budget - len(decoding))) \
+        if prefilling else []
+    return outs, chunks
 
 
 def test_mixed_steps_equal_transformers(loaded_model, oracle_model):
@@ -30,27 +38,27 @@ def test_mixed_steps_equal_transformers(loaded_model, oracle_model):
     while any(not s.finished for s in seqs):
         decoding = [s for s in seqs if s.prefilled and not s.finished]
         prefilling = [s for s in seqs if not s.prefilled]
-        outs, chunks = engine.mixed_step(decoding, prefilling, budget=24)
+        outs, chunks = step(engine, decoding, prefilling, budget=40)
         steps += 1
         assert len(outs) == len(decoding) and all(o.token is not None for o in outs)
         assert all(s.num_computed - (len(s.tokens) - 1 if s.prefilled else 0) >= 0 for s in prefilling)
         for s, c in zip(prefilling, chunks):
             if c.done:
                 firsts[s.req_id] = c.token
-    assert steps > len(doc) // 24  # the long prompt took several steps, others decoding beside it
+    assert steps > len(doc) // 40  # the long prompt took several steps, others decoding beside it
     for s, p in zip(seqs, prompts):
         assert s.tokens[len(p):] == greedy(oracle_model, p, N), s.req_id
         assert s.req_id in firsts or s.req_id in ("r0", "r1")
 
 
-def test_mixed_step_keeps_each_half_alone(loaded_model):
-    """Only decode rows, or only prompts: the plain paths, with the whole budget for prompts."""
+def test_a_prompt_moves_by_a_block_at_least(loaded_model):
+    """A budget below a block still moves a prompt by a block; alone, it takes the whole budget."""
     tok = loaded_model.tokenizer
     engine = Engine(loaded_model, EngineConfig(kv_cache_bytes=16 << 20, prefill_chunk_tokens=64))
     a = engine.add_sequence("a", tok("Hello there, how are you? " * 4)["input_ids"], GREEDY)
-    outs, chunks = engine.mixed_step([], [a], budget=4)
+    outs, chunks = step(engine, [], [a], budget=4)
     assert outs == [] and chunks[0].done is False and a.num_computed == 16  # at least a block
     while not a.prefilled:
-        engine.mixed_step([], [a], budget=64)
-    outs, chunks = engine.mixed_step([a], [], budget=64)
+        step(engine, [], [a], budget=64)
+    outs, chunks = step(engine, [a], [], budget=64)
     assert chunks == [] and outs[0].token is not None
