@@ -36,10 +36,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "separate keys with commas, to accept several: the first becomes [frontend] api_key, "
                         "the rest api_keys)")
     p.add_argument("--data-dir", help="directory of the stores' LMDB tier")
-    p.add_argument("--prefill", type=int, help="single machine: prefill instances (default 1; 0 with --colocated)")
-    p.add_argument("--decode", type=int, help="single machine: decode instances (default 1; 0 with --colocated)")
-    p.add_argument("--colocated", type=int, default=0,
-                   help="single machine: colocated instances, each prefilling and decoding in one engine")
+    p.add_argument("--colocated", type=int,
+                   help="single machine: colocated instances, each prefilling and decoding in one engine (default 1, "
+                        "unless --prefill/--decode/--disaggregated ask for a prefill/decode pair)")
+    p.add_argument("--prefill", type=int, help="single machine: prefill instances (a disaggregated cluster)")
+    p.add_argument("--decode", type=int, help="single machine: decode instances (a disaggregated cluster)")
+    p.add_argument("--disaggregated", action="store_true", help="single machine: --prefill 1 --decode 1")
     p.add_argument("--store", type=int, default=1, help="single machine: store instances")
     p.add_argument("--frontends", type=int, default=1,
                    help="single machine: frontends serving the API on --port, --port+1, ... (one: in the "
@@ -80,13 +82,16 @@ def serve(args: argparse.Namespace) -> int:
     if not args.role:
         from mooncake.local.cluster import run_local
 
-        pair = 0 if args.colocated else 1  # a disaggregated pair unless colocated instances are asked for
+        # One colocated instance by default (it served the trace replays better here: BENCHMARKS.md
+        # section 24); a disaggregated pair when any of --prefill, --decode, --disaggregated is given.
+        pair = int(args.disaggregated or args.prefill is not None or args.decode is not None)
+        colocated = (0 if pair else 1) if args.colocated is None else args.colocated
         prefill = pair if args.prefill is None else args.prefill
         decode = pair if args.decode is None else args.decode
-        if not args.colocated and not (prefill and decode):
+        if not colocated and not (prefill and decode):
             print("mooncake serve: the cluster needs a prefill and a decode instance, or --colocated", file=sys.stderr)
             return 2
-        return run_local(cfg, prefill, decode, args.store, args.log_level, args.frontends, args.colocated)
+        return run_local(cfg, prefill, decode, args.store, args.log_level, args.frontends, colocated)
     tag_logs(args.role, cfg.node.node_id or cfg.node.name)
     from mooncake.roles.cpu_priority import apply_role_priority
 

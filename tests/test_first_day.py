@@ -57,10 +57,15 @@ def test_documented_and_foreign_variables_do_not_stop_a_command(tmp_path):
 
 def test_serve_takes_the_model_as_a_positional_and_runs_the_whole_cluster_by_default(monkeypatch):
     started = []
-    monkeypatch.setattr(local_cluster, "run_local", lambda cfg, *counts: started.append((cfg.model.path, counts[:3])) or 0)
-    assert cli.main(["serve", "/models/qwen", "--prefill", "2"]) == 0
-    assert cli.main(["serve", "--dev", "--model", "/models/qwen"]) == 0  # --dev: a synonym
-    assert started == [("/models/qwen", (2, 1, 1)), ("/models/qwen", (1, 1, 1))]
+    monkeypatch.setattr(local_cluster, "run_local",
+                        lambda cfg, *counts: started.append((cfg.model.path, counts[:3] + counts[-1:])) or 0)
+    assert cli.main(["serve", "/models/qwen", "--prefill", "2"]) == 0  # (prefill, decode, store, colocated)
+    assert cli.main(["serve", "--dev", "--model", "/models/qwen"]) == 0  # --dev: a synonym; colocated by default
+    assert cli.main(["serve", "--disaggregated"]) == 0
+    assert cli.main(["serve", "--colocated", "2", "--prefill", "1", "--decode", "1"]) == 0  # a mixed cluster
+    assert started == [("/models/qwen", (2, 1, 1, 0)), ("/models/qwen", (0, 0, 1, 1)), ("", (1, 1, 1, 0)),
+                       ("", (1, 1, 1, 2))]
+    assert cli.main(["serve", "--prefill", "1", "--decode", "0"]) == 2
     assert cli.main(["serve", "/models/a", "--model", "/models/b"]) == 2
     assert cli.main(["serve", "--dev", "--role", "decode"]) == 2
 
@@ -130,15 +135,15 @@ def test_serve_restarts_a_role_killed_9_and_gives_up_on_one_that_keeps_dying(tmp
         ready = serve.stdout.readline()
         assert "ready" in ready and f"{url}/v1" in ready and "Ctrl-C" in ready, ready
         nodes = httpx.get(f"{url}/health", timeout=5).json()["nodes"]
-        assert all(nodes.get(role, 0) >= 1 for role in ("prefill", "decode", "store"))  # ready means registered
+        assert all(nodes.get(role, 0) >= 1 for role in ("colocated", "store"))  # ready means registered
         model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
         body = {"model": model, "prompt": "The moon is", "max_tokens": 4, "temperature": 0}
 
-        decode = _children(serve.pid)["decode0"]
-        os.kill(decode, signal.SIGKILL)
-        _wait(lambda: f"decode0 (pid {decode}) died (killed by SIGKILL); restarting it" in log.read_text(), 30)
-        reborn = _wait(lambda: _children(serve.pid).get("decode0") not in (None, decode) and
-                       _children(serve.pid)["decode0"], 30)
+        engine = _children(serve.pid)["colocated0"]  # the default: one colocated instance
+        os.kill(engine, signal.SIGKILL)
+        _wait(lambda: f"colocated0 (pid {engine}) died (killed by SIGKILL); restarting it" in log.read_text(), 30)
+        reborn = _wait(lambda: _children(serve.pid).get("colocated0") not in (None, engine) and
+                       _children(serve.pid)["colocated0"], 30)
 
         def served() -> bool:
             try:
@@ -151,13 +156,13 @@ def test_serve_restarts_a_role_killed_9_and_gives_up_on_one_that_keeps_dying(tmp
             os.kill(reborn, signal.SIGKILL)
             if serve.poll() is None:
                 reborn = _wait(lambda: serve.poll() is not None or
-                               _children(serve.pid).get("decode0") not in (None, reborn) and
-                               _children(serve.pid).get("decode0"), 30)
+                               _children(serve.pid).get("colocated0") not in (None, reborn) and
+                               _children(serve.pid).get("colocated0"), 30)
         assert serve.wait(timeout=120) == 1
         text = log.read_text()
-        assert "decode0 keeps dying (3 times in 60 s, last: killed by SIGKILL)" in text
+        assert "colocated0 keeps dying (3 times in 60 s, last: killed by SIGKILL)" in text
         lines = [ln for ln in text.splitlines() if ln.strip()]
-        untagged = [ln for ln in lines if not re.search(r"\[(supervisor|conductor|prefill|decode|store):", ln)
+        untagged = [ln for ln in lines if not re.search(r"\[(supervisor|conductor|colocated|store):", ln)
                     and not ln.startswith("mooncake: ")]
         assert not untagged, untagged[:5]
         assert "[(" not in text  # no raw tuples

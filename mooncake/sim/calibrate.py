@@ -9,9 +9,15 @@ faithfully): ``estimates.prefill_fixed_s``, ``estimates.prefill_per_token_s``,
 (per store block read), ``estimates.kv_transfer_token_s``, ``estimates.transit_s`` (per
 request, messages between the roles), ``block_tokens`` (the engines'
 block size: block counts and ``fetch_block_s`` are converted to the simulation's blocks) and,
-per node, ``num_blocks`` / ``kv_block_bytes`` (else ``block_bytes``: a stored block, engine) and ``load.tiers.<tier>.capacity_bytes`` (store).
+per node, ``num_blocks`` / ``kv_block_bytes`` (else ``block_bytes``: a stored block, engine),
+``step_tokens`` (colocated) and ``load.tiers.<tier>.capacity_bytes`` (store).
 When all engine nodes share one ``machine`` and report ``cpus`` (and ``threads``), the
 simulated instances share that many cores as the live ones do (``shared_cpu.py``).
+
+Engine nodes are prefill, decode and colocated ones alike: a cluster of colocated instances
+alone calibrates too. Its cost models are the cluster's (the conductor seeds both from a
+colocated instance's start-up profile and follows its plain decode steps and prompts), and a
+simulated colocated instance runs the ``step_tokens`` the live ones report.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from mooncake.protocol import ENGINE_ROLES
 from mooncake.sim.hardware import Capacities, FittedHardware, LinearCosts
 from mooncake.sim.shared_cpu import Colocation
 
@@ -67,13 +74,13 @@ def _number(obj: Any, key: str, required: bool = False) -> float | None:
 
 def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
     """``ratio``: engine block tokens / simulated block tokens."""
-    engines = [n for n in nodes if isinstance(n, dict) and n.get("role") in ("prefill", "decode")]
+    engines = _engines(nodes)
     stores = [n for n in nodes if isinstance(n, dict) and n.get("role") == "store"]
     # a stored block's bytes: encoded by [model] kv_codec (kv_block_bytes), else the pool's
     block_bytes = next((b for n in engines if (b := _number(n, "kv_block_bytes") or _number(n, "block_bytes"))), None)
 
-    def blocks(role: str) -> int:
-        found = [int(b) for n in engines if n.get("role") == role and (b := _number(n, "num_blocks"))]
+    def blocks(*roles: str) -> int:
+        found = [int(b) for n in engines if n.get("role") in roles and (b := _number(n, "num_blocks"))]
         return int(min(found) * ratio) if found else _UNBOUNDED
 
     def tier_blocks(*tiers: str) -> int:
@@ -85,15 +92,15 @@ def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
             caps.append(sum(_number(t.get(k), "capacity_bytes") or 0 for k in tiers))
         return int(min(caps) / block_bytes * ratio)
 
-    return Capacities(prefill_cache_blocks=blocks("prefill"), decode_kv_tokens=_UNBOUNDED,
-                      decode_max_batch=default_batch, store_dram_blocks=tier_blocks("device", "dram"),
+    return Capacities(prefill_cache_blocks=blocks("prefill", "colocated"), decode_kv_tokens=_UNBOUNDED,
+                      decode_max_batch=default_batch, colocated_kv_tokens=_UNBOUNDED, store_dram_blocks=tier_blocks("device", "dram"),
                       store_ssd_blocks=tier_blocks("lmdb", "ssd"))
 
 
 def _colocation(nodes: list) -> Colocation | None:
     """The machine the engine nodes share, when they all run on one (a dev cluster): same
     ``machine`` (or, from a cluster that does not report it, same node ``name``)."""
-    engines = [n for n in nodes if isinstance(n, dict) and n.get("role") in ("prefill", "decode")]
+    engines = _engines(nodes)
     if len(engines) < 2 or len({n.get("machine") or n.get("name") for n in engines}) != 1:
         return None
     cpus = min((_number(n, "cpus") or 0 for n in engines), default=0)
@@ -101,6 +108,16 @@ def _colocation(nodes: list) -> Colocation | None:
         return None
     threads = max(_number(n, "threads") or 1 for n in engines)
     return Colocation(cores=cpus, threads=threads)
+
+
+def _engines(nodes: list) -> list[dict]:
+    return [n for n in nodes if isinstance(n, dict) and n.get("role") in ENGINE_ROLES]
+
+
+def _step_tokens(nodes: list) -> int:
+    """The colocated instances' tokens per step (the smallest, where they differ; 0: none reported)."""
+    found = [int(t) for n in _engines(nodes) if n.get("role") == "colocated" and (t := _number(n, "step_tokens"))]
+    return min(found, default=0)
 
 
 def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrated",
@@ -132,4 +149,4 @@ def calibrated_hardware(cluster: dict, block_tokens: int, name: str = "calibrate
     nodes = cluster.get("nodes")
     nodes = nodes if isinstance(nodes, list) else []
     return FittedHardware(name, block_tokens, costs, _capacities(nodes, decode_max_batch, ratio),
-                          colocation=_colocation(nodes))
+                          colocation=_colocation(nodes), step_tokens=_step_tokens(nodes))

@@ -1,5 +1,6 @@
-"""``mooncake sim run`` (one simulated cluster) and ``mooncake sim size`` (the smallest one
-that meets the SLOs), over a Mooncake-format trace."""
+"""``mooncake sim run`` (one simulated cluster: prefill/decode pairs, colocated instances or
+both) and ``mooncake sim size`` (the smallest one that meets the SLOs, disaggregated and
+colocated), over a Mooncake-format trace."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="compresses arrivals: 2 = twice the request rate")
     p.add_argument("--reuse-scale", type=float, default=1.0,
                    help="keep this fraction of each request's shared prefix blocks, fresh blocks after (default: 1)")
+    p.add_argument("--output-scale", type=float, default=1.0,
+                   help="multiplies every request's output length (at least one token; default: 1)")
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="a colocated instance's tokens per step (decode rows and prompt chunks); 0 (default): "
+                        "as a calibrated cluster runs it, else as the live role picks it from --tbt-slo-ms ('sim "
+                        "size': that and the powers of two from 64, the best)")
     p.add_argument("--max-requests", type=int, help="replay only the first N requests")
     p.add_argument("--flex-share", type=float, default=0.0,
                    help="fraction of the requests, drawn with --seed, sent as service_tier flex (default: 0); a "
@@ -57,14 +64,19 @@ def add_sim_parser(subparsers) -> None:
     actions = p.add_subparsers(dest="sim_action", required=True)
     run = actions.add_parser("run", help="simulate one cluster size")
     _common(run)
-    run.add_argument("--prefill", type=int, required=True, help="prefill instances")
-    run.add_argument("--decode", type=int, required=True, help="decode instances")
+    run.add_argument("--prefill", type=int, default=0, help="prefill instances (default: 0)")
+    run.add_argument("--decode", type=int, default=0, help="decode instances (default: 0)")
+    run.add_argument("--colocated", type=int, default=0,
+                     help="colocated instances (prefill and decode in one engine; default: 0); a cluster needs "
+                          "some, or both --prefill and --decode")
     size = actions.add_parser("size", help="the smallest cluster meeting the SLO attainment")
     _common(size)
     size.add_argument("--attainment", type=float, default=0.9, help="target fraction meeting both SLOs")
     size.add_argument("--max-prefill", type=int, default=64, help="search bound (default: %(default)s)")
     size.add_argument("--max-decode", type=int, default=64, help="search bound (default: %(default)s)")
-    size.add_argument("--plot", metavar="PNG", help="draw the frontier")
+    size.add_argument("--max-colocated", type=int, default=64,
+                      help="search bound of the colocated design (default: %(default)s; 0: size only disaggregated)")
+    size.add_argument("--plot", metavar="PNG", help="draw the frontier and both designs")
     actions.add_parser("profiles", help="list the built-in hardware profiles")
 
 
@@ -80,7 +92,10 @@ def _hardware(args: argparse.Namespace):
 
 
 def _print_result(r) -> None:
-    print(f"{r.policy}{' (no store)' if not r.use_store else ''}, {r.prefill} prefill + {r.decode} decode, {r.profile}")
+    sizes = [f"{r.prefill} prefill + {r.decode} decode"] if r.prefill else []
+    if r.colocated:
+        sizes.append(f"{r.colocated} colocated ({r.step_tokens} tokens per step)")
+    print(f"{r.policy}{' (no store)' if not r.use_store else ''}, {' + '.join(sizes)}, {r.profile}")
     for k in _FIELDS:
         v = getattr(r, k)
         print(f"  {k:16s} {v:.4g}" if isinstance(v, float) else f"  {k:16s} {v}")
@@ -109,10 +124,12 @@ def run_sim(args: argparse.Namespace) -> int:
         hw = _hardware(args)
         requests = load_requests(args.trace, block_tokens=args.block_tokens, rate_scale=args.rate_scale,
                                  time_scale=args.time_scale, reuse_scale=args.reuse_scale,
-                                 max_requests=args.max_requests, flex_share=args.flex_share, seed=args.seed)
+                                 max_requests=args.max_requests, flex_share=args.flex_share, seed=args.seed,
+                                 output_scale=args.output_scale)
         if args.sim_action == "run":
             setup = SimSetup(args.prefill, args.decode, args.policy, _use_store(args), args.ttft_slo_ms,
-                             args.tbt_slo_ms, args.seed, args.classes, args.store_writes)
+                             args.tbt_slo_ms, args.seed, args.classes, args.store_writes, args.colocated,
+                             args.step_tokens)
             result = simulate(setup, hw, requests)
             _print_result(result)
             out = result.to_dict()
@@ -142,15 +159,16 @@ def _size(args: argparse.Namespace, hw, requests) -> dict:
     if not args.ttft_slo_ms and not args.tbt_slo_ms:
         raise ValueError("sim size needs an SLO: give --ttft-slo-ms and/or --tbt-slo-ms")
     template = SimSetup(1, 1, args.policy, _use_store(args), args.ttft_slo_ms, args.tbt_slo_ms, args.seed,
-                        args.classes, args.store_writes)
-    print(f"{'prefill':>7} {'decode':>6} {'attain':>7} {'ttft_p90':>9} {'tbt_p90':>8} {'rejected':>8} {'wall_s':>7}")
+                        args.classes, args.store_writes, step_tokens=args.step_tokens)
+    print(f"{'prefill':>7} {'decode':>6} {'colocated':>9} {'attain':>7} {'ttft_p90':>9} {'tbt_p90':>8} {'rejected':>8} "
+          f"{'wall_s':>7}")
 
     def show(r) -> None:
-        print(f"{r.prefill:7d} {r.decode:6d} {r.slo_attainment:7.3f} {r.ttft_p90_s:9.3f} {r.tbt_p90_s:8.4f} "
-              f"{r.rejected:8d} {r.sim_wall_s:7.2f}", flush=True)
+        print(f"{r.prefill:7d} {r.decode:6d} {r.colocated:9d} {r.slo_attainment:7.3f} {r.ttft_p90_s:9.3f} "
+              f"{r.tbt_p90_s:8.4f} {r.rejected:8d} {r.sim_wall_s:7.2f}", flush=True)
 
     answer = size_cluster(requests, hw, template, args.attainment, args.max_prefill, args.max_decode,
-                          progress=show, full_frontier=bool(args.plot))
+                          progress=show, full_frontier=bool(args.plot), max_colocated=args.max_colocated)
     slo = f"TTFT {args.ttft_slo_ms:g} ms, TBT {args.tbt_slo_ms:g} ms"
     if answer.best is None:
         print(f"no cluster up to {args.max_prefill} prefill + {args.max_decode} decode instances reaches "
@@ -161,6 +179,16 @@ def _size(args: argparse.Namespace, hw, requests) -> dict:
         print(f"smallest cluster: {p} prefill + {d} decode ({p + d} instances): attainment "
               f"{r.slo_attainment:.3f} >= {args.attainment:g} ({slo}, {args.policy}, {hw.name})")
         print("frontier (prefill: fewest decode): " + ", ".join(f"{fp}: {fd}" for fp, fd in answer.frontier))
+    if args.max_colocated:
+        n = answer.colocated
+        if n is None:
+            print(f"no colocated cluster up to {args.max_colocated} instances reaches {args.attainment:g} SLO "
+                  f"attainment ({slo})")
+        else:
+            r = answer.colocated_evaluated[(n, answer.colocated_step_tokens)]
+            print(f"smallest colocated cluster: {n} colocated ({r.step_tokens} tokens per step): attainment "
+                  f"{r.slo_attainment:.3f} >= {args.attainment:g}")
+        print(f"designs: {answer.verdict()}")
     if args.plot:
         from mooncake.sim.plot import plot_frontier
 

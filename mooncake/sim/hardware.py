@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Sequence
 
 from mooncake.sim.shared_cpu import Colocation
 
@@ -17,6 +18,7 @@ class Capacities:
     prefill_cache_blocks: int  # device prefix cache of a prefill instance
     decode_kv_tokens: int  # KV a decode instance holds for its running batch
     decode_max_batch: int
+    colocated_kv_tokens: int  # KV a colocated instance holds for its requests (its prefix cache: prefill_cache_blocks)
     store_dram_blocks: int  # per store (one store per prefill machine)
     store_ssd_blocks: int
 
@@ -28,7 +30,9 @@ class Hardware(ABC):
     block_tokens: int
     kv_bytes_per_token: float
     caps: Capacities
+    chunk_tokens: int  # prompt tokens per prefill forward
     colocation: Colocation | None = None  # None: every instance has hardware of its own
+    step_tokens: int = 0  # a colocated instance's tokens per step, as a live cluster runs it (0: not known)
 
     @abstractmethod
     def prefill_s(self, n_new: int, ctx: int) -> float:
@@ -50,6 +54,14 @@ class Hardware(ABC):
     def kv_transfer_s(self, tokens: int) -> float:
         """Shipping a prompt's KV from prefill to decode over the network."""
         raise NotImplementedError
+
+    def mixed_step_s(self, batch: int, ctx_tokens: float, chunks: Sequence[tuple[int, int]]) -> float:
+        """A colocated instance's step: a decode step of ``batch`` sequences (``ctx_tokens`` KV in
+        all) and prompt chunks, each ``(tokens, cached context)``. Here, as the live role runs it
+        (``roles/colocated.py``): the decode forward, then the chunks' forward (each chunk costing
+        what it would alone)."""
+        decode = self.decode_step_s(batch, ctx_tokens) if batch else 0.0
+        return decode + sum(self.prefill_s(n, ctx) for n, ctx in chunks)
 
     def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
         """From the end of prefill until decode holds the whole KV (no overlap by default)."""
@@ -93,7 +105,7 @@ class LinearCosts:
 class FittedHardware(Hardware):
     def __init__(self, name: str, block_tokens: int, costs: LinearCosts, caps: Capacities,
                  kv_bytes_per_token: float = 0.0, chunk_tokens: int = 512,
-                 colocation: Colocation | None = None) -> None:
+                 colocation: Colocation | None = None, step_tokens: int = 0) -> None:
         self.name = name
         self.block_tokens = block_tokens
         self.costs = costs
@@ -101,6 +113,7 @@ class FittedHardware(Hardware):
         self.kv_bytes_per_token = kv_bytes_per_token
         self.chunk_tokens = chunk_tokens
         self.colocation = colocation
+        self.step_tokens = step_tokens
 
     def prefill_s(self, n_new: int, ctx: int) -> float:
         c = self.costs

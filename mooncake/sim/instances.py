@@ -1,4 +1,4 @@
-"""Virtual instances: what each simulated prefill, decode and store instance holds.
+"""Virtual instances: what each simulated prefill, decode, colocated and store instance holds.
 
 They keep the KV index current as their caches change (as the real roles do with
 their stored/removed events). Timing is the simulator's business.
@@ -8,17 +8,28 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from mooncake.protocol import NodeInfo
 from mooncake.sched.cluster import Node
 from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.plan import Plan
 from mooncake.sim.lru import Inserted, LRUBlocks
+from mooncake.sim.workload import SimRequest
 
 
-def virtual_node(node_id: str, role: str, machine: str) -> Node:
+def virtual_node(node_id: str, role: str, machine: str, step_tokens: int = 0) -> Node:
     endpoints = {"store": f"sim://{node_id}"} if role == "store" else {}
-    return Node(node_id, role, b"", endpoints, NodeInfo(node_name=machine, pid=0), last_seen=0.0)
+    return Node(node_id, role, b"", endpoints, NodeInfo(node_name=machine, pid=0, step_tokens=step_tokens),
+                last_seen=0.0)
+
+
+def queue_by_rank(queue: deque, item: Any, rank_of: Callable[[Any], int]) -> None:
+    """Queue ``item`` behind every item of its rank or a lower one (ahead of the rest)."""
+    i, key = len(queue), rank_of(item)
+    while i and rank_of(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, item)
 
 
 class StoreInstance:
@@ -76,16 +87,12 @@ class StoreInstance:
 
 
 @dataclass
-class PrefillInstance:
+class Prefiller:
+    """What an instance that computes prompts holds: its device prefix cache, the store beside it."""
+
     node: Node
     cache: LRUBlocks  # device prefix cache
     store: StoreInstance | None  # the store on the same machine
-    queue: deque = field(default_factory=deque)  # (request, plan) in arrival order
-    busy_s: float = 0.0
-    job: tuple | None = None  # the prefill computing now (None: idle): (request, plan, n_new, cached, compute_s, work_s, start)
-    work_left: float = 0.0  # of the job, in seconds at the instance's own speed
-    work_since: float = 0.0  # when work_left was last brought up to date
-    version: int = 0  # invalidates the end event scheduled before a change of speed
 
     def cache_blocks(self, index: KVIndex, hashes: Sequence[bytes], flex: bool = False) -> None:
         ins = self.cache.insert(hashes, flex)
@@ -93,6 +100,16 @@ class PrefillInstance:
             index.add(self.node.node_id, "device", ins.added)
         if ins.evicted:
             index.remove(self.node.node_id, ins.evicted)
+
+
+@dataclass
+class PrefillInstance(Prefiller):
+    queue: deque = field(default_factory=deque)  # (request, plan) in arrival order
+    busy_s: float = 0.0
+    job: tuple | None = None  # the prefill computing now (None: idle): (request, plan, n_new, cached, compute_s, work_s, start)
+    work_left: float = 0.0  # of the job, in seconds at the instance's own speed
+    work_since: float = 0.0  # when work_left was last brought up to date
+    version: int = 0  # invalidates the end event scheduled before a change of speed
 
 
 @dataclass
@@ -135,3 +152,32 @@ class DecodeInstance:
         for s in self.active.values():
             s.remaining -= steps
             s.kv_tokens += steps
+
+
+@dataclass
+class Prompt:
+    req: SimRequest
+    plan: Plan
+    cached: int  # prompt tokens reused
+    n_new: int  # prompt tokens to compute
+    reserved: int  # KV tokens reserved for the request
+    done: int = 0  # tokens computed so far
+    compute_s: float = 0.0  # its share of the steps' time, by tokens (what the live engine reports)
+    ready: bool = False  # its prefix is loaded: its chunks may run
+
+
+@dataclass
+class ColocatedInstance(Prefiller):
+    """A colocated instance's state (its steps: ``colocated.py``)."""
+
+    batch: DecodeInstance  # its decoding sequences, its KV reservations (prompts' too), its step time
+    step_tokens: int  # tokens per step while it decodes
+    queue: deque = field(default_factory=deque)  # (request, plan) waiting for KV room, by class
+    prompts: list[Prompt] = field(default_factory=list)  # reserved, not yet prefilled, in order
+    carrying: list[tuple[Prompt, int]] = field(default_factory=list)  # the step under way's chunks ([]: none)
+    running: bool = False  # a step (or a run of decode steps) is under way
+    own_step_s: float = 0.0  # that step's time at the instance's own speed
+    step_started: float = 0.0
+    work_left: float = 0.0  # of a step with chunks, in seconds at the instance's own speed
+    work_since: float = 0.0  # when work_left was last brought up to date
+    version: int = 0  # invalidates the boundary event scheduled before a change

@@ -3,12 +3,17 @@
 Prefill is compute-bound: ``2 * params`` FLOPs per token plus attention's
 ``4 * layers * hidden`` per (token, context token) pair, at a model FLOPs
 utilisation; each chunk costs at least one read of the weights. Decode is
-memory-bound: each step reads the weights once and every sequence's KV.
+memory-bound: each step reads the weights once and every sequence's KV. A colocated
+instance's step is one packed forward of both, as an accelerator engine runs it (Sarathi-Serve,
+vLLM's chunked prefill), so it takes the longer of the two bounds, not their sum: decode rows
+ride along a compute-bound chunk almost for free, and a small chunk along a memory-bound
+decode step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from mooncake.sim.hardware import Capacities, Hardware
 
@@ -72,6 +77,7 @@ class AnalyticHardware(Hardware):
         p = self.profile = profile
         self.name = p.name + ("" if kv_codec == "none" else f"+kv_{kv_codec}")
         self.block_tokens = block_tokens
+        self.chunk_tokens = p.prefill_chunk_tokens
         self.kv_bytes_per_token = 2 * p.layers * p.kv_heads * p.head_dim * p.dtype_bytes
         self.wire_bytes_per_token = self.kv_bytes_per_token * encoded_share(kv_codec, p.dtype_bytes)
         self.block_bytes = self.kv_bytes_per_token * block_tokens
@@ -81,10 +87,12 @@ class AnalyticHardware(Hardware):
         self._weights_read_s = self.weight_bytes / (p.gpus * p.hbm_bw)
         self._decode_bw = p.gpus * p.hbm_bw * p.decode_mbu
         free_hbm = max(0.0, p.gpus * p.hbm_bytes * 0.9 - self.weight_bytes)
+        cache_bytes = free_hbm * p.prefill_cache_fraction  # a colocated instance runs its requests in the rest
         self.caps = Capacities(
-            prefill_cache_blocks=int(free_hbm * p.prefill_cache_fraction // self.block_bytes),
+            prefill_cache_blocks=int(cache_bytes // self.block_bytes),
             decode_kv_tokens=int(free_hbm // self.kv_bytes_per_token),
             decode_max_batch=p.decode_max_batch,
+            colocated_kv_tokens=int((free_hbm - cache_bytes) // self.kv_bytes_per_token),
             store_dram_blocks=int(p.dram_bytes // wire_block),
             store_ssd_blocks=int(p.ssd_bytes // wire_block))
 
@@ -110,6 +118,18 @@ class AnalyticHardware(Hardware):
         compute = (2 * p.params * batch + 4 * p.layers * p.hidden * ctx_tokens) / self._flops
         return max(memory, compute) + p.step_overhead_s
 
+    def mixed_step_s(self, batch: int, ctx_tokens: float, chunks: Sequence[tuple[int, int]]) -> float:
+        """The roofline of the whole forward: the decode rows' and the chunks' FLOPs against the
+        batch's weight and KV reads (a lone prompt's chunk: its prefill, as ``prefill_s``)."""
+        if not chunks:
+            return self.decode_step_s(batch, ctx_tokens)
+        p = self.profile
+        pairs = ctx_tokens + sum(n * (ctx + n / 2) for n, ctx in chunks)  # (query, key) pairs of attention
+        flops = 2 * p.params * (batch + sum(n for n, _ in chunks)) + 4 * p.layers * p.hidden * pairs
+        memory = (self.weight_bytes + ctx_tokens * self.kv_bytes_per_token) / self._decode_bw if batch \
+            else self._weights_read_s
+        return max(flops / self._flops, memory) + p.step_overhead_s
+
     def fetch_block_s(self, tier: str, local: bool) -> float:
         p = self.profile
         bw = p.local_bw if local else min(p.local_bw, p.network_bw)
@@ -119,7 +139,6 @@ class AnalyticHardware(Hardware):
 
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.wire_bytes_per_token / self.profile.network_bw
-
 
     def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
         """Layer-wise: each layer's KV leaves as soon as it is computed, so only what the

@@ -41,6 +41,8 @@ class SimResult:
     use_store: bool
     prefill: int
     decode: int
+    colocated: int
+    step_tokens: int  # a colocated instance's tokens per step (0: none in the cluster)
     profile: str
     requests: int
     completed: int
@@ -97,7 +99,7 @@ def _met(ttft: np.ndarray, tbt: np.ndarray, ttft_slo_ms: float, tbt_slo_ms: floa
 
 def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcomes: dict[str, Outcome],
               gaps: list[tuple[float, float]], end_s: float, wall_s: float,
-              prefills: Iterable[PrefillInstance], block_tokens: int) -> SimResult:
+              prefills: Iterable[PrefillInstance], block_tokens: int, step_tokens: int = 0) -> SimResult:
     served = [o for o in outcomes.values() if o.rejected is None and o.finished_s >= 0]
     reasons: dict[str, int] = {}
     for o in outcomes.values():
@@ -118,7 +120,8 @@ def summarize(setup: SimSetup, profile: str, requests: list[SimRequest], outcome
     busy = sum(p.busy_s for p in prefills) / max(1e-9, end_s * len(prefills))
     gap_mean = (sum(g * c for g, c in gaps) / sum(c for _, c in gaps)) if gaps else 0.0
     return SimResult(
-        policy=setup.policy, use_store=setup.use_store, prefill=setup.prefill, decode=setup.decode, profile=profile,
+        policy=setup.policy, use_store=setup.use_store, prefill=setup.prefill, decode=setup.decode,
+        colocated=setup.colocated, step_tokens=step_tokens, profile=profile,
         requests=n, completed=len(served), rejected=n - len(served), rejected_by_reason=reasons,
         ttft_mean_s=float(ttft.mean()) if ttft.size else 0.0, ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90),
         ttft_p99_s=_pct(ttft, 99), queue_mean_s=float(queue.mean()) if queue.size else 0.0,

@@ -1,6 +1,6 @@
 """The discrete-event simulation: trace arrivals -> the conductor's placement (the real
 scheduler's plan, admission, booking) -> virtual prefill queues -> KV handoff -> virtual
-decode batches.
+decode batches; or, where the plan names a colocated instance, its own steps (``colocated.py``).
 
 Each arrival goes through ``sched.placement.place``, as on the conductor: its ``Scheduler``
 (with its booking, the ``KVIndex`` fed by the virtual caches and stores, and the online cost
@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
 
 from mooncake.config import ConductorConfig
 from mooncake.config_classes import ClassesConfig
@@ -29,9 +28,11 @@ from mooncake.sched.placement import place
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, rank
 from mooncake.sched.scheduler import Scheduler
+from mooncake.sim.colocated import ColocatedInstance, ColocatedSteps, step_budget
 from mooncake.sim.events import EventLoop
 from mooncake.sim.hardware import Hardware
-from mooncake.sim.instances import DecodeInstance, DecodeSeq, PrefillInstance, StoreInstance, virtual_node
+from mooncake.sim.instances import (DecodeInstance, DecodeSeq, Prefiller, PrefillInstance, StoreInstance,
+                                    queue_by_rank, virtual_node)
 from mooncake.sim.lru import LRUBlocks
 from mooncake.sim.results import Outcome, SimResult, summarize
 from mooncake.sim.setup import SimSetup
@@ -63,24 +64,38 @@ class Simulation:
         self.stores: dict[str, StoreInstance] = {}
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
+        self.colocated: dict[str, ColocatedInstance] = {}
         for i in range(setup.prefill):
-            machine = f"p{i}"
-            store = None
-            if setup.use_store:
-                node = virtual_node(f"store-{i}", "store", machine)
-                store = self.stores[node.node_id] = StoreInstance(node, self.index, caps.store_dram_blocks,
-                                                                  caps.store_ssd_blocks)
-                self.cluster.upsert(node)
-            node = virtual_node(f"prefill-{i}", "prefill", machine)
-            self.prefills[node.node_id] = PrefillInstance(node, LRUBlocks(caps.prefill_cache_blocks), store)
+            node = virtual_node(f"prefill-{i}", "prefill", f"p{i}")
+            self.prefills[node.node_id] = PrefillInstance(node, LRUBlocks(caps.prefill_cache_blocks),
+                                                          self._store(f"store-{i}", f"p{i}"))
             self.cluster.upsert(node)
         for j in range(setup.decode):
             node = virtual_node(f"decode-{j}", "decode", f"d{j}")
             self.decodes[node.node_id] = DecodeInstance(node, caps.decode_kv_tokens, caps.decode_max_batch)
             self.cluster.upsert(node)
+        self.step_tokens = min(hw.chunk_tokens, setup.step_tokens or step_budget(hw, setup.tbt_slo_ms)) \
+            if setup.colocated else 0
+        for k in range(setup.colocated):
+            node = virtual_node(f"colocated-{k}", "colocated", f"c{k}", self.step_tokens)
+            self.colocated[node.node_id] = ColocatedInstance(
+                node, LRUBlocks(caps.prefill_cache_blocks), self._store(f"store-c{k}", f"c{k}"),
+                DecodeInstance(node, caps.colocated_kv_tokens, caps.decode_max_batch), self.step_tokens)
+            self.cluster.upsert(node)
+        self.co = ColocatedSteps(self)
         self.cpu = SharedCpu(hw.colocation) if hw.colocation is not None else None
         self.outcomes: dict[str, Outcome] = {}
         self.gaps: list[tuple[float, float]] = []  # (inter-token time, how many tokens had it)
+
+    def _store(self, node_id: str, machine: str) -> StoreInstance | None:
+        """The store on a prefilling instance's machine (none without the store pool)."""
+        if not self.setup.use_store:
+            return None
+        node = virtual_node(node_id, "store", machine)
+        self.cluster.upsert(node)
+        store = self.stores[node_id] = StoreInstance(node, self.index, self.hw.caps.store_dram_blocks,
+                                                     self.hw.caps.store_ssd_blocks)
+        return store
 
     # ------------------------------------------------------------ run
 
@@ -90,11 +105,11 @@ class Simulation:
             self.loop.at(r.arrival_s, self._arrive, r)
         self.loop.run()
         return summarize(self.setup, self.hw.name, self.requests, self.outcomes, self.gaps,
-                         self.loop.now, time.perf_counter() - t0, self.prefills.values(), self.B)
+                         self.loop.now, time.perf_counter() - t0, self.prefills.values(), self.B, self.step_tokens)
 
     # ------------------------------------------------------------ conductor
 
-    def _rank(self, r: SimRequest) -> int:
+    def rank_of(self, r: SimRequest) -> int:
         """Where ``r`` is served: by its class, or with classes off as default work."""
         return rank(r) if self.setup.classes else DEFAULT_RANK
 
@@ -102,7 +117,7 @@ class Simulation:
         now = self.loop.now
         out = self.outcomes[r.req_id] = Outcome(r)
         placed = place(self.sched, self.admission, r.req_id, r.hashes, r.prompt_tokens, r.output_tokens, self.B, now,
-                       rank=self._rank(r))
+                       rank=self.rank_of(r))
         if isinstance(placed, Rejection):
             out.rejected = placed.reason
             return
@@ -110,18 +125,21 @@ class Simulation:
         if self.setup.use_store and plan.reusable_blocks:
             self._note_hits(list(r.hashes[:plan.reusable_blocks]), now)
         # The decode instance reserves the request's memory between two of its engine steps;
-        # the prefill is sent once it has.
-        d = self.decodes[plan.decode.node_id]
+        # the prefill is sent once it has (a colocated instance reserves as it takes the prompt).
+        d = self.decodes.get(plan.decode.node_id)
         reserved = now
-        if d.active and d.step_s > 0:
+        if d is not None and d.active and d.step_s > 0:
             reserved = d.updated_at + math.ceil((now - d.updated_at) / d.step_s - 1e-9) * d.step_s
         self.loop.at(reserved + self.hw.transit_s(), self._enqueue_prefill, r, plan)
 
     def _enqueue_prefill(self, r: SimRequest, plan: Plan) -> None:
         if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it
             self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
+        if plan.prefill is plan.decode:
+            self.co.enqueue(self.colocated[plan.prefill.node_id], r, plan)
+            return
         inst = self.prefills[plan.prefill.node_id]
-        _queue_by_rank(inst.queue, (r, plan), lambda item: self._rank(item[0]))
+        queue_by_rank(inst.queue, (r, plan), lambda item: self.rank_of(item[0]))
         if inst.job is None:
             self._start_prefill(inst)
 
@@ -141,14 +159,27 @@ class Simulation:
 
     def _start_prefill(self, inst: PrefillInstance) -> None:
         if not inst.queue:
-            self._set_computing(inst.node.node_id, False)
+            self.set_computing(inst.node.node_id, False)
             return
         r, plan = inst.queue.popleft()
         now = self.loop.now
+        device, reused, fetch_s = self.reuse(inst, r, plan)
+        cached = reused * self.B
+        n_new = r.prompt_tokens - cached
+        compute_s = self.hw.prefill_s(n_new, cached)
+        out = self.outcomes[r.req_id]
+        out.started_s, out.device_blocks, out.reused_blocks = now, device, reused
+        work = fetch_s + compute_s
+        inst.job, inst.work_left, inst.work_since = (r, plan, n_new, cached, compute_s, work, now), work, now
+        if not self.set_computing(inst.node.node_id, True):
+            self._schedule_prefill_end(inst)
+
+    def reuse(self, inst: Prefiller, r: SimRequest, plan: Plan) -> tuple[int, int, float]:
+        """What ``inst`` reuses of ``r``'s prompt, read as it goes: (blocks in its device cache,
+        blocks reused in all, seconds to read the rest of them from the stores)."""
         usable = min(len(r.hashes), (r.prompt_tokens - 1) // self.B)
-        flex = self._rank(r) == FLEX_RANK
-        reused = inst.cache.leading_run(r.hashes[:usable], flex)
-        device = reused
+        flex = self.rank_of(r) == FLEX_RANK
+        reused = device = inst.cache.leading_run(r.hashes[:usable], flex)
         fetch_s = 0.0
         if self.setup.use_store:  # the plan's store segments, as far as the stores still hold them
             local = inst.store.node.node_id if inst.store is not None else None
@@ -161,19 +192,22 @@ class Simulation:
                 fetch_s += self.hw.fetch_block_s(store.tier_of(h) or "dram", src == local)
                 store.read(h, flex)
                 reused += 1
-        cached = reused * self.B
-        n_new = r.prompt_tokens - cached
-        compute_s = self.hw.prefill_s(n_new, cached)
+        return device, reused, fetch_s
+
+    def prefilled(self, inst: Prefiller, r: SimRequest, plan: Plan) -> None:
+        """``r``'s prompt is computed: its blocks join ``inst``'s device cache, and its store those
+        the write admission lets through."""
         out = self.outcomes[r.req_id]
-        out.started_s, out.device_blocks, out.reused_blocks = now, device, reused
-        work = fetch_s + compute_s
-        inst.job, inst.work_left, inst.work_since = (r, plan, n_new, cached, compute_s, work, now), work, now
-        if not self._set_computing(inst.node.node_id, True):
-            self._schedule_prefill_end(inst)
+        flex = self.rank_of(r) == FLEX_RANK
+        inst.cache_blocks(self.index, r.hashes, flex)
+        if inst.store is not None and plan.store_endpoint:
+            lo, hi = plan.store_range or (out.reused_blocks, len(r.hashes))
+            inst.store.put(r.hashes[lo:hi], flex)
+            out.written_blocks = max(0, hi - lo)
 
     def _schedule_prefill_end(self, inst: PrefillInstance) -> None:
         inst.version += 1
-        self.loop.after(inst.work_left / self._speed(), self._end_prefill, inst, inst.version)
+        self.loop.after(inst.work_left / self.speed(), self._end_prefill, inst, inst.version)
 
     def _end_prefill(self, inst: PrefillInstance, version: int) -> None:
         if version != inst.version:
@@ -182,22 +216,16 @@ class Simulation:
         r, plan, n_new, cached, compute_s, work, started = inst.job
         inst.job = None
         inst.busy_s += now - started
-        out = self.outcomes[r.req_id]
-        out.first_token_s = now
-        flex = self._rank(r) == FLEX_RANK
-        inst.cache_blocks(self.index, r.hashes, flex)
-        if inst.store is not None and plan.store_endpoint:  # what the write admission lets through
-            lo, hi = plan.store_range or (out.reused_blocks, len(r.hashes))
-            inst.store.put(r.hashes[lo:hi], flex)
-            out.written_blocks = max(0, hi - lo)
+        self.outcomes[r.req_id].first_token_s = now
+        self.prefilled(inst, r, plan)
         self.sched.prefill_finished(r.req_id)
         # The engine times its compute on the wall clock, sharing included (as the real one does).
         self.prefill_cost.observe(n_new, cached, compute_s * (now - started) / work if work > 0 else compute_s)
         if r.output_tokens <= 1:
-            self._finish(r.req_id)
+            self.finish(r.req_id)
         else:
             seq = DecodeSeq(r.req_id, float(r.output_tokens - 1), float(r.prompt_tokens),
-                            r.prompt_tokens + r.output_tokens, self._rank(r))
+                            r.prompt_tokens + r.output_tokens, self.rank_of(r))
             self.loop.after(self.hw.kv_handoff_s(r.prompt_tokens, compute_s), self._join_decode,
                             self.decodes[plan.decode.node_id], seq)
         self._start_prefill(inst)
@@ -206,7 +234,7 @@ class Simulation:
 
     def _join_decode(self, d: DecodeInstance, seq: DecodeSeq) -> None:
         d.advance(self.loop.now, self.gaps)
-        _queue_by_rank(d.waiting, seq, lambda s: s.rank)
+        queue_by_rank(d.waiting, seq, lambda s: s.rank)
         self._admit(d)
         self._batch_changed(d)
 
@@ -233,7 +261,7 @@ class Simulation:
         victim = flex[-1]
         del d.active[victim.req_id]
         d.kv_reserved -= victim.reserved
-        _queue_by_rank(d.waiting, victim, lambda s: s.rank)
+        queue_by_rank(d.waiting, victim, lambda s: s.rank)
         return True
 
     def _flex_fits(self, d: DecodeInstance, seq: DecodeSeq) -> bool:
@@ -246,7 +274,7 @@ class Simulation:
         return self.hw.decode_step_s(len(d.active) + 1, kv) <= slo_s
 
     def _batch_changed(self, d: DecodeInstance) -> None:
-        if not (self._set_computing(d.node.node_id, bool(d.active)) and d.active):  # else rescheduled there
+        if not (self.set_computing(d.node.node_id, bool(d.active)) and d.active):  # else rescheduled there
             self._reschedule(d)
 
     def _reschedule(self, d: DecodeInstance) -> None:
@@ -256,7 +284,7 @@ class Simulation:
             d.step_s = 0.0
             return
         kv_tokens = sum(s.kv_tokens for s in d.active.values())
-        d.step_s = self.hw.decode_step_s(len(d.active), kv_tokens) / self._speed()
+        d.step_s = self.hw.decode_step_s(len(d.active), kv_tokens) / self.speed()
         self.decode_cost.observe(len(d.active), int(kv_tokens), d.step_s)
         left = min(s.remaining for s in d.active.values())
         self.loop.after(max(0.0, left) * d.step_s, self._decode_tick, d, d.version)
@@ -268,19 +296,20 @@ class Simulation:
         for seq in [s for s in d.active.values() if s.remaining <= 1e-6]:
             del d.active[seq.req_id]
             d.kv_reserved -= seq.reserved
-            self._finish(seq.req_id)
+            self.finish(seq.req_id)
         self._admit(d)
         self._batch_changed(d)
 
-    # ------------------------------------------------------------ co-located instances
+    # ------------------------------------------------------------ instances sharing cores
 
-    def _speed(self) -> float:
+    def speed(self) -> float:
         return self.cpu.speed() if self.cpu is not None else 1.0
 
-    def _set_computing(self, node_id: str, computing: bool) -> bool:
+    def set_computing(self, node_id: str, computing: bool) -> bool:
         """With instances sharing cores (``hw.colocation``): a change in who computes changes
         everyone's speed, so the work done so far is accounted at the old speed and every
-        running prefill and decode batch is rescheduled at the new one. True when it did."""
+        running prefill, decode batch and colocated step is rescheduled at the new one. True
+        when it did."""
         cpu = self.cpu
         if cpu is None or computing == (node_id in cpu.computing):
             return False
@@ -292,24 +321,21 @@ class Simulation:
         batches = [d for d in self.decodes.values() if d.active]
         for d in batches:
             d.advance(now, self.gaps)
+        steps = [c for c in self.colocated.values() if c.running]
+        for c in steps:
+            self.co.account(c)
         cpu.set_computing(node_id, computing)
         for p in running:
             self._schedule_prefill_end(p)
         for d in batches:
             self._reschedule(d)
+        for c in steps:
+            self.co.schedule(c)
         return True
 
-    def _finish(self, req_id: str) -> None:
+    def finish(self, req_id: str) -> None:
         self.outcomes[req_id].finished_s = self.loop.now
         self.sched.release(req_id)
-
-
-def _queue_by_rank(queue: deque, item, rank_of) -> None:
-    """Queue ``item`` behind every item of its rank or a lower one (ahead of the rest)."""
-    i, key = len(queue), rank_of(item)
-    while i and rank_of(queue[i - 1]) > key:
-        i -= 1
-    queue.insert(i, item)
 
 
 def simulate(setup: SimSetup, hw: Hardware, requests: list[SimRequest]) -> SimResult:

@@ -1,11 +1,15 @@
 """``mooncake sim size``: the smallest cluster (fewest instances; ties: fewer prefill)
-whose SLO attainment reaches the target.
+whose SLO attainment reaches the target, disaggregated and, where asked, colocated (the
+fewest colocated instances alone), and which of the two designs needs fewer.
 
 Attainment grows with the decode pool (smaller batches, shorter steps), but not always
 with the prefill pool: more prefill instances hand more requests to decode at once, and
 their batches can then break the TBT SLO. So the search takes prefill counts in turn and
 bisects, for each, the fewest decode instances that qualify, among the counts that would
 still beat the best cluster found so far (one simulation rules a prefill count out).
+Attainment grows with the number of colocated instances, so that count is bisected, for
+each step budget of ``budget_ladder`` in turn (or the one asked for) among the counts that
+would beat the best found so far: a tight TBT SLO wants small steps, a tight TTFT SLO large ones.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mooncake.sim.colocated import budget_ladder
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.results import SimResult
 from mooncake.sim.setup import SimSetup
@@ -26,14 +31,53 @@ class SizeAnswer:
     best: tuple[int, int] | None  # (prefill, decode), None when nothing within the bounds qualifies
     frontier: list[tuple[int, int]]  # (p, the fewest decode instances that qualify with p)
     evaluated: dict[tuple[int, int], SimResult] = field(default_factory=dict)
+    colocated: int | None = None  # the fewest colocated instances that qualify (None: none within the bound)
+    colocated_step_tokens: int = 0  # the step budget they run (the first that qualified with the fewest)
+    colocated_evaluated: dict[tuple[int, int], SimResult] = field(default_factory=dict)  # (instances, step
+    # tokens); empty: not searched
+
+    def designs(self) -> dict:
+        """Instances each design needs (None: none within the bounds), which needs fewer
+        ("tie" when equal, None when neither qualifies), and by how many and what factor."""
+        counts = {"disaggregated": sum(self.best) if self.best else None, "colocated": self.colocated}
+        found = {k: v for k, v in counts.items() if v is not None}
+        fewer = min(found, key=found.__getitem__) if found else None
+        if len(found) == 2 and counts["disaggregated"] == counts["colocated"]:
+            fewer = "tie"
+        both = len(found) == 2
+        return {**counts, "fewer": fewer,
+                "saved_instances": abs(counts["disaggregated"] - counts["colocated"]) if both else None,
+                "ratio": max(found.values()) / min(found.values()) if both else None}
+
+    def verdict(self) -> str:
+        """``designs()`` in words."""
+        d = self.designs()
+        if d["fewer"] is None:
+            return "neither design qualifies within the bounds"
+        if d["fewer"] == "tie":
+            return f"both designs need {d['colocated']} instances"
+        other = "disaggregated" if d["fewer"] == "colocated" else "colocated"
+        if d[other] is None:
+            return f"{d['fewer']} needs {d[d['fewer']]} instances; {other}: none within the bounds"
+        n = d["saved_instances"]
+        return f"{d['fewer']} needs {n} fewer instance{'s' * (n != 1)}: {d[d['fewer']]} vs {d[other]}"
 
     def to_dict(self) -> dict:
-        return {"target_attainment": self.target,
-                "best": None if self.best is None else {"prefill": self.best[0], "decode": self.best[1]},
-                "frontier": [{"prefill": p, "decode": d} for p, d in self.frontier],
-                "evaluated": [{"prefill": p, "decode": d, "slo_attainment": r.slo_attainment,
-                               "ttft_p90_s": r.ttft_p90_s, "tbt_p90_s": r.tbt_p90_s, "rejected": r.rejected,
-                               "sim_wall_s": r.sim_wall_s} for (p, d), r in sorted(self.evaluated.items())]}
+        out = {"target_attainment": self.target,
+               "best": None if self.best is None else {"prefill": self.best[0], "decode": self.best[1]},
+               "frontier": [{"prefill": p, "decode": d} for p, d in self.frontier],
+               "evaluated": [_row(r, prefill=p, decode=d) for (p, d), r in sorted(self.evaluated.items())]}
+        if self.colocated_evaluated:
+            out["colocated"] = {"best": self.colocated, "step_tokens": self.colocated_step_tokens or None,
+                                "evaluated": [_row(r, colocated=n, step_tokens=b)
+                                              for (n, b), r in sorted(self.colocated_evaluated.items())]}
+            out["designs"] = self.designs()
+        return out
+
+
+def _row(r: SimResult, **size: int) -> dict:
+    return {**size, "slo_attainment": r.slo_attainment, "ttft_p90_s": r.ttft_p90_s, "tbt_p90_s": r.tbt_p90_s,
+            "rejected": r.rejected, "sim_wall_s": r.sim_wall_s}
 
 
 def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
@@ -49,27 +93,60 @@ def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
 
 def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, target: float,
                  max_prefill: int, max_decode: int,
-                 progress: Callable[[SimResult], None] | None = None, full_frontier: bool = False) -> SizeAnswer:
-    """``template``: policy, store use, SLOs and seed (its instance counts are ignored).
-    ``full_frontier`` (for a plot): walk the frontier to its end, not only as far as a
-    smaller cluster is still possible, and simulate the sizes around the answer too."""
+                 progress: Callable[[SimResult], None] | None = None, full_frontier: bool = False,
+                 max_colocated: int = 0) -> SizeAnswer:
+    """``template``: policy, store use, SLOs, seed and step tokens (its instance counts are
+    ignored). ``full_frontier`` (for a plot): walk the frontier to its end, not only as far as a
+    smaller cluster is still possible, and simulate the sizes around the answers too.
+    ``max_colocated``: size the colocated design too, up to that many instances (0: not)."""
     if not 0 < target <= 1:
         raise ValueError("the attainment target must be within (0, 1]")
-    if max_prefill < 1 or max_decode < 1:
-        raise ValueError("the search bounds must be >= 1")
+    if max_prefill < 1 or max_decode < 1 or max_colocated < 0:
+        raise ValueError("the search bounds must be >= 1 (the colocated one >= 0)")
     answer = SizeAnswer(target, None, [])
+    if max_colocated:
+        _size_colocated(answer, requests, hw, template, max_colocated, progress, full_frontier)
+    _size_disaggregated(answer, requests, hw, template, max_prefill, max_decode, progress, full_frontier)
+    return answer
+
+
+def _size_colocated(answer: SizeAnswer, requests: list[SimRequest], hw: Hardware, template: SimSetup,
+                    max_colocated: int, progress: Callable[[SimResult], None] | None, around: bool) -> None:
+    def ok(n: int, budget: int) -> bool:
+        r = answer.colocated_evaluated.get((n, budget))
+        if r is None:
+            setup = replace(template, prefill=0, decode=0, colocated=n, step_tokens=budget)
+            r = answer.colocated_evaluated[(n, budget)] = simulate(setup, hw, requests)
+            if progress is not None:
+                progress(r)
+        return r.slo_attainment >= answer.target
+
+    for budget in [template.step_tokens] if template.step_tokens else budget_ladder(hw, template.tbt_slo_ms):
+        hi = max_colocated if answer.colocated is None else answer.colocated - 1
+        if hi >= 1 and ok(hi, budget):
+            answer.colocated = _first(1, hi, lambda n: ok(n, budget))
+            answer.colocated_step_tokens = budget
+    if around and answer.colocated is not None:
+        for n in range(max(1, answer.colocated - 2), min(max_colocated, answer.colocated + 2) + 1):
+            ok(n, answer.colocated_step_tokens)
+
+
+def _size_disaggregated(answer: SizeAnswer, requests: list[SimRequest], hw: Hardware, template: SimSetup,
+                        max_prefill: int, max_decode: int, progress: Callable[[SimResult], None] | None,
+                        full_frontier: bool) -> None:
+    target = answer.target
 
     def ok(p: int, d: int) -> bool:
         r = answer.evaluated.get((p, d))
         if r is None:
-            setup = replace(template, prefill=p, decode=d)
+            setup = replace(template, prefill=p, decode=d, colocated=0)
             r = answer.evaluated[(p, d)] = simulate(setup, hw, requests)
             if progress is not None:
                 progress(r)
         return r.slo_attainment >= target
 
     if not ok(max_prefill, max_decode):
-        return answer
+        return
     best = (max_prefill, max_decode)
     for p in range(1, max_prefill + 1):
         # a cluster with p prefill instances must have fewer instances than ``best`` (as many
@@ -91,4 +168,3 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
         for p in range(max(1, bp - 2), min(max_prefill, bp + 2) + 1):
             for d in range(max(1, bd - 1), min(max_decode, bd + 2) + 1):
                 ok(p, d)
-    return answer

@@ -5,7 +5,8 @@ prefix-chained in the format, so an id names its whole prefix); the block key th
 scheduler sees is the id as 8 bytes. What-ifs: ``rate_scale`` compresses arrivals
 (2: twice the rate), ``time_scale`` multiplies timestamps, and ``reuse_scale``
 keeps that fraction of each request's shared leading blocks and replaces the rest
-of its chain with fresh blocks (0: no reuse; 1: the trace as is). A trace line's class is
+of its chain with fresh blocks (0: no reuse; 1: the trace as is), ``output_scale``
+multiplies output lengths (at least one token each). A trace line's class is
 its ``service_tier`` field where it has one (an extension of the format); ``flex_share``
 marks that fraction of the other requests, drawn by a seeded generator, as flex (the rest:
 default). A benchmark's
@@ -42,11 +43,11 @@ def _key(block_id: int) -> bytes:
 def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, rate_scale: float = 1.0,
                           time_scale: float = 1.0, reuse_scale: float = 1.0,
                           max_requests: int | None = None, flex_share: float = 0.0,
-                          seed: int = 0) -> list[SimRequest]:
+                          seed: int = 0, output_scale: float = 1.0) -> list[SimRequest]:
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
-    if not rate_scale > 0 or not time_scale > 0:
-        raise ValueError("rate_scale and time_scale must be > 0")
+    if not rate_scale > 0 or not time_scale > 0 or not output_scale > 0:
+        raise ValueError("rate_scale, time_scale and output_scale must be > 0")
     if not 0.0 <= reuse_scale <= 1.0:
         raise ValueError("reuse_scale must be within [0, 1]")
     if not 0.0 <= flex_share <= 1.0:
@@ -77,7 +78,7 @@ def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, r
         drawn = "flex" if draw.random() < flex_share else "default"  # drawn for every line: the same seed, the same draws
         tier = rec.tier or drawn
         out.append(SimRequest(f"r{i}-{rec.line_no}", (rec.timestamp_ms - t0) / 1000.0 * time_scale / rate_scale,
-                              n_tokens, max(1, rec.output_length), tuple(_key(h) for h in ids[:full]), tier))
+                              n_tokens, max(1, round(rec.output_length * output_scale)), tuple(_key(h) for h in ids[:full]), tier))
     return out
 
 
