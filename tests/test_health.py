@@ -29,10 +29,11 @@ class _Frontend:
 
     @property
     def ready(self) -> bool:
-        return self.nodes.get("prefill", 0) > 0 and self.nodes.get("decode", 0) > 0
+        n = self.nodes.get
+        return n("colocated", 0) > 0 or (n("prefill", 0) > 0 and n("decode", 0) > 0)
 
 
-async def test_frontend_live_always_ready_only_with_prefill_and_decode():
+async def test_frontend_live_always_ready_only_with_prefill_and_decode_or_colocated():
     frontend = _Frontend()
     app = FastAPI()
     add_health_routes(app, frontend)
@@ -42,17 +43,20 @@ async def test_frontend_live_always_ready_only_with_prefill_and_decode():
         assert ready.status_code == 503 and ready.json()["status"] == "not ready"
         old = await client.get("/health")
         assert old.status_code == 503 and old.json() == {"status": "starting",
-                                                        "nodes": {"prefill": 0, "decode": 0, "store": 0,
-                                                                  "frontend": 0}}
+                                                        "nodes": {"prefill": 0, "decode": 0, "colocated": 0,
+                                                                  "store": 0, "frontend": 0}}
         frontend.nodes.update(prefill=1)
         assert (await client.get("/health/ready")).status_code == 503  # no decode yet
         frontend.nodes.update(decode=1, store=2, frontend=1)
         assert (await client.get("/health/ready")).status_code == 200
         assert (await client.get("/health")).json() == {"status": "ok", "nodes": {"prefill": 1, "decode": 1,
-                                                                                  "store": 2, "frontend": 1}}
+                                                                                  "colocated": 0, "store": 2,
+                                                                                  "frontend": 1}}
         frontend.nodes["decode"] = 0  # workers away: not ready, still live
         assert (await client.get("/health/ready")).status_code == 503
         assert (await client.get("/health/live")).status_code == 200
+        frontend.nodes["colocated"] = 1  # a colocated instance serves alone
+        assert (await client.get("/health/ready")).status_code == 200
 
 
 async def test_node_health_server_answers_live_then_ready():

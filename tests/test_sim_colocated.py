@@ -89,6 +89,18 @@ def test_steps_follow_hand_worked_timings() -> None:
     assert r1.started_s == pytest.approx(0.105) and r1.first_token_s == pytest.approx(0.11 + sum(steps))
     r0 = sim.outcomes["r0"]
     assert r0.finished_s == pytest.approx(0.1 + 100 * 0.01 + sum(s - 0.01 for s in steps))
+    # a budget the batch fills still moves a prompt by an engine block (16 tokens) a step
+    sim = run(SimSetup(colocated=1, step_tokens=16, use_store=False), linear(),
+              [request(0, 0.0, 100, 101), request(1, 0.105, 200, 2)])
+    assert sim.outcomes["r1"].first_token_s == pytest.approx(0.11 + 12 * (0.01 + 0.016) + (0.01 + 0.008))
+
+
+def test_at_most_max_prefill_batch_prompts_hold_room() -> None:
+    reqs = [request(i, 0.0, 100, 2) for i in range(10)]
+    sim = run(SimSetup(colocated=1, use_store=False), linear(), reqs)
+    first = min(o.first_token_s for o in sim.outcomes.values())
+    started = sorted(o.started_s for o in sim.outcomes.values())
+    assert started[:8] == [0.0] * 8 and min(started[8:]) >= first
 
 
 def test_a_colocated_cluster_serves_every_request_and_books_nothing_after(chat: Path) -> None:

@@ -2,7 +2,7 @@
 
 - ``/health/live``: the process serves HTTP (a liveness probe must not restart the
   frontend because workers or the conductor are away).
-- ``/health/ready``: at least one prefill and one decode instance are registered.
+- ``/health/ready``: a prefill and a decode instance, or a colocated one, are registered.
 - ``/health``: the readiness answer with the number of nodes per role (JSON).
 """
 

@@ -133,11 +133,11 @@ class Simulation:
         self.loop.at(reserved + self.hw.transit_s(), self._enqueue_prefill, r, plan)
 
     def _enqueue_prefill(self, r: SimRequest, plan: Plan) -> None:
-        if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it
-            self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
-        if plan.prefill is plan.decode:
+        if plan.prefill is plan.decode:  # (the conductor learns no dispatch time from colocated attempts)
             self.co.enqueue(self.colocated[plan.prefill.node_id], r, plan)
             return
+        if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it
+            self.prefill_cost.dispatch.observe(self.loop.now - r.arrival_s)
         inst = self.prefills[plan.prefill.node_id]
         queue_by_rank(inst.queue, (r, plan), lambda item: self.rank_of(item[0]))
         if inst.job is None:
