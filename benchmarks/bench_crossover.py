@@ -96,11 +96,11 @@ The roofline argument, with this profile's figures (mean prompt {r['mean_prompt_
     for s in r["by_tbt_slo"]:
         print(f"| {s['tbt_slo_ms']:g} | {s['step_tokens']} | {s['mixed_step_s'] * 1e3:.1f} | {s['prompt_tokens_per_s']:,.0f} |")
     print("""
-- Hence the crossover: a tight TBT SLO, or long outputs (more sequences decoding at once, a higher
-  memory floor), leave colocated instances little room for prompts, and the disaggregated cluster,
-  whose decode pool keeps steps short, needs fewer instances. A loose SLO with short outputs and little
-  reuse (prompt-heavy work) lets colocated instances prefill at nearly a prefill instance's rate,
-  while a disaggregated cluster still keeps whole decode instances beside its prefill pool.""")
+- Hence the crossover: where the TBT SLO leaves colocated instances little room for prompts (a tight
+  SLO; long outputs, with more sequences decoding at once and a higher memory floor), the
+  disaggregated cluster, whose decode pool keeps steps short, needs fewer instances. Where the SLO
+  lets them prefill at nearly a prefill instance's rate, colocated instances save the decode pool a
+  disaggregated cluster keeps beside its prefill pool, which counts most where that pool is small.""")
 
 
 def main() -> None:
