@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
-from mooncake.engine import Engine, Sequence, load_model
+from mooncake.engine import Engine, LoadedModel, Sequence, load_model
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.profile import one_profile_at_a_time, profile_engine
 from mooncake.kv.integrity import Rejections
@@ -30,6 +30,7 @@ from mooncake.roles.engine_thread import EngineThread
 from mooncake.roles.link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.roles.orders import Orders
+from mooncake.roles.torch_threads import build_on_engine_thread
 from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
 
@@ -67,15 +68,13 @@ class EngineWorker(ABC):
         check_network(self.role, role_endpoints(cfg, self.role), cfg.security.curve_keys_dir,
                       cfg.security.allow_insecure_network)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, self.role)
-        if cfg.engine.threads:
-            torch.set_num_threads(cfg.engine.threads)
         fetch_model(cfg, self.role)  # [model] p2p_name: a missing model directory comes from peers first
-        self.loaded = load_model(cfg.model)
-        self.engine = Engine(self.loaded, cfg.engine)
+        self._pool = EngineThread(f"{self.role}-engine")
+        (self.loaded, self.engine, self._profile), self.threads = build_on_engine_thread(
+            self._pool, cfg.engine.threads, self._build_engine)
         self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,
                                   self.engine.vocab_size, tuple(self.engine.block_shape),
                                   int(self.engine.model.embed.shape[1]))
-        self._pool = EngineThread(f"{self.role}-engine")
         self.ctx = zmq.asyncio.Context()
         # A frame is at most one KV block (plus headers): a peer sending more is disconnected.
         self.max_message_bytes = cfg.security.max_message_bytes or max(16 << 20, 4 * self.engine.block_bytes)
@@ -86,7 +85,6 @@ class EngineWorker(ABC):
         self._tasks: list[asyncio.Task] = []
         self.link: ConductorLink | None = None
         self.orders: Orders | None = None
-        self._profile = self.profile()
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
         stall = os.environ.get(STALL_ENV, "")
         self._stall_after = int(stall) if stall.isdigit() else -1
@@ -100,20 +98,26 @@ class EngineWorker(ABC):
         self._stall_after -= 1
         return await asyncio.wrap_future(self._pool.submit(fn, *args, urgency=urgency))
 
-    def profile(self) -> EngineProfile | None:
-        """Time this engine before serving (prefill sizes or decode batches, by role)."""
+    def _build_engine(self) -> tuple[LoadedModel, Engine, EngineProfile | None]:
+        """The model, its engine and its start-up profile (on the engine thread: ``torch_threads.py``)."""
+        loaded = load_model(self.cfg.model)
+        engine = Engine(loaded, self.cfg.engine)
+        return loaded, engine, self.profile(engine)
+
+    def profile(self, engine: Engine) -> EngineProfile | None:
+        """Time ``engine`` before serving (prefill sizes or decode batches, by role)."""
         if not self.cfg.engine.profile_at_start:
             return None
         sizes = {"decode_batches": ()} if self.role == "prefill" else {"prefill_sizes": ()} if self.role == "decode" else {}
         with one_profile_at_a_time():
-            p = profile_engine(self.engine, **sizes)
+            p = profile_engine(engine, **sizes)
         log.info("%s profiled in %.1fs: %s", self.node_id, p.seconds, describe_profile(p))
         return p
 
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
                           self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
-                          threads=torch.get_num_threads(), machine=machine_id(), instance=P.process_instance(),
+                          threads=self.threads, machine=machine_id(), instance=P.process_instance(),
                           kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
