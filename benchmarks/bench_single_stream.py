@@ -1,8 +1,9 @@
-"""Batch-1 decode: mooncake (colocated, prefill/decode pair, each also with int8 weights) vs
+"""Batch-1 decode: mooncake (colocated, prefill/decode pair, each also with unquantized weights) vs
 llama.cpp's ``llama-server`` on the same GGUF, in one run (issue 31).
 
 Each system in ``--systems`` is started alone (``colocated``: ``mooncake serve --dev --colocated 1``;
-``pair``: ``--prefill 1 --decode 1``; ``*_int8``: the same with ``[model] quantization = "int8"``;
+``pair``: ``--prefill 1 --decode 1``; both with serve's defaults, so int8 weights where ``[model]
+quantization = "auto"`` picks them; ``*_unquantized``: the same with ``quantization = "none"``;
 ``llama_server``: ``-t 2 -np 4``, as in bench_e2e.py), gets one warm-up request, then ``--reps``
 streamed greedy completions (``ignore_eos``) of ``--tokens`` tokens, each after a fresh
 ``--prompt-tokens``-token prompt (nothing cached), one at a time. Per system it reports:
@@ -17,7 +18,7 @@ streamed greedy completions (``ignore_eos``) of ``--tokens`` tokens, each after 
   of each process (``/proc/PID/task/TID/stat``) and the whole-stream (prefill included) figures.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_single_stream.py \\
-        [--systems colocated colocated_int8 pair pair_int8 llama_server] [--reps 3] [--tokens 200] \\
+        [--systems colocated colocated_unquantized pair pair_unquantized llama_server] [--reps 3] [--tokens 200] \\
         [--prompt-tokens 512] [--json PATH] [--llama-server PATH]
 """
 
@@ -47,7 +48,7 @@ from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
 SYSTEMS = ["colocated", "pair", "llama_server"]
-CHOICES = ["colocated", "colocated_int8", "pair", "pair_int8", "llama_server"]
+CHOICES = ["colocated", "colocated_unquantized", "pair", "pair_unquantized", "llama_server"]
 TOP_THREADS = 4
 
 Snapshot = dict[str, dict[str, Any]]  # process -> {"cpu_s": float, "threads": {name:tid: cpu_s}}
@@ -55,12 +56,12 @@ Snapshot = dict[str, dict[str, Any]]  # process -> {"cpu_s": float, "threads": {
 
 def start_mooncake(system: str) -> LocalCluster:
     """``mooncake serve --dev`` with ``--colocated 1`` or ``--prefill 1 --decode 1`` (as bench_e2e's
-    ``start_mooncake``), int8 weights for ``*_int8``; started."""
+    ``start_mooncake``), the weights unquantized for ``*_unquantized``; started."""
     cfg = Config()
     cfg.frontend.port = free_port()
     cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-single-")
-    if system.endswith("_int8"):
-        cfg.model.quantization = "int8"
+    if system.endswith("_unquantized"):
+        cfg.model.quantization = "none"
     if system.startswith("colocated"):
         return start_local(cfg, prefill=0, decode=0, colocated=1)
     return start_local(cfg, prefill=1, decode=1)

@@ -33,8 +33,8 @@ class ModelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     block_hash: Literal["sha256", "xxh3_128"] = Field(
         "sha256", description="Chained hash keying KV blocks: sha256, or xxh3_128 (faster; part of the model id, so stores never mix schemes).")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16; float32 runs too, slower): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes.")
+    quantization: Literal["auto", "none", "int8"] = Field(
+        "auto", description="int8: weight-only int8 with a scale per output row (CPU, bfloat16; float32 runs too, slower): decode at small batch reads half the bytes; the model id says so, so KV of different schemes never mixes. auto: int8 where the weights come from a GGUF stored quantized (Q8_0, Q4_1, Q4_K_M, ...: int8 rows lose far less than the file's own rounding), serve in bfloat16 on a CPU, and the engine's int8 kernel runs (AVX-512 VNNI); none elsewhere.")
     kv_codec: Literal["none", "int8", "fp8"] = Field(
         "none", description="How KV blocks travel and are stored outside an engine's pool: none (the serving dtype's bytes), int8 (a float16 scale per channel of each layer's K and V of each head over the block's positions: 0.56x the bytes of bfloat16, 0.28x of float32) or fp8 (e4m3, same size, less accurate). Decoded where they land in a pool; part of the model id, so blocks of different codecs never mix. Exactness against transformers holds with none (BENCHMARKS.md section 23: the accuracy of each).")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")

@@ -74,7 +74,7 @@ def test_bfloat16_engine_is_close_to_transformers_in_bfloat16(device):
     other's top 5; the sequences agree for a good stretch (a wrong forward would not)."""
     from transformers import AutoModelForCausalLM
 
-    bf16 = load_model(ModelConfig(device=device, dtype="bfloat16"))
+    bf16 = load_model(ModelConfig(device=device, dtype="bfloat16", quantization="none"))
     assert bf16.dtype == torch.bfloat16 and bf16.model_id.endswith("/bfloat16")
     engine = Engine(bf16, EngineConfig(kv_cache_bytes=32 << 20, threads=0))
     ref = AutoModelForCausalLM.from_pretrained(bf16.model_dir, dtype=torch.bfloat16).to(device).eval()

@@ -70,6 +70,30 @@ def test_serve_takes_the_model_as_a_positional_and_runs_the_whole_cluster_by_def
     assert cli.main(["serve", "--dev", "--role", "decode"]) == 2
 
 
+def test_engines_sharing_the_machine_s_cores_sleep_between_parallel_regions(monkeypatch):
+    """Two engine processes on one machine: their OpenMP workers must not spin on the cores the
+    other computes on (GOMP_SPINCOUNT in their environment); an engine alone keeps spinning, and
+    an operator's own setting wins."""
+    from mooncake.config import Config
+
+    for var in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    pair = local_cluster.LocalCluster(Config(), prefill=1, decode=1)
+    alone = local_cluster.LocalCluster(Config(), prefill=0, decode=0, colocated=1)
+    two = local_cluster.LocalCluster(Config(), prefill=0, decode=0, colocated=2)
+    try:
+        for role in ("prefill", "decode"):
+            assert pair.engine_env(role) == {"GOMP_SPINCOUNT": local_cluster.SHARED_CORES_SPIN}
+        assert pair.engine_env("conductor") == pair.engine_env("store") == {}
+        assert alone.engine_env("colocated") == {}
+        assert two.engine_env("colocated") == {"GOMP_SPINCOUNT": local_cluster.SHARED_CORES_SPIN}
+        monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+        assert pair.engine_env("decode") == {}
+    finally:
+        for cluster in (pair, alone, two):
+            cluster.tmp.rmdir()
+
+
 def test_restart_budget_allows_two_restarts_a_minute():
     now = [0.0]
     budget = RestartBudget(max_restarts=3, window_s=60, clock=lambda: now[0])

@@ -112,7 +112,7 @@ def test_quantized_weights_are_refused_from_the_safetensors_header(tiny_models, 
 def test_gguf_converts_to_the_serving_dtype():
     """The bundled GGUF, served in bfloat16, is stored in bfloat16 (converted once into the
     default cache, like the float32 conversion every engine test loads)."""
-    cfg = ModelConfig(path=str(default_model_path()), dtype="bfloat16", device="cpu")
+    cfg = ModelConfig(path=str(default_model_path()), dtype="bfloat16", device="cpu", quantization="none")
     model_dir, name = resolve_model_dir(cfg)
     assert name == "SmolLM2-135M-Instruct" and model_dir.name.endswith("-bfloat16")
     dtypes = {dt for f in model_dir.glob("*.safetensors") for _, dt in _safetensors_header(f)}

@@ -4,8 +4,9 @@ The conductor has the model directory (for the tokenizer); from it, without load
 weights, it knows the weights' identity (``<name>@<fingerprint16>``, the prefix of
 the engines' ``model_id``) and the shape of one KV block. A registering engine must
 match them: the first registrant no longer decides what the cluster serves. The dtype
-(the ``model_id``'s last part) is pinned too when ``[model] dtype`` names one; with
-``auto`` it depends on each engine's device, and the first engine fixes it.
+(the ``model_id``'s last part) is pinned too when ``[model] dtype`` names one, and so is the
+weights' quantization when ``[model] quantization`` does; with ``auto`` either depends on each
+engine's device, and the first engine fixes it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ExpectedModel:
     block_tokens: int
     block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_tokens, head_dim]
     variant: str = ""  # after the dtype: quantization, KV codec and block hash scheme (loader.model_variant)
+    any_quantization: bool = False  # ``[model] quantization = "auto"``: ``variant`` names none, the engine's may
 
     def problem(self, facts: P.ModelFacts) -> str | None:
         """Why ``facts`` (from a registering engine) are not this model, or None."""
@@ -30,6 +32,8 @@ class ExpectedModel:
         if weights_id != self.weights_id:
             return f"it serves weights {weights_id!r}, the conductor's model is {self.weights_id!r}"
         bare = dtype.removesuffix(self.variant) if self.variant else dtype
+        if self.any_quantization:
+            bare = bare.removesuffix("-int8")
         if not dtype.endswith(self.variant) or "-" in bare or "+" in bare:
             return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, KV codec, block hash)"
         dtype = bare
@@ -55,4 +59,5 @@ def expected_model(cfg: Config) -> ExpectedModel:
     T = cfg.engine.block_tokens
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
     return ExpectedModel(weights_id(model_dir, name, cfg.model.cache_dir), dtype, T,
-                         (int(hf.num_hidden_layers), 2, int(kv_heads), T, int(head_dim)), model_variant(cfg.model))
+                         (int(hf.num_hidden_layers), 2, int(kv_heads), T, int(head_dim)), model_variant(cfg.model),
+                         cfg.model.quantization == "auto")

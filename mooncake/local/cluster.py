@@ -31,6 +31,10 @@ from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.logs import log_format, role_tag, tag_logs
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+# libgomp's spin count when it manages more threads than there are CPUs (its default otherwise is
+# 300,000): an engine's OpenMP workers then sleep soon after a parallel region instead of spinning.
+SHARED_CORES_SPIN = "1000"
 
 
 def die_with_parent() -> None:
@@ -76,6 +80,7 @@ class LocalCluster:
         path.write_text(dump_toml(cfg))
         cmd = [sys.executable, "-m", "mooncake.cli", "serve", "--role", role, "--config", str(path),
                "--log-level", self.log_level]
+        env = {**self.engine_env(role), **(env or {})}
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
                                 env={**os.environ, **env} if env else None,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -83,6 +88,18 @@ class LocalCluster:
         threading.Thread(target=_forward, args=(proc, tag), name=f"output-{name}", daemon=True).start()
         self.children[name] = proc
         return proc
+
+    def engine_env(self, role: str) -> dict[str, str]:
+        """What an engine process's environment gets when it shares this machine's cores with
+        another engine: its OpenMP workers sleep soon after each parallel region rather than spin
+        for the next (``GOMP_SPINCOUNT``), so one engine's idle workers do not take the cores the
+        other computes on. An engine alone keeps libgomp's spinning, which a decode step's few
+        hundred short regions need (``roles/torch_threads.py``). Set either variable yourself to
+        override."""
+        engines = sum(self.counts[r] for r in ENGINE_ROLES)
+        if role not in ENGINE_ROLES or engines < 2 or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+            return {}
+        return {"GOMP_SPINCOUNT": SHARED_CORES_SPIN}
 
     def launch(self) -> None:
         """Start every role, without waiting for them."""

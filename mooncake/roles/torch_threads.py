@@ -11,6 +11,11 @@ threads), the engine decoded batch 1 at 35 tok/s instead of 44 (bf16, 2 threads,
 So the engine thread builds the engine and keeps the configured number of threads, and the
 calling thread then sets one thread as torch's default: threads that start torch work later (the
 loop's, executors') take it when they first run a parallel region, and start no team of their own.
+
+The engine's workers then spin between regions (libgomp's default while it has a CPU per thread),
+which an engine alone on its cores wants; engines sharing a machine's cores would spin on the
+cores the other computes on, and ``mooncake serve`` tells those to sleep instead
+(``LocalCluster.engine_env``).
 """
 
 from __future__ import annotations

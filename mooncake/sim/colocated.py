@@ -115,10 +115,8 @@ class ColocatedSteps:
             self._end_mixed_step(ci)
         else:
             b.advance(sim.loop.now, sim.gaps)
-        for seq in [s for s in b.active.values() if s.remaining <= 1e-6]:
-            del b.active[seq.req_id]
-            b.kv_reserved -= seq.reserved
-            sim.finish(seq.req_id)
+        for req_id in b.retire_finished():
+            sim.finish(req_id)
         self._reserve(ci)
         self._next_step(ci)
 

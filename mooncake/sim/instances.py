@@ -153,6 +153,15 @@ class DecodeInstance:
             s.remaining -= steps
             s.kv_tokens += steps
 
+    def retire_finished(self) -> list[str]:
+        """Take the sequences that have no token left out of the batch, their KV with them;
+        returns their request ids."""
+        done = [s for s in self.active.values() if s.remaining <= 1e-6]
+        for seq in done:
+            del self.active[seq.req_id]
+            self.kv_reserved -= seq.reserved
+        return [seq.req_id for seq in done]
+
 
 @dataclass
 class Prompt:

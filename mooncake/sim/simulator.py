@@ -293,10 +293,8 @@ class Simulation:
         if version != d.version:
             return
         d.advance(self.loop.now, self.gaps)
-        for seq in [s for s in d.active.values() if s.remaining <= 1e-6]:
-            del d.active[seq.req_id]
-            d.kv_reserved -= seq.reserved
-            self.finish(seq.req_id)
+        for req_id in d.retire_finished():
+            self.finish(req_id)
         self._admit(d)
         self._batch_changed(d)
 

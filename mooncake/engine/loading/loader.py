@@ -27,6 +27,7 @@ from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families import SUPPORTED_MODEL_TYPES, check_config
+from mooncake.engine.loading.gguf_header import gguf_is_quantized
 from mooncake.engine.loading.hub_cache import is_repo_id, repo_id_of, snapshot_dir
 from mooncake.engine.loading.quantization import refuse_quantized
 
@@ -44,7 +45,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-    quantization: str = "none"  # "int8": the engine's forward quantizes the weights (mooncake.engine.model.int8)
+    quantization: str = "none"  # as resolved: "int8", the engine's forward quantizes the weights (mooncake.engine.model.int8)
     kv_codec: str = "none"  # how KV blocks leave the engine's pool (mooncake.kv.codec)
 
 
@@ -111,6 +112,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model would serve "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
                              f"on a CPU, or quantization = \"none\"")
+    quantization = resolve_quantization(cfg, dtype, device)
     model_dir, name = resolve_model_dir(cfg)  # after the checks: a GGUF may be converted first
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,9 +124,22 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.to(device).eval().requires_grad_(False)
     if device.type == "cuda":
         prefer_sdpa_kernels_without_planning()
-    model_id = f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}{model_variant(cfg)}"
-    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, cfg.quantization,
-                       cfg.kv_codec)
+    model_id = (f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
+                f"{model_variant(cfg, quantization)}")
+    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, quantization, cfg.kv_codec)
+
+
+def resolve_quantization(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """``[model] quantization`` for this load: ``auto`` is int8 where the weights come from a GGUF
+    stored quantized (rounding each row to int8 loses far less than the file's own 4- to 8-bit
+    rounding did), serve in bfloat16 on a CPU, and the engine's int8 kernel runs here; else none."""
+    if cfg.quantization != "auto":
+        return cfg.quantization
+    if device.type != "cpu" or dtype != torch.bfloat16 or not gguf_is_quantized(model_source(cfg)[0]):
+        return "none"
+    from mooncake.engine.kernels.native import load_kernel
+
+    return "int8" if load_kernel() is not None else "none"
 
 
 def prefer_sdpa_kernels_without_planning() -> None:
@@ -134,11 +149,13 @@ def prefer_sdpa_kernels_without_planning() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def model_variant(cfg: ModelConfig) -> str:
-    """What follows the dtype in a ``model_id``: ``-int8`` when quantized, ``+kv_int8`` (``+kv_fp8``)
+def model_variant(cfg: ModelConfig, quantization: str | None = None) -> str:
+    """What follows the dtype in a ``model_id``: ``-int8`` when quantized (``quantization``: as
+    resolved for the load, default the config's; ``auto`` counts as none), ``+kv_int8`` (``+kv_fp8``)
     when KV blocks travel encoded, ``+xxh3_128`` when blocks hash with xxh3 (each changes what a
     block key means; the hash scheme's suffix stays last, ``blocks.root_hash`` reads it there)."""
-    quant = "-" + cfg.quantization if cfg.quantization != "none" else ""
+    quantization = quantization or cfg.quantization
+    quant = "-" + quantization if quantization not in ("none", "auto") else ""
     codec = "+kv_" + cfg.kv_codec if cfg.kv_codec != "none" else ""
     return scheme_model_id(quant + codec, cfg.block_hash)
 
@@ -158,6 +175,18 @@ def resolve_model_dir(cfg: ModelConfig) -> tuple[Path, str]:
     The served name is ``cfg.name`` if set, else the repo id for a model from the Hugging
     Face cache (``org/name``, not the snapshot's commit hash), else the file or directory name.
     """
+    src, repo_id = model_source(cfg)
+    if src.is_dir():
+        model_dir, name = src, src.name
+    else:
+        model_dir = _converted_dir(src, Path(os.path.expanduser(cfg.cache_dir)), serving_dtype(cfg))
+        name = src.name.split(".")[0]
+    _check_hf_dir(model_dir)
+    return model_dir, cfg.name or repo_id or name
+
+
+def model_source(cfg: ModelConfig) -> tuple[Path, str | None]:
+    """(the HF directory or GGUF file the weights come from, its repo id if known)."""
     src = Path(os.path.expanduser(cfg.path)) if cfg.path else default_model_path()
     repo_id = None
     if cfg.path and not src.exists() and is_repo_id(cfg.path):
@@ -169,13 +198,7 @@ def resolve_model_dir(cfg: ModelConfig) -> tuple[Path, str]:
         ggufs = sorted(src.glob("*.gguf"))
         if len(ggufs) == 1:  # a GGUF-only repo or directory
             src = ggufs[0]
-    if src.is_dir():
-        model_dir, name = src, src.name
-    else:
-        model_dir = _converted_dir(src, Path(os.path.expanduser(cfg.cache_dir)), serving_dtype(cfg))
-        name = src.name.split(".")[0]
-    _check_hf_dir(model_dir)
-    return model_dir, cfg.name or repo_id or name
+    return src, repo_id
 
 
 def _check_hf_dir(model_dir: Path) -> None:
