@@ -70,27 +70,31 @@ def test_serve_takes_the_model_as_a_positional_and_runs_the_whole_cluster_by_def
     assert cli.main(["serve", "--dev", "--role", "decode"]) == 2
 
 
-def test_engines_sharing_the_machine_s_cores_sleep_between_parallel_regions(monkeypatch):
-    """Two engine processes on one machine: their OpenMP workers must not spin on the cores the
-    other computes on (GOMP_SPINCOUNT in their environment); an engine alone keeps spinning, and
-    an operator's own setting wins."""
+def test_engines_whose_threads_outnumber_the_cores_sleep_between_parallel_regions(monkeypatch):
+    """Engine processes whose threads together outnumber the machine's cores must not spin on the
+    cores another computes on (GOMP_SPINCOUNT in their environment); engines with a core per
+    thread keep spinning, and an operator's own setting wins."""
     from mooncake.config import Config
 
     for var in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(var, raising=False)
-    pair = local_cluster.LocalCluster(Config(), prefill=1, decode=1)
+    monkeypatch.setattr(local_cluster.os, "sched_getaffinity", lambda pid: {0, 1})  # 2 cores
+    one_thread = Config()
+    one_thread.engine.threads = 1
+    pair = local_cluster.LocalCluster(Config(), prefill=1, decode=1)  # 2 engines x 2 threads
     alone = local_cluster.LocalCluster(Config(), prefill=0, decode=0, colocated=1)
     two = local_cluster.LocalCluster(Config(), prefill=0, decode=0, colocated=2)
+    apart = local_cluster.LocalCluster(one_thread, prefill=1, decode=1)  # a core each
     try:
         for role in ("prefill", "decode"):
             assert pair.engine_env(role) == {"GOMP_SPINCOUNT": local_cluster.SHARED_CORES_SPIN}
         assert pair.engine_env("conductor") == pair.engine_env("store") == {}
-        assert alone.engine_env("colocated") == {}
         assert two.engine_env("colocated") == {"GOMP_SPINCOUNT": local_cluster.SHARED_CORES_SPIN}
+        assert alone.engine_env("colocated") == apart.engine_env("decode") == {}
         monkeypatch.setenv("OMP_WAIT_POLICY", "active")
         assert pair.engine_env("decode") == {}
     finally:
-        for cluster in (pair, alone, two):
+        for cluster in (pair, alone, two, apart):
             cluster.tmp.rmdir()
 
 

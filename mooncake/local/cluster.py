@@ -32,8 +32,8 @@ from mooncake.logs import log_format, role_tag, tag_logs
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ENGINE_ROLES = ("prefill", "decode", "colocated")
-# libgomp's spin count when it manages more threads than there are CPUs (its default otherwise is
-# 300,000): an engine's OpenMP workers then sleep soon after a parallel region instead of spinning.
+# How long an engine's OpenMP workers spin after a parallel region before they sleep, where engines
+# share cores (libgomp's default is 300,000 iterations, a good part of a millisecond).
 SHARED_CORES_SPIN = "1000"
 
 
@@ -90,14 +90,15 @@ class LocalCluster:
         return proc
 
     def engine_env(self, role: str) -> dict[str, str]:
-        """What an engine process's environment gets when it shares this machine's cores with
-        another engine: its OpenMP workers sleep soon after each parallel region rather than spin
-        for the next (``GOMP_SPINCOUNT``), so one engine's idle workers do not take the cores the
-        other computes on. An engine alone keeps libgomp's spinning, which a decode step's few
-        hundred short regions need (``roles/torch_threads.py``). Set either variable yourself to
-        override."""
-        engines = sum(self.counts[r] for r in ENGINE_ROLES)
-        if role not in ENGINE_ROLES or engines < 2 or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+        """What an engine process's environment gets when the engines' threads outnumber this
+        machine's cores: its OpenMP workers sleep soon after each parallel region rather than spin
+        for the next (``GOMP_SPINCOUNT``), so one engine's idle workers do not take the cores
+        another computes on. Engines with cores enough for their threads keep libgomp's spinning,
+        which a decode step's few hundred short regions need (``roles/torch_threads.py``). Set
+        either variable yourself to override."""
+        cpus = len(os.sched_getaffinity(0))
+        threads = sum(self.counts[r] for r in ENGINE_ROLES) * (self.cfg.engine.threads or cpus)
+        if role not in ENGINE_ROLES or threads <= cpus or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
             return {}
         return {"GOMP_SPINCOUNT": SHARED_CORES_SPIN}
 

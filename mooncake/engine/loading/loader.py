@@ -113,6 +113,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
                              f"on a CPU, or quantization = \"none\"")
     quantization = resolve_quantization(cfg, dtype, device)
+    if cfg.quantization == "auto" and quantization != "none":
+        log.info("quantization = \"auto\": %s weights (a quantized GGUF served in %s on a CPU); "
+                 "quantization = \"none\" serves them unquantized", quantization, str(dtype).removeprefix("torch."))
     model_dir, name = resolve_model_dir(cfg)  # after the checks: a GGUF may be converted first
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
