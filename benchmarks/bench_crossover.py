@@ -126,9 +126,11 @@ def main() -> None:
           f"attainment >= {args.attainment:g}; instances: disaggregated prefill+decode, colocated N @ step tokens\n")
     print("| reuse scale | hit rate | output scale (mean tokens) | TBT SLO (ms) | disaggregated | colocated | fewer | by |")
     print("|---|---|---|---|---|---|---|---|")
+    workloads = {(reuse, output_scale): requests_from_records(records, max_requests=args.max_requests, reuse_scale=reuse,
+                                                             output_scale=output_scale)
+                 for reuse, output_scale in itertools.product(args.reuse, args.outputs)}
     for reuse, output_scale, tbt in itertools.product(args.reuse, args.outputs, args.tbt):
-        reqs = requests_from_records(records, max_requests=args.max_requests, reuse_scale=reuse,
-                                     output_scale=output_scale)
+        reqs = workloads[reuse, output_scale]
         t = time.perf_counter()
         answer = size_cluster(reqs, hw, SimSetup(1, 1, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=tbt),
                               args.attainment, args.max_prefill, args.max_decode, max_colocated=args.max_colocated)
@@ -137,7 +139,8 @@ def main() -> None:
     wins = {k: sum(p["fewer"] == k for p in points) for k in ("colocated", "disaggregated", "tie")}
     print(f"\ncolocated needs fewer at {wins['colocated']} points, disaggregated at {wins['disaggregated']}, "
           f"ties at {wins['tie']} (of {len(points)}; {time.perf_counter() - t0:.0f} s)")
-    figures = roofline(hw, requests_from_records(records, max_requests=args.max_requests), args.tbt)
+    unscaled = workloads.get((1.0, 1.0)) or requests_from_records(records, max_requests=args.max_requests)
+    figures = roofline(hw, unscaled, args.tbt)
     print_roofline(figures)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

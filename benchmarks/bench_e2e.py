@@ -75,10 +75,10 @@ WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
-def start_mooncake(system: str, dtype: str = "auto") -> LocalCluster:
+def start_mooncake(system: str, dtype: str = "auto", quantization: str = "auto") -> LocalCluster:
     if system in ("colocated", "pair"):  # `mooncake serve --dev` with --colocated 1, or --prefill 1 --decode 1
         cfg = Config()
-        cfg.model.dtype, cfg.frontend.port = dtype, free_port()
+        cfg.model.dtype, cfg.model.quantization, cfg.frontend.port = dtype, quantization, free_port()
         cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-e2e-")
         return start_local(cfg, **({"prefill": 0, "decode": 0, "colocated": 1} if system == "colocated" else {"prefill": 1}))
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))

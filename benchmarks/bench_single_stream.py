@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,11 +37,10 @@ from typing import Any
 
 import httpx
 
-from bench_e2e import LLAMA_SERVER, LlamaServer, PeerServer, start_local
+from bench_e2e import LLAMA_SERVER, LlamaServer, PeerServer, start_mooncake
 from bench_role_cpu import stat_cpu_s, thread_cpu_s
 from one_request import fresh_prompt
 from mooncake.bench.client import RequestRecord, stream_request
-from mooncake.config import Config
 from mooncake.engine.loading.loader import default_model_path
 from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
@@ -52,19 +50,6 @@ CHOICES = ["colocated", "colocated_unquantized", "pair", "pair_unquantized", "ll
 TOP_THREADS = 4
 
 Snapshot = dict[str, dict[str, Any]]  # process -> {"cpu_s": float, "threads": {name:tid: cpu_s}}
-
-
-def start_mooncake(system: str) -> LocalCluster:
-    """``mooncake serve --dev`` with ``--colocated 1`` or ``--prefill 1 --decode 1`` (as bench_e2e's
-    ``start_mooncake``), the weights unquantized for ``*_unquantized``; started."""
-    cfg = Config()
-    cfg.frontend.port = free_port()
-    cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-single-")
-    if system.endswith("_unquantized"):
-        cfg.model.quantization = "none"
-    if system.startswith("colocated"):
-        return start_local(cfg, prefill=0, decode=0, colocated=1)
-    return start_local(cfg, prefill=1, decode=1)
 
 
 def descendants(pid: int) -> list[int]:
@@ -157,7 +142,8 @@ def start(system: str, llama_server: Path) -> LocalCluster | PeerServer:
         server: LocalCluster | PeerServer = LlamaServer(llama_server, default_model_path(), free_port())
         server.start()
     else:
-        server = start_mooncake(system)
+        server = start_mooncake(system.removesuffix("_unquantized"),
+                                quantization="none" if system.endswith("_unquantized") else "auto")
     print(f"[{system}] up in {time.perf_counter() - t0:.0f} s", flush=True)
     return server
 
@@ -199,7 +185,6 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tables(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    base = (results.get("llama_server") or {}).get("decode_tok_s")
     rows = [f"Batch-1 decode, {args.prompt_tokens}-token fresh prompt, {args.tokens} greedy tokens (ignore_eos), "
             f"medians of {args.reps} reps; {os.cpu_count()} CPUs.", "",
             "| system | decode tok/s | vs llama_server | TTFT (ms) | CPU ms/token (server processes) | cores busy (server) |",
@@ -209,7 +194,7 @@ def tables(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             rows.append(f"| {system} | FAILED: {s['error'][:200]} | | | | |")
             continue
         servers = {n: c for n, c in s["cpu"].items() if n != "client"}
-        ratio = f"{s['decode_tok_s'] / base:.2f}x" if base else "-"
+        ratio = f"{s['vs_llama_server']:.2f}x" if s.get("vs_llama_server") else "-"
         rows.append(f"| {system} | {s['decode_tok_s']:.1f} | {ratio} | {s['ttft_ms']:.0f} | "
                     f"{sum(c['ms_per_token'] for c in servers.values()):.2f} | "
                     f"{sum(c['cores'] for c in servers.values()):.2f} |")

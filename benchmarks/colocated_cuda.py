@@ -4,7 +4,7 @@ A SmolLM2-135M-shaped Llama with random weights made here (a lent GPU host has n
 ``kv_codec_cuda.py``), bfloat16 on ``cuda``. Two parts:
 
 * agreement: ``--seqs`` prompts served one after another (each prefilled whole, then decoded alone)
-  against the same prompts through ``Engine.mixed_step`` (two decode from the start, the others'
+  against the same prompts through colocated steps (two decode from the start, the others'
   prompts join in chunks of the budget while they decode): greedy tokens equal, per sequence;
 * cost: a decode step of ``--batch`` sequences holding ``--context`` tokens each, alone and with a
   prompt chunk of each ``--budgets`` size beside it (what a colocated step costs the tokens of the
@@ -52,14 +52,23 @@ def agreement(engine: Engine, seqs: int, budget: int) -> dict:
     mixed += [engine.add_sequence(f"mixed{i}", p, GREEDY, cache_salt="mixed") for i, p in enumerate(prompts) if i >= 2]
     steps = 0
     while any(not s.finished for s in mixed):
-        engine.mixed_step([s for s in mixed if s.prefilled and not s.finished],
-                          [s for s in mixed if not s.prefilled], budget)
+        colocated_step(engine, [s for s in mixed if s.prefilled and not s.finished],
+                       [s for s in mixed if not s.prefilled], budget)
         steps += 1
     got = [s.tokens[len(p):] for s, p in zip(mixed, prompts)]
     for s in mixed:
         engine.free(s)
     return {"sequences": seqs, "budget": budget, "steps": steps,
             "equal": sum(a == b for a, b in zip(alone, got))}
+
+
+def colocated_step(engine: Engine, decoding: list, prefilling: list, budget: int) -> None:
+    """One step as ``ColocatedWorker._step`` runs it: the decode batch's token, then the prompts'
+    next chunks within what the batch leaves of ``budget`` (at least a block)."""
+    if decoding:
+        engine.decode_step(decoding)
+    if prefilling:
+        engine.prefill_many(prefilling, None, max(engine.block_tokens, budget - len(decoding)))
 
 
 def step_cost(engine: Engine, batch: int, context: int, budgets: list[int], reps: int) -> list[dict]:
@@ -77,7 +86,7 @@ def step_cost(engine: Engine, batch: int, context: int, budgets: list[int], reps
                                          f"cost{budget}-{r}")] if budget else []
             sync()
             t0 = time.perf_counter()
-            engine.mixed_step(decoding, chunk, batch + budget)
+            colocated_step(engine, decoding, chunk, batch + budget)
             sync()
             times.append(time.perf_counter() - t0)
             for s in chunk:

@@ -120,6 +120,23 @@ def test_batched_decode_equals_single(tiny_models, cases, family):
     assert [s.tokens[len(p):] for s, p in zip(seqs, batch)] == alone
 
 
+def test_prompts_of_a_sliding_window_model_share_one_budget(tiny_models, cases):
+    """Computed one by one (no packed forward across windows), the prompts of one call still take
+    ``chunk_tokens`` in all, in order: the first what it needs, the next what is left."""
+    engine = Engine(load_model(ModelConfig(path=str(tiny_models["mistral"]), device="cpu", dtype="float32")),
+                    EngineConfig(kv_cache_bytes=8 << 20, prefill_chunk_tokens=512))
+    batch = [cases[2][:10], cases[2][:60], cases[2][:60] + cases[0]]
+    seqs = [engine.add_sequence("w%d" % i, p, GREEDY, cache_salt=str(i)) for i, p in enumerate(batch)]
+    steps = engine.prefill_many(seqs, None, 40)
+    assert [s.num_computed for s in seqs] == [10, 30, 0]
+    assert [st.done for st in steps] == [True, False, False]
+    while not all(s.prefilled for s in seqs):
+        engine.prefill_many([s for s in seqs if not s.prefilled], None, 40)
+    while any(not s.finished for s in seqs):
+        engine.decode_step([s for s in seqs if not s.finished])
+    assert [s.tokens[len(p):] for s, p in zip(seqs, batch)] == [run(engine, p) for p in batch]
+
+
 def test_family_specs_name_what_differs(tiny_models):
     specs = {f: model_spec(load_model(ModelConfig(path=str(d), device="cpu", dtype="float32")).hf_model)
              for f, d in tiny_models.items()}

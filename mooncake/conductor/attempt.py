@@ -62,6 +62,6 @@ def route_of(plan: Plan, stages: list[P.StagePlan]) -> P.Route:
     return P.Route(worker_ref(plan.decode), [worker_ref(n) for n in prefills], secrets.token_bytes(16),
                    plan.fetch, plan.store_endpoint, stages,
                    (plan.store_range or (plan.reusable_blocks,))[0] if plan.stages else -1,
-                   prefill_beside=plan.prefill is not plan.decode and bool(plan.decode.info.machine)
+                   prefill_beside=not plan.colocated and bool(plan.decode.info.machine)
                    and any(n.info.machine == plan.decode.info.machine for n in prefills),
                    store_range=list(plan.store_range or ()), decode_writes=plan.decode_writes)

@@ -217,7 +217,7 @@ class Conductor:
                                        done.fetch_s)
         if plan.stages:
             self.metrics.pipeline_requests.inc()
-        elif plan.prefill is not plan.decode:  # a colocated prompt's wall time also waits for decode steps
+        elif not plan.colocated:  # a colocated prompt's wall time also waits for decode steps
             self.costs.observe_dispatch(plan, 0.0, p.reserved_s, p.prefilled_s, done.prefill_s + done.fetch_s)
         a.prefilled = True
         a.booking.prefill_finished()
@@ -225,7 +225,7 @@ class Conductor:
             self.index.add(plan.prefill.node_id, "device", a.submit.hashes)
         if prefill is not None:
             self.stats.prefilled(a, done, prefill, p.prefilled_s)
-            if done.finished is None and plan.prefill is not plan.decode:  # a colocated one hands nothing off
+            if done.finished is None and not plan.colocated:  # a colocated one hands nothing off
                 self.stats.handed_to_decode(a, done, prefill.info.moved_block_bytes, self.facts.block_tokens)
 
     def _on_release(self, node: Node, msg: P.Release) -> None:

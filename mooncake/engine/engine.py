@@ -223,16 +223,22 @@ class Engine:
         (``chunk_tokens``, default ``prefill_chunk_tokens``) is shared in order, so a burst of short prompts computes
         together instead of one after another. A sequence left without budget makes no
         progress this call (its step is not done, no new blocks). Models with sliding
-        windows, and sequences with per-layer KV hooks (``hooks``, layer-wise transfer: the
-        hook reads one sequence's workspace), compute the sequences one by one."""
+        windows compute the sequences one by one within the same shared budget; sequences with
+        per-layer KV hooks (``hooks``, layer-wise transfer: the hook reads one sequence's
+        workspace) one by one, a whole chunk each."""
         for s in seqs:
             if s.prefilled or s.freed:
                 raise RuntimeError("sequence %s is not waiting for prefill" % s.req_id)
         if hooks is not None and any(h is not None for h in hooks):
             return [self.prefill(s, h, chunk_tokens=chunk_tokens) for s, h in zip(seqs, hooks)]
-        if len(seqs) == 1 or self.model.windows != {None}:
-            return [self.prefill(s, chunk_tokens=chunk_tokens) for s in seqs]
         budget = chunk_tokens or self.chunk_tokens
+        if len(seqs) == 1 or self.model.windows != {None}:
+            steps = []
+            for s in seqs:
+                start = s.num_computed
+                steps.append(self.prefill(s, chunk_tokens=budget) if budget > 0 else PrefillStep([], False))
+                budget -= s.num_computed - start
+            return steps
         parts: list[tuple[Sequence, int, int, bool]] = []
         for s in seqs:
             start, n = s.num_computed, len(s.tokens)

@@ -29,9 +29,9 @@ from mooncake.config import Config
 from mooncake.config_toml import dump_toml
 from mooncake.engine.loading.loader import resolve_model_dir
 from mooncake.logs import log_format, role_tag, tag_logs
+from mooncake.protocol.membership import ENGINE_ROLES
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-ENGINE_ROLES = ("prefill", "decode", "colocated")
 # How long an engine's OpenMP workers spin after a parallel region before they sleep, where engines
 # share cores (libgomp's default is 300,000 iterations, a good part of a millisecond).
 SHARED_CORES_SPIN = "1000"

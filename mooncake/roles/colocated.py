@@ -40,15 +40,11 @@ from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.decode import DecodeWorker
 from mooncake.roles.prefill_inflight import InflightBlocks
+from mooncake.sched.colocated import DEFAULT_STEP_TOKENS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.request_class import urgency
 
 log = logging.getLogger(__name__)
-# Without a TBT SLO. Measured on the served shared-prefix replay (BENCHMARKS.md section 24): a budget
-# sized for 200 ms steps by the profile (80 tokens here) met the SLO for 41 of 120 requests, 256 for 99:
-# a step also reads the weights for its decode rows, so small chunks cost prompt throughput.
-DEFAULT_STEP_TOKENS = 256
-TYPICAL_BATCH = 8  # the decode batch a budget derived from the TBT SLO leaves room for
 
 
 def step_budget(cfg: Config, profile: EngineProfile | None) -> int:
@@ -62,10 +58,8 @@ def step_budget(cfg: Config, profile: EngineProfile | None) -> int:
     if not slo_s or profile is None or not profile.prefill or not profile.decode:
         return min(DEFAULT_STEP_TOKENS, chunk)
     prefill = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens)
-    decode_s = DecodeCostModel.from_profile(profile.decode).predict(TYPICAL_BATCH, TYPICAL_BATCH * 1024)
-    T = cfg.engine.block_tokens
-    fits = [n for n in range(T, chunk + 1, T) if decode_s + prefill.predict(n, 1024) <= slo_s]
-    return max(fits, default=T)
+    decode_s = DecodeCostModel.from_profile(profile.decode).predict(TYPICAL_BATCH, TYPICAL_BATCH * TYPICAL_CTX)
+    return fit_step_tokens(lambda n: decode_s + prefill.predict(n, TYPICAL_CTX), slo_s, chunk, cfg.engine.block_tokens)
 
 
 class _Gone(Exception):
@@ -234,8 +228,6 @@ class ColocatedWorker(DecodeWorker):
         if not slots and not prompts:
             return False
         prompts.sort(key=lambda p: (urgency(p[0].seq.sampling), p[0].reserved_at))
-        if self.engine.model.windows != {None}:  # such models compute prompts one by one, a chunk each
-            prompts = prompts[:1]
         # whole chunks only while nothing decodes or waits to (a prompt done is about to join)
         joining = any(s.seq.prefilled for s in self.incoming.values())
         budget = self.step_tokens if slots or joining else self.cfg.engine.prefill_chunk_tokens

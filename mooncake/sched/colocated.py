@@ -10,12 +10,25 @@ batch from the bookings (``booking.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mooncake.sched.cluster import Node
 
 if TYPE_CHECKING:
     from mooncake.sched.scheduler import Scheduler
+
+# Without a TBT SLO. Measured on the served shared-prefix replay (BENCHMARKS.md section 24): a budget
+# sized for 200 ms steps by the profile (80 tokens here) met the SLO for 41 of 120 requests, 256 for 99:
+# a step also reads the weights for its decode rows, so small chunks cost prompt throughput.
+DEFAULT_STEP_TOKENS = 256
+TYPICAL_BATCH, TYPICAL_CTX = 8, 1024  # the decode batch a budget derived from a TBT SLO leaves room for
+
+
+def fit_step_tokens(step_s: Callable[[int], float], slo_s: float, chunk: int, block: int) -> int:
+    """The most tokens per step, in whole blocks up to ``chunk``, whose step (``step_s(tokens)``, with
+    ``TYPICAL_BATCH`` sequences of ``TYPICAL_CTX`` tokens decoding) keeps within ``slo_s``; a block
+    at least."""
+    return max((n for n in range(block, chunk + 1, block) if step_s(n) <= slo_s), default=block)
 
 
 def _budget(node: Node) -> int:

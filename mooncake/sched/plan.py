@@ -39,6 +39,11 @@ class Plan:
     decode_writes: bool = True
 
     @property
+    def colocated(self) -> bool:
+        """One colocated instance runs both halves (nothing is handed off)."""
+        return self.prefill is self.decode
+
+    @property
     def prefill_ids(self) -> list[str]:
         """The prefill instances the attempt runs on (every stage of a group)."""
         return [n.node_id for n in self.stages] or [self.prefill.node_id]

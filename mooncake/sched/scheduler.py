@@ -264,7 +264,7 @@ class Scheduler:
             b.prefilled = True
             for node_id in b.plan.prefill_ids:
                 self._queue(node_id).remove(req_id)
-            if not b.plan.stages and b.plan.prefill is not b.plan.decode:  # a colocated one still holds them
+            if not b.plan.stages and not b.plan.colocated:  # a colocated one still holds them
                 for _, pending in self._kept_in(b.rank):
                     pending.remove(b.plan.prefill.node_id, b.hashes)
 

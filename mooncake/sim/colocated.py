@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from mooncake.config import EngineConfig
+from mooncake.sched.colocated import DEFAULT_STEP_TOKENS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
 from mooncake.sched.plan import Plan
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.instances import ColocatedInstance, DecodeSeq, Prompt, queue_by_rank
@@ -26,10 +28,10 @@ from mooncake.sim.workload import SimRequest
 if TYPE_CHECKING:
     from mooncake.sim.simulator import Simulation
 
-# As ``roles/colocated.py``: ``step_budget`` sizes a step for 8 sequences of 1,024 tokens, in
-# engine blocks of 16 tokens (a prompt moves at least one a step), 256 tokens without a TBT SLO;
-# at most ``[engine] max_prefill_batch`` (default 8) prompts hold room before they are computed.
-TYPICAL_BATCH, TYPICAL_CTX, ENGINE_BLOCK, NO_SLO_STEP_TOKENS, MAX_PROMPTS = 8, 1024, 16, 256, 8
+# As the role: engine blocks of ``[engine] block_tokens`` (a prompt moves at least one a step); at
+# most ``[engine] max_prefill_batch`` prompts hold room before they are computed (the defaults).
+ENGINE_BLOCK = EngineConfig.model_fields["block_tokens"].default
+MAX_PROMPTS = EngineConfig.model_fields["max_prefill_batch"].default
 
 
 def step_budget(hw: Hardware, tbt_slo_ms: float) -> int:
@@ -39,11 +41,10 @@ def step_budget(hw: Hardware, tbt_slo_ms: float) -> int:
     if hw.step_tokens:
         return min(hw.step_tokens, hw.chunk_tokens)
     if not tbt_slo_ms:
-        return min(NO_SLO_STEP_TOKENS, hw.chunk_tokens)
+        return min(DEFAULT_STEP_TOKENS, hw.chunk_tokens)
     kv = TYPICAL_BATCH * TYPICAL_CTX
-    fits = [n for n in range(ENGINE_BLOCK, hw.chunk_tokens + 1, ENGINE_BLOCK)
-            if hw.mixed_step_s(TYPICAL_BATCH, kv, [(max(1, n - TYPICAL_BATCH), TYPICAL_CTX)]) * 1000 <= tbt_slo_ms]
-    return max(fits, default=ENGINE_BLOCK)
+    return fit_step_tokens(lambda n: hw.mixed_step_s(TYPICAL_BATCH, kv, [(max(1, n - TYPICAL_BATCH), TYPICAL_CTX)]),
+                           tbt_slo_ms / 1000, hw.chunk_tokens, ENGINE_BLOCK)
 
 
 def budget_ladder(hw: Hardware, tbt_slo_ms: float) -> list[int]:

@@ -133,7 +133,7 @@ class Simulation:
         self.loop.at(reserved + self.hw.transit_s(), self._enqueue_prefill, r, plan)
 
     def _enqueue_prefill(self, r: SimRequest, plan: Plan) -> None:
-        if plan.prefill is plan.decode:  # (the conductor learns no dispatch time from colocated attempts)
+        if plan.colocated:  # (the conductor learns no dispatch time from colocated attempts)
             self.co.enqueue(self.colocated[plan.prefill.node_id], r, plan)
             return
         if not plan.queue_s and not plan.reserve_wait_s:  # as the conductor learns it

@@ -110,16 +110,22 @@ def size_cluster(requests: list[SimRequest], hw: Hardware, template: SimSetup, t
     return answer
 
 
+def _meets(answer: SizeAnswer, evaluated: dict, key: tuple[int, int], setup: SimSetup, hw: Hardware,
+           requests: list[SimRequest], progress: Callable[[SimResult], None] | None) -> bool:
+    """Whether ``setup`` meets the attainment target, simulated once per ``key`` (kept in ``evaluated``)."""
+    r = evaluated.get(key)
+    if r is None:
+        r = evaluated[key] = simulate(setup, hw, requests)
+        if progress is not None:
+            progress(r)
+    return r.slo_attainment >= answer.target
+
+
 def _size_colocated(answer: SizeAnswer, requests: list[SimRequest], hw: Hardware, template: SimSetup,
                     max_colocated: int, progress: Callable[[SimResult], None] | None, around: bool) -> None:
     def ok(n: int, budget: int) -> bool:
-        r = answer.colocated_evaluated.get((n, budget))
-        if r is None:
-            setup = replace(template, prefill=0, decode=0, colocated=n, step_tokens=budget)
-            r = answer.colocated_evaluated[(n, budget)] = simulate(setup, hw, requests)
-            if progress is not None:
-                progress(r)
-        return r.slo_attainment >= answer.target
+        setup = replace(template, prefill=0, decode=0, colocated=n, step_tokens=budget)
+        return _meets(answer, answer.colocated_evaluated, (n, budget), setup, hw, requests, progress)
 
     for budget in [template.step_tokens] if template.step_tokens else budget_ladder(hw, template.tbt_slo_ms):
         hi = max_colocated if answer.colocated is None else answer.colocated - 1
@@ -134,16 +140,9 @@ def _size_colocated(answer: SizeAnswer, requests: list[SimRequest], hw: Hardware
 def _size_disaggregated(answer: SizeAnswer, requests: list[SimRequest], hw: Hardware, template: SimSetup,
                         max_prefill: int, max_decode: int, progress: Callable[[SimResult], None] | None,
                         full_frontier: bool) -> None:
-    target = answer.target
-
     def ok(p: int, d: int) -> bool:
-        r = answer.evaluated.get((p, d))
-        if r is None:
-            setup = replace(template, prefill=p, decode=d, colocated=0)
-            r = answer.evaluated[(p, d)] = simulate(setup, hw, requests)
-            if progress is not None:
-                progress(r)
-        return r.slo_attainment >= target
+        setup = replace(template, prefill=p, decode=d, colocated=0)
+        return _meets(answer, answer.evaluated, (p, d), setup, hw, requests, progress)
 
     if not ok(max_prefill, max_decode):
         return
