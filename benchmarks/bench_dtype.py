@@ -37,7 +37,8 @@ from mooncake.bench.publish import publish
 
 GREEDY = Sampling(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
-VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bfloat16 + int8": ("bfloat16", "int8")}
+VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bfloat16 + int8": ("bfloat16", "int8"),
+            "bfloat16 + int4": ("bfloat16", "int4")}
 
 
 def prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -130,7 +131,7 @@ def main() -> None:
     reps, steps = a.reps or (2 if a.quick else 5), a.steps or (6 if a.quick else 24)
     prefill_n = 512 if a.quick else 2048
     a.rounds = a.rounds or (1 if a.quick else 3)
-    variants = {n: v for n, v in VARIANTS.items() if not (cuda and v[1] == "int8")}
+    variants = {n: v for n, v in VARIANTS.items() if not (cuda and v[1] != "none")}
     engines = {}
     for name, (dtype, quant) in variants.items():
         loaded = load_model(ModelConfig(device=a.device, dtype=dtype, quantization=quant))

@@ -1,9 +1,10 @@
-"""Batch-1 decode: mooncake (colocated, prefill/decode pair, each also with unquantized weights) vs
+"""Batch-1 decode: mooncake (colocated, prefill/decode pair, each also with other weights) vs
 llama.cpp's ``llama-server`` on the same GGUF, in one run (issue 31).
 
 Each system in ``--systems`` is started alone (``colocated``: ``mooncake serve --dev --colocated 1``;
-``pair``: ``--prefill 1 --decode 1``; both with serve's defaults, so int8 weights where ``[model]
-quantization = "auto"`` picks them; ``*_unquantized``: the same with ``quantization = "none"``;
+``pair``: ``--prefill 1 --decode 1``; both with serve's defaults, so int4 or int8 weights where
+``[model] quantization = "auto"`` picks them; ``*_unquantized``: the same with ``quantization =
+"none"``, ``*_int8``: with ``"int8"``;
 ``llama_server``: ``-t 2 -np 4``, as in bench_e2e.py), gets one warm-up request, then ``--reps``
 streamed greedy completions (``ignore_eos``) of ``--tokens`` tokens, each after a fresh
 ``--prompt-tokens``-token prompt (nothing cached), one at a time. Per system it reports:
@@ -18,7 +19,8 @@ streamed greedy completions (``ignore_eos``) of ``--tokens`` tokens, each after 
   of each process (``/proc/PID/task/TID/stat``) and the whole-stream (prefill included) figures.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_single_stream.py \\
-        [--systems colocated colocated_unquantized pair pair_unquantized llama_server] [--reps 3] [--tokens 200] \\
+        [--systems colocated colocated_int8 colocated_unquantized pair pair_unquantized llama_server] \\
+        [--reps 3] [--tokens 200] \\
         [--prompt-tokens 512] [--json PATH] [--llama-server PATH]
 """
 
@@ -46,7 +48,9 @@ from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
 SYSTEMS = ["colocated", "pair", "llama_server"]
-CHOICES = ["colocated", "colocated_unquantized", "pair", "pair_unquantized", "llama_server"]
+CHOICES = ["colocated", "colocated_int8", "colocated_unquantized", "pair", "pair_int8", "pair_unquantized",
+           "llama_server"]
+QUANTIZATION = {"_unquantized": "none", "_int8": "int8"}  # a system's suffix: its [model] quantization
 TOP_THREADS = 4
 
 Snapshot = dict[str, dict[str, Any]]  # process -> {"cpu_s": float, "threads": {name:tid: cpu_s}}
@@ -142,8 +146,9 @@ def start(system: str, llama_server: Path) -> LocalCluster | PeerServer:
         server: LocalCluster | PeerServer = LlamaServer(llama_server, default_model_path(), free_port())
         server.start()
     else:
-        server = start_mooncake(system.removesuffix("_unquantized"),
-                                quantization="none" if system.endswith("_unquantized") else "auto")
+        suffix = next((s for s in QUANTIZATION if system.endswith(s)), "")
+        server = start_mooncake(system.removesuffix(suffix) if suffix else system,
+                                quantization=QUANTIZATION.get(suffix, "auto"))
     print(f"[{system}] up in {time.perf_counter() - t0:.0f} s", flush=True)
     return server
 

@@ -1,5 +1,6 @@
-"""``[model] quantization = "auto"`` (the default): int8 weights where the source is a GGUF stored
-quantized and the model serves in bfloat16 on a CPU the int8 kernel runs on; none elsewhere. The
+"""``[model] quantization = "auto"`` (the default): int4 weights where the source is a Q4_1 GGUF,
+int8 where it is another quantized GGUF, when the model serves in bfloat16 on a CPU the engine's
+kernels run on; none elsewhere. The
 GGUF's file type is read from its header alone; the conductor lets the first engine fix the choice."""
 
 from __future__ import annotations
@@ -56,17 +57,20 @@ def test_a_header_without_a_file_type_or_not_a_gguf_counts_as_not_quantized(tmp_
     assert not gguf_is_quantized(tmp_path / "missing.gguf")
 
 
-def test_auto_is_int8_only_for_a_quantized_gguf_in_bfloat16_on_a_cpu_with_the_kernel(tmp_path):
-    bundled = ModelConfig()
+def test_auto_quantizes_only_a_quantized_gguf_in_bfloat16_on_a_cpu_with_the_kernel(tmp_path):
+    bundled = ModelConfig()  # Q4_1: int4, the file's own groups; other quantized files: int8
     kernel = load_kernel() is not None
-    assert resolve_quantization(bundled, torch.bfloat16, CPU) == ("int8" if kernel else "none")
+    assert resolve_quantization(bundled, torch.bfloat16, CPU) == ("int4" if kernel else "none")
+    q8 = ModelConfig(path=str(_gguf(tmp_path / "q8.gguf", 7)))
+    assert resolve_quantization(q8, torch.bfloat16, CPU) == ("int8" if kernel else "none")
     assert resolve_quantization(bundled, torch.float32, CPU) == "none"  # token-exact stays exact
     assert resolve_quantization(bundled, torch.bfloat16, CUDA) == "none"
     f16 = ModelConfig(path=str(_gguf(tmp_path / "f16.gguf", 1)))
     assert resolve_quantization(f16, torch.bfloat16, CPU) == "none"  # full-precision weights stay so
-    for chosen in ("none", "int8"):
+    for chosen in ("none", "int8", "int4"):
         assert resolve_quantization(ModelConfig(quantization=chosen), torch.bfloat16, CPU) == chosen
     assert model_variant(bundled) == "" and model_variant(bundled, "int8") == "-int8"
+    assert model_variant(bundled, "int4") == "-int4"
 
 
 def test_the_conductor_lets_the_first_engine_fix_an_auto_quantization():
@@ -78,15 +82,15 @@ def test_the_conductor_lets_the_first_engine_fix_an_auto_quantization():
         return P.ModelFacts(model_id=model_id, block_tokens=16, max_model_len=2048, vocab_size=49152,
                             block_shape=shape)
 
-    for dtype in ("bfloat16+kv_int8", "bfloat16-int8+kv_int8", "float32+kv_int8"):
+    for dtype in ("bfloat16+kv_int8", "bfloat16-int8+kv_int8", "bfloat16-int4+kv_int8", "float32+kv_int8"):
         assert auto.problem(facts(f"m@0123456789abcdef/{dtype}")) is None
     assert "KV codec" in auto.problem(facts("m@0123456789abcdef/bfloat16-int8"))
     assert "quantization" in none.problem(facts("m@0123456789abcdef/bfloat16-int8+kv_int8"))
 
 
-@pytest.mark.skipif(load_kernel() is None, reason="the int8 kernel does not run on this CPU")
-def test_the_default_loads_the_bundled_gguf_as_int8_in_bfloat16():
+@pytest.mark.skipif(load_kernel() is None, reason="the engine's kernels do not run on this CPU")
+def test_the_default_loads_the_bundled_q4_1_gguf_as_int4_in_bfloat16():
     from mooncake.engine import load_model
 
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16"))
-    assert loaded.quantization == "int8" and loaded.model_id.endswith("/bfloat16-int8")
+    assert loaded.quantization == "int4" and loaded.model_id.endswith("/bfloat16-int4")

@@ -33,7 +33,7 @@ class ExpectedModel:
             return f"it serves weights {weights_id!r}, the conductor's model is {self.weights_id!r}"
         bare = dtype.removesuffix(self.variant) if self.variant else dtype
         if self.any_quantization:
-            bare = bare.removesuffix("-int8")
+            bare = bare.removesuffix("-int8").removesuffix("-int4")
         if not dtype.endswith(self.variant) or "-" in bare or "+" in bare:
             return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, KV codec, block hash)"
         dtype = bare

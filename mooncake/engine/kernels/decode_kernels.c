@@ -19,7 +19,7 @@
 
 #define MAX_D 256  /* head dimension: at most 16 vectors of 16 floats */
 #define MAX_G 16   /* query heads per kv head */
-#define PREFETCH 4096  /* bytes ahead of the keys and values read (as int8_gemv.c: reads wait on memory otherwise) */
+#define PREFETCH 4096  /* bytes ahead of the keys and values read (as quant_gemv.c: reads wait on memory otherwise) */
 
 static inline __m512 load16(const void *p, int bf16) {
     if (bf16)

@@ -1,13 +1,14 @@
 """The engine's own C kernels for decode, built at install time (else on first use): the int8
-matrix-vector product for small batches (``int8_gemv.c``, here) and the decode step's
+and int4 matrix-vector products for small batches (``quant_gemv.c``, here) and the decode step's
 attention and RMSNorm (``decode_kernels.c``, called through ``native_decode.py``).
 
 At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at about 10 GB/s
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
-decode step at batch 1 is mostly those reads. ``int8_gemv.c`` reads each weight row once for
+decode step at batch 1 is mostly those reads. ``quant_gemv.c`` reads each weight row once for
 all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to 21-32 GB/s on
 the lm_head), with integer dot products on exact-enough int16 parts of the activations:
-float32-accurate ``x @ (w8 * scale).T``, the float reference's arithmetic, and each row
+float32-accurate ``x @ (w8 * scale).T`` (int4: per group of 32, ``x @ (q * scale + zero).T``), the
+float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
 compiled by ``mooncake/native_build.py`` (``KERNELS``: sources, flags and the CPU features
 they need) and called through ctypes on tensors' memory. Where it cannot run (no C compiler,
@@ -25,7 +26,7 @@ import torch
 
 from mooncake import native_build
 
-MAX_K = 8192  # int8_gemv.c's MAX_K: longer rows would overflow its int32 lanes
+MAX_K = 8192  # quant_gemv.c's MAX_K (int8): longer rows would overflow its int32 lanes
 
 
 class Int8Gemv:
@@ -56,6 +57,41 @@ class Int8Gemv:
         return out
 
 
+class Int4Gemv:
+    """``out = x @ W.T`` with ``W[n, k] = q[n, k] * scale[n, g] + zero[n, g]`` over groups ``g``
+    of 32 along ``k``: ``x [M, K]`` bfloat16 or float32 (contiguous), ``w4 [N, K / 2]`` uint8 (a
+    group's 16 bytes: its elements 0-15 in the low nibbles, 16-31 in the high ones), ``scale`` and
+    ``zero [N, K / 32]`` float32; ``out [M, N]`` in ``x``'s dtype."""
+
+    GROUP = 32
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.mooncake_int4_gemv
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, w4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        M, K = x.shape
+        N = w4.shape[0]
+        groups = (N, K // self.GROUP)
+        if (x.dtype not in (torch.bfloat16, torch.float32) or w4.dtype != torch.uint8 or K % self.GROUP
+                or w4.shape[1] * 2 != K or scale.dtype != torch.float32 or zero.dtype != torch.float32
+                or scale.shape != groups or zero.shape != groups or x.device.type != "cpu"
+                or not all(t.is_contiguous() for t in (x, w4, scale, zero))):
+            raise ValueError(f"int4 kernel takes contiguous CPU x [M, K] bfloat16/float32 (K a multiple of 32), "
+                             f"w4 [N, K/2] uint8, scale and zero [N, K/32] float32; got {x.dtype} {tuple(x.shape)}, "
+                             f"{w4.dtype} {tuple(w4.shape)}, {scale.dtype} {tuple(scale.shape)}, "
+                             f"{zero.dtype} {tuple(zero.shape)}")
+        out = torch.empty(M, N, dtype=x.dtype)
+        rc = self._fn(x.data_ptr(), x.dtype == torch.bfloat16, w4.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                      out.data_ptr(), M, N, K, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"int4 kernel cannot compute [{M}, {K}] x [{N}, {K}]")
+        return out
+
+
 @functools.lru_cache(maxsize=None)
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The kernels' library (built if missing, loaded once per process), or None where it cannot
@@ -67,4 +103,10 @@ def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
     """The int8 kernel, or None where it cannot run on this machine."""
     lib = library(cache_dir)
     return Int8Gemv(lib) if lib is not None else None
+
+
+def load_int4_kernel(cache_dir: Path | None = None) -> Int4Gemv | None:
+    """The int4 kernel, or None where it cannot run on this machine."""
+    lib = library(cache_dir)
+    return Int4Gemv(lib) if lib is not None else None
 

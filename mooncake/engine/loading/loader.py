@@ -27,7 +27,7 @@ from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families import SUPPORTED_MODEL_TYPES, check_config
-from mooncake.engine.loading.gguf_header import gguf_is_quantized
+from mooncake.engine.loading.gguf_header import Q4_1, gguf_file_type, gguf_is_quantized
 from mooncake.engine.loading.hub_cache import is_repo_id, repo_id_of, snapshot_dir
 from mooncake.engine.loading.quantization import refuse_quantized
 
@@ -45,7 +45,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-    quantization: str = "none"  # as resolved: "int8", the engine's forward quantizes the weights (mooncake.engine.model.int8)
+    quantization: str = "none"  # as resolved: "int8" or "int4", the engine's forward quantizes the weights (mooncake.engine.model.int8, int4)
     kv_codec: str = "none"  # how KV blocks leave the engine's pool (mooncake.kv.codec)
 
 
@@ -108,8 +108,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the configured model (default: the bundled SmolLM2); ModelLoadError on any problem."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.quantization == "int8" and (dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu"):
-        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model would serve "
+    if cfg.quantization in ("int8", "int4") and (dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu"):
+        raise ModelLoadError(f"quantization '{cfg.quantization}' runs on CPU in bfloat16 or float32; this model would serve "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: set dtype = \"bfloat16\" "
                              f"on a CPU, or quantization = \"none\"")
     quantization = resolve_quantization(cfg, dtype, device)
@@ -133,16 +133,21 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
 
 def resolve_quantization(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
-    """``[model] quantization`` for this load: ``auto`` is int8 where the weights come from a GGUF
-    stored quantized (rounding each row to int8 loses far less than the file's own 4- to 8-bit
-    rounding did), serve in bfloat16 on a CPU, and the engine's int8 kernel runs here; else none."""
+    """``[model] quantization`` for this load. ``auto``, where the weights come from a GGUF stored
+    quantized, serve in bfloat16 on a CPU and the engine's kernels run here: int4 for a Q4_1 file
+    (its groups of 32 with a scale and an offset are the int4 weights' own: the file's values come
+    back), int8 for any other quantized file (rounding each row to int8 loses far less than the
+    file's own 4- to 8-bit rounding did); else none."""
     if cfg.quantization != "auto":
         return cfg.quantization
-    if device.type != "cpu" or dtype != torch.bfloat16 or not gguf_is_quantized(model_source(cfg)[0]):
+    source = model_source(cfg)[0]
+    if device.type != "cpu" or dtype != torch.bfloat16 or not gguf_is_quantized(source):
         return "none"
     from mooncake.engine.kernels.native import load_kernel
 
-    return "int8" if load_kernel() is not None else "none"
+    if load_kernel() is None:
+        return "none"
+    return "int4" if gguf_file_type(source) == Q4_1 else "int8"
 
 
 def prefer_sdpa_kernels_without_planning() -> None:
@@ -153,7 +158,7 @@ def prefer_sdpa_kernels_without_planning() -> None:
 
 
 def model_variant(cfg: ModelConfig, quantization: str | None = None) -> str:
-    """What follows the dtype in a ``model_id``: ``-int8`` when quantized (``quantization``: as
+    """What follows the dtype in a ``model_id``: ``-int8`` (``-int4``) when quantized (``quantization``: as
     resolved for the load, default the config's; ``auto`` counts as none), ``+kv_int8`` (``+kv_fp8``)
     when KV blocks travel encoded, ``+xxh3_128`` when blocks hash with xxh3 (each changes what a
     block key means; the hash scheme's suffix stays last, ``blocks.root_hash`` reads it there)."""

@@ -10,9 +10,14 @@ engine's own kernel (``native.py``: float32-accurate sums, 2-3x torch's bandwidt
 else torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``); calls with more rows
 (prefill, large decode batches, where bf16 tiles win) use the dequantized weight. Serving
 dtype bfloat16, or float32 (slower; the float reference's own arithmetic, for exactness tests).
+``QuantizedProjection`` is that split by row count, shared with int4 (``int4.py``);
+``quantize_spec`` quantizes a model's projections in either scheme.
 """
 
 from __future__ import annotations
+
+import abc
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,7 @@ from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families.spec import Fused, Linear, ModelSpec, Separate
 from mooncake.engine.kernels.native import MAX_K, Int8Gemv, load_kernel
 
+log = logging.getLogger(__name__)
 INT8_DTYPES = (torch.bfloat16, torch.float32)
 INT8_MAX_ROWS = 8  # measured on AVX-512 BF16 (2 threads): int8 wins below 8 rows, bf16 from 8 on
 
@@ -32,10 +38,34 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous(), scale
 
 
-class Int8Projection:
-    """One or several fused projections over int8 weights; returns a tensor, or a tuple of
-    views of ``sizes`` (as ``Fused``)."""
+class QuantizedProjection(abc.ABC):
+    """One or several fused projections over quantized weights; returns a tensor, or a tuple of
+    views of ``sizes`` (as ``Fused``). ``weight`` holds the dequantized values (the float
+    reference); calls with fewer than ``max_rows`` rows go to ``small``."""
 
+    max_rows = INT8_MAX_ROWS
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: list[int] | None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        out = self.joint(h)
+        return out.split(self.sizes, -1) if self.sizes is not None else out
+
+    def joint(self, h: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, unsplit (a fresh tensor the caller may write into)."""
+        rows = h.numel() // h.shape[-1]
+        if rows >= self.max_rows:
+            return F.linear(h, self.weight, self.bias)
+        out = self.small(h.reshape(rows, h.shape[-1])).view(*h.shape[:-1], -1)
+        return out + self.bias if self.bias is not None else out
+
+    @abc.abstractmethod
+    def small(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat [rows, K]`` (fewer than ``max_rows``) through the quantized weights, bias not added."""
+
+
+class Int8Projection(QuantizedProjection):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None,
                  kernel: Int8Gemv | None = None) -> None:
         self.w8, self.scale32 = quantize_rows(weight)
@@ -46,49 +76,49 @@ class Int8Projection:
         K = weight.shape[1]
         self.kernel = kernel if kernel is not None and K % 32 == 0 and K <= MAX_K else None
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        out = self.joint(h)
-        return out.split(self.sizes, -1) if self.sizes is not None else out
+    load_kernel = staticmethod(load_kernel)
 
-    def joint(self, h: torch.Tensor) -> torch.Tensor:
-        """The outputs side by side, unsplit (a fresh tensor the caller may write into)."""
-        rows = h.numel() // h.shape[-1]
-        if rows < INT8_MAX_ROWS:
-            flat = h.reshape(rows, h.shape[-1])
-            if self.kernel is not None:
-                out = self.kernel(flat.contiguous(), self.w8, self.scale32)
-            else:
-                out = torch.ops.aten._weight_int8pack_mm(flat, self.w8, self.scale)
-            out = out.view(*h.shape[:-1], -1)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(h, self.weight, self.bias)
-        return out
+    def small(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(flat.contiguous(), self.w8, self.scale32)
+        return torch.ops.aten._weight_int8pack_mm(flat, self.w8, self.scale)
 
 
-def _int8(proj: object, where: str, kernel: Int8Gemv | None) -> Int8Projection:
-    if isinstance(proj, Fused):
-        return Int8Projection(proj.weight, proj.bias, proj.sizes, kernel)
-    if isinstance(proj, Linear):
-        return Int8Projection(proj.weight, proj.bias, kernel=kernel)
+def _quantized(proj: object, where: str, scheme: str, kernels: dict[type, object]) -> QuantizedProjection:
+    from mooncake.engine.model.int4 import Int4Projection, on_int4_groups
+
     if isinstance(proj, Separate):
-        raise ModelLoadError(f"int8 quantization needs fused projections ({where} mixes biased and unbiased parts)")
-    raise ModelLoadError(f"int8 quantization cannot handle {type(proj).__name__} at {where}")
+        raise ModelLoadError(f"{scheme} quantization needs fused projections ({where} mixes biased and unbiased parts)")
+    if not isinstance(proj, (Fused, Linear)):
+        raise ModelLoadError(f"{scheme} quantization cannot handle {type(proj).__name__} at {where}")
+    make: type[QuantizedProjection] = \
+        Int4Projection if scheme == "int4" and on_int4_groups(proj.weight) else Int8Projection
+    sizes = proj.sizes if isinstance(proj, Fused) else None
+    return make(proj.weight, proj.bias, sizes, kernels.get(make))  # type: ignore[call-arg]
 
 
-def quantize_spec(spec: ModelSpec, use_kernel: bool = True) -> None:
+def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8") -> None:
     """Every layer's projections and the lm_head (the tied embedding's bytes, the largest single
-    matrix) to int8, in place (see the module doc). ``use_kernel=False``: torch's int8 kernel."""
+    matrix) to ``scheme``, in place (see the module doc). ``int4`` (``int4.py``) keeps in int4 the
+    weights that already sit on its groups (a Q4_1 file's) and rounds the others to int8 rows:
+    four bits per full-precision weight, uncalibrated, would lose too much. ``use_kernel=False``:
+    torch's kernels instead of the engine's."""
+    from mooncake.engine.model.int4 import Int4Projection
+
     dtype, device = spec.embed.dtype, spec.embed.device
     if dtype not in INT8_DTYPES or device.type != "cpu":
-        raise ModelLoadError(f"quantization 'int8' runs on CPU in bfloat16 or float32; this model serves "
+        raise ModelLoadError(f"quantization '{scheme}' runs on CPU in bfloat16 or float32; this model serves "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: "
                              f"set dtype = \"bfloat16\" on a CPU or quantization = \"none\"")
-    kernel = load_kernel() if use_kernel else None
+    kernels = {make: make.load_kernel() for make in (Int8Projection, Int4Projection)} if use_kernel else {}
     for i, layer in enumerate(spec.layers):
-        layer.qkv = _int8(layer.qkv, f"layer {i} qkv", kernel)
-        layer.o = _int8(layer.o, f"layer {i} o", kernel)
-        layer.gate_up = _int8(layer.gate_up, f"layer {i} gate_up", kernel)
-        layer.down = _int8(layer.down, f"layer {i} down", kernel)
-    spec.head = _int8(spec.head, "lm_head", kernel)
+        layer.qkv = _quantized(layer.qkv, f"layer {i} qkv", scheme, kernels)
+        layer.o = _quantized(layer.o, f"layer {i} o", scheme, kernels)
+        layer.gate_up = _quantized(layer.gate_up, f"layer {i} gate_up", scheme, kernels)
+        layer.down = _quantized(layer.down, f"layer {i} down", scheme, kernels)
+    spec.head = _quantized(spec.head, "lm_head", scheme, kernels)
+    if scheme == "int4":
+        projections = [*(p for layer in spec.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)), spec.head]
+        in_int4 = sum(isinstance(p, Int4Projection) for p in projections)
+        log.info("int4: %d of %d projections on 4-bit groups, the rest (weights not on such groups) int8",
+                 in_int4, len(projections))

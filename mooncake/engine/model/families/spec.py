@@ -93,11 +93,11 @@ def fuse(*parts: Weight) -> Separate | Fused:
 @dataclass
 class Layer:
     attn_norm: RMSNorm
-    qkv: Any  # Separate | Fused (or int8 ``Int8Projection``) -> (q, k, v)
-    o: Any  # Weight, made a Linear (or int8 ``Int8Projection``)
+    qkv: Any  # Separate | Fused (or a quantized ``QuantizedProjection``) -> (q, k, v)
+    o: Any  # Weight, made a Linear (or a quantized ``QuantizedProjection``)
     mlp_norm: RMSNorm
-    gate_up: Any  # Separate | Fused (or ``Int8Projection``) -> (gate, up)
-    down: Any  # Weight, made a Linear (or ``Int8Projection``)
+    gate_up: Any  # Separate | Fused (or ``QuantizedProjection``) -> (gate, up)
+    down: Any  # Weight, made a Linear (or ``QuantizedProjection``)
     q_norm: RMSNorm | None = None  # per head, before RoPE (Qwen3, Gemma 3)
     k_norm: RMSNorm | None = None
     post_attn_norm: RMSNorm | None = None  # on the attention output, before the residual add (Gemma)
@@ -129,7 +129,7 @@ class ModelSpec:
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     attn_softcap: float | None = None  # scores -> tanh(scores / c) * c
     logit_softcap: float | None = None  # logits -> tanh(logits / c) * c
-    head: Any = None  # the lm_head as a projection (Linear, or ``Int8Projection``); set from lm_head
+    head: Any = None  # the lm_head as a projection (Linear, or ``QuantizedProjection``); set from lm_head
 
     def __post_init__(self) -> None:
         if self.head is None:

@@ -1,12 +1,16 @@
-/* Weight-only int8 matrix-vector products for a few rows of activations (decode at small
- * batch), AVX-512, threads from OpenMP (the same libgomp torch runs on).
+/* Weight-only int8 and int4 matrix-vector products for a few rows of activations (decode at
+ * small batch), AVX-512, threads from OpenMP (the same libgomp torch runs on).
  *
- *   out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      (accumulated in float32)
+ *   int8: out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      (accumulated in float32)
+ *   int4: out[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, g(k)] + zero[n, g(k)])
+ *         over groups g of 32 consecutive k, q in 0..15 (GGUF's Q4_1 layout of values); each
+ *         group is unpacked to float32 once for up to 4 rows of x, the products summed in float32
  *
- * x: [M, K] bfloat16 or float32; w: [N, K] int8, row-major; scale: [N] float32;
- * out: [M, N] in x's dtype (bfloat16 rounded to nearest even, as torch rounds).
- * Each weight row is read once for all M rows of x: the call is bound by reading w.
- * Built and loaded by native.py. */
+ * x: [M, K] bfloat16 or float32; int8 w: [N, K], row-major, scale [N] float32; int4 w: [N, K/2]
+ * bytes, a group's 16 bytes holding its elements 0-15 in the low nibbles and 16-31 in the high
+ * ones, scale and zero [N, K/32] float32; out: [M, N] in x's dtype (bfloat16 rounded to nearest
+ * even, as torch rounds). Each weight row is read once for all M rows of x: the call is bound by
+ * reading w. Built and loaded by native.py. */
 
 /* The dot products run on integers (AVX-512 VNNI ``vpdpwssd``: 32 int16 products per
  * instruction, no int8 -> float conversion per weight): each row of x is split exactly enough
@@ -142,5 +146,99 @@ int mooncake_int8_gemv(const void *x, int x_is_bf16, const int8_t *w, const floa
     }
     free(xf);
     free(parts);
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------- int4, groups of 32 */
+
+#define GROUP 32
+#define MAX_M4 4  /* activation rows per pass: a group is unpacked once for all of them */
+
+/* A group's 32 weights in float32, q * scale + zero (multiplied, then added: rounded as
+ * torch rounds the dequantized weight, so in float32 these are the float reference's weights). */
+static inline void unpack_group(const uint8_t *p, float scale, float zero, __m512 *w0, __m512 *w1) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0f);
+    __m512 d = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+    *w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m))), d), z);
+    *w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))), d), z);
+}
+
+/* res[r][m] = dot(int4 row r, row m of x) for ROWS weight rows and MM rows of x (float32). */
+#define DEFINE_BLOCK4(MM)                                                                        \
+    static void block4_##MM(const uint8_t *const *wr, const float *const *sc, const float *const *zr, \
+                            const float *x, int K, float res[ROWS][MAX_M4]) {                    \
+        __m512 acc[ROWS][MM];                                                                     \
+        for (int r = 0; r < ROWS; r++)                                                            \
+            for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();                         \
+        for (int g = 0; g < K / GROUP; g++) {                                                     \
+            __m512 x0[MM], x1[MM];                                                                \
+            for (int m = 0; m < MM; m++) {                                                        \
+                x0[m] = _mm512_loadu_ps(x + (size_t)m * K + g * GROUP);                           \
+                x1[m] = _mm512_loadu_ps(x + (size_t)m * K + g * GROUP + 16);                      \
+            }                                                                                     \
+            for (int r = 0; r < ROWS; r++) {                                                      \
+                _mm_prefetch((const char *)(wr[r] + g * GROUP / 2 + PREFETCH / 2), _MM_HINT_T0);  \
+                __m512 w0, w1;                                                                    \
+                unpack_group(wr[r] + g * GROUP / 2, sc[r][g], zr[r][g], &w0, &w1);                \
+                for (int m = 0; m < MM; m++)                                                      \
+                    acc[r][m] = _mm512_fmadd_ps(w1, x1[m], _mm512_fmadd_ps(w0, x0[m], acc[r][m])); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < ROWS; r++)                                                            \
+            for (int m = 0; m < MM; m++) res[r][m] = _mm512_reduce_add_ps(acc[r][m]);             \
+    }
+
+DEFINE_BLOCK4(1)
+DEFINE_BLOCK4(2)
+DEFINE_BLOCK4(3)
+DEFINE_BLOCK4(4)
+
+/* Returns 0, or -1 when the shapes are not served (K a multiple of 32). */
+int mooncake_int4_gemv(const void *x, int x_is_bf16, const uint8_t *w, const float *scale, const float *zero,
+                       void *out, int M, int N, int K, int threads) {
+    if (M < 1 || N < 1 || K < GROUP || K % GROUP) return -1;
+    size_t MK = (size_t)M * K;
+    int groups = K / GROUP;
+    float *xf = NULL;
+    if (x_is_bf16) {
+        xf = (float *)malloc(sizeof(float) * MK);
+        if (!xf) return -1;
+        for (size_t i = 0; i < MK; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xs = x_is_bf16 ? xf : (const float *)x;
+    int blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        int n0 = b * ROWS;
+        const uint8_t *wr[ROWS];
+        const float *sc[ROWS], *zr[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            int n = n0 + r < N ? n0 + r : N - 1;  /* past the last row: repeat it, discard the result */
+            wr[r] = w + (size_t)n * (K / 2);
+            sc[r] = scale + (size_t)n * groups;
+            zr[r] = zero + (size_t)n * groups;
+        }
+        for (int m0 = 0; m0 < M; m0 += MAX_M4) {
+            int mm = M - m0 < MAX_M4 ? M - m0 : MAX_M4;
+            float res[ROWS][MAX_M4];
+            const float *xm = xs + (size_t)m0 * K;
+            switch (mm) {
+            case 1: block4_1(wr, sc, zr, xm, K, res); break;
+            case 2: block4_2(wr, sc, zr, xm, K, res); break;
+            case 3: block4_3(wr, sc, zr, xm, K, res); break;
+            default: block4_4(wr, sc, zr, xm, K, res); break;
+            }
+            for (int r = 0; r < ROWS && n0 + r < N; r++)
+                for (int m = 0; m < mm; m++) {
+                    size_t o = (size_t)(m0 + m) * N + n0 + r;
+                    if (x_is_bf16)
+                        ((uint16_t *)out)[o] = f32_to_bf16(res[r][m]);
+                    else
+                        ((float *)out)[o] = res[r][m];
+                }
+        }
+    }
+    free(xf);
     return 0;
 }

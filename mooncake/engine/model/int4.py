@@ -1,0 +1,78 @@
+"""Weight-only int4 (``[model] quantization = "int4"``): a projection's weight stored in groups of
+32 along its rows, 16 levels between the group's least and greatest value (a scale and an offset
+per group: the layout of GGUF's Q4_1, so a model converted from a Q4_1 file gets back the file's
+own values, up to the serving dtype's rounding). Only weights already on such groups are kept so
+(``on_int4_groups``); ``int8.quantize_spec`` rounds the others to int8 rows.
+
+As with int8 (``int8.py``), the float weights are overwritten by their dequantized values, the
+float reference; calls with few rows read the packed nibbles (5/16 the bytes of bfloat16 with
+the scales) with the engine's kernel (``quant_gemv.c``: each group unpacked to float32 once for up
+to 4 rows, float32 sums), others use the dequantized weight.
+Without the kernel (no AVX-512 VNNI) every call uses the dequantized weight: correct, and no
+faster than unquantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mooncake.engine.kernels.native import Int4Gemv, load_int4_kernel
+from mooncake.engine.model.int8 import INT8_MAX_ROWS, QuantizedProjection
+
+GROUP = Int4Gemv.GROUP
+INT4_MAX_ROWS = INT8_MAX_ROWS  # measured (2 threads, AVX-512): the int4 kernel beats int8's at 1-8 rows
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 ``[N, K/2]``, float32 scale and zero ``[N, K/32]``) with
+    ``weight ≈ q * scale + zero`` per group of 32 along a row, ``q`` in 0..15; a group's 16
+    bytes hold its elements 0-15 in the low nibbles, 16-31 in the high ones."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise ValueError(f"int4 groups need rows of a multiple of {GROUP} values, not {K}")
+    g = weight.detach().float().reshape(N, K // GROUP, GROUP)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = (high - low) / 15
+    q = torch.round((g - low[..., None]) / scale.clamp_min(1e-30)[..., None]).clamp_(0, 15).to(torch.uint8)
+    packed = (q[..., : GROUP // 2] | (q[..., GROUP // 2:] << 4)).reshape(N, K // 2)
+    return packed.contiguous(), scale.contiguous(), low.contiguous()
+
+
+def on_int4_groups(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s rows already sit on int4 groups (a Q4_1 file's values, up to the
+    serving dtype's rounding): every value within 1/8 of its group's step of a level. A
+    full-precision weight's values fall anywhere between levels."""
+    N, K = weight.shape
+    if K % GROUP:
+        return False
+    w = weight.detach().float()
+    packed, scale, zero = quantize_groups(w)
+    error = (dequantize_groups(packed, scale, zero) - w).abs().reshape(N, K // GROUP, GROUP)
+    return bool((error <= scale[..., None] / 8).all())
+
+
+def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight that ``quantize_groups``' output stands for."""
+    N = packed.shape[0]
+    b = packed.reshape(N, -1, GROUP // 2)
+    q = torch.cat([b & 0x0F, b >> 4], -1).float()
+    return (q * scale[..., None] + zero[..., None]).reshape(N, -1)
+
+
+class Int4Projection(QuantizedProjection):
+    max_rows = INT4_MAX_ROWS
+    load_kernel = staticmethod(load_int4_kernel)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None,
+                 kernel: Int4Gemv | None = None) -> None:
+        self.w4, self.scale, self.zero = quantize_groups(weight)
+        with torch.no_grad():  # the float reference: the dequantized weight, in place
+            weight.copy_(dequantize_groups(self.w4, self.scale, self.zero).to(weight.dtype))
+        self.weight, self.bias, self.sizes = weight, bias, sizes
+        self.kernel = kernel
+
+    def small(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(flat.contiguous(), self.w4, self.scale, self.zero)
+        return F.linear(flat, self.weight)

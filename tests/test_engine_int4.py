@@ -1,0 +1,135 @@
+"""Weight-only int4 (groups of 32, a scale and an offset each): a Q4_1 grid comes back exactly,
+the engine's kernel computes what the dequantized weights compute to float32 accuracy, and the
+engine in float32 is token-exact against transformers on those same dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mooncake.config import EngineConfig, ModelConfig
+from mooncake.engine import Engine, load_model
+from mooncake.engine.kernels.native import load_int4_kernel
+from mooncake.engine.model.int4 import (INT4_MAX_ROWS, Int4Projection, dequantize_groups, on_int4_groups,
+                                        quantize_groups)
+from mooncake.engine.model.int8 import Int8Projection
+from mooncake.protocol import Sampling
+
+STEPS = 16
+GREEDY = Sampling(max_tokens=STEPS, temperature=0, ignore_eos=True)
+KERNEL = load_int4_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler or no AVX-512 VNNI here")
+
+
+def test_groups_of_32_round_to_16_levels_between_their_least_and_greatest_value():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=gen) * torch.linspace(0.01, 3, 24)[:, None]
+    packed, scale, zero = quantize_groups(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 48) and scale.shape == zero.shape == (24, 3)
+    back = dequantize_groups(packed, scale, zero)
+    groups = w.reshape(24, 3, 32)
+    torch.testing.assert_close(zero, groups.amin(-1))
+    assert torch.allclose(back, w, atol=float(scale.max()) / 2 + 1e-6)
+    assert ((back - w).abs().reshape(24, 3, 32) <= scale[..., None] / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_groups(torch.randn(4, 48))
+
+
+def test_a_q4_1_grid_comes_back_exactly():
+    """Values d * q + m (q in 0..15, each group using 0 and 15, as llama.cpp writes Q4_1) are
+    the file's own: quantizing them again changes none."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (16, 4, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(16, 4, 1, generator=gen) * 0.01 + 1e-3
+    m = -torch.rand(16, 4, 1, generator=gen) * 0.05
+    w = (q * d + m).reshape(16, 128)
+    packed, scale, zero = quantize_groups(w)
+    torch.testing.assert_close(dequantize_groups(packed, scale, zero), w, rtol=0, atol=1e-6)
+    assert on_int4_groups(w) and on_int4_groups(w.bfloat16())  # the serving dtype's rounding too
+    assert not on_int4_groups(torch.randn(16, 128, generator=gen))  # full precision: between levels
+    assert not on_int4_groups(w[:, :48])  # rows that are not whole groups
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_own_kernel_computes_the_float_reference_to_float32_accuracy(rows):
+    """Activations spanning 5 orders of magnitude, an output count that is not a multiple of
+    the kernel's 4-row blocks, the float32 and the bfloat16 path."""
+    gen = torch.Generator().manual_seed(rows)
+    packed, scale, zero = quantize_groups(torch.randn(203, 1536, generator=gen) * 0.05)
+    w = dequantize_groups(packed, scale, zero).double()
+    x = torch.randn(rows, 1536, generator=gen) * torch.logspace(-3, 2, 1536)
+    want = x.double() @ w.T
+    got = KERNEL(x, packed, scale, zero)
+    assert got.dtype == torch.float32 and got.shape == (rows, 203)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    xb = x.bfloat16()
+    want_b = (xb.double() @ w.T).float().bfloat16()
+    got_b = KERNEL(xb, packed, scale, zero)
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), want_b.float(), rtol=8e-3, atol=1e-6 * float(want.abs().max()))
+
+
+@needs_kernel
+def test_own_kernel_refuses_what_it_cannot_compute():
+    packed, scale, zero = quantize_groups(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 64).half(), packed, scale, zero)  # a dtype it would misread
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(64, 2).T, packed, scale, zero)  # not contiguous
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 64), packed, scale.bfloat16(), zero)
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 96), packed, scale, zero)  # x's row longer than the weight's
+
+
+def test_projection_matches_its_dequantized_weight_at_every_row_count():
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    proj = Int4Projection(weight, bias, [64, 16, 16], KERNEL)
+    assert torch.equal(weight, dequantize_groups(proj.w4, proj.scale, proj.zero).bfloat16())  # in place
+    for rows in (1, 3, INT4_MAX_ROWS, 40):  # the kernel (where it runs) below the threshold
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        q, k, v = proj(x)
+        want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(torch.cat([q, k, v], -1).float(), want, atol=0.05, rtol=0.02)
+
+
+def _greedy(engine: Engine, ids: list[int]) -> list[int]:
+    seq = engine.add_sequence("r", ids, GREEDY)
+    while not seq.prefilled:
+        engine.prefill(seq)
+    while not seq.finished:
+        engine.decode_step([seq])
+    engine.free(seq)
+    return seq.tokens[len(ids):]
+
+
+def test_int4_engine_in_float32_is_token_exact_against_its_float_reference():
+    """float32 + int4: the engine (decode through the int4 kernel, prefill through the
+    dequantized weights) against transformers in float32 on the dequantized weights, up to and
+    including an end-of-sequence token (transformers stops there; the engine, told to ignore it,
+    goes on)."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization="int4"))
+    assert loaded.model_id.endswith("/float32-int4")
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20))
+    ref, tok = loaded.hf_model, loaded.tokenizer
+    for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
+        ids = tok(text)["input_ids"]
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=STEPS, do_sample=False, pad_token_id=2)
+        theirs = out[0, len(ids):].tolist()
+        assert len(theirs) >= 8 and _greedy(engine, ids)[:len(theirs)] == theirs, text
+
+
+def test_int4_keeps_the_bundled_q4_1_layers_in_int4_and_its_lm_head_in_int8():
+    """The GGUF stores the layers' projections in Q4_1 and its embedding (the tied lm_head) at
+    more bits: the layers come back exactly on int4 groups, the lm_head is rounded to int8 rows."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="int4"))
+    spec = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20)).model.spec
+    layers = [p for layer in spec.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(p, Int4Projection) for p in layers)
+    assert isinstance(spec.head, Int8Projection)
