@@ -10,9 +10,11 @@ import torch
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
 from mooncake.engine.kernels.native import load_int4_kernel
-from mooncake.engine.model.int4 import (INT4_MAX_ROWS, Int4Projection, dequantize_groups, on_int4_groups,
-                                        quantize_groups)
-from mooncake.engine.model.int8 import Int8Projection
+from mooncake.conductor.expected_model import ExpectedModel
+from mooncake.engine import ModelLoadError
+from mooncake.engine.model.int4 import INT4_MAX_ROWS, Int4Projection, dequantize_groups, int4_groups, quantize_groups
+from mooncake.engine.model.int8 import Int8Projection, quantize_spec
+from mooncake.protocol import ModelFacts
 from mooncake.protocol import Sampling
 
 STEPS = 16
@@ -46,9 +48,25 @@ def test_a_q4_1_grid_comes_back_exactly():
     w = (q * d + m).reshape(16, 128)
     packed, scale, zero = quantize_groups(w)
     torch.testing.assert_close(dequantize_groups(packed, scale, zero), w, rtol=0, atol=1e-6)
-    assert on_int4_groups(w) and on_int4_groups(w.bfloat16())  # the serving dtype's rounding too
-    assert not on_int4_groups(torch.randn(16, 128, generator=gen))  # full precision: between levels
-    assert not on_int4_groups(w[:, :48])  # rows that are not whole groups
+    assert int4_groups(w) is not None and int4_groups(w.bfloat16()) is not None  # the serving dtype's rounding too
+    assert int4_groups(w, chunk_rows=5) is not None
+    torch.testing.assert_close(dequantize_groups(*int4_groups(w, chunk_rows=5)), w, rtol=0, atol=1e-6)
+    assert int4_groups(torch.randn(16, 128, generator=gen)) is None  # full precision: between levels
+    assert int4_groups(w[:, :48]) is None  # rows that are not whole groups
+
+
+def test_groups_far_from_zero_still_come_back_in_bfloat16():
+    """A group whose values sit far from zero (offset ≫ step) moves further when rounded to
+    bfloat16; it is still on its grid, and a full-precision one there still is not."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (64, 8, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(64, 8, 1, generator=gen) * 1e-3 + 2e-4
+    m = 0.05 + torch.rand(64, 8, 1, generator=gen) * 0.1  # 50-1,500 steps from zero
+    w = (q * d + m).reshape(64, 256)
+    assert int4_groups(w.bfloat16()) is not None
+    off_grid = w + (torch.rand(64, 256, generator=gen) - 0.5) * d.repeat_interleave(32, 1).reshape(64, 256)
+    assert int4_groups(off_grid) is None
 
 
 @needs_kernel
@@ -72,6 +90,21 @@ def test_own_kernel_computes_the_float_reference_to_float32_accuracy(rows):
 
 
 @needs_kernel
+def test_own_kernel_reads_each_weight_as_the_float_reference_holds_it_bit_for_bit():
+    """One-hot rows of x pick single weights: in float32 each comes back exactly as torch
+    dequantizes it (the kernel's multiply and add are each rounded, not fused); a weight matrix
+    of fewer rows than a block (3) and rows of one group (32)."""
+    gen = torch.Generator().manual_seed(4)
+    for n, k in ((3, 32), (203, 96)):
+        packed, scale, zero = quantize_groups(torch.randn(n, k, generator=gen) * 0.05)
+        w = dequantize_groups(packed, scale, zero)
+        for cols in (range(0, k, 7), range(k - 5, k)):
+            x = torch.zeros(len(cols), k)
+            x[torch.arange(len(cols)), list(cols)] = 1.0
+            assert torch.equal(KERNEL(x, packed, scale, zero), w[:, list(cols)].T.contiguous())
+
+
+@needs_kernel
 def test_own_kernel_refuses_what_it_cannot_compute():
     packed, scale, zero = quantize_groups(torch.randn(8, 64))
     with pytest.raises(ValueError, match="int4 kernel takes"):
@@ -82,6 +115,27 @@ def test_own_kernel_refuses_what_it_cannot_compute():
         KERNEL(torch.randn(1, 64), packed, scale.bfloat16(), zero)
     with pytest.raises(ValueError, match="int4 kernel takes"):
         KERNEL(torch.randn(1, 96), packed, scale, zero)  # x's row longer than the weight's
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 64), packed.view(torch.int8), scale, zero)
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 64), packed, scale, zero[:4])
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(1, 64), packed.flatten(), scale, zero)
+    with pytest.raises(ValueError, match="int4 kernel takes"):
+        KERNEL(torch.randn(0, 64), packed, scale, zero)
+
+
+def test_an_unknown_scheme_is_refused_by_name():
+    with pytest.raises(ModelLoadError, match="int5"):
+        quantize_spec(None, scheme="int5")  # type: ignore[arg-type]
+
+
+def test_the_conductor_takes_one_scheme_suffix_under_auto_not_two():
+    auto = ExpectedModel("m@0123456789abcdef", None, 16, (30, 2, 3, 16, 64), "", any_quantization=True)
+    facts = lambda dtype: ModelFacts(model_id=f"m@0123456789abcdef/{dtype}", block_tokens=16,  # noqa: E731
+                                     max_model_len=2048, vocab_size=49152, block_shape=(30, 2, 3, 16, 64))
+    assert auto.problem(facts("bfloat16-int4")) is None
+    assert auto.problem(facts("bfloat16-int4-int8")) is not None
 
 
 def test_projection_matches_its_dequantized_weight_at_every_row_count():

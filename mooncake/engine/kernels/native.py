@@ -6,7 +6,8 @@ At one to a few rows torch's ``aten._weight_int8pack_mm`` reads the weights at a
 on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same bytes: a
 decode step at batch 1 is mostly those reads. ``quant_gemv.c`` reads each weight row once for
 all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to 21-32 GB/s on
-the lm_head), with integer dot products on exact-enough int16 parts of the activations:
+the lm_head), with integer dot products on exact-enough int16 parts of the activations (int8;
+int4 unpacks each group of weights to float32 once for up to 4 rows and sums in float32):
 float32-accurate ``x @ (w8 * scale).T`` (int4: per group of 32, ``x @ (q * scale + zero).T``), the
 float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
@@ -73,10 +74,10 @@ class Int4Gemv:
         self._fn = fn
 
     def __call__(self, x: torch.Tensor, w4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        M, K = x.shape
-        N = w4.shape[0]
+        M, K = x.shape if x.dim() == 2 else (0, 0)
+        N = w4.shape[0] if w4.dim() == 2 else 0
         groups = (N, K // self.GROUP)
-        if (x.dtype not in (torch.bfloat16, torch.float32) or w4.dtype != torch.uint8 or K % self.GROUP
+        if (M < 1 or N < 1 or x.dtype not in (torch.bfloat16, torch.float32) or w4.dtype != torch.uint8 or K % self.GROUP
                 or w4.shape[1] * 2 != K or scale.dtype != torch.float32 or zero.dtype != torch.float32
                 or scale.shape != groups or zero.shape != groups or x.device.type != "cpu"
                 or not all(t.is_contiguous() for t in (x, w4, scale, zero))):

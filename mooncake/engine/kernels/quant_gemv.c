@@ -155,13 +155,21 @@ int mooncake_int8_gemv(const void *x, int x_is_bf16, const int8_t *w, const floa
 #define GROUP 32
 #define MAX_M4 4  /* activation rows per pass: a group is unpacked once for all of them */
 
-/* A group's 32 weights in float32, q * scale + zero (multiplied, then added: rounded as
- * torch rounds the dequantized weight, so in float32 these are the float reference's weights). */
+/* A group's 32 weights in float32, q * scale + zero, multiplied and then added, each rounded
+ * (the explicitly rounded forms, which the compiler does not contract into one fused
+ * multiply-add): as torch rounds the dequantized weight, so in float32 these are bit for bit
+ * the float reference's weights. */
+#define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline __m512 dequantize16(__m128i q8, __m512 d, __m512 z) {
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8));
+    return _mm512_add_round_ps(_mm512_mul_round_ps(q, d, NEAREST), z, NEAREST);
+}
+
 static inline void unpack_group(const uint8_t *p, float scale, float zero, __m512 *w0, __m512 *w1) {
     __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0f);
     __m512 d = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
-    *w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m))), d), z);
-    *w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m))), d), z);
+    *w0 = dequantize16(_mm_and_si128(b, m), d, z);
+    *w1 = dequantize16(_mm_and_si128(_mm_srli_epi16(b, 4), m), d, z);
 }
 
 /* res[r][m] = dot(int4 row r, row m of x) for ROWS weight rows and MM rows of x (float32). */

@@ -2,7 +2,7 @@
 32 along its rows, 16 levels between the group's least and greatest value (a scale and an offset
 per group: the layout of GGUF's Q4_1, so a model converted from a Q4_1 file gets back the file's
 own values, up to the serving dtype's rounding). Only weights already on such groups are kept so
-(``on_int4_groups``); ``int8.quantize_spec`` rounds the others to int8 rows.
+(``int4_groups``); ``int8.quantize_spec`` rounds the others to int8 rows.
 
 As with int8 (``int8.py``), the float weights are overwritten by their dequantized values, the
 float reference; calls with few rows read the packed nibbles (5/16 the bytes of bfloat16 with
@@ -21,7 +21,7 @@ from mooncake.engine.kernels.native import Int4Gemv, load_int4_kernel
 from mooncake.engine.model.int8 import INT8_MAX_ROWS, QuantizedProjection
 
 GROUP = Int4Gemv.GROUP
-INT4_MAX_ROWS = INT8_MAX_ROWS  # measured (2 threads, AVX-512): the int4 kernel beats int8's at 1-8 rows
+INT4_MAX_ROWS = INT8_MAX_ROWS  # measured (2 threads, AVX-512): at 1-8 rows the int4 kernel beats int8's, and bf16 tiles
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,17 +39,28 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return packed.contiguous(), scale.contiguous(), low.contiguous()
 
 
-def on_int4_groups(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s rows already sit on int4 groups (a Q4_1 file's values, up to the
-    serving dtype's rounding): every value within 1/8 of its group's step of a level. A
-    full-precision weight's values fall anywhere between levels."""
+def int4_groups(weight: torch.Tensor, chunk_rows: int = 4096
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``quantize_groups(weight)`` where ``weight``'s rows already sit on int4 groups (a Q4_1
+    file's values, up to the serving dtype's rounding), else None. On groups: every value
+    within 1/8 of a step of a level, plus what rounding to the weight's dtype moved it, its
+    group's least and greatest value (``eps`` of the largest magnitude). A full-precision
+    weight's values fall anywhere between levels. ``chunk_rows`` at a time (a large lm_head's
+    float32 copies stay small)."""
     N, K = weight.shape
     if K % GROUP:
-        return False
-    w = weight.detach().float()
-    packed, scale, zero = quantize_groups(w)
-    error = (dequantize_groups(packed, scale, zero) - w).abs().reshape(N, K // GROUP, GROUP)
-    return bool((error <= scale[..., None] / 8).all())
+        return None
+    eps = torch.finfo(weight.dtype).eps
+    parts = []
+    for r0 in range(0, N, chunk_rows):
+        w = weight[r0:r0 + chunk_rows].detach().float()
+        packed, scale, zero = quantize_groups(w)
+        error = (dequantize_groups(packed, scale, zero) - w).abs().reshape(len(w), K // GROUP, GROUP)
+        magnitude = w.abs().reshape(len(w), K // GROUP, GROUP).amax(-1)
+        if not bool((error <= (scale / 8 + eps * magnitude)[..., None]).all()):
+            return None
+        parts.append((packed, scale, zero))
+    return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
 
 
 def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -65,8 +76,10 @@ class Int4Projection(QuantizedProjection):
     load_kernel = staticmethod(load_int4_kernel)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None,
-                 kernel: Int4Gemv | None = None) -> None:
-        self.w4, self.scale, self.zero = quantize_groups(weight)
+                 kernel: Int4Gemv | None = None,
+                 groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``groups``: ``quantize_groups(weight)`` when already computed (``int4_groups``)."""
+        self.w4, self.scale, self.zero = groups if groups is not None else quantize_groups(weight)
         with torch.no_grad():  # the float reference: the dequantized weight, in place
             weight.copy_(dequantize_groups(self.w4, self.scale, self.zero).to(weight.dtype))
         self.weight, self.bias, self.sizes = weight, bias, sizes

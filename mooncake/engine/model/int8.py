@@ -66,6 +66,8 @@ class QuantizedProjection(abc.ABC):
 
 
 class Int8Projection(QuantizedProjection):
+    load_kernel = staticmethod(load_kernel)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None,
                  kernel: Int8Gemv | None = None) -> None:
         self.w8, self.scale32 = quantize_rows(weight)
@@ -76,8 +78,6 @@ class Int8Projection(QuantizedProjection):
         K = weight.shape[1]
         self.kernel = kernel if kernel is not None and K % 32 == 0 and K <= MAX_K else None
 
-    load_kernel = staticmethod(load_kernel)
-
     def small(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(flat.contiguous(), self.w8, self.scale32)
@@ -85,16 +85,17 @@ class Int8Projection(QuantizedProjection):
 
 
 def _quantized(proj: object, where: str, scheme: str, kernels: dict[type, object]) -> QuantizedProjection:
-    from mooncake.engine.model.int4 import Int4Projection, on_int4_groups
+    from mooncake.engine.model.int4 import Int4Projection, int4_groups
 
     if isinstance(proj, Separate):
         raise ModelLoadError(f"{scheme} quantization needs fused projections ({where} mixes biased and unbiased parts)")
     if not isinstance(proj, (Fused, Linear)):
         raise ModelLoadError(f"{scheme} quantization cannot handle {type(proj).__name__} at {where}")
-    make: type[QuantizedProjection] = \
-        Int4Projection if scheme == "int4" and on_int4_groups(proj.weight) else Int8Projection
     sizes = proj.sizes if isinstance(proj, Fused) else None
-    return make(proj.weight, proj.bias, sizes, kernels.get(make))  # type: ignore[call-arg]
+    groups = int4_groups(proj.weight) if scheme == "int4" else None
+    if groups is not None:
+        return Int4Projection(proj.weight, proj.bias, sizes, kernels.get(Int4Projection), groups)  # type: ignore[arg-type]
+    return Int8Projection(proj.weight, proj.bias, sizes, kernels.get(Int8Projection))  # type: ignore[arg-type]
 
 
 def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8") -> None:
@@ -105,6 +106,8 @@ def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8"
     torch's kernels instead of the engine's."""
     from mooncake.engine.model.int4 import Int4Projection
 
+    if scheme not in ("int8", "int4"):
+        raise ModelLoadError(f"no quantization scheme {scheme!r}: int8 or int4")
     dtype, device = spec.embed.dtype, spec.embed.device
     if dtype not in INT8_DTYPES or device.type != "cpu":
         raise ModelLoadError(f"quantization '{scheme}' runs on CPU in bfloat16 or float32; this model serves "
@@ -120,5 +123,6 @@ def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8"
     if scheme == "int4":
         projections = [*(p for layer in spec.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)), spec.head]
         in_int4 = sum(isinstance(p, Int4Projection) for p in projections)
-        log.info("int4: %d of %d projections on 4-bit groups, the rest (weights not on such groups) int8",
-                 in_int4, len(projections))
+        (log.info if in_int4 else log.warning)(
+            "int4: %d of %d projections on 4-bit groups, the rest (weights not on such groups) int8",
+            in_int4, len(projections))
