@@ -13,6 +13,7 @@ from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
 from mooncake.engine.loading import loader
 from mooncake.protocol import Sampling
+from mooncake.testing.engine_run import run_alone
 
 STEPS = 16
 GREEDY = Sampling(max_tokens=STEPS, temperature=0, ignore_eos=True)
@@ -83,13 +84,7 @@ def test_bfloat16_engine_is_close_to_transformers_in_bfloat16(device):
                                    add_generation_prompt=True, return_dict=True)["input_ids"]
     agreed = 0
     for ids in (list(chat), tok("The history of the printing press begins")["input_ids"]):
-        seq = engine.add_sequence("r", ids, GREEDY)
-        while not seq.prefilled:
-            engine.prefill(seq)
-        while not seq.finished:
-            engine.decode_step([seq])
-        engine.free(seq)
-        ours = seq.tokens[len(ids):]
+        ours = run_alone(engine, ids, GREEDY)
         theirs, their_logits = _greedy_with_logits(ref, ids, STEPS)
         for t in range(STEPS):
             our_logits = _last_logits(engine, ids + ours[:t])

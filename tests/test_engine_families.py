@@ -12,6 +12,7 @@ from mooncake.engine import Engine, ModelLoadError, load_model
 from mooncake.engine.model.families import check_config, model_spec
 from mooncake.engine.loading.tiny_models import FAMILIES, tiny_config
 from mooncake.protocol import Sampling
+from mooncake.testing.engine_run import run_alone
 
 STEPS = 24
 GREEDY = Sampling(max_tokens=STEPS, temperature=0, ignore_eos=True)
@@ -40,14 +41,7 @@ def hf_greedy(model, ids: list[int], n: int = STEPS):
 
 
 def run(engine: Engine, ids: list[int], sampling: Sampling = GREEDY) -> list[int]:
-    seq = engine.add_sequence("r", ids, sampling)
-    assert seq is not None
-    while not seq.prefilled:
-        engine.prefill(seq)
-    while not seq.finished:
-        engine.decode_step([seq])
-    engine.free(seq)
-    return seq.tokens[len(ids):]
+    return run_alone(engine, ids, sampling)
 
 
 def last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Weight-only int8: the int8 kernels (torch's packed one and the engine's own) compute what
 the dequantized weights compute, the engine in float32 is token-exact against transformers
 running those same dequantized weights in float32 (its float reference) and in bfloat16 stays
-close to them, and a configuration the kernels cannot serve is refused by name."""
+close to them (both with int4 weights too), and a configuration the kernels cannot serve is
+refused by name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from mooncake.engine import Engine, ModelLoadError, load_model
 from mooncake.engine.model.int8 import INT8_MAX_ROWS, Int8Projection, quantize_rows
 from mooncake.engine.kernels.native import load_kernel
 from mooncake.protocol import Sampling
+from mooncake.testing.engine_run import run_alone
 
 STEPS = 16
 GREEDY = Sampling(max_tokens=STEPS, temperature=0, ignore_eos=True)
@@ -89,43 +91,38 @@ def test_projection_uses_the_own_kernel_at_few_rows_only_where_rows_fit():
     assert Int8Projection(torch.randn(8, 48).bfloat16(), None, kernel=KERNEL).kernel is None  # 48: not a multiple of 32
 
 
-def _greedy(engine: Engine, ids: list[int]) -> list[int]:
-    seq = engine.add_sequence("r", ids, GREEDY)
-    while not seq.prefilled:
-        engine.prefill(seq)
-    while not seq.finished:
-        engine.decode_step([seq])
-    engine.free(seq)
-    return seq.tokens[len(ids):]
-
-
-def test_int8_engine_in_float32_is_token_exact_against_its_float_reference():
-    """float32 + int8: the engine (decode through the int8 kernel, prefill through the
-    dequantized weights) against transformers in float32 on the dequantized weights."""
-    loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization="int8"))
-    assert loaded.model_id.endswith("/float32-int8")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_engine_in_float32_is_token_exact_against_its_float_reference(scheme):
+    """float32 + int8 or int4 (``test_engine_int4.py``): the engine (decode through the scheme's
+    kernel, prefill through the dequantized weights) against transformers in float32 on the
+    dequantized weights, up to and including an end-of-sequence token (transformers stops
+    there; the engine, told to ignore it, goes on)."""
+    loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization=scheme))
+    assert loaded.model_id.endswith(f"/float32-{scheme}")
     engine = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20))
     ref, tok = loaded.hf_model, loaded.tokenizer
     for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         ids = tok(text)["input_ids"]
         with torch.no_grad():
             out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=2)
-        assert _greedy(engine, ids) == out[0, len(ids):].tolist(), text
+                               max_new_tokens=STEPS, do_sample=False, pad_token_id=2)
+        theirs = out[0, len(ids):].tolist()
+        assert len(theirs) >= 8 and run_alone(engine, ids, GREEDY)[:len(theirs)] == theirs, text
 
 
-def test_int8_engine_is_close_to_its_float_reference():
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_engine_is_close_to_its_float_reference(scheme):
     """Greedy tokens of each side within the other's top 5 until the first divergence, and
     the sequences agree for a good stretch."""
-    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="int8"))
-    assert loaded.model_id.endswith("/bfloat16-int8")
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization=scheme))
+    assert loaded.model_id.endswith(f"/bfloat16-{scheme}")
     engine = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20))
-    ref = loaded.hf_model  # now holds the dequantized weights: the int8 engine's float reference
+    ref = loaded.hf_model  # now holds the dequantized weights: the quantized engine's float reference
     tok = loaded.tokenizer
     agreed = 0
     for text in ("The capital of France is", "def fibonacci(n):"):
         ids = tok(text)["input_ids"]
-        ours = _greedy(engine, ids)
+        ours = run_alone(engine, ids, GREEDY)
         with torch.no_grad():
             out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=2,
