@@ -5,7 +5,7 @@ own values, up to the serving dtype's rounding). Only weights already on such gr
 (``int4_groups``); ``int8.quantize_spec`` rounds the others to int8 rows.
 
 As with int8 (``int8.py``), the float weights are overwritten by their dequantized values, the
-float reference; calls with few rows read the packed nibbles (5/16 the bytes of bfloat16 with
+float reference; calls with few rows read the packed nibbles (3/8 the bytes of bfloat16 with
 the scales) with the engine's kernel (``quant_gemv.c``: each group unpacked to float32 once for up
 to 4 rows, float32 sums), others use the dequantized weight.
 Without the kernel (no AVX-512 VNNI) every call uses the dequantized weight: correct, and no
