@@ -6,8 +6,9 @@ flight, closed loop: ``Submit`` (prompt tokens and block hashes, computed once u
 the prompts open with one of 8 shared prefixes) -> ``Admitted`` -> the attempt driven along its
 route by the real ``AttemptDriver`` (its prefill reported in the next ``Release`` batch) -> the
 decode's tokens on its token socket until the last -> the attempt in the next ``Release`` batch
--> the next request. That is every message a real frontend exchanges per request, so the
-conductor under it does all the work it would do behind real frontends. Prints one JSON line
+-> the next request. Its conversation with the conductor is a real frontend's
+(``ConductorClient``: batches, heartbeats and all), so the conductor under it does all the work it
+would do behind real frontends. Prints one JSON line
 when done: completed requests, seconds, and refusals.
 
     python benchmarks/standin_frontends.py --config FILE [--frontends 1] [--concurrency 64] [--duration 10]
@@ -30,7 +31,7 @@ from mooncake import protocol as P
 from mooncake.blocks import hash_blocks, root_hash
 from mooncake.config import load_config
 from mooncake.frontend.attempt_driver import AttemptDriver, DrivenAttempt
-from mooncake.roles.link import ConductorLink
+from mooncake.frontend.conductor_client import ConductorClient
 from mooncake.sockets import recv_multipart
 
 from standin_workers import bundled_facts
@@ -56,26 +57,22 @@ class StandInFrontend:
         self.tokens = ctx.socket(zmq.ROUTER)
         self.tokens.bind("tcp://127.0.0.1:0")
         endpoint = self.tokens.getsockopt(zmq.LAST_ENDPOINT).decode()
-        reg = P.Register("frontend", self.node_id, P.NodeInfo(f"bench{index}", os.getpid(), instance=P.process_instance()), {"tokens": endpoint})
-        self.link = ConductorLink(ctx, cfg.conductor.endpoint, reg, lambda: P.Load(running=len(self.waiting)))
+        self.ctx = ctx
+        self.reg = P.Register("frontend", self.node_id, P.NodeInfo(f"bench{index}", os.getpid(),
+                                                                  instance=P.process_instance()), {"tokens": endpoint})
+        self.conductor = ConductorClient(cfg, self.node_id, lambda msg: None)
         self.root = root_hash(facts.model_id)
         self.waiting: dict[str, asyncio.Future] = {}  # wire id -> set when its last token came
-        self.answers: dict[str, asyncio.Future] = {}  # wire id -> Admitted / Refused
-        self.ended: list[P.Ended] = []
-        self.prefilled: list[P.Prefilled] = []
         self.driver = AttemptDriver(ctx, None, self.node_id, endpoint, 64 << 20, self._on_prefilled,
                                     lambda a, failed: self._finish(a.wire_id))
         self.done = self.refused = 0
         self.seq = 0
 
     async def run(self, concurrency: int, until: float) -> None:
-        await self.link.connect(timeout_s=60)
-        self.link.start_heartbeat()
-        tasks = [asyncio.create_task(self._recv()), asyncio.create_task(self._tokens()),
-                 asyncio.create_task(self._release())]
+        await self.conductor.connect(self.ctx, None, self.reg, lambda: P.Load(running=len(self.waiting)), list)
+        tokens = asyncio.create_task(self._tokens())
         await asyncio.gather(*(self._client(until) for _ in range(concurrency)))
-        for t in tasks:
-            t.cancel()
+        tokens.cancel()
         self.driver.close()
 
     async def _client(self, until: float) -> None:
@@ -83,13 +80,11 @@ class StandInFrontend:
             self.seq += 1
             wire_id = f"b{self.node_id}-{self.seq}#1"
             tokens, hashes = self.pool[self.seq % len(self.pool)]
-            answer = self.answers[wire_id] = asyncio.get_running_loop().create_future()
             finished = self.waiting[wire_id] = asyncio.get_running_loop().create_future()
             submit = P.Submit(wire_id, self.node_id, tokens, hashes, self.root, P.Sampling(max_tokens=self.max_tokens),
                               in_flight=len(self.waiting) - 1, new_request=True)
-            await self.link.send(submit.for_conductor())
-            admitted = await answer
-            if isinstance(admitted, P.Refused):
+            admitted = await self.conductor.ask(submit)
+            if not isinstance(admitted, P.Admitted):
                 self.refused += 1
                 self.waiting.pop(wire_id, None)
                 await asyncio.sleep(0.01)
@@ -97,16 +92,8 @@ class StandInFrontend:
             self.driver.drive(submit, admitted.route)
             await finished
             self.driver.end(wire_id, abort=False)
-            self.ended.append(P.Ended(wire_id, False, self.max_tokens - 1, 0.0))
+            self.conductor.release(P.Ended(wire_id, False, self.max_tokens - 1, 0.0))
             self.done += 1
-
-    async def _recv(self) -> None:
-        while True:
-            msg, _ = await self.link.recv()
-            if isinstance(msg, (P.Admitted, P.Refused)):
-                f = self.answers.pop(msg.wire_id, None)
-                if f is not None:
-                    f.set_result(msg)
 
     async def _tokens(self) -> None:
         while True:
@@ -117,7 +104,7 @@ class StandInFrontend:
                     self._finish(e.req_id)
 
     def _on_prefilled(self, a: DrivenAttempt, msg: P.PrefillDone, now: float) -> None:
-        self.prefilled.append(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started))
+        self.conductor.prefilled(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started))
         if msg.finished is not None:
             self._finish(a.wire_id)
 
@@ -125,14 +112,6 @@ class StandInFrontend:
         f = self.waiting.pop(wire_id, None)
         if f is not None and not f.done():
             f.set_result(None)
-
-    async def _release(self) -> None:
-        while True:
-            await asyncio.sleep(0.01)
-            if self.ended or self.prefilled:
-                msg = P.Release(self.node_id, self.ended, self.prefilled)
-                self.ended, self.prefilled = [], []
-                await self.link.send(msg)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -145,8 +124,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     await asyncio.gather(*(f.run(args.concurrency, start + args.duration) for f in fronts))
     wall = time.monotonic() - start
     for f in fronts:
-        await f.link.send(P.Release(f.node_id, f.ended))
-        f.link.close()
+        await f.conductor.close()  # what it still holds released first
         f.tokens.close(0)
     ctx.term()
     return {"completed": sum(f.done for f in fronts), "refused": sum(f.refused for f in fronts), "seconds": wall}

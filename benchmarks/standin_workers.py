@@ -15,7 +15,8 @@ Every order is answered at once with what a real worker would send its frontend:
 * prefill: ``PrefillRequest`` -> ``PrefillDone`` (cached tokens from its own device cache, the
   fetch plan's blocks as fetched), then device ``BlockEvent``s for the blocks it now caches
   (and ``removed`` for those its LRU pool evicts), and, when the request names a store, that
-  store's for the blocks written to it, batched as the real roles batch them (``BlockEvents``);
+  store's for the blocks written to it, reported with the heartbeats as the real roles report them
+  (``BlockEvents``);
 * ``Abort``: the request is forgotten. Heartbeats report progress and no pending work.
 
     python benchmarks/standin_workers.py --config FILE [--prefill 4] [--decode 4] [--store 1]
@@ -131,7 +132,7 @@ class StandIn:
         self._stepping: asyncio.Task | None = None
         self.reply_to: dict[str, str] = {}  # decoding request -> its frontend's token endpoint
         self.outlets = TokenOutlets(ctx, self.node_id, None)
-        self.events = BlockEvents(self.node_id)  # batched as the real roles batch them
+        self.events = BlockEvents(self.node_id)  # reported as the real roles report them
         self.orders = Orders(ctx, "127.0.0.1", None, 64 << 20, self.node_id, lambda msg, _: self.handle(msg)) \
             if role != "store" else None
         if self.orders is not None:
@@ -148,8 +149,7 @@ class StandIn:
 
     async def serve(self) -> None:
         await self.link.connect(timeout_s=60)
-        self.link.start_heartbeat()
-        self.cluster.tasks.append(asyncio.create_task(self.events.run(self.link.send)))
+        self.link.start_heartbeat(self.events)
         if self.orders is not None:
             self.cluster.tasks.append(asyncio.create_task(self.orders.serve(lambda: [*self.decoding, *self.batch])))
         while True:

@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MSG_BYTES = 64 << 20  # a socket's limit when the role does not know its block size
 MESSAGES_PER_WAKEUP = 256  # then other callbacks run before the rest is read
 _send = zmq.backend.Socket.send  # a frame's send without pyzmq's Python wrapper (its flags are Python enums)
+_recv = zmq.backend.Socket.recv  # likewise, a frame's receive
+_get = zmq.backend.Socket.get
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 async def recv_multipart(sock: zmq.asyncio.Socket, copy: bool = False) -> list[Any]:
@@ -121,19 +124,26 @@ class PlainSocket:
                 self._schedule_drain()
 
     def _drain(self) -> None:
-        """The descriptor is edge-triggered: read until empty (or the budget, then come back)."""
+        """The descriptor is edge-triggered: read until empty (or the budget, then come back).
+        Frames are read one by one, as long as the socket says a message waits: pyzmq's
+        ``recv_multipart`` and the ``zmq.Again`` that ends its loop cost more than the reading."""
         self._drain_soon = False
-        if self.sock.closed:
+        sock = self.sock
+        if sock.closed:
             return
         self._draining = True
         try:
             for _ in range(MESSAGES_PER_WAKEUP):
-                if self.sock.closed:  # a handler closed it
+                if sock.closed or not _get(sock, _EVENTS) & _POLLIN:  # a handler closed it, or all is read
                     return
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                    frame = _recv(sock, _NOBLOCK, False)
+                except zmq.Again:  # what it announced was not a message (a CURVE handshake's frames)
                     return
+                frames = [frame]
+                while frame.more:
+                    frame = _recv(sock, _NOBLOCK, False)
+                    frames.append(frame)
                 try:
                     self.on_frames(frames)
                 except Exception:  # one bad message never stops the reader

@@ -146,6 +146,13 @@ async def test_block_events_feed_the_index_and_a_dead_node_leaves_it(conductor):
     assert len(conductor.index) == 0 and conductor.cluster.get("p0") is None
 
 
+async def test_a_heartbeat_carries_the_blocks_a_node_cached_since_its_last(conductor):
+    p0 = conductor.cluster.get("p0")
+    conductor._on_heartbeat(p0, P.Heartbeat("p0", P.Load(), [P.BlockEvent("p0", "removed", "device", [b"a" * 32]),
+                                                             P.BlockEvent("p0", "stored", "device", [b"b" * 32])]))
+    assert conductor.index.holders(b"b" * 32) == {"p0": "device"} and len(conductor.index) == 1
+
+
 async def test_a_node_restarted_under_the_same_pid_is_told_apart_by_its_instance(conductor):
     """In a container every role may be pid 1: a registration from another process start (another
     ``instance``) drops what the old one held from the index; the same start re-registering keeps it."""
@@ -298,6 +305,22 @@ async def test_frontends_hear_of_the_cluster_on_heartbeats(conductor):
     assert view.ready and view.facts == FACTS and view.nodes["decode"] == 1 and view.nodes["frontend"] == 1
     assert conductor.requests_in_flight["f0"] == 4 and not view.snapshot
     assert conductor.view(snapshot=True).snapshot["frontends"] == ["f0"]
+
+
+async def test_frontends_hear_of_a_change_of_membership_unasked_and_the_view_is_built_once_a_change(conductor):
+    """A busy frontend sends no heartbeat (its Submits stand in): the liveness check that follows
+    a change tells every frontend, once."""
+    view = conductor.view()
+    assert conductor.view() is view  # nothing changed: the same view, not built again
+    conductor.views.tell_if_changed()
+    conductor.router.log.clear()
+    conductor.views.tell_if_changed()
+    assert conductor.router.of(P.ClusterView) == []
+    conductor.membership.leave(conductor.cluster.get("d0"))  # draining: no new work there
+    conductor.views.tell_if_changed()
+    conductor.views.tell_if_changed()
+    (to, told), = conductor.router.of(P.ClusterView)
+    assert to == "f0" and told is not view and told.nodes["decode"] == 0 and not told.ready
 
 
 async def test_a_claim_on_an_instance_that_restarted_ends_and_a_dead_frontend_s_claims_go(conductor):

@@ -25,7 +25,7 @@ from typing import Any
 
 from mooncake import protocol as P
 from mooncake.conductor.adoption import Adoption, adopted_plan
-from mooncake.conductor.attempt import Attempt, route_of, worker_ref
+from mooncake.conductor.attempt import Attempt, route_of
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
 from mooncake.conductor.pipeline import stage_plans
@@ -33,7 +33,7 @@ from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.session_keeper import SessionKeeper
 from mooncake.conductor.request_metrics import AttemptMetrics
 from mooncake.conductor.router import Router
-from mooncake.conductor.snapshot import cluster_snapshot
+from mooncake.conductor.snapshot import FrontendViews, cluster_view
 from mooncake.config import Config
 from mooncake.metrics import Metrics
 from mooncake.p2p.index import P2PIndex
@@ -47,6 +47,7 @@ from mooncake.sched.predictions import Predictions
 from mooncake.sched.request_class import rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
+from mooncake.ticks import until_tick
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class Conductor:
         self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
         self.sessions = SessionKeeper(self.cluster, self.index, self.replicator.client)
         self.requests_in_flight: dict[str, int] = {}  # frontend -> requests it holds (admission counts them)
+        self.views = FrontendViews(self)
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -123,15 +125,7 @@ class Conductor:
 
     def view(self, snapshot: bool = False) -> P.ClusterView:
         """What frontends are told of the cluster (with ``snapshot``: what ``GET /cluster`` shows)."""
-        nodes = {role: len(self.cluster.of_role(role)) for role in (*P.ENGINE_ROLES, "store", "frontend")}
-        workers = [worker_ref(n) for role in P.ENGINE_ROLES for n in self.cluster.of_role(role)
-                   if n.endpoints.get("orders")]
-        return P.ClusterView(self.name, self.facts, self.ready, nodes, cluster_snapshot(self) if snapshot else {},
-                             workers)
-
-    def _tell_frontends(self) -> None:
-        for node in self.cluster.of_role("frontend"):
-            self._send(node.node_id, self.view())
+        return cluster_view(self, snapshot=True) if snapshot else self.views.current()
 
     # ------------------------------------------------------------ placing attempts
 
@@ -299,7 +293,8 @@ class Conductor:
 
     def on_node_lost(self, node: Node, why: str) -> None:
         """A node died, stalled or restarted: its attempts end (their owners move them); its
-        stores' clients go; a frontend's attempts are dropped everywhere (``FrontendGone``)."""
+        stores' clients go; a frontend's attempts are dropped everywhere (``FrontendGone``).
+        Frontends hear of it with the liveness check that follows."""
         self.scheduler.forget_node(node.node_id)
         if node.role == "store":
             self.replicator.forget(node.endpoints.get("store", ""))
@@ -315,17 +310,17 @@ class Conductor:
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:
                 self._end(a, abort=True, why=why)
-        if node.role != "store":
-            self._tell_frontends()
 
     async def _liveness_loop(self) -> None:
         cfg = self.cfg.conductor
-        while True:
-            await asyncio.sleep(min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4))
+        period_s = min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4)
+        while True:  # on the ticks the nodes' heartbeats go on (``ticks.py``): the same wake-up, often
+            await asyncio.sleep(until_tick(period_s, period_s / 2))
             try:
                 now = time.monotonic()
                 self.membership.check(now)
                 self._settle_adoption(now)
+                self.views.tell_if_changed()  # a node died, drained, stalled or came back
             except Exception:  # the loop that finds failures must not fail itself
                 log.exception("liveness check failed")
 
@@ -338,11 +333,13 @@ class Conductor:
                 self._adopt_ready(time.monotonic())
             if msg.info.profile is not None and self.costs.seed(msg.role, msg.info.profile):
                 self.scheduler.prefill_cost, self.scheduler.decode_cost = self.costs.prefill, self.costs.decode
-            asyncio.get_running_loop().call_soon(self._tell_frontends)  # after the answer to this one
+            asyncio.get_running_loop().call_soon(self.views.tell)  # after the answer to this one
         return reply
 
     def _on_heartbeat(self, node: Node, msg: P.Heartbeat) -> None:
         self.membership.heartbeat(node, msg.load, time.monotonic())
+        for event in msg.blocks:
+            self.membership.block_event(node, event)
         if node.role in ("decode", "colocated"):
             self.costs.observe_decode(msg.load.steps)
         elif node.role == "frontend":

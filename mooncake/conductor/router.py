@@ -6,8 +6,9 @@ handed to the handler registered for its type; a handler that raises is logged
 and the loop goes on: no single message can stop the conductor. ``Register`` is
 handled with the sender's routing id and, under CURVE, its peer key (``KIND:key``,
 from the ZAP handler: membership authorizes the role by it); every other message
-only when it comes from the node it names (others get ``Reregister`` on a
-heartbeat, else nothing). Queries (``answer``: the P2P object index) are answered to any
+only when it comes from the node it names. A sender the conductor does not know (it
+restarted, or declared the node dead) is told ``Reregister`` in answer to a heartbeat or
+to what stands in for one (a frontend's ``Submit``), once a second at most. Queries (``answer``: the P2P object index) are answered to any
 sender, registered or not (under CURVE, any cluster key): the ``mooncake p2p`` command asks
 them. Frames above ``max_message_bytes`` disconnect their sender.
 
@@ -61,6 +62,7 @@ class Router:
         self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sock = PlainSocket(sock, self._one)
         self._count_of: dict[type, Any] = {}  # message type -> its counter (a label lookup costs more than the count)
+        self._reregister_at: dict[bytes, float] = {}  # unknown sender -> when it was last told to register
         self._closed = asyncio.Event()
 
     def on(self, msg_type: type, handler: Handler) -> None:
@@ -99,11 +101,15 @@ class Router:
             return
         node_id = getattr(msg, "node_id", None) or P.node_of(ident)
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None
+        now = time.monotonic()
         if node is None or node.ident != ident:
-            if isinstance(msg, P.Heartbeat):
+            if isinstance(msg, (P.Heartbeat, P.Submit)) and now - self._reregister_at.get(ident, -1.0) >= 1.0:
+                if len(self._reregister_at) > 4096:
+                    self._reregister_at.clear()
+                self._reregister_at[ident] = now
                 self._send_raw(ident, P.Reregister())
             return
-        node.last_seen = time.monotonic()
+        node.last_seen = now
         handler = self.handlers.get(type(msg))
         if handler is None:
             log.warning("unexpected %s from %s", type(msg).__name__, node.node_id)

@@ -1,15 +1,57 @@
-"""What ``GET /cluster`` shows (on any frontend, which asks the conductor): the nodes with their
-endpoints, last reported load and the scheduler's bookings, the cost models' estimates and
-the predictions' record."""
+"""What frontends are told of the cluster (``ClusterView``), and what ``GET /cluster`` shows (on any
+frontend, which asks the conductor): the nodes with their endpoints, last reported load and the
+scheduler's bookings, the cost models' estimates and the predictions' record."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from mooncake import protocol as P
+from mooncake.conductor.attempt import worker_ref
+
 if TYPE_CHECKING:
     from mooncake.conductor.conductor import Conductor
+
+RETELL_S = 10.0  # frontends are told the view at least this often
+
+
+def cluster_view(c: Conductor, snapshot: bool = False) -> P.ClusterView:
+    """Who leads, what the cluster serves, whether it can, its workers (for a frontend's fallback);
+    with ``snapshot``, ``GET /cluster``'s."""
+    nodes = {role: len(c.cluster.of_role(role)) for role in (*P.ENGINE_ROLES, "store", "frontend")}
+    workers = [worker_ref(n) for role in P.ENGINE_ROLES for n in c.cluster.of_role(role) if n.endpoints.get("orders")]
+    return P.ClusterView(c.name, c.facts, c.ready, nodes, cluster_snapshot(c) if snapshot else {}, workers)
+
+
+class FrontendViews:
+    """The view frontends are told (``cluster_view``, no snapshot): the same until the membership
+    changes, so built once per change; told to every frontend on a change, and every
+    ``RETELL_S`` (a busy frontend sends no heartbeat for the conductor to answer with it, and a
+    message to a peer past its high-water mark is dropped)."""
+
+    def __init__(self, c: Conductor) -> None:
+        self.c = c
+        self._view: tuple[Any, Any] = (None, None)  # (cluster version, facts) -> the view
+        self._told = (-1, 0.0)  # the cluster's version frontends were last told of, and when
+
+    def current(self) -> P.ClusterView:
+        key = (self.c.cluster.version, self.c.facts)
+        if self._view[0] != key:
+            self._view = (key, cluster_view(self.c))
+        return self._view[1]
+
+    def tell(self) -> None:
+        self._told = (self.c.cluster.version, time.monotonic())
+        for node in self.c.cluster.of_role("frontend"):
+            self.c.router.send(node.node_id, self.current())
+
+    def tell_if_changed(self) -> None:
+        version, at = self._told
+        if self.c.cluster.version != version or time.monotonic() - at >= RETELL_S:
+            self.tell()
 
 
 def cluster_snapshot(c: Conductor) -> dict:

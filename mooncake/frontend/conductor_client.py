@@ -1,12 +1,13 @@
 """A frontend's conversation with the conductor that leads: placing attempts (``Submit`` ->
-``Admitted`` / ``Refused``, asked again across a change of leader), reporting the prefills
-done and the attempts that ended here (``Release``, batched every ``RELEASE_EVERY_S``), the
-attempts it drives when it registers with a conductor again (``Claims``: a new one adopts them), the
-cluster as the conductor last described it (``ClusterView``, on every heartbeat) and ``GET
-/cluster``'s snapshot (asked now). What else the conductor says (``AttemptEnded``) goes to the
-frontend. A conductor
-that says nothing for ``LEADERLESS_AFTER_S`` or three heartbeats (it answers every one) is taken for none:
-``ask`` then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
+``Admitted`` / ``Refused``, asked again across a change of leader; a ``Submit`` stands in for a
+heartbeat), reporting the prefills done and the attempts that ended here (``Release``, batched:
+with the next ``Submit``, else on the next tick of ``REPORT_EVERY_S``, ``ticks.py``), the attempts
+it drives when it registers with a conductor again (``Claims``: a new one adopts them), the
+cluster as the conductor last described it (``ClusterView``: in answer to a heartbeat, and on
+changes) and ``GET /cluster``'s snapshot (asked now). What else the conductor says
+(``AttemptEnded``) goes to the frontend. A conductor that says nothing for ``LEADERLESS_AFTER_S``
+or three heartbeats (it answers every heartbeat and every ``Submit``) is taken for none: ``ask``
+then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ from mooncake.config import Config
 from mooncake.roles.link import ConductorLink
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+from mooncake.ticks import REPORT_EVERY_S, until_tick
 
 log = logging.getLogger(__name__)
 PLACE_TIMEOUT_S = 10.0  # a conductor that does not answer a Submit this long: the attempt is refused
-RELEASE_EVERY_S = 0.01
 RETRY_NO_WORKERS_S = 0.25
 CLAIMS_PER_MESSAGE = 256  # attempts per Claims message (each carries its prompt's block hashes)
-LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each 1 s heartbeat): none leads
+LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each heartbeat and Submit): none leads
 
 
 class ConductorClient:
@@ -47,7 +48,7 @@ class ConductorClient:
         self._query: asyncio.Future | None = None
         self.ended: list[P.Ended] = []
         self.done_prefills: list[P.Prefilled] = []
-        self._urgent = False  # a reported prefill must reach the conductor before the next Submit
+        self._released_at = 0.0  # when the last Release went (wall clock: its ticks)
         self._reported = asyncio.Event()  # set by a report: the release loop sleeps while there is none
         self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
         self.heard_at = time.monotonic()  # when the conductor last said anything
@@ -91,9 +92,8 @@ class ConductorClient:
             while not self.leaderless:
                 future = asyncio.get_running_loop().create_future()
                 self._placing[msg.wire_id] = (msg, future)
-                if self._urgent:
-                    await self.flush()
-                await self.link.send(msg.for_conductor())
+                await self.flush()  # what waits to be released goes first, in the same wake-up of the conductor
+                await self.link.send(msg.for_conductor(), beat=True)  # it carries the load, and is answered
                 while not future.done() and not self.leaderless and time.monotonic() < deadline:
                     await asyncio.wait([future], timeout=min(RETRY_NO_WORKERS_S, max(0.01, deadline - time.monotonic())))
                 if not future.done():
@@ -113,23 +113,24 @@ class ConductorClient:
         self.ended.append(ended)
         self._reported.set()
 
-    def prefilled(self, report: P.Prefilled, urgent: bool = False) -> None:
-        """An attempt's prefill is done (goes with the next batch; ``urgent``: before the next
-        Submit, which may depend on it, as a fork placed by its prompt's blocks does)."""
+    def prefilled(self, report: P.Prefilled) -> None:
+        """An attempt's prefill is done (goes with the next batch, or before the next Submit, which
+        may depend on it, as a fork placed by its prompt's blocks does)."""
         self.done_prefills.append(report)
-        self._urgent |= urgent
         self._reported.set()
 
     async def flush(self) -> None:
         if (self.ended or self.done_prefills) and self.link is not None:
             msg = P.Release(self.node_id, self.ended, self.done_prefills)
-            self.ended, self.done_prefills, self._urgent = [], [], False
+            self.ended, self.done_prefills = [], []
+            self._released_at = time.time()
             await self.link.send(msg)
 
     async def _release_loop(self) -> None:
         while True:
             await self._reported.wait()
-            await asyncio.sleep(RELEASE_EVERY_S)  # what else ends meanwhile goes in the same batch
+            # on the tick the nodes' reports go on, one a tick (a timer may fire a little early)
+            await asyncio.sleep(until_tick(REPORT_EVERY_S, self._released_at + REPORT_EVERY_S / 2 - time.time()))
             self._reported.clear()
             try:
                 await self.flush()

@@ -313,8 +313,7 @@ class Frontend:
         """An attempt's prefill is done: its first token (the conductor hears of it with the next
         batch; before the forks of its prompt are placed, which it must place by its blocks)."""
         if a.booked:
-            self.conductor.prefilled(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started),
-                                     urgent=a.submit.share_prefix)
+            self.conductor.prefilled(P.Prefilled(a.wire_id, msg, a.reserved_at - a.started, now - a.started))
         req = self.attempts.get(a.wire_id)
         if req is None or req.status is not RequestStatus.PLACED:
             return

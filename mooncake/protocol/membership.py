@@ -9,6 +9,7 @@ import msgspec
 
 from mooncake.protocol.base import Msg
 from mooncake.protocol.engine_profile import EngineProfile
+from mooncake.protocol.store import BlockEvent
 
 ENGINE_ROLES = ("prefill", "decode", "colocated")  # the roles that run an engine
 
@@ -78,7 +79,7 @@ class Load(msgspec.Struct):
     sequences: int = 0  # engine: sequences holding blocks
     progress: int = 0
     pending: bool = False
-    steps: list[tuple[int, int, float]] = []  # decode: (batch, KV tokens, seconds) of steps since the last heartbeat
+    steps: list[tuple[int, int, float]] = []  # decode: (batch, KV tokens, seconds) of its latest steps since the last heartbeat
     tiers: dict[str, TierLoad] = {}  # store: per tier
     kv_rejected: dict[str, int] = {}  # KV refused since start, by reason (forged or corrupt: a miss, recomputed)
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
@@ -115,8 +116,13 @@ class Registered(Msg, tag="registered"):
 
 
 class Heartbeat(Msg, tag="heartbeat"):
+    """Node -> conductor, every ``heartbeat_s`` or sooner: its load, and what changed in the blocks
+    it caches since its last one (``roles/block_events.py``). Any message says a node is alive; a
+    frontend's ``Submit`` stands in for its heartbeat (``roles/link.py``)."""
+
     node_id: str
     load: Load = msgspec.field(default_factory=Load)
+    blocks: list[BlockEvent] = []
 
 
 class Leave(Msg, tag="leave"):

@@ -39,6 +39,7 @@ from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.request_class import FLEX_RANK, flex_joining, limit, rank, urgency
 
 log = logging.getLogger(__name__)
+STEPS_PER_S = 32  # decode steps a second the conductor's cost model learns from (a refit reads 256)
 # Flex work yields the cores to an interactive prefill on this machine for at most this long per
 # reservation (a prefill that takes longer is queued or stuck, and flex work goes on meanwhile).
 YIELD_AT_MOST_S = 10.0
@@ -54,6 +55,7 @@ class DecodeWorker(EngineWorker):
         self.running: dict[str, Slot] = {}
         self.aborted: set[str] = set()  # running requests to retire at the next step
         self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
+        self._steps_at = time.monotonic()  # when the last heartbeat took them
         # its own steps' cost, to keep flex work from slowing the others' past the TBT SLO
         profile = self._profile.decode if self._profile is not None else ()
         self.step_cost = DecodeCostModel.from_profile(profile) if profile else DecodeCostModel()
@@ -74,9 +76,13 @@ class DecodeWorker(EngineWorker):
 
     def load(self) -> P.Load:
         steps, self.steps = self.steps, []
+        # STEPS_PER_S at most (a heartbeat that goes early, with blocks to report, carries its share)
+        now, last = time.monotonic(), self._steps_at
+        self._steps_at = now
+        steps = steps[-max(1, int(STEPS_PER_S * min(1.0, now - last))):]
         self.outlets.prune({s.msg.reply_to for s in (*self.running.values(), *self.incoming.values())})
         load = super().load()
-        load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps[-32:]
+        load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps
         load.progress += self.kv.writes  # landing KV is engine progress
         # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
         load.pending = bool(self._batch()) or self.kv.landing > 0

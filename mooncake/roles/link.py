@@ -1,7 +1,11 @@
 """A worker role's connection to the conductor: handshake, heartbeats, messages.
 
 One DEALER socket. ``connect`` registers and waits for the conductor's answer
-(with a timeout); a background task heartbeats with the role's current load. If
+(with a timeout); a background task heartbeats with the role's current load and the blocks it
+cached or dropped since (``block_events.py``: early when it has some), on the wall clock's ticks
+that every node shares (``ticks.py``). A message sent as a ``beat`` stands in for a heartbeat (a
+frontend's ``Submit``: it carries its load, and the conductor answers it), so a busy frontend
+sends none. If
 the conductor answers a heartbeat with ``Reregister`` (it restarted and lost its
 state, or had declared this role dead) the link registers again and calls
 ``on_registered`` so that the role can re-announce what it holds (a store's blocks,
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
@@ -23,8 +28,10 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import CoordinationConfig
 from mooncake.coordination.election import LeaderWatch
+from mooncake.roles.block_events import BlockEvents
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
+from mooncake.ticks import REPORT_EVERY_S, SLACK_S, last_tick, until_tick
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +69,7 @@ class ConductorLink:
         self.on_orphans = on_orphans
         self._held: list[str] = []  # what the last registration said this role holds
         self.heartbeat_s = 1.0
+        self.beat_at = 0.0  # when the last heartbeat, or a message that stands in for one, went (wall clock)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, P.routing_id(register))
@@ -80,10 +88,13 @@ class ConductorLink:
     def node_id(self) -> str:
         return self.register_msg.node_id
 
-    async def send(self, msg: P.Msg, tensors: list[torch.Tensor] | tuple = ()) -> None:
+    async def send(self, msg: P.Msg, tensors: list[torch.Tensor] | tuple = (), beat: bool = False) -> None:
+        """``beat``: ``msg`` stands in for a heartbeat (the next is due ``heartbeat_s`` after it)."""
         frames = P.encode(msg, tensors)
         async with self._send_lock:
             await send_multipart(self.sock, frames)
+        if beat:
+            self.beat_at = time.time()
 
     async def follow(self, endpoint: str) -> None:
         """Another conductor leads (etcd says): talk to it, and register with it."""
@@ -123,16 +134,37 @@ class ConductorLink:
                 raise HandshakeError(f"conductor at {self.endpoint} refused {self.node_id}: {msg.message}")
             log.warning("ignoring %s before registration", type(msg).__name__)
 
-    def start_heartbeat(self) -> None:
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+    def start_heartbeat(self, blocks: BlockEvents | None = None) -> None:
+        """Heartbeat from now on (``blocks``: what the role caches, reported with them)."""
+        self.beat_at = time.time()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(blocks)))
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, blocks: BlockEvents | None) -> None:
+        """A heartbeat at most ``heartbeat_s`` after the last beat, on the last tick of
+        ``heartbeat_s / 2`` by then (an idle node keeps to one tick in two: nodes that start
+        apart end up on one of two ticks a period); with blocks to report, on the next tick of
+        ``REPORT_EVERY_S`` (one a tick: a timer may fire a little early)."""
+        half = self.heartbeat_s / 2
         while True:
-            await asyncio.sleep(self.heartbeat_s)
+            now = time.time()
+            due_s = last_tick(half, self.beat_at + self.heartbeat_s + SLACK_S) - now
+            if blocks is not None and blocks.pending.is_set():
+                await asyncio.sleep(min(due_s, until_tick(REPORT_EVERY_S, self.beat_at + REPORT_EVERY_S / 2 - now)))
+            elif blocks is not None:
+                try:
+                    await asyncio.wait_for(blocks.pending.wait(), max(0.0, due_s))
+                    continue  # blocks to report: on the next report tick
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(max(0.0, due_s))
+            if time.time() - self.beat_at < half and not (blocks and blocks.pending.is_set()):
+                continue  # a message that stands in for a heartbeat went meanwhile
             try:
-                await self.send(P.Heartbeat(node_id=self.node_id, load=self.load()))
+                await self.send(P.Heartbeat(self.node_id, self.load(), blocks.take() if blocks else []), beat=True)
             except Exception:  # a heartbeat that cannot be built must not stop the role
-                log.exception("heartbeat failed")
+                log.exception("heartbeat failed")  # blocks it took are lost: the next registration announces all
+                self.beat_at = time.time()
 
     async def recv(self) -> tuple[P.Msg, list[torch.Tensor]]:
         """Next message from the conductor; handles Registered/Reregister itself and

@@ -56,7 +56,7 @@ async def run_store(cfg: Config) -> None:
     except DirLocked as e:
         raise SystemExit(f"mooncake store {node_id}: {e}") from None
     link: ConductorLink | None = None
-    events = BlockEvents(node_id)  # sent to the conductor batched, once registered
+    events = BlockEvents(node_id)  # reported to the conductor with the heartbeats, once registered
 
     def on_event(event: P.BlockEvent) -> None:  # called on the event loop
         events.add(event.kind, event.tier, event.hashes)
@@ -109,20 +109,18 @@ async def run_store(cfg: Config) -> None:
     await link.connect(timeout_s=60)
     health.ready = True
     await announce()
-    link.start_heartbeat()
+    link.start_heartbeat(events)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     drain = asyncio.create_task(_drain(link, p2p))
-    announcing = asyncio.create_task(events.run(link.send))
     await stop.wait()
     try:  # plans stop naming this store now, not when it is found silent
         await asyncio.wait_for(link.send(P.Leave(node_id)), 1.0)
     except Exception as e:  # no conductor to tell: it finds the store gone
         log.warning("store %s could not tell the conductor it leaves: %s", node_id, e)
     drain.cancel()
-    announcing.cancel()
     await p2p.close()
     await server.close()  # no new operations; those in flight have finished
     store.on_event = None

@@ -153,7 +153,7 @@ class EngineWorker(ABC):
             str(error) if isinstance(error, InvalidRequestError) else f"{type(error).__name__}: {error}")
         await self.send(P.Failed(req_id, self.node_id, message, kind, param))
 
-    # ---- device prefix cache events -> conductor (batched)
+    # ---- device prefix cache events -> conductor (with the heartbeats)
 
     def publish_device_cache(self) -> None:
         loop = asyncio.get_running_loop()
@@ -161,12 +161,7 @@ class EngineWorker(ABC):
         def on_event(kind: str, hashes: list) -> None:  # engine thread
             loop.call_soon_threadsafe(self.block_events.add, kind, "device", [bytes(h) for h in hashes])
 
-        async def send(msg: P.BlockEvent) -> None:
-            if self.link is not None:
-                await self.link.send(msg)
-
         self.engine.on_block_event = on_event
-        self._tasks.append(asyncio.create_task(self.block_events.run(send)))
 
     async def _announce_device_cache(self) -> None:
         """After a re-registration (a new conductor, or back from being declared dead): every block
@@ -192,7 +187,7 @@ class EngineWorker(ABC):
         health = await start_node_health(self.cfg, self.role, self.node_id)
         await self.link.connect(timeout_s=60)
         health.ready = True
-        self.link.start_heartbeat()
+        self.link.start_heartbeat(self.block_events)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
