@@ -98,6 +98,28 @@ def test_engines_whose_threads_outnumber_the_cores_sleep_between_parallel_region
             cluster.tmp.rmdir()
 
 
+def test_stopping_the_cluster_stops_the_stores_after_everything_that_writes_to_them(tmp_path):
+    """A decode's last write-back must find its store still serving: the stores get SIGTERM only
+    once the other roles have exited (processes that log when each got it, and take 0.3 s to go)."""
+    from mooncake.config import Config
+
+    script = ("import signal, sys, time\n"
+              "def bye(*_):\n"
+              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} {time.monotonic()}\\n'); time.sleep(0.3); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye)\n"
+              "while True: time.sleep(0.05)\n")
+    log = tmp_path / "terminated"
+    cluster = local_cluster.LocalCluster(Config(), prefill=1, decode=1)
+    for name in ("conductor", "store0", "decode0", "frontend0"):
+        cluster.children[name] = subprocess.Popen([sys.executable, "-c", script, str(log), name],
+                                                  start_new_session=True)
+    time.sleep(1.0)  # each has its handler
+    cluster.stop(grace_s=20)
+    got = {name: float(at) for name, at in (line.split() for line in log.read_text().splitlines())}
+    assert set(got) == {"conductor", "store0", "decode0", "frontend0"}
+    assert got["store0"] >= max(got["decode0"], got["frontend0"], got["conductor"]) + 0.25
+
+
 def test_restart_budget_allows_two_restarts_a_minute():
     now = [0.0]
     budget = RestartBudget(max_restarts=3, window_s=60, clock=lambda: now[0])

@@ -143,23 +143,27 @@ class LocalCluster:
             proc.wait(timeout=30)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """SIGTERM every role — all at once, so that each drains its own in-flight work
-        (the conductor its HTTP responses, workers their sequences) — then SIGKILL what
-        is still running after the drain timeout (plus a margin)."""
+        """SIGTERM every role so that each drains its own in-flight work (the frontends their HTTP
+        responses, workers their sequences and their writes to the stores) — the stores last, once
+        the rest have exited, so that no write-back finds its store gone — then SIGKILL what is
+        still running after the drain timeout (plus a margin)."""
         grace_s = self.cfg.conductor.drain_timeout_s + 10 if grace_s is None else grace_s
-        for proc in self.children.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + grace_s
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stores = [n for n in self.children if n.startswith("store")]
+        for wave in ([n for n in self.children if n not in stores], stores):
+            for name in wave:
+                if self.children[name].poll() is None:
+                    try:
+                        os.killpg(self.children[name].pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for name in wave:
+                proc = self.children[name]
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
