@@ -4,14 +4,14 @@ A dev cluster of separate processes, as an operator runs them: one conductor (no
 own), ``--frontends`` frontends, a store, a prefill and a decode on the bundled model (float32,
 one torch thread each). After a warm-up, ``--requests`` greedy streamed completions of
 ``--max-tokens`` tokens are sent through the frontends in turn, ``--concurrency`` at a time, with
-prompts that share a 256-token prefix (the cache and the index at work). The conductor's CPU
-(``/proc/PID/stat``, user + system) is read over the whole window, heartbeats and every other
-background task included, and divided by the requests completed; the same for the frontends. A
-second pass with 4× the output tokens shows whether the conductor's cost grows with output length
-(it should not: decode streams tokens to the frontends). CPU time is read to the nanosecond
-(``/proc/PID/task/*/schedstat``): ``/proc/PID/stat`` counts 10 ms ticks, 0.4 ms a request over 24. Before the load the conductor's CPU is
-read over ``--idle-s`` with no request (heartbeats, liveness checks): its background rate, which
-the last column takes out of the per-request figure (a cluster at a higher rate spreads it thinner).
+prompts that share a 256-token prefix (the cache and the index at work). The conductor's CPU (its
+threads' ``/proc/PID/task/*/schedstat``, to the nanosecond: ``/proc/PID/stat`` counts 10 ms ticks,
+0.4 ms a request over 24) is read over the whole window, heartbeats and every other background
+task included, and divided by the requests completed; the same for the frontends. A second pass
+with 4× the output tokens shows whether the conductor's cost grows with output length (it should
+not: decode streams tokens to the frontends). Before the load the conductor's CPU is read over
+``--idle-s`` with no request (heartbeats, liveness checks): its background rate, which the last
+column takes out of the per-request figure (a cluster at a higher rate spreads it thinner).
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_live_conductor.py
 """
