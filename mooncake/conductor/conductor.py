@@ -47,8 +47,8 @@ from mooncake.sched.predictions import Predictions
 from mooncake.sched.request_class import rank
 from mooncake.sched.scheduler import Scheduler
 from mooncake.security import Curve
-from mooncake.ticks import until_tick
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+from mooncake.ticks import until_tick
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ handled with the sender's routing id and, under CURVE, its peer key (``KIND:key`
 from the ZAP handler: membership authorizes the role by it); every other message
 only when it comes from the node it names. A sender the conductor does not know (it
 restarted, or declared the node dead) is told ``Reregister`` in answer to a heartbeat or
-to what stands in for one (a frontend's ``Submit``), once a second at most. Queries (``answer``: the P2P object index) are answered to any
-sender, registered or not (under CURVE, any cluster key): the ``mooncake p2p`` command asks
-them. Frames above ``max_message_bytes`` disconnect their sender.
+to what stands in for one (a frontend's ``Submit``), once a second at most. Queries
+(``answer``: the P2P object index) are answered to any sender, registered or not (under
+CURVE, any cluster key): the ``mooncake p2p`` command asks them. Frames above ``max_message_bytes`` disconnect their sender.
 
 The socket is a ``PlainSocket`` (read from the event loop's reader callback, written with
 ``NOBLOCK``; a ROUTER never blocks a send: a message to a peer that is gone or past its

@@ -165,6 +165,7 @@ class ConductorLink:
             except Exception:  # a heartbeat that cannot be built must not stop the role
                 log.exception("heartbeat failed")  # blocks it took are lost: the next registration announces all
                 self.beat_at = time.time()
+                await asyncio.sleep(half)  # not once a report tick while it keeps failing
 
     async def recv(self) -> tuple[P.Msg, list[torch.Tensor]]:
         """Next message from the conductor; handles Registered/Reregister itself and
