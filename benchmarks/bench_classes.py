@@ -1,6 +1,7 @@
 """Interactive traffic under a flex flood, through the served path (issue 32).
 
-A dev cluster as ``mooncake serve`` starts it (one prefill, one decode, one store; the config's
+A dev cluster as ``mooncake serve`` starts it (``--shape colocated``, the default: one colocated
+instance and a store; ``--shape pair``: one prefill, one decode, one store; the config's
 defaults but for caches smaller than the flood: ``[engine] kv_cache_bytes`` 256 MiB, store DRAM
 64 MiB, no LMDB tier). Interactive requests: a shared ~600-token system prompt and a short
 question, 32 tokens out, streamed, one every ``--every-s``. The flood: ``--flood`` requests of
@@ -11,7 +12,8 @@ Per phase: interactive TTFT p50/p90, p90 of each request's mean inter-token time
 tokens per request, and the flood's completions and wall time.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_classes.py \
-        [--flood 24] [--interactive 12] [--every-s 1.5] [--tbt-slo-ms 0] [--flood-tier flex|default]
+        [--shape colocated|pair] [--flood 24] [--interactive 12] [--every-s 1.5] [--tbt-slo-ms 0] \
+        [--flood-tier flex|default]
 """
 
 from __future__ import annotations
@@ -175,15 +177,18 @@ def main() -> None:
     ap.add_argument("--every-s", type=float, default=1.5)
     ap.add_argument("--flood-tier", choices=["flex", "default"], default="flex")
     ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
+    ap.add_argument("--shape", choices=["colocated", "pair"], default="colocated",
+                    help="mooncake serve's default (one colocated instance) or --disaggregated (prefill + decode)")
     args = ap.parse_args()
     cfg = pressed_config("bench-classes-")
     cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
-    with running_cluster(cfg=cfg) as c:
+    shape = {"prefill": 0, "decode": 0, "colocated": 1} if args.shape == "colocated" else {}
+    with running_cluster(cfg=cfg, **shape) as c:
         asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))
         phases = [asyncio.run(run_phase(c.url, "alone", args, 1, False)),
                   asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True)),
                   asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
-    print(f"flood tier {args.flood_tier}, tbt_slo_ms {args.tbt_slo_ms:g}\n")
+    print(f"{args.shape}, flood tier {args.flood_tier}, tbt_slo_ms {args.tbt_slo_ms:g}\n")
     report(phases)
 
 

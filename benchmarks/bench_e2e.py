@@ -70,17 +70,20 @@ from mooncake.testing.ports import free_port
 TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl")  # ../shared beside the checkout
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 SYSTEMS = ["cache_aware", "cache_off", "round_robin", "hf_serve", "llama_server"]
-OPTIONAL_SYSTEMS = ["cache_aware_slo", "colocated", "pair"]  # run only when named
+OPTIONAL_SYSTEMS = ["cache_aware_slo", "colocated", "pair", "colocated_slo", "pair_slo"]  # run only when named
 WORKLOADS = ["trace", "shared-prefix"]
 LLAMA_SERVER = Path(__file__).resolve().parent.parent / ".bench" / "llama" / "build" / "bin" / "llama-server"
 
 
 def start_mooncake(system: str, dtype: str = "auto", quantization: str = "auto") -> LocalCluster:
-    if system in ("colocated", "pair"):  # `mooncake serve --dev` with --colocated 1, or --prefill 1 --decode 1
+    if system.startswith(("colocated", "pair")):  # `mooncake serve` (--colocated 1), or --disaggregated
         cfg = Config()
         cfg.model.dtype, cfg.model.quantization, cfg.frontend.port = dtype, quantization, free_port()
         cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-e2e-")
-        return start_local(cfg, **({"prefill": 0, "decode": 0, "colocated": 1} if system == "colocated" else {"prefill": 1}))
+        if system.endswith("_slo"):  # the benchmark's SLOs set on the conductor
+            cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
+        colocated = system.startswith("colocated")
+        return start_local(cfg, **({"prefill": 0, "decode": 0, "colocated": 1} if colocated else {"prefill": 1}))
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
     cfg.model.dtype = dtype  # small_config pins float32 for the exactness tests
     cfg.conductor.store_writes = ConductorConfig().store_writes  # ... and writes every block: serve's default here
@@ -164,7 +167,7 @@ class LlamaServer(PeerServer):
 
 
 def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0, salt: int = 0,
-              min_arrival_s: float | None = None) -> dict[str, dict]:
+              min_arrival_s: float | None = None, full_output: bool = False) -> dict[str, dict]:
     """BenchConfig arguments of both workloads; ``salt`` != 0 draws other prompt tokens (same
     sharing structure), so that a replay finds nothing cached by an earlier one.
 
@@ -172,10 +175,11 @@ def workloads(quick: bool, model_dir: str, rate_scale: float = 1.0, salt: int = 
     this long (a sustained rate, not one burst): the trace's selection repetition after
     repetition at its own mean rate, each on hash ids of its own; shared-prefix: copies of
     its conversations, each copy on groups (prefixes) of its own, on the same Poisson
-    process. Within a repetition the sharing is the workload's; across repetitions none."""
+    process. Within a repetition the sharing is the workload's; across repetitions none.
+    ``full_output``: the trace's requests run to their own output lengths (else at most 32 tokens)."""
     n_trace = 24 if quick else 69
     scaling = TraceScaling(block_tokens=16, time_scale=0.1 / rate_scale, max_input_tokens=1500,
-                           max_output_tokens=32, max_requests=n_trace, prefix_groups=3, salt=salt,
+                           max_output_tokens=None if full_output else 32, max_requests=n_trace, prefix_groups=3, salt=salt,
                            min_span_s=min_arrival_s)
     # the selection is bounded by scaling.max_requests; a repetition must not be cut by the runner's cap
     trace = dict(workload="trace", trace_path=TRACE, max_requests=None if min_arrival_s else n_trace,
@@ -239,6 +243,7 @@ def run_workload(system: str, name: str, kw: dict, target: dict, json_dir: Path,
     itl = s.get("itl_ms") or {}
     print(f"[{system}/{name}{tag}] {s['completed']}/{s['requests']} ok, {s['good_requests']} in SLO, "
           f"goodput {s['goodput']:.3f} req/s, throughput {s['request_throughput']:.3f} req/s, "
+          f"TPOT p99 {(s['tpot_ms'] or {}).get('p99')} ms, "
           f"hit {s['prefix_hit_rate']}, ttft p50 {s['ttft_ms']['median']} ms, tpot p50 {s['tpot_ms']['median']} ms, "
           f"itl p50/p99 {itl.get('median')}/{itl.get('p99')} ms ({time.perf_counter() - t1:.0f} s) -> {path}",
           flush=True)
@@ -287,6 +292,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the markdown tables here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="mooncake's dtype")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rates by this")
+    ap.add_argument("--full-output", action="store_true",
+                    help="the trace's requests run to their own output lengths (default: at most 32 tokens)")
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
     cap = ap.add_argument_group("capacity search (--capacity; rates in multiples of the workload's own)")
     cap.add_argument("--capacity", action="store_true", help="search each system's capacity (e2e_capacity.py)")
@@ -308,7 +315,8 @@ def main() -> int:
         from e2e_capacity import run_capacity
         out, results, failed = run_capacity(args, model_dir, json_dir)
     else:
-        every = workloads(args.quick, model_dir, args.rate_scale, min_arrival_s=args.min_arrival_s)
+        every = workloads(args.quick, model_dir, args.rate_scale, min_arrival_s=args.min_arrival_s,
+                          full_output=args.full_output)
         wl = {k: v for k, v in every.items() if k in args.workloads}
         results, failed = {}, []
         for system in args.systems:

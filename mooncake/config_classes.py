@@ -20,11 +20,13 @@ class ClassLimits(Section):
     ttft_slo_ms: float | None = Field(None, ge=0, description="Time-to-first-token SLO of the class's requests (early rejection against it, counting the work queued ahead of them); 0: none; unset: [conductor] ttft_slo_ms.")
     tbt_slo_ms: float | None = Field(None, ge=0, description="Time-between-tokens SLO of the class's requests (early rejection; a decode lets flex sequences into a step only while it holds for the interactive ones it runs); 0: none; unset: [conductor] tbt_slo_ms.")
     max_waiting: int | None = Field(None, ge=1, description="Requests of the class queued for prefill cluster-wide before new ones of it get 503; unset: [conductor] max_waiting.")
+    max_queue_wait_s: float | None = Field(None, ge=0, description="A request of the class predicted to wait longer than this before its prompt computes is refused with 429 and a Retry-After; 0: never; unset: [conductor] max_queue_wait_s.")
     request_timeout_s: float | None = Field(None, gt=0, description="A request of the class with no progress this long moves, then fails (flex work may wait behind the rest that long; workers that die or stall are found apart from it); unset: [conductor] request_timeout_s.")
     max_share: float = Field(1.0, gt=0, le=1, description="Share of [conductor] max_requests the class's requests may hold in flight; past it new ones of the class get 503, so that the other classes keep room.")
 
 
-FLEX_DEFAULTS = ClassLimits(ttft_slo_ms=0.0, tbt_slo_ms=0.0, max_waiting=256, request_timeout_s=3600.0, max_share=0.5)
+FLEX_DEFAULTS = ClassLimits(ttft_slo_ms=0.0, tbt_slo_ms=0.0, max_waiting=256, max_queue_wait_s=0.0, request_timeout_s=3600.0,
+                            max_share=0.5)
 # [classes] keys of an earlier layout, now in [classes.flex]
 MOVED_TO_FLEX = {"flex_ttft_slo_ms": "ttft_slo_ms", "flex_request_timeout_s": "request_timeout_s",
                  "flex_max_waiting": "max_waiting"}

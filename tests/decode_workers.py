@@ -15,15 +15,17 @@ class Recorder:
         self.sent.append(msg)
 
 
-def small_decode_worker() -> Iterator:
-    """Yields a ``DecodeWorker`` (not started), then shuts its pool and context down."""
+def small_decode_worker(colocated: bool = False) -> Iterator:
+    """Yields a ``DecodeWorker`` (``colocated``: a ``ColocatedWorker``; not started), then shuts
+    its pool and context down."""
     from mooncake.config import Config, MiB
+    from mooncake.roles.colocated import ColocatedWorker
     from mooncake.roles.decode import DecodeWorker
 
     cfg = Config()
     cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
     cfg.engine.profile_at_start = False
-    w = DecodeWorker(cfg)
+    w = (ColocatedWorker if colocated else DecodeWorker)(cfg)
     yield w
     w._pool.shutdown(wait=False)
     w.ctx.term()

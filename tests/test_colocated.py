@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import pytest
 
+from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS
 from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import start_cluster
 from mooncake.testing.wait import wait_for
@@ -82,7 +83,8 @@ def test_cluster_view_shows_the_colocated_instance(cluster):
     roles = {n["role"] for n in view["nodes"]}
     assert {"prefill", "decode", "colocated", "store"} <= roles
     colocated = next(n for n in view["nodes"] if n["role"] == "colocated")
-    assert colocated["step_tokens"] == 256  # no start-up profile in tests: the default budget
+    # no fixed budget: each step's prompt tokens keep it within the default target (no profile in tests)
+    assert colocated["step_tokens"] == 0 and colocated["step_target_ms"] == DEFAULT_TBT_TARGET_MS
     health = httpx.get(cluster.url + "/health", timeout=10).json()
     assert health["nodes"]["colocated"] == 1
 

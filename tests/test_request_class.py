@@ -113,7 +113,7 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
 
     running = {str(i): slot(i, "flex" if i % 2 else "default") for i in range(6)}  # 3 of each, interleaved
     cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
-    w = SimpleNamespace(running=running, step_cost=cost, incoming={},
+    w = SimpleNamespace(running=running, step_cost=cost, incoming={}, tbt_default_ms=200.0,
                         cfg=Config())
     w.cfg.conductor.tbt_slo_ms = 45
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
@@ -123,7 +123,10 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     w.cfg.classes.priority.tbt_slo_ms = 35  # the tightest class running holds them all to it
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
     w.cfg.conductor.tbt_slo_ms = w.cfg.classes.default.tbt_slo_ms = w.cfg.classes.priority.tbt_slo_ms = 0
-    assert len(DecodeWorker._batch(w)) == 6
+    assert len(DecodeWorker._batch(w)) == 6  # no SLO: the default target (200 ms) holds with all six
+    w.tbt_default_ms = 45  # a slower machine's default target: flex work joins only within it
+    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]
+    w.tbt_default_ms = 200.0
     reserved = slot(9)  # an interactive request's prefill runs on this machine: no flex work steps
     w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True),
                                       reserved_at=time.monotonic())

@@ -66,3 +66,19 @@ def test_round_robin_alternates_over_pairs_and_colocated_instances():
     chosen = [sched.plan(H[:2], 40, 4, 16, now=0) for _ in range(4)]
     assert [p.prefill.node_id for p in chosen] == ["p0", "c0", "p0", "c0"]
     assert all((p.decode is p.prefill) == (p.prefill.role == "colocated") for p in chosen)
+
+
+def test_without_a_fixed_budget_the_prediction_follows_the_instances_target():
+    """An instance that reports a TBT target (no ``[engine] step_tokens``): a tighter target means
+    smaller chunks beside the same batch, so a longer predicted prefill."""
+    def busy_prefill_s(target_ms: float) -> float:
+        cluster = Cluster()
+        cluster.upsert(Node("c0", "colocated", b"c", {}, NodeInfo("m0", 1, num_blocks=1000, step_target_ms=target_ms),
+                            0.0))
+        sched = Scheduler(ConductorConfig(), cluster, KVIndex(), PrefillCostModel(), DecodeCostModel())
+        for i in range(6):
+            sched.book(f"d{i}", sched.plan(H[:1], 20, 64, 16, now=0))
+            sched.prefill_finished(f"d{i}")
+        return sched.plan(H[:8], 8 * 16 + 400, 64, 16, now=0).est_prefill_s
+
+    assert busy_prefill_s(80) > busy_prefill_s(200) > busy_prefill_s(2000)

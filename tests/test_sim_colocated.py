@@ -11,6 +11,7 @@ import pytest
 
 from mooncake.cli import main
 from mooncake.sim.calibrate import calibrated_hardware
+from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS
 from mooncake.sim.colocated import budget_ladder, step_budget
 from mooncake.sim.hardware import Capacities, FittedHardware, LinearCosts
 from mooncake.sim.profiles import hardware_for
@@ -65,7 +66,7 @@ def test_mixed_step_costs_one_forward_of_both_halves() -> None:
 
 def test_step_budget_follows_the_tbt_slo_as_the_live_role_does() -> None:
     hw = hardware_for("a800x8-llama2-70b", 512)
-    assert step_budget(hw, 0) == 256
+    assert step_budget(hw, 0) == step_budget(hw, DEFAULT_TBT_TARGET_MS)  # no SLO: the role's default target
     budgets = [step_budget(hw, slo) for slo in (30, 50, 100, 10_000)]
     assert budgets == sorted(budgets) and budgets[0] < budgets[2] and budgets[-1] == hw.chunk_tokens
     assert all(b % 16 == 0 for b in budgets)

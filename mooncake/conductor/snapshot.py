@@ -74,6 +74,7 @@ def cluster_snapshot(c: Conductor) -> dict:
                        "instance": n.info.instance, "endpoints": n.endpoints,
                        "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
                        "kv_block_bytes": n.info.moved_block_bytes, "step_tokens": n.info.step_tokens,
+                       "step_target_ms": n.info.step_target_ms,
                        "cpus": n.info.cpus, "threads": n.info.threads, "machine": n.info.machine,
                        "load": msgspec.to_builtins(n.load), "queued": s.queued(n.node_id),
                        "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,

@@ -49,7 +49,8 @@ class NodeInfo(msgspec.Struct, frozen=True):
     machine: str = ""  # the same for every process sharing one machine's cores (engine roles)
     instance: str = ""  # this process start's id (``process_instance``): a restart shows where pids repeat
     kv_block_bytes: int = 0  # one KV block as it travels and is stored ([model] kv_codec); 0: block_bytes
-    step_tokens: int = 0  # a colocated instance's tokens per step (decode rows and prompt chunks together)
+    step_tokens: int = 0  # a colocated instance's fixed tokens per step ([engine] step_tokens; 0: from its target)
+    step_target_ms: float = 0.0  # a colocated instance's step time target while interactive work decodes
 
     @property
     def moved_block_bytes(self) -> int:

@@ -8,15 +8,20 @@ first token, ``FirstToken`` lets the sequence join the batch. Nothing moves betw
 the KV is computed into the very blocks the sequence decodes from.
 
 Each step is a token for every decoding sequence (``Engine.decode_step``) and then the next
-chunks of the prompts being prefilled (``Engine.prefill_many``), within ``step_tokens`` tokens in
-all (Sarathi-Serve's stall-free batching: a token waits behind at most that many prompt tokens,
-never a whole prompt). The halves are two forwards, not one packed forward: a packed forward
+chunks of the prompts being prefilled (``Engine.prefill_many``, interactive prompts first): as many
+prompt tokens as keep the step within the tightest TBT target of the classes it decodes, by the
+fitted cost of the role's own steps (``sched/colocated.py``: a slow CPU gets small chunks, a GPU
+whole ones; a step that overran shrinks the next budget at once), a block at least. Flex decode
+rows join a step only while the interactive rows' target holds (the decode role's rule), and flex
+prompts' chunks get what the interactive ones leave; a flex prompt never keeps an interactive one
+from reserving. The halves are two forwards, not one packed forward: a packed forward
 scores every decode row against all the step's keys (rows x all keys, where a decode row needs
 only its own) and leaves the decode kernels unused; on the served trace at twice its rate its ITL
 p99 was 848 ms against 211 ms for two forwards (BENCHMARKS.md section 24), reading the weights
-twice costing a fraction of that. A prompt that fails in its half fails alone. With nothing decoding, prompts take whole ``prefill_chunk_tokens`` chunks. ``step_tokens``
-comes from ``[engine] step_tokens``, else from the start-up profile and the TBT SLO
-(``step_budget``). At most ``max_prefill_batch`` prompts hold blocks before they are computed. Everything else (reservations, the batch, preemption, retiring, tokens
+twice costing a fraction of that. A prompt that fails in its half fails alone. With nothing
+decoding, prompts take whole ``prefill_chunk_tokens`` chunks; ``[engine] step_tokens`` fixes the
+step's tokens instead. At most ``max_prefill_batch`` prompts of a class hold blocks before they are
+computed. Everything else (reservations, the batch, preemption, retiring, tokens
 straight to the frontends) is the decode role's; the store reads and writes are the prefill
 role's (``kv/prefill_kv.py``), without a KV hand-off.
 """
@@ -40,26 +45,19 @@ from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.decode import DecodeWorker
 from mooncake.roles.prefill_inflight import InflightBlocks
-from mooncake.sched.colocated import DEFAULT_STEP_TOKENS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
+from mooncake.sched.colocated import StepBudget
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
-from mooncake.sched.request_class import urgency
+from mooncake.sched.request_class import FLEX_RANK, flex_allowance_s, rank, tbt_target_ms, tightest_target_ms, urgency
 
 log = logging.getLogger(__name__)
 
 
-def step_budget(cfg: Config, profile: EngineProfile | None) -> int:
-    """Tokens per mixed step: ``[engine] step_tokens``, else the most (in blocks) whose prompt chunk
-    keeps a step of ``TYPICAL_BATCH`` sequences within ``[conductor] tbt_slo_ms`` by the start-up
-    profile, else ``DEFAULT_STEP_TOKENS``; never more than ``prefill_chunk_tokens``."""
-    chunk = cfg.engine.prefill_chunk_tokens
-    if cfg.engine.step_tokens:
-        return min(cfg.engine.step_tokens, chunk)
-    slo_s = cfg.conductor.tbt_slo_ms / 1000
-    if not slo_s or profile is None or not profile.prefill or not profile.decode:
-        return min(DEFAULT_STEP_TOKENS, chunk)
-    prefill = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens)
-    decode_s = DecodeCostModel.from_profile(profile.decode).predict(TYPICAL_BATCH, TYPICAL_BATCH * TYPICAL_CTX)
-    return fit_step_tokens(lambda n: decode_s + prefill.predict(n, TYPICAL_CTX), slo_s, chunk, cfg.engine.block_tokens)
+def step_budget(cfg: Config, profile: EngineProfile | None, decode: DecodeCostModel) -> StepBudget:
+    """The role's prompt budget per step (``sched/colocated.py``): its decode steps' model
+    (``decode``, the one its flex decisions use) and a prompt model from the start-up profile."""
+    prefill = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens) \
+        if profile is not None and profile.prefill else PrefillCostModel(chunk_tokens=cfg.engine.prefill_chunk_tokens)
+    return StepBudget(decode, prefill, cfg.engine.prefill_chunk_tokens, cfg.engine.block_tokens)
 
 
 class _Gone(Exception):
@@ -71,13 +69,19 @@ class ColocatedWorker(DecodeWorker):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.step_tokens = step_budget(cfg, self._profile)
+        self.step_tokens = min(cfg.engine.step_tokens, cfg.engine.prefill_chunk_tokens)  # fixed, if configured
+        self.budget = step_budget(cfg, self._profile, self.step_cost)
+        # what the conductor predicts this instance's steps by: the default class's target
+        self.step_target_ms = tbt_target_ms(P.Sampling(), cfg, self.tbt_default_ms)
         self.prompts: dict[str, tuple[Slot, asyncio.Future[PrefillStep]]] = {}  # waiting for their next chunk
         self.inflight = InflightBlocks()  # prompt blocks the prompts here are computing
         self.prefilling: set[str] = set()  # requests whose prompt is being prefilled here
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
                                    self.rejections, self._chunk)
-        log.info("colocated: %d tokens per step while decoding", self.step_tokens)
+        if self.step_tokens:
+            log.info("colocated: %d tokens per step while decoding ([engine] step_tokens)", self.step_tokens)
+        else:
+            log.info("colocated: prompt tokens per step keep interactive steps within %.0f ms", self.step_target_ms)
 
     async def start(self) -> None:
         if self.engine.prefix_caching:
@@ -105,12 +109,15 @@ class ColocatedWorker(DecodeWorker):
         return await self.run_engine(self.engine.add_sequence, msg.req_id, msg.tokens, msg.sampling, None,
                                      msg.num_generated, [BlockHash(h) for h in msg.hashes], BlockHash(msg.root))
 
-    def _may_reserve(self) -> bool:
-        """At most ``max_prefill_batch`` prompts hold their blocks before they are computed: the
-        others wait unreserved, leaving the pool to the running batch and the prefix cache (a
-        burst reserving the whole pool would evict the cached prefixes the burst is about to reuse,
-        and leave no room to import those the stores hold)."""
-        return sum(not s.seq.prefilled for s in self.incoming.values()) < self.cfg.engine.max_prefill_batch
+    def _may_reserve(self, msg: P.DecodeRequest) -> bool:
+        """At most ``max_prefill_batch`` prompts of ``msg``'s class or a more urgent one hold their
+        blocks before they are computed: the others wait unreserved, leaving the pool to the running
+        batch and the prefix cache (a burst reserving the whole pool would evict the cached prefixes
+        the burst is about to reuse, and leave no room to import those the stores hold). Flex prompts
+        never keep an interactive one from reserving (it preempts them for room if it must)."""
+        r = rank(msg.sampling)
+        ahead = sum(not s.seq.prefilled and rank(s.seq.sampling) <= r for s in self.incoming.values())
+        return ahead < self.cfg.engine.max_prefill_batch
 
     async def _maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.seq.prefilled or slot.started:
@@ -227,31 +234,73 @@ class ColocatedWorker(DecodeWorker):
                 prompts.append((slot, fut))
         if not slots and not prompts:
             return False
+        # interactive prompts' chunks first: flex ones get what they leave of the budget
         prompts.sort(key=lambda p: (urgency(p[0].seq.sampling), p[0].reserved_at))
-        # whole chunks only while nothing decodes or waits to (a prompt done is about to join)
-        joining = any(s.seq.prefilled for s in self.incoming.values())
-        budget = self.step_tokens if slots or joining else self.cfg.engine.prefill_chunk_tokens
+        kv_tokens = sum(s.seq.num_tokens for s in slots)
+        decode_s = 0.0
         outs = []
         if slots:  # the decode half first: a prompt that fails below fails alone
-            kv_tokens = sum(s.seq.num_tokens for s in slots)
             t0 = time.perf_counter()
             outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
-            self._observe_step(len(slots), kv_tokens, time.perf_counter() - t0)
-        if prompts:
-            left = max(self.engine.block_tokens, budget - len(slots))  # a prompt always moves by a block
+            decode_s = time.perf_counter() - t0
+        budget = self._prompt_budget(slots, kv_tokens, [p[0].seq for p in prompts]) if prompts else 0
+        if not slots and not budget:
+            return False  # flex prompts wait for the sequence about to join: its first step
+        if budget:  # none: flex prompts wait for a step that interactive rows do not need
+            seqs = [p[0].seq for p in prompts]
+            before = [s.num_computed for s in seqs]
+            t0 = time.perf_counter()
             try:
-                steps = await self.run_engine(self.engine.prefill_many, [p[0].seq for p in prompts], None, left)
+                steps = await self.run_engine(self._prefill_live, seqs, budget)
             except Exception as e:
                 steps = [e] * len(prompts)  # _prefill gives each request up
+            computed = sum(s.num_computed - b for s, b in zip(seqs, before))
+            self.budget.observe(len(slots), kv_tokens, decode_s, computed, before[0], time.perf_counter() - t0)
             for (_, fut), step in zip(prompts, steps):
                 if fut.done():
                     continue
-                if isinstance(step, Exception):
+                if isinstance(step, BaseException):
                     fut.set_exception(step)
                 else:
                     fut.set_result(step)
         if slots:
+            self._observe_step(len(slots), kv_tokens, decode_s)
             await self._emit(slots, outs)
         else:
             self.progress += 1
         return True
+
+    def _prefill_live(self, seqs: list[Sequence], budget: int) -> list[PrefillStep | BaseException]:
+        """Engine thread: the next chunks of those of ``seqs`` still waiting for them (a sequence
+        preempted or dropped since the step began gets ``_Gone``, the others compute)."""
+        live = [s for s in seqs if not s.freed and not s.prefilled]
+        steps = dict(zip(map(id, live), self.engine.prefill_many(live, None, budget))) if live else {}
+        return [_Gone() if (step := steps.get(id(s))) is None else step for s in seqs]
+
+    def _prompt_budget(self, slots: list[Slot], kv_tokens: int, prompts: list[Sequence]) -> int:
+        """Prompt tokens for this step (``prompts``: interactive first). While sequences decode (or one is
+        about to join): what keeps the step within the tightest TBT target of their classes
+        (``sched/colocated.py``), a block at least; else a whole chunk. Flex prompts get what the
+        flex allowance of the step's interactive work (rows and prompts' chunks) leaves
+        (``request_class.flex_allowance_s``; maybe nothing: they wait for a step interactive work does
+        not need), and flex work alone ``[classes] flex_chunk_tokens`` (an interactive prompt that
+        arrives waits behind that much at most). ``[engine] step_tokens``, where set, fixes it instead."""
+        joining = [s for s in self.incoming.values() if s.seq.prefilled]  # done, about to decode
+        rows, chunk = slots + joining, self.cfg.engine.prefill_chunk_tokens
+        if self.step_tokens:
+            return max(self.engine.block_tokens, self.step_tokens - len(rows)) if rows else chunk
+        kv = kv_tokens + sum(s.seq.num_tokens for s in joining)
+        target_s = tightest_target_ms((s.seq.sampling for s in rows), self.cfg, self.tbt_default_ms) / 1000
+        ctx = prompts[0].num_computed
+        budget = self.budget.tokens(len(rows), kv, ctx, target_s) if rows else chunk
+        if rank(prompts[-1].sampling) != FLEX_RANK:
+            return budget  # no flex prompt here
+        interactive = [s for s in rows if rank(s.seq.sampling) != FLEX_RANK]
+        ahead = min(budget, sum(len(p.tokens) - p.num_computed for p in prompts if rank(p.sampling) != FLEX_RANK))
+        if not interactive and not ahead:  # flex work alone
+            return min(budget, self.cfg.classes.flex_chunk_tokens or chunk)
+        own_s = self.budget.decode.predict(len(interactive), sum(s.seq.num_tokens for s in interactive)) \
+            if interactive else 0.0
+        own_s += self.budget.prefill.predict(ahead, ctx) if ahead else 0.0
+        flex = self.budget.tokens(len(rows), kv, ctx, flex_allowance_s(own_s, target_s), least=0)
+        return max(ahead, flex)  # the interactive prompts' chunks, then what the allowance leaves flex ones

@@ -36,7 +36,8 @@ from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 from mooncake.sched.cost_model import DecodeCostModel
-from mooncake.sched.request_class import FLEX_RANK, flex_joining, limit, rank, urgency
+from mooncake.sched.colocated import reachable_target_ms
+from mooncake.sched.request_class import FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency
 
 log = logging.getLogger(__name__)
 STEPS_PER_S = 32  # decode steps a second the conductor's cost model learns from (a refit reads 256)
@@ -59,6 +60,7 @@ class DecodeWorker(EngineWorker):
         # its own steps' cost, to keep flex work from slowing the others' past the TBT SLO
         profile = self._profile.decode if self._profile is not None else ()
         self.step_cost = DecodeCostModel.from_profile(profile) if profile else DecodeCostModel()
+        self.tbt_default_ms = reachable_target_ms(self._profile, self.engine.block_tokens)  # classes with no tbt_slo_ms
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
         self.outlets = TokenOutlets(self.ctx, self.node_id, self.curve)
@@ -125,7 +127,7 @@ class DecodeWorker(EngineWorker):
         caller at a time; a request dropped while its reservation was being made gives it back."""
         async with self._reserving:
             eng = self.engine
-            while self.pending and self._may_reserve():
+            while self.pending and self._may_reserve(self.pending[0]):
                 msg = self.pending[0]
                 need = -(-len(msg.tokens) // eng.block_tokens)
                 seq = None
@@ -154,8 +156,8 @@ class DecodeWorker(EngineWorker):
                                                  reserved_at=time.monotonic())
                 await self.send(P.Reserved(msg.req_id, self.node_id))
 
-    def _may_reserve(self) -> bool:
-        """Whether another request may reserve now (room permitting)."""
+    def _may_reserve(self, msg: P.DecodeRequest) -> bool:
+        """Whether ``msg``, next in line, may reserve now (room permitting)."""
         return True
 
     async def _hold(self, msg: P.DecodeRequest) -> Sequence | None:
@@ -262,8 +264,8 @@ class DecodeWorker(EngineWorker):
                 await self._retire(self.running.pop(slot.msg.req_id), write=True)
 
     def _batch(self) -> list[Slot]:
-        """The running sequences this step: every one, except flex work past what keeps the
-        others' predicted step within the tightest of their classes' ``tbt_slo_ms`` (``request_class.flex_joining``),
+        """The running sequences this step: every one, except flex work past what keeps the others'
+        predicted step within their tightest TBT target and the flex allowance (``request_class``),
         and all flex work while an interactive request reserved here is being prefilled on this
         machine: the prefill gets the cores they share, and its first token comes sooner."""
         slots = list(self.running.values())
@@ -277,9 +279,10 @@ class DecodeWorker(EngineWorker):
         others = [s for s in slots if rank(s.seq.sampling) != FLEX_RANK]
         if yielding:
             return others
-        slo_ms = min((t for t in {limit(s.seq.sampling, "tbt_slo_ms", self.cfg) for s in others} if t), default=0.0)
-        n = flex_joining(len(others), sum(s.seq.num_tokens for s in others), [s.seq.num_tokens for s in flex],
-                         self.step_cost.predict, slo_ms / 1000)
+        target_s = tightest_target_ms((s.seq.sampling for s in others), self.cfg, self.tbt_default_ms) / 1000
+        kv = sum(s.seq.num_tokens for s in others)
+        allowance_s = flex_allowance_s(self.step_cost.predict(len(others), kv), target_s)
+        n = flex_joining(len(others), kv, [s.seq.num_tokens for s in flex], self.step_cost.predict, allowance_s)
         return others + flex[:n]
 
     async def _send_tokens(self, by_frontend: dict[str, list[P.TokenEvent]]) -> None:

@@ -60,7 +60,8 @@ class EngineWorker(ABC):
     one thread owns the engine (the most urgent call first), the event loop never computes."""
 
     role = ""
-    step_tokens = 0  # a colocated instance's tokens per step
+    step_tokens = 0  # a colocated instance's fixed tokens per step (0: from its target)
+    step_target_ms = 0.0  # a colocated instance's step time target while interactive work decodes
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -118,7 +119,8 @@ class EngineWorker(ABC):
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
                           self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
                           threads=self.threads, machine=machine_id(), instance=P.process_instance(),
-                          kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens)
+                          kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens,
+                          step_target_ms=self.step_target_ms)
         return P.Register(role=self.role, node_id=self.node_id, info=info, endpoints=endpoints)
 
     async def _export_blocks(self, seq: Sequence, first: int, end: int) -> torch.Tensor | None:

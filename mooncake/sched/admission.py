@@ -4,7 +4,9 @@ A refusal is a typed ``Rejection`` (HTTP status, reason, message, the request
 field at fault, when to retry); the HTTP layer maps it to OpenAI's error body.
 ``check_request`` judges the request against the model's context and the cluster's caps
 (its token ids against the vocabulary are the frontend's to check),
-``check_plan`` the scheduler's predictions against the SLOs — only predictions with
+``check_plan`` the scheduler's predictions against the SLOs and the queue bound (past capacity a
+request that would wait more than ``max_queue_wait_s`` before its prompt computes is refused now,
+so that goodput plateaus instead of collapsing) — only predictions with
 evidence behind them (a start-up profile or measurements), and never so long that the
 cluster stops learning: after refusing everything for ``probe_after_s`` it admits one
 request to re-measure. ``Retry-After`` is the time until the predicted backlog drains,
@@ -33,6 +35,8 @@ class Rejection:
 
 
 Evidence = tuple[bool, bool]
+# what a plan is judged against, per class (``ClassLimits``, else ``[conductor]``; 0: not judged)
+JUDGED_LIMITS = ("ttft_slo_ms", "tbt_slo_ms", "max_queue_wait_s")
 
 
 def context_rejection(n_tokens: int, max_model_len: int) -> Rejection | None:
@@ -91,15 +95,18 @@ class Admission:
         return None
 
     def check_plan(self, plan: Plan | None, now: float, evidence: Evidence = (True, True),
-                   slos_ms: tuple[float, float] | None = None) -> Rejection | None:
-        """Judge the plan's predictions against the SLOs. A prediction with no evidence behind
-        it (no profile, no measurement) never refuses; after refusing everything for
+                   limits: tuple[float, float, float] | None = None) -> Rejection | None:
+        """Judge the plan's predictions against the SLOs and the queue bound. A prediction with no
+        evidence behind it (no profile, no measurement) never refuses; after refusing everything for
         ``probe_after_s`` one request is admitted to re-measure. ``evidence``: (prefill, decode);
-        ``slos_ms``: (TTFT, TBT) SLOs of the request's class (default: ``[conductor]``'s; 0: none)."""
+        ``limits``: the request's class's ``JUDGED_LIMITS`` (default: ``[conductor]``'s; 0: none)."""
         if plan is None:
             return Rejection(503, "no_workers", "no prefill or decode instance is available", retry_after_s=1)
-        ttft_ms, tbt_ms = slos_ms if slos_ms is not None else (self.cfg.ttft_slo_ms, self.cfg.tbt_slo_ms)
+        ttft_ms, tbt_ms, max_wait_s = limits if limits is not None else \
+            (self.cfg.ttft_slo_ms, self.cfg.tbt_slo_ms, self.cfg.max_queue_wait_s)
         rejection = self._slo(plan, *evidence, ttft_ms, tbt_ms)
+        if rejection is None and evidence[0] and max_wait_s:
+            rejection = self._queue_wait(plan, max_wait_s)
         if rejection is not None and now - self.last_admitted >= self.cfg.probe_after_s:
             self.metrics.admission_probes.inc()  # a probe: neither the prediction's verdict nor a flip
             self.last_admitted = now
@@ -130,6 +137,15 @@ class Admission:
                              f"{plan.decode_batch} exceeds the {tbt_ms:.0f} ms SLO",
                              retry_after_s=self._retry_after(plan.decode_drain_s))
         return None
+
+    def _queue_wait(self, plan: Plan, max_wait_s: float) -> Rejection | None:
+        """Past capacity: the plan waits longer than ``max_wait_s`` before its prompt computes."""
+        wait_s = plan.queue_s + plan.reserve_wait_s
+        if wait_s <= max_wait_s:
+            return None
+        return Rejection(429, "queue_wait", f"the cluster is past its capacity: this request would wait "
+                         f"{wait_s:.1f} s before its prompt computes, more than the {max_wait_s:g} s allowed "
+                         "([conductor] max_queue_wait_s)", retry_after_s=self._retry_after(wait_s - max_wait_s))
 
     def _retry_after(self, seconds: float) -> float:
         """When the predicted backlog will have drained, within [1 s, max_retry_after_s]."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from mooncake.sched.admission import Admission, Evidence, Rejection
+from mooncake.sched.admission import JUDGED_LIMITS, Admission, Evidence, Rejection
 from mooncake.sched.booking import Booking
 from mooncake.sched.pipeline import PipelineShape
 from mooncake.sched.request_class import DEFAULT_RANK, TIERS
@@ -24,13 +24,13 @@ def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: S
     ``judge``: False for an attempt of a request admitted already (another choice of it, or its
     retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
     the request's class's (``request_class.py``): it waits only for the work served before it,
-    and is judged against its class's SLOs (``[classes.<tier>]``) alone: flex work is never
+    and is judged against its class's SLOs and queue bound (``[classes.<tier>]``) alone: flex work is never
     refused for the interactive ones (it waits behind the rest instead). ``session``: the request
     names one (its blocks are written to the store whatever the write admission says)."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
-    slos = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in ("ttft_slo_ms", "tbt_slo_ms"))
-    judged = judge and any(slos)  # a class with no SLO is never refused for one (nor counts as admitted)
-    rejection = admission.check_plan(plan, now, evidence, slos) if judged or plan is None else None
+    limits = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in JUDGED_LIMITS)
+    judged = judge and any(limits)  # a class with no SLO nor queue bound is never refused for one (nor counts as admitted)
+    rejection = admission.check_plan(plan, now, evidence, limits) if judged or plan is None else None
     if rejection is not None:
         return rejection
     assert plan is not None  # check_plan refuses a missing plan

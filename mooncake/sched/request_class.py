@@ -10,7 +10,7 @@ receives carries them; a worker's queue serves by ``urgency``, then arrival.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:
     from mooncake.config import Config
@@ -39,6 +39,20 @@ def rank(sampling: Any) -> int:
     return _RANK.get(sampling.tier, DEFAULT_RANK)
 
 
+# Flex work in a step that decodes interactive rows (flex rows joining it, flex prompts' chunks) may
+# make it at most this much longer than those rows' own step: background work costs an interactive
+# token half its step time and 20 ms at most, whatever room its TBT target leaves.
+FLEX_STEP_SHARE, FLEX_STEP_FLOOR_S = 0.5, 0.020
+
+
+def flex_allowance_s(interactive_step_s: float, target_s: float) -> float:
+    """How long a step whose interactive rows alone take ``interactive_step_s`` may take once flex
+    work joins it: within the rows' TBT target ``target_s`` (0: none), and longer than their own
+    step by ``FLEX_STEP_SHARE`` of it and ``FLEX_STEP_FLOOR_S`` at most."""
+    allowance = interactive_step_s * (1 + FLEX_STEP_SHARE) + FLEX_STEP_FLOOR_S
+    return min(target_s, allowance) if target_s else allowance
+
+
 def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
                  step_s: Callable[[int, int], float], slo_s: float) -> int:
     """How many of the flex sequences (``flex_kv``: their KV tokens, in the order they join)
@@ -54,6 +68,17 @@ def flex_joining(interactive: int, interactive_kv: int, flex_kv: Sequence[int],
             return n
         batch, kv = batch + 1, kv + tokens
     return len(flex_kv)
+
+
+def tbt_target_ms(sampling: Any, cfg: Config, default_ms: float) -> float:
+    """The step time a request's class holds its decode steps to: its ``tbt_slo_ms``, else (an
+    interactive class with none set) ``default_ms``; 0 for flex work without one (no target)."""
+    return limit(sampling, "tbt_slo_ms", cfg) or (0.0 if rank(sampling) == FLEX_RANK else default_ms)
+
+
+def tightest_target_ms(samplings: Iterable[Any], cfg: Config, default_ms: float) -> float:
+    """The tightest ``tbt_target_ms`` among ``samplings`` (0: none has one)."""
+    return min((t for t in {tbt_target_ms(s, cfg, default_ms) for s in samplings} if t), default=0.0)
 
 
 def limit(sampling: Any, key: str, cfg: Config) -> Any:

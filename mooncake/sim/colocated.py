@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 from mooncake.config import EngineConfig
-from mooncake.sched.colocated import DEFAULT_STEP_TOKENS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
+from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
 from mooncake.sched.plan import Plan
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.instances import ColocatedInstance, DecodeSeq, Prompt, queue_by_rank
@@ -35,16 +35,16 @@ MAX_PROMPTS = EngineConfig.model_fields["max_prefill_batch"].default
 
 
 def step_budget(hw: Hardware, tbt_slo_ms: float) -> int:
-    """Tokens per step as the live role picks them: as a calibrated cluster's instances run them,
-    else, as without ``[engine] step_tokens``, the most whose step of ``TYPICAL_BATCH`` sequences
-    stays within the TBT SLO; never more than a chunk."""
+    """Tokens per step: as a calibrated cluster's instances run them (a fixed ``[engine]
+    step_tokens``), else the most whose step of ``TYPICAL_BATCH`` sequences stays within the TBT SLO
+    (none set: the live role's default target, ``DEFAULT_TBT_TARGET_MS``); never more than a chunk.
+    The live role sizes each step by its batch of the moment; the simulation holds the budget it
+    picks at a typical batch."""
     if hw.step_tokens:
         return min(hw.step_tokens, hw.chunk_tokens)
-    if not tbt_slo_ms:
-        return min(DEFAULT_STEP_TOKENS, hw.chunk_tokens)
     kv = TYPICAL_BATCH * TYPICAL_CTX
     return fit_step_tokens(lambda n: hw.mixed_step_s(TYPICAL_BATCH, kv, [(max(1, n - TYPICAL_BATCH), TYPICAL_CTX)]),
-                           tbt_slo_ms / 1000, hw.chunk_tokens, ENGINE_BLOCK)
+                           (tbt_slo_ms or DEFAULT_TBT_TARGET_MS) / 1000, hw.chunk_tokens, ENGINE_BLOCK)
 
 
 def budget_ladder(hw: Hardware, tbt_slo_ms: float) -> list[int]:

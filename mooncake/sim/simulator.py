@@ -47,7 +47,8 @@ class Simulation:
         self.requests = requests
         self.B = hw.block_tokens
         self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store, store_writes=setup.store_writes,
-                                   ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms)
+                                   ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms,
+                                   max_queue_wait_s=setup.max_queue_wait_s)
         self.loop = EventLoop()
         self.index = KVIndex()
         self.cluster = Cluster()

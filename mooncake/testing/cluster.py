@@ -16,7 +16,8 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
     """A config sized for tests on a 2-core machine: small pools, one torch thread per role,
     float32 (outputs are compared with transformers token for token), every block written to the
     stores (``store_writes = "all"``: tests of the store find a prompt there after one request;
-    the write admission's default is tested on its own)."""
+    the write admission's default is tested on its own), no queue bound (``max_queue_wait_s``:
+    tests that burst expect every request served; the bound is tested on its own)."""
     cfg = Config()
     cfg.model.dtype = "float32"
     cfg.frontend.port = free_port()
@@ -26,6 +27,7 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
     cfg.engine.kv_cache_bytes = 160 * MiB
     cfg.engine.threads = 1
     cfg.engine.profile_at_start = False  # a few seconds per role; the admission tests turn it on
+    cfg.conductor.max_queue_wait_s = 0.0  # tests that burst expect every request served; tested on its own
     cfg.store.dram_bytes = 128 * MiB
     cfg.store.lmdb_bytes = 256 * MiB
     cfg.store.data_dir = str(data_dir)
