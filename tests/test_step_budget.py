@@ -141,7 +141,7 @@ async def test_the_role_sizes_each_step_by_the_classes_it_decodes(colocated_work
 
 
 def test_past_capacity_a_request_that_would_queue_too_long_is_refused_with_retry_after():
-    plan = SimpleNamespace(queue_s=5.0, reserve_wait_s=0.5, best_ttft_s=6.0, est_ttft_s=6.0,
+    plan = SimpleNamespace(queue_s=5.0, reserve_wait_s=0.5, best_ttft_s=6.0, est_ttft_s=6.0, est_prefill_s=0.0,
                            queue_slack_s=float("inf"), est_tbt_s=0.01, decode_batch=1, decode_drain_s=0.0)
     admission = Admission(ConductorConfig(), Metrics())  # no SLOs: the default bound, 2 s
     admission.last_admitted = 0.0
@@ -151,4 +151,7 @@ def test_past_capacity_a_request_that_would_queue_too_long_is_refused_with_retry
     assert admission.check_plan(plan, now=0.0, evidence=(False, True)) is None  # no evidence: never refuses
     assert admission.check_plan(plan, now=0.0, limits=(0.0, 0.0, 0.0)) is None  # flex's default: waits
     plan.queue_s = 1.0
-    assert admission.check_plan(plan, now=0.0) is None
+    assert admission.check_plan(plan, now=0.0) is None  # 1.5 s of the 2 s allowed a cached prompt
+    plan.est_prefill_s = 2.0  # a prompt computed from scratch: half the bound (2 * 2 / (2 + 2) = 1 s)
+    r = admission.check_plan(plan, now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "queue_wait" and r.retry_after_s == 1.0  # at least 1 s

@@ -139,13 +139,19 @@ class Admission:
         return None
 
     def _queue_wait(self, plan: Plan, max_wait_s: float) -> Rejection | None:
-        """Past capacity: the plan waits longer than ``max_wait_s`` before its prompt computes."""
+        """Past capacity: the plan waits longer before its prompt computes than it may. A request
+        may wait ``max_wait_s`` less as its own prefill is longer (``max_wait_s**2 / (max_wait_s +
+        prefill)``): when some must be refused, those that cost the cluster most go first, so that
+        what it admits serves the most requests in time (a cached turn of a conversation waits up to
+        the whole bound; a prompt computed from scratch for as long as the bound, half of it)."""
         wait_s = plan.queue_s + plan.reserve_wait_s
-        if wait_s <= max_wait_s:
+        allowed_s = max_wait_s * max_wait_s / (max_wait_s + max(0.0, plan.est_prefill_s))
+        if wait_s <= allowed_s:
             return None
         return Rejection(429, "queue_wait", f"the cluster is past its capacity: this request would wait "
-                         f"{wait_s:.1f} s before its prompt computes, more than the {max_wait_s:g} s allowed "
-                         "([conductor] max_queue_wait_s)", retry_after_s=self._retry_after(wait_s - max_wait_s))
+                         f"{wait_s:.1f} s before its prompt computes, more than the {allowed_s:.1f} s allowed "
+                         f"for its {plan.est_prefill_s:.1f} s of prefill ([conductor] max_queue_wait_s "
+                         f"{max_wait_s:g} s)", retry_after_s=self._retry_after(wait_s - allowed_s))
 
     def _retry_after(self, seconds: float) -> float:
         """When the predicted backlog will have drained, within [1 s, max_retry_after_s]."""
