@@ -150,6 +150,8 @@ def test_past_capacity_a_request_that_would_queue_too_long_is_refused_with_retry
     assert r.retry_after_s == pytest.approx(3.5) and "max_queue_wait_s" in r.message
     assert admission.check_plan(plan, now=0.0, evidence=(False, True)) is None  # no evidence: never refuses
     assert admission.check_plan(plan, now=0.0, limits=(0.0, 0.0, 0.0)) is None  # flex's default: waits
+    plan.best_ttft_s = plan.est_ttft_s = 2.5  # a TTFT SLO judges the wait itself (3 s: admitted)
+    assert admission.check_plan(plan, now=0.0, limits=(3000.0, 0.0, 2.0)) is None
     plan.queue_s = 1.0
     assert admission.check_plan(plan, now=0.0) is None  # 1.5 s of the 2 s allowed a cached prompt
     plan.est_prefill_s = 2.0  # a prompt computed from scratch: half the bound (2 * 2 / (2 + 2) = 1 s)

@@ -105,7 +105,7 @@ class Admission:
         ttft_ms, tbt_ms, max_wait_s = limits if limits is not None else \
             (self.cfg.ttft_slo_ms, self.cfg.tbt_slo_ms, self.cfg.max_queue_wait_s)
         rejection = self._slo(plan, *evidence, ttft_ms, tbt_ms)
-        if rejection is None and evidence[0] and max_wait_s:
+        if rejection is None and evidence[0] and max_wait_s and not ttft_ms:  # a TTFT SLO judges the wait itself
             rejection = self._queue_wait(plan, max_wait_s)
         if rejection is not None and now - self.last_admitted >= self.cfg.probe_after_s:
             self.metrics.admission_probes.inc()  # a probe: neither the prediction's verdict nor a flip
