@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mooncake.testing.api import MODEL, complete, metric, metrics
-from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.cluster import SHAPES, running_cluster, small_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -35,10 +35,11 @@ def ttft(url: str, prompt: list[int]) -> tuple[int, float, float | None]:
         return 200, first, None
 
 
-def test_a_tiny_first_request_does_not_lock_the_cluster_out(tmp_path):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_tiny_first_request_does_not_lock_the_cluster_out(tmp_path, shape):
     cfg = small_config(tmp_path, ttft_slo_ms=SLO_MS, max_retry_after_s=MAX_RETRY_S, probe_after_s=60.0)
     cfg.engine.profile_at_start = True
-    with running_cluster(cfg=cfg) as c:
+    with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         before = httpx.get(c.url + "/cluster").json()["estimates"]
         assert before["profiled"] == ["decode", "prefill"]  # the models start from this machine's numbers
         assert complete(c.url, "warm", max_tokens=1).status_code == 200

@@ -7,7 +7,8 @@ the generators do not reach (huge token ids, lone surrogates) is sent as well.
 
 Generation is kept cheap (the model runs on CPU): a body that is an object gets ``max_tokens`` at
 most 4, ``n`` at most 2 and ``stream`` false, and the served model's name, before it is sent.
-Deterministic (``derandomize``) and bounded: a few dozen examples per endpoint and mode."""
+Deterministic (``derandomize``) and bounded: a few dozen examples per endpoint and mode.
+Shapes: the pair only: what is fuzzed is the frontend's parsing, before any shape."""
 
 from __future__ import annotations
 

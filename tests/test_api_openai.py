@@ -1,5 +1,7 @@
 """The OpenAI Python SDK, unchanged, against one dev cluster: n choices, logprobs, structured
-output, tool calls, penalties, min_tokens; the new endpoints and the 400s of bad values."""
+output, tool calls, penalties, min_tokens; the new endpoints and the 400s of bad values.
+Shapes: the pair only: the API is the frontend's and sampling the same engine code in each shape
+(test_shapes.py runs classes, sessions and structured output in each)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``mooncake bench`` (the real CLI) against a live dev cluster: a complete JSON report."""
+"""``mooncake bench`` (the real CLI) against a live dev cluster: a complete JSON report.
+Shapes: the default dev cluster only: it checks the bench CLI's report, not a promise of a shape."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """A real dev cluster (2 prefill on node0/node1, 1 decode, 2 stores) as subprocesses:
 outputs against transformers, SSE, chat, prefix reuse, routing, replication, bad input,
-disconnects."""
+disconnects.
+Shapes: the pair only: routing between two prefill instances and replication between two stores
+(exactness and reuse in each shape: test_shapes.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""``mooncake serve --dev`` serving each new family's tiny model through the whole
-disaggregated path (conductor -> prefill -> KV to decode, blocks to the store), greedy
-output equal to transformers in float32. One small cluster per family, started in turn; the
-Qwen3 one is found by repo id in a local Hugging Face cache, with a served name and a context
-limit of its own."""
+"""``mooncake serve`` serving each new family's tiny model in each shape: the colocated default and
+the whole disaggregated path (conductor -> prefill -> KV to decode, blocks to the store), greedy
+output equal to transformers in float32. One small cluster per family and shape, started in
+turn; the Qwen3 one is found by repo id in a local Hugging Face cache, with a served name and a
+context limit of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mooncake.local.cluster import LocalCluster
-from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.cluster import SHAPES, running_cluster, small_config
 
 from hf_cache import hf_cache_with
 
@@ -20,10 +20,10 @@ TEXT = ("A block of keys and values is shared by every request whose prompt star
         "tokens; a sliding window only ever looks back a few of them. ")
 
 
-@pytest.fixture(scope="module", params=SERVED)
+@pytest.fixture(scope="module", params=[(f, s) for s in SHAPES for f in SERVED], ids="-".join)
 def served(request, tiny_models, tmp_path_factory):
-    family = request.param
-    tmp = tmp_path_factory.mktemp(f"cluster-{family}")
+    family, shape = request.param
+    tmp = tmp_path_factory.mktemp(f"cluster-{family}-{shape}")
     cfg = small_config(tmp / "data")
     with pytest.MonkeyPatch.context() as mp:
         if family == "qwen3":
@@ -34,7 +34,7 @@ def served(request, tiny_models, tmp_path_factory):
         else:
             cfg.model.path = str(tiny_models[family])
             cfg.model.name = f"tiny-{family}"
-        with running_cluster(cfg=cfg) as cluster:
+        with running_cluster(cfg=cfg, **SHAPES[shape]) as cluster:
             yield family, cluster
 
 

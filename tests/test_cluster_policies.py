@@ -1,5 +1,7 @@
 """Policies on a real cluster: round_robin spreads a shared prefix; a tight TTFT SLO
-rejects part of a burst up front, before any compute, and loses nothing."""
+rejects part of a burst up front, before any compute, and loses nothing.
+Shapes: two prefill instances and a decode: placement between prefill instances (early refusal in
+each shape: test_admission.py, test_shapes.py)."""
 
 from __future__ import annotations
 

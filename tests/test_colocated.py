@@ -4,7 +4,8 @@ prefilled on the pair and then served by the colocated instance from the store, 
 requests whose prompt chunks share steps with others' decoding, and a mixed dev cluster's
 /cluster view; a request migrated from a colocated instance that dies to the pair, and from the
 pair's decode that dies to the colocated instance (the module's last test: it kills and restarts
-roles)."""
+roles).
+Shapes: mixed (a colocated instance beside a pair): placement and migration between kinds."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Prefill yields the CPU to decode: ``[node] prefill_nice`` on the real processes of a dev
-cluster, the rules of ``raise_nice`` in processes of their own, and bad values refused."""
+cluster, the rules of ``raise_nice`` in processes of their own, and bad values refused.
+Shapes: the pair only: prefill_nice is a prefill instance's setting, a colocated instance runs both
+halves in one process."""
 
 from __future__ import annotations
 

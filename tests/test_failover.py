@@ -1,8 +1,9 @@
 """No single point of failure (issue 29), with real processes and a real etcd: two conductors
-(one leads through etcd, the other stands by), two frontends, a store, a prefill, a decode.
-The leader killed -9 under load loses no request; etcd restarted; both conductors killed (the
-frontends place requests themselves until a conductor leads again); a frontend killed -9 (the
-decode frees its requests). Fails, never skips, without etcd: ``make test`` installs it."""
+(one leads through etcd, the other stands by), two frontends, a store, and a prefill and a
+decode (the pair) or one colocated instance (the default), a cluster per shape. The leader
+killed -9 under load loses no request; etcd restarted; both conductors killed (the frontends
+place requests themselves until a conductor leads again); a frontend killed -9 (the instance
+that decodes frees its requests). Fails, never skips, without etcd: ``make test`` installs it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
-from mooncake.testing.cluster import small_config
+from mooncake.testing.cluster import SHAPES, serving_role, small_config
 from mooncake.testing.etcd import EtcdServer
 from mooncake.testing.ports import free_port
 from mooncake.local.cluster import LocalCluster
@@ -35,15 +36,16 @@ def etcd():
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, etcd):
+@pytest.fixture(scope="module", params=list(SHAPES))
+def cluster(request, tmp_path_factory, etcd):
     cfg = small_config(tmp_path_factory.mktemp("data"), dead_after_s=2.0)
     cfg.coordination.etcd_endpoints = [etcd.url]
     cfg.coordination.lease_ttl_s = LEASE_TTL_S
-    cfg.coordination.prefix = "/mooncake/failover-test"
+    cfg.coordination.prefix = f"/mooncake/failover-test-{request.param}"
     cfg.coordination.poll_s = 0.25
     cfg.frontend.port = free_port(consecutive=2)
-    c = LocalCluster(cfg, prefill=1, decode=1, store=1, frontends=2, conductors=2)
+    c = LocalCluster(cfg, store=1, frontends=2, conductors=2, **SHAPES[request.param])
+    c.shape = request.param
     try:
         c.start(timeout_s=240)
         yield c
@@ -76,8 +78,8 @@ def conductor_named(node_name: str) -> str:
 def test_frontends_serve_side_by_side_and_show_the_leader(cluster, expected):
     views = [httpx.get(u + "/cluster", timeout=30).json() for u in cluster.urls]
     assert views[0]["leader"] == views[1]["leader"] in ("node0", "node1")
-    assert len(views[0]["frontends"]) == 2 and {n["role"] for n in views[0]["nodes"]} >= {"prefill", "decode",
-                                                                                           "store", "frontend"}
+    assert len(views[0]["frontends"]) == 2 and {n["role"] for n in views[0]["nodes"]} >= {
+        serving_role(cluster.shape, "prefill"), serving_role(cluster.shape, "decode"), "store", "frontend"}
     for url, prompt in zip(cluster.urls, PROMPTS):
         r = complete(url, prompt, max_tokens=20)
         assert r.status_code == 200, r.text
@@ -144,7 +146,7 @@ def decode_load(cluster: LocalCluster) -> dict | None:
     """The decode instance's load as its last heartbeat to the leader said (None: not registered
     with it yet, as after a change of leader)."""
     nodes = httpx.get(cluster.urls[0] + "/cluster", timeout=30).json()["nodes"]
-    return next((n["load"] for n in nodes if n["role"] == "decode"), None)
+    return next((n["load"] for n in nodes if n["role"] == serving_role(cluster.shape, "decode")), None)
 
 
 def decode_idle(cluster: LocalCluster) -> bool:

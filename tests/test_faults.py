@@ -1,6 +1,8 @@
 """Fault tolerance on real dev clusters: kill -9 a store, a decode, a prefill instance while
 requests run; restart a store on its LMDB directory. Decisions and outputs are asserted
-(greedy output with a fault == the same request without it), never speed."""
+(greedy output with a fault == the same request without it), never speed.
+Shapes: the pair only: it kills each of the pair's roles by name (a colocated instance killed
+mid-stream: test_colocated.py; failover in each shape: test_failover.py)."""
 
 from __future__ import annotations
 

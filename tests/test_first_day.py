@@ -1,5 +1,6 @@
 """A user's first day, run as the user runs it: the CLI in a subprocess, `mooncake serve` with no
-role (the whole cluster, supervised), the Python floor, the environment check."""
+role (the whole cluster, supervised), the Python floor, the environment check.
+Shapes: the default the user gets, and the counts and threads each shape's cluster is given."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Hardening of a live dev cluster: fuzzed HTTP input (schemathesis), explicit bad input,
 API key, cache_salt isolation, and a graceful shutdown (SIGTERM drains the running stream,
-every process exits 0). Malformed ZeroMQ messages: test_malformed.py."""
+every process exits 0). Malformed ZeroMQ messages: test_malformed.py.
+Shapes: the pair only: bad input, keys and SIGTERM are the frontend's and every role's alike (keys,
+salts and a restart in each shape: test_restart_and_keys.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Layer-wise vs block-wise KV transfer in a real cluster (issue 12): a prompt of several
-chunks, cold and after a cached prefix, gives transformers' greedy output either way."""
+chunks, cold and after a cached prefix, gives transformers' greedy output either way.
+Shapes: the pair only: KV moves from prefill to decode only there."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """A request's life under pressure, on real dev clusters: a decode pool overfilled by
 concurrent long requests (preemption), a worker whose engine is stuck (stall detection),
 and a dev cluster whose parent is killed (no orphaned roles). Greedy output is checked
-against transformers."""
+against transformers.
+Shapes: preemption in each shape (a test each); stall detection and orphans in the pair, whose roles
+it restarts by name."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 decode instance's KV port, the store's ROUTER — each followed by a request that must
 succeed: no single message can wedge a role. Frames are the known bad cases plus
 hypothesis-generated ones (random bytes, and MessagePack maps shaped like every message
-type with random fields and tensor frames)."""
+type with random fields and tensor frames).
+Shapes: the pair only: it reaches every kind of socket, the decode's KV port among them."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ The address is an extra /32 on ``lo`` (10.219.X.1, X from the test's pid), added
 this module and always removed: the roles bind and connect to it as to any routable
 address (needs root, skipped otherwise). Each attack is refused, and the cluster keeps
 serving greedy output equal to transformers float32.
-"""
+
+Shapes: the pair only: it has the most links (the KV link among them) to attack."""
 
 from __future__ import annotations
 

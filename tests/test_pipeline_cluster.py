@@ -1,7 +1,8 @@
 """Chunked pipeline parallelism in a real cluster (issue 12): 3 prefill instances, pipeline groups
 of 2 or 3 stages. A long prompt goes through a group and gives transformers' greedy output, cold
 and after a cached prefix read from the store; a short prompt never uses a group; a stage killed
-mid-prefill moves the request elsewhere with the same output."""
+mid-prefill moves the request elsewhere with the same output.
+Shapes: prefill instances only: pipeline groups are made of them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A request whose prefix another running request on the same prefill instance is computing
-waits for it and reuses its blocks, instead of computing them a second time alongside it."""
+"""A request whose prefix another running request on the same instance (a prefill or a colocated
+one) is computing waits for it and reuses its blocks, instead of computing them a second time
+alongside it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from mooncake.blocks import BlockHash
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.testing.api import MODEL
-from mooncake.testing.cluster import running_cluster
+from mooncake.testing.cluster import SHAPES, running_cluster
 
 H = [BlockHash(bytes([i]) * 32) for i in range(8)]
 
@@ -46,14 +47,15 @@ def test_blocks_another_request_computes_stay_its_own():
     assert inflight.computing(H, 2) is None and inflight.computing(H, 4) is not None
 
 
-def test_concurrent_requests_on_one_prefix_compute_it_once(tmp_path):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_concurrent_requests_on_one_prefix_compute_it_once(tmp_path, shape):
     """Two requests with the same 1,200-token prompt at once, one prefill instance (packed
     forwards of 512 tokens: the first takes 3 chunks): the second reuses every full block the
     first computed, where it used to find only the chunks done when it started."""
     prompt = [1000 + (7 * i) % 5000 for i in range(1200)]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
             "stream": False}
-    with running_cluster(tmp_path, prefill=1, decode=1, store=1, use_store=False) as c:
+    with running_cluster(tmp_path, store=1, use_store=False, **SHAPES[shape]) as c:
         with ThreadPoolExecutor(2) as pool:
             rs = list(pool.map(lambda _: httpx.post(c.url + "/v1/completions", json=body, timeout=120), range(2)))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs]

@@ -1,7 +1,9 @@
 """Layer-wise prefix loading in a real cluster (issue 12): a prompt whose prefix left the prefill's
 device cache is read back from the store's DRAM tier layer by layer while the new tokens compute,
 with layer-wise and block-wise KV transfer to decode; a store that sends a corrupt slice, or dies
-mid-stream, costs a recompute and the output is transformers' greedy output all the same."""
+mid-stream, costs a recompute and the output is transformers' greedy output all the same.
+Shapes: the pair only: it checks layer-wise loading beside layer-wise transfer to decode (a
+colocated instance's prefix read back from the store: test_kv_codec.py, test_shapes.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A dev cluster with several API keys and ``salt_per_api_key``, stopped gracefully and started
 again on the same data dir: /cluster and /metrics need a key (any configured one), probes do
 not; tenants (keys) never share cached blocks, one tenant does; after the restart the same
-prompt is served from the persisted cache with the same output. Two cluster starts in all."""
+prompt is served from the persisted cache with the same output. Two cluster starts per shape."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from mooncake.testing.api import MODEL, metric
-from mooncake.testing.cluster import running_cluster, small_config
+from mooncake.testing.cluster import SHAPES, running_cluster, small_config
 from mooncake.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,10 +39,11 @@ def store_blocks(url: str) -> int:
     return sum(n["blocks_indexed"] for n in nodes if n["role"] == "store")
 
 
-def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
     cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], drain_timeout_s=20.0)  # salts: the default
     cfg.classes.api_key_tiers = [f"{KEY_B}=flex"]  # B's requests are flex unless they name a tier
-    with running_cluster(cfg=cfg) as c:
+    with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         for path in ("/cluster", "/metrics"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401
             assert httpx.get(c.url + path, headers=bearer("sk-wrong"), timeout=10).status_code == 401
@@ -65,7 +66,7 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path):
                       "mooncake:prefix_cache_hits_total")
         assert hits >= 2 * len(PREFIX)
     cfg.frontend.port = small_config(tmp_path).frontend.port  # SIGTERMed above: start again on the same dir
-    with running_cluster(cfg=cfg) as c:
+    with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "the persisted blocks announced")
         again = ask(c.url, KEY_A)
         assert cached(again) >= 0.9 * len(PREFIX)

@@ -1,5 +1,6 @@
 """CURVE on the role links: a cluster with role keys serves; peers without them cannot join;
-keys of the wrong kind cannot take a role (the conductor authorizes by key kind)."""
+keys of the wrong kind cannot take a role (the conductor authorizes by key kind).
+Shapes: the pair only: it has the most links (the KV link among them) to put under CURVE."""
 
 from __future__ import annotations
 

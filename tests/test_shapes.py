@@ -17,12 +17,11 @@ import httpx
 import pytest
 
 from mooncake.testing.api import MODEL, complete
-from mooncake.testing.cluster import start_cluster, small_config
+from mooncake.testing.cluster import SHAPES, start_cluster, small_config
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.timeout(900)
 
-SHAPES = {"colocated": {"prefill": 0, "decode": 0, "colocated": 1}, "pair": {"prefill": 1, "decode": 1}}
 QUEUE_WAIT_S = 0.5  # the cluster's [conductor] max_queue_wait_s: a burst of long prompts passes it
 
 

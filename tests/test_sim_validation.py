@@ -1,5 +1,7 @@
 """A calibrated simulation against the live dev cluster it was calibrated from
-(accuracy figures: benchmarks/bench_sim_calibration.py, BENCHMARKS.md)."""
+(accuracy figures: benchmarks/bench_sim_calibration.py, BENCHMARKS.md).
+Shapes: the pair only: it validates the simulator's pair model (its colocated model:
+test_sim_colocated.py)."""
 
 from __future__ import annotations
 

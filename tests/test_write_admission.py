@@ -18,7 +18,7 @@ from mooncake.config import ConductorConfig
 from mooncake.sched.placement import place
 from mooncake.sched.sightings import Sightings
 from mooncake.testing.api import complete, metric, metrics
-from mooncake.testing.cluster import running_cluster
+from mooncake.testing.cluster import SHAPES, running_cluster
 from mooncake.testing.wait import wait_for
 
 from test_sched import make
@@ -94,9 +94,9 @@ def test_the_prefill_writes_the_range_the_conductor_names():
     assert end <= first
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("data"), store_writes="reused") as c:
+@pytest.fixture(scope="module", params=list(SHAPES))
+def cluster(request, tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("data"), store_writes="reused", **SHAPES[request.param]) as c:
         yield c
 
 

@@ -11,6 +11,17 @@ from mooncake.config import MOVED_TO_FRONTEND, Config, MiB
 from mooncake.local.cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
+SHAPES: dict[str, dict[str, int]] = {"colocated": {"prefill": 0, "decode": 0, "colocated": 1},
+                                     "pair": {"prefill": 1, "decode": 1}}
+"""The shapes ``mooncake serve`` gives a user, as ``start_cluster`` counts: the colocated default (one
+colocated instance) and the prefill/decode pair (``--disaggregated``). Test modules that start a
+cluster to check a promise run it in each (``tests/test_shape_matrix.py`` holds them to it)."""
+
+
+def serving_role(shape: str, half: str) -> str:
+    """The role that runs ``half`` ("prefill" or "decode") of a request in ``shape``."""
+    return "colocated" if SHAPES[shape].get("colocated") else half
+
 
 def small_config(data_dir: Path, **conductor: object) -> Config:
     """A config sized for tests on a 2-core machine: small pools, one torch thread per role,
