@@ -4,6 +4,7 @@ a class, and how long a session's prefix is kept."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -32,6 +33,41 @@ MOVED_TO_FLEX = {"flex_ttft_slo_ms": "ttft_slo_ms", "flex_request_timeout_s": "r
                  "flex_max_waiting": "max_waiting"}
 
 
+@dataclass(frozen=True)
+class KeyTerms:
+    """What requests authenticated by one API key may ask for: ``tier``, the class they get when
+    they name none and the highest they may name (a higher one is served at it); ``min_priority``,
+    the most urgent integer ``priority`` they may send (lower ones are raised to it); ``weight``,
+    their share in the fair order among keys within a class (README "Request classes")."""
+
+    tier: str = "default"
+    min_priority: int = 0
+    weight: float = 1.0
+
+
+def key_terms(entry: str) -> tuple[str, KeyTerms]:
+    """``KEY=TIER[;min_priority=N][;weight=W]`` as (key, terms); ValueError where it is not that."""
+    head, *options = entry.split(";")
+    key, sep, tier = head.rpartition("=")
+    if not sep or not key or tier not in ("default", "priority", "flex"):
+        raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex, "
+                         "then ;min_priority=N and ;weight=W if wanted")
+    fields: dict[str, Any] = {"tier": tier}
+    for option in options:
+        name, _, value = option.partition("=")
+        try:
+            if name == "min_priority":
+                fields[name] = int(value)
+            elif name == "weight" and float(value) > 0:
+                fields[name] = float(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"api_key_tiers: {option!r} is not min_priority=N (an integer) or weight=W "
+                             "(a number above 0)") from None
+    return key, KeyTerms(**fields)
+
+
 class ClassesConfig(Section):
     """Request classes (``service_tier``; README "Request classes"): ``priority`` and ``default``
     are interactive; ``flex`` waits behind them, never refused for their SLOs, within its own
@@ -41,7 +77,7 @@ class ClassesConfig(Section):
     default: ClassLimits = ClassLimits()
     flex: ClassLimits = FLEX_DEFAULTS
     flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
-    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER pairs (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS): the service_tier of a request authenticated by KEY that names none (e.g. a batch job's key: flex).")
+    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER entries (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS), each optionally followed by ;min_priority=N and ;weight=W: a request authenticated by KEY is served at TIER when it names no service_tier and at most at TIER when it names a higher one (a batch job's key: flex; only keys bound to priority may use priority); its integer priority is raised to N (default 0: no key cuts ahead of another's requests of its class); W weighs its share in the fair order among keys within a class (default 1). A key without an entry: default, 0 and 1. No API keys: no tenants, every tier and priority open.")
     session_ttl_s: float = Field(600.0, ge=0, le=7 * 86400, description="A request naming a session (the extension field session_id, else OpenAI's user; a flex request only by session_id) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure (a store's restart forgets it); 0: off.")
 
     @model_validator(mode="before")
@@ -76,10 +112,8 @@ class ClassesConfig(Section):
     @field_validator("api_key_tiers")
     @classmethod
     def _check_pairs(cls, v: list[str]) -> list[str]:
-        for pair in v:
-            key, sep, tier = pair.rpartition("=")
-            if not sep or not key or tier not in ("default", "priority", "flex"):
-                raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex")
+        for entry in v:
+            key_terms(entry)
         return v
 
     def limit(self, tier: str, key: str, conductor: Any) -> Any:
@@ -87,10 +121,10 @@ class ClassesConfig(Section):
         value = getattr(getattr(self, tier), key)
         return getattr(conductor, key) if value is None else value
 
-    def tier_of_key(self, api_key: str) -> str | None:
-        """The tier bound to ``api_key`` (None: none is)."""
-        for pair in self.api_key_tiers:
-            key, _, tier = pair.rpartition("=")
+    def terms_of_key(self, api_key: str) -> KeyTerms:
+        """What ``api_key``'s requests may ask for (``KeyTerms()`` for a key without an entry)."""
+        for entry in self.api_key_tiers:
+            key, terms = key_terms(entry)
             if key == api_key:
-                return tier
-        return None
+                return terms
+        return KeyTerms()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.config import Config, ConfigError, env_name, load_config
+from mooncake.config_classes import KeyTerms
 from mooncake.config_section import Section
 from mooncake.config_toml import dump_toml
 
@@ -94,10 +95,15 @@ def test_bad_environment_values_name_the_variable(env, words):
 
 
 def test_api_keys_bound_to_a_tier_are_checked_and_never_printed():
-    cfg = load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-batch=flex, sk=vip=priority"})
-    assert cfg.classes.tier_of_key("sk-batch") == "flex" and cfg.classes.tier_of_key("sk=vip") == "priority"
-    assert cfg.classes.tier_of_key("sk-other") is None
-    assert 'api_key_tiers = ["***=flex", "***=priority"]' in dump_toml(cfg, mask_secrets=True)
+    cfg = load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-batch=flex, sk=vip=priority;min_priority=-5;weight=2"})
+    assert cfg.classes.terms_of_key("sk-batch") == KeyTerms("flex")
+    assert cfg.classes.terms_of_key("sk=vip") == KeyTerms("priority", min_priority=-5, weight=2.0)
+    assert cfg.classes.terms_of_key("sk-other") == KeyTerms("default", min_priority=0, weight=1.0)
+    assert 'api_key_tiers = ["***=flex", "***=priority;min_priority=-5;weight=2"]' in dump_toml(cfg, mask_secrets=True)
+    for bad in ("sk-secret=default;weight=0", "sk-secret=flex;min_priority=high", "sk-secret=flex;share=2"):
+        with pytest.raises(ConfigError) as e:
+            load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": bad})
+        assert "min_priority=N" in str(e.value) and "sk-secret" not in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-secret=gold"})
     assert "MOONCAKE_CLASSES_API_KEY_TIERS" in str(e.value) and "KEY=TIER" in str(e.value)

@@ -1,5 +1,6 @@
 """Request classes in a worker: its queue and its batched prefill chunks serve ``priority``
-before ``default`` before ``flex``, then lower ``priority``, then arrival."""
+before ``default`` before ``flex``, then lower ``priority``, then the tenants' fair order, then
+arrival; an API key's tier is the highest it gets."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import msgspec
 
 from mooncake import protocol as P
+from mooncake.frontend.tenant_clock import TenantClock
 from mooncake.roles.class_queue import ClassQueue
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.sched.request_class import served_tier, urgency
@@ -24,7 +26,9 @@ def test_the_served_tier_and_the_order_of_classes():
     assert [served_tier(t) for t in (None, "auto", "default", "flex", "priority")] == \
         ["default", "default", "default", "flex", "priority"]
     assert [served_tier(t, "flex") for t in (None, "auto", "default", "priority")] == \
-        ["flex", "flex", "default", "priority"]  # the key's tier, unless the request names one
+        ["flex", "flex", "flex", "flex"]  # the key's tier is its ceiling: a higher one is served at it
+    assert [served_tier(t, "default") for t in (None, "flex", "priority")] == ["default", "flex", "default"]
+    assert [served_tier(t, "priority") for t in (None, "flex", "priority")] == ["priority", "flex", "priority"]
     keys = [urgency(P.Sampling(tier=t, priority=p)) for t, p in
             (("priority", 9), ("default", -1), ("default", 0), ("flex", -100))]
     assert keys == sorted(keys)
@@ -43,6 +47,56 @@ async def test_a_queue_serves_by_class_then_priority_then_arrival():
     assert q.qsize() == 7 and not q.empty()
     assert [(await q.get()).name for _ in range(7)] == ["p0", "p1", "d0", "d1", "d2", "flex2", "flex1"]
     assert q.empty()
+
+
+async def test_within_a_class_and_priority_tenants_take_turns_by_their_fair_tags():
+    """Tenant A's burst of four 1,500-token prompts, then, 0.5 s later, B's 600-token one: B's goes
+    ahead of all of A's (its tag, its arrival plus its own tokens, is before even A's first); a
+    more urgent priority still goes first."""
+    now = [100.0]
+    clock = TenantClock(token_s=0.001, clock=lambda: now[0])
+    q: ClassQueue = ClassQueue()
+    for i in range(4):
+        q.put_nowait(SimpleNamespace(name=f"a{i}", sampling=P.Sampling(fair_tag=clock.tag("key-a", 1500))))
+    now[0] += 0.5
+    q.put_nowait(SimpleNamespace(name="b0", sampling=P.Sampling(fair_tag=clock.tag("key-b", 600))))
+    q.put_nowait(SimpleNamespace(name="urgent", sampling=P.Sampling(priority=-1, fair_tag=clock.tag("key-a", 9000))))
+    assert [(await q.get()).name for _ in range(6)] == ["urgent", "b0", "a0", "a1", "a2", "a3"]
+
+
+def test_a_tenants_clock_keeps_its_order_weighs_and_forgets_what_is_behind_the_wall_clock():
+    now = [0.0]
+    clock = TenantClock(token_s=0.001, clock=lambda: now[0])
+    tags = [clock.tag("a", 1000) for _ in range(3)]
+    assert tags == [1.0, 2.0, 3.0]  # one tenant: its own arrival order
+    assert clock.tag("heavy", 1000, weight=2.0) == 0.5  # twice the weight, half the step
+    now[0] = 10.0
+    assert clock.tag("a", 1000) == 11.0  # idle since: from the wall clock again, no credit banked
+    for i in range(5000):  # bounded by the tenants whose clocks run ahead of the wall clock
+        now[0] += 0.01
+        clock.tag(f"t{i}", 1)
+    assert len(clock._last) <= 4096
+
+
+def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
+    from mooncake.api.routes import _classing
+    from mooncake.config import Config
+
+    cfg = Config()
+    cfg.classes.api_key_tiers = ["sk-a=default", "sk-vip=priority;min_priority=-5;weight=2"]
+    frontend = SimpleNamespace(cfg=cfg, tenants=TenantClock(clock=lambda: 0.0))
+
+    def classing(key: str, **asked: object) -> dict:
+        body = SimpleNamespace(**{"service_tier": None, "priority": 0, "session_id": None, "user": None, **asked})
+        return _classing(frontend, SimpleNamespace(scope={"state": {"api_key": key}}), body, 1000)
+
+    worst = {"service_tier": "priority", "priority": -2**31}
+    assert [classing(k, **worst)["tier"] for k in ("sk-a", "sk-other", "sk-vip", "")] == \
+        ["default", "default", "priority", "priority"]  # no key: no tenants, every tier open
+    assert [classing(k, **worst)["priority"] for k in ("sk-a", "sk-vip", "")] == [0, -5, -2**31]
+    assert classing("sk-a", priority=7)["priority"] == 7  # later than its own is always allowed
+    frontend.tenants = TenantClock(clock=lambda: 0.0)
+    assert [classing(k)["fair_tag"] for k in ("sk-vip", "sk-a", "sk-a")] == [0.5, 1.0, 2.0]  # weight 2: half
 
 
 async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_first():

@@ -42,7 +42,7 @@ def store_blocks(url: str) -> int:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
     cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], drain_timeout_s=20.0)  # salts: the default
-    cfg.classes.api_key_tiers = [f"{KEY_B}=flex"]  # B's requests are flex unless they name a tier
+    cfg.classes.api_key_tiers = [f"{KEY_B}=flex"]  # B's requests are flex; A's, without an entry, default at most
     with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         for path in ("/cluster", "/metrics"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401
@@ -58,9 +58,10 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
         b_again = ask(c.url, KEY_B)
         assert cached(b_again) >= len(PREFIX)
         assert first["service_tier"] == "default" and b_again["service_tier"] == "flex"
-        named = httpx.post(c.url + "/v1/completions", headers=bearer(KEY_B), timeout=120,
-                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "service_tier": "priority"})
-        assert named.json()["service_tier"] == "priority"  # a tier the request names wins over its key's
+        for key, ceiling in ((KEY_B, "flex"), (KEY_A, "default")):  # a key's tier is the most it gets
+            named = httpx.post(c.url + "/v1/completions", headers=bearer(key), timeout=120, json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 2, "service_tier": "priority", "priority": -2**31})
+            assert named.status_code == 200 and named.json()["service_tier"] == ceiling, named.text
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "both tenants' blocks in the store")
         hits = metric(httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text,
                       "mooncake:prefix_cache_hits_total")

@@ -124,14 +124,27 @@ class Shape:
         return tool_calls(self.tool_mode, text, self.body)
 
 
-def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None, tier: str,
-              keep_s: float) -> P.Sampling:
+def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None, classing: dict) -> P.Sampling:
+    """``classing``: the request's class, priority, fair tag and session keep (``_classing``)."""
     return P.Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                       seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
                       min_tokens=body.min_tokens, min_p=body.min_p, presence_penalty=body.presence_penalty,
                       frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                       logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar,
-                      tier=tier, priority=body.priority, keep_s=keep_s)
+                      **classing)
+
+
+def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: int) -> dict:
+    """Where the request is served among others: its class, within the ceiling of its API key's
+    tier, its priority no more urgent than the key allows, its place in the fair order among keys
+    (no keys: every tier and priority open, one tenant), and whether its prefix is kept."""
+    api_key = http.scope.get("state", {}).get("api_key", "")
+    terms = frontend.cfg.classes.terms_of_key(api_key) if api_key else None
+    tier = served_tier(body.service_tier, terms.tier if terms else None)
+    # a session's prefix is kept for its next turn (flex work's only when it names one: batch clients send user)
+    keep_s = frontend.cfg.classes.session_ttl_s if body.session_id or (body.user and tier != "flex") else 0.0
+    return {"tier": tier, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
+            "fair_tag": frontend.tenants.tag(api_key, n_tokens, terms.weight if terms else 1.0), "keep_s": keep_s}
 
 
 async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,
@@ -139,11 +152,8 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     chat = shape.chat
     room = frontend.max_model_len - len(tokens) if frontend.max_model_len else max_tokens
     check_response_size(body, max(1, min(max_tokens, room)))  # the conductor clamps to what the context leaves
-    api_key = http.scope.get("state", {}).get("api_key", "")
-    tier = served_tier(body.service_tier, frontend.cfg.classes.tier_of_key(api_key) if api_key else None)
-    # a session's prefix is kept for its next turn (flex work's only when it names one: batch clients send user)
-    keep_s = frontend.cfg.classes.session_ttl_s if body.session_id or (body.user and tier != "flex") else 0.0
-    sampling = _sampling(body, max_tokens, shape.grammar, body.seed, tier, keep_s)
+    classing = _classing(frontend, http, body, len(tokens))
+    sampling = _sampling(body, max_tokens, shape.grammar, body.seed, classing)
     salt = request_salt(frontend.cfg.frontend.salts_per_key(), http.scope, body.cache_salt or "")
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),
                                       choices=body.n)
@@ -152,7 +162,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     # the other choices share the prompt's KV: they start once the first one's prefill is done
     reqs = [submitted] + [frontend.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
                                                                None if body.seed is None else (body.seed + i) % 2**64,
-                                                               tier, keep_s))
+                                                               classing))
                           for i in range(1, body.n)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     streams = [_outputs(frontend, r, TextStream(frontend.codec, body.stop or [])) for r in reqs]

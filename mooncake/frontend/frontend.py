@@ -33,6 +33,7 @@ from mooncake.frontend.fallback import FallbackPlacer
 from mooncake.frontend.forks import Forks
 from mooncake.frontend.request import Request, RequestError, RequestStatus
 from mooncake.frontend.request_metrics import RequestMetrics
+from mooncake.frontend.tenant_clock import TenantClock
 from mooncake.frontend.token_inlet import TokenInlet
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Rejection
@@ -59,6 +60,7 @@ class Frontend:
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id -> the request whose current attempt it is
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
+        self.tenants = TenantClock()  # the fair order among API keys within a class
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend")
         self.ctx = zmq.asyncio.Context()
         self.conductor = ConductorClient(cfg, self.node_id, self._handle)

@@ -46,6 +46,7 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     # the request's class (``sched/request_class.py``): which queued work a worker serves first
     tier: str = "default"  # default | priority | flex
     priority: int = 0  # within a tier, lower first
+    fair_tag: float = 0.0  # within a tier and priority, lower first: the tenants' fair order (frontend/tenant_clock.py)
     keep_s: float = 0.0  # a session's request: its KV blocks are kept this long after it ([classes] session_ttl_s)
 
 

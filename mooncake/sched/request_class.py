@@ -4,8 +4,9 @@ cluster (issue 32).
 A request names its class with OpenAI's ``service_tier``: ``default`` (what ``auto`` and no
 tier get) is interactive traffic; ``priority`` goes ahead of it; ``flex`` (batch jobs,
 evaluations: no tight SLO) goes behind both. vLLM's integer ``priority`` orders requests
-within a class, lower first. Both ride on a request's ``Sampling``, so every order a worker
-receives carries them; a worker's queue serves by ``urgency``, then arrival.
+within a class, lower first; among requests of one class and priority, API keys (tenants)
+take turns by a fair order (``fair_tag``). All ride on a request's ``Sampling``, so every order
+a worker receives carries them; a worker's queue serves by ``urgency``, then arrival.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ FLEX_RANK = _RANK["flex"]
 def served_tier(requested: str | None, key_tier: str | None = None) -> str:
     """The class a request asking for ``requested`` is served in (what its response says):
     ``auto`` or none leave it to the server, which serves the tier bound to the caller's API key
-    (``key_tier``), else ``default``."""
-    return requested if requested not in (None, "auto") else key_tier or "default"
+    (``key_tier``), else ``default``. The key's tier is also the highest it may ask for: a higher
+    one is served at it. No key (None): every tier is open."""
+    tier = requested if requested not in (None, "auto") else key_tier or "default"
+    return key_tier if key_tier is not None and _RANK[tier] < _RANK[key_tier] else tier
 
 
-def urgency(sampling: Any) -> tuple[int, int]:
-    """Sort key of a request's work (lower first): its class, then its ``priority``."""
-    return rank(sampling), sampling.priority
+def urgency(sampling: Any) -> tuple[int, int, float]:
+    """Sort key of a request's work (lower first): its class, then its ``priority``, then its place
+    in the fair order among tenants (``fair_tag``: ``frontend/tenant_clock.py``)."""
+    return rank(sampling), sampling.priority, sampling.fair_tag
 
 
 def rank(sampling: Any) -> int:

@@ -1,0 +1,35 @@
+"""The fair order among tenants (API keys; without keys, one tenant) within a request class: a
+virtual clock per tenant (VirtualClock, Zhang 1990, with the wall clock as the system's time).
+
+A request's ``fair_tag`` is the later of when it arrived and its tenant's last tag, plus its
+prompt tokens times ``TOKEN_S`` over the tenant's weight. Queues serve lower tags first among
+requests of one class and priority (``sched/request_class.urgency``), so a tenant that sends a
+burst has its later requests ordered after other tenants' requests that arrive meanwhile, in
+proportion to the tokens it sent, and an idle tenant's request goes near the front. Nothing
+starves: a request goes ahead of everything that arrives after its tag. Tags are wall-clock
+times, so they compare across frontends (a tenant spread over several frontends keeps a clock
+on each)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+TOKEN_S = 0.001  # a prompt token moves its tenant's clock by 1 ms: a tenant sending 1,000 tokens/s keeps pace
+MAX_TENANTS = 4096  # clocks kept; those already behind the wall clock are forgotten first (they equal a new one)
+
+
+class TenantClock:
+    def __init__(self, token_s: float = TOKEN_S, clock: Callable[[], float] = time.time) -> None:
+        self.token_s = token_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+
+    def tag(self, tenant: str, tokens: int, weight: float = 1.0) -> float:
+        """The fair tag of ``tenant``'s request of ``tokens`` prompt tokens, arriving now."""
+        now = self._clock()
+        tag = max(now, self._last.get(tenant, now)) + tokens * self.token_s / weight
+        if len(self._last) >= MAX_TENANTS and tenant not in self._last:
+            self._last = {t: last for t, last in self._last.items() if last > now}
+        self._last[tenant] = tag
+        return tag
