@@ -105,6 +105,52 @@ def test_a_tier_keeps_a_sessions_blocks_last_and_in_the_order_they_expire():
     assert lru.kept_blocks() == 0 and lru.oldest() == b"f"
 
 
+def test_session_bookkeeping_stays_bounded_by_the_blocks_kept_not_by_the_turns():
+    """1,000 blocks kept under 100,000 session turns: the deadlines stay under twice the blocks
+    (each turn left one entry behind, 101,000 in all, before), and the blocks still expire."""
+    clock = Clock()
+    bm, lru = BlockManager(1000, clock=clock), LRU(clock)
+    hashes = [h(i) for i in range(1000)]
+    cache(bm, hashes, keep_s=600)
+    most = 0
+    for turn in range(100_000):
+        held = bm.acquire([hashes[turn % 1000]])
+        clock.now += 0.001
+        bm.release(held, keep_s=600)
+        lru.add(bytes(hashes[turn % 1000]), 1, until=clock.now + 600)
+        most = max(most, len(bm._deadlines), len(lru._deadlines))
+    assert most < 2 * 1000
+    bm.check()
+    clock.now += 601
+    assert lru.kept_blocks() == 0 and len(lru) == 1000
+    assert bm.allocate(1) is not None and not bm.session_lru and len(bm.lru) == 999
+    bm.check()
+
+
+def test_a_failed_acquire_takes_no_reference_and_stats_change_no_block():
+    """The race of finding 5: expiry ran on the event loop (every heartbeat read the engine's
+    stats) while the engine thread acquired; an acquire that failed half-way kept the references
+    it had taken. Now reading stats changes nothing, and an acquire that fails gives back all."""
+    from mooncake.engine.engine import Engine
+
+    clock = Clock()
+    bm = BlockManager(4, clock=clock)
+    cache(bm, [h(1), h(2)], keep_s=60)
+    clock.now += 61
+    engine = SimpleNamespace(blocks=bm, num_blocks=4, _num_seqs=0)
+    Engine.stats(engine)  # type: ignore[arg-type]
+    assert len(bm.session_lru) == 2  # not expired off the engine thread
+    segment = bm._segment
+    bm._segment = lambda b, name="": segment(b, name) if b == bm.cached[h(1)] else {}  # the second one's is gone
+    try:
+        bm.acquire([h(1), h(2)])
+    except KeyError:
+        pass
+    bm._segment = segment
+    assert bm.ref == [0, 0, 0, 0]
+    bm.check()
+
+
 def blk(v: float) -> torch.Tensor:
     return torch.full((256,), float(v))  # 1 KiB
 

@@ -316,8 +316,9 @@ class Engine:
     def stats(self) -> dict:
         """cached_blocks: unreferenced, evictable cached blocks (flex_cached_blocks of them held only
         by flex requests, session_cached_blocks kept for a session now); used_blocks: referenced ones (free + cached + used == num_blocks);
-        prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment."""
-        self.blocks.expire_sessions()
+        prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment. Read-only: it
+        runs on the event loop while the engine thread changes the blocks (sessions expire on the
+        engine thread, as blocks are allocated)."""
         return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
                 "cached_blocks": self.blocks.num_cached(), "flex_cached_blocks": len(self.blocks.flex_lru),
                 "session_cached_blocks": len(self.blocks.session_lru),

@@ -26,8 +26,6 @@ Invariant: ``len(free) + len(lru) + len(flex_lru) + len(session_lru) + #referenc
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict, deque
 from typing import Callable
@@ -35,6 +33,7 @@ from typing import Callable
 import torch
 
 from mooncake.blocks import BlockHash
+from mooncake.deadline_heap import DeadlineHeap
 
 BlockEventFn = Callable[[str, list[BlockHash]], None]
 
@@ -58,8 +57,8 @@ class BlockManager:
         self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
         self.session_lru: OrderedDict[int, None] = OrderedDict()  # soonest to expire first
         self.kept_until: dict[int, float] = {}  # blocks a session keeps (referenced ones too): until when
-        self._deadlines: list[tuple[float, int, int]] = []  # heap of (until, order, block); stale ones skipped
-        self._kept_count = itertools.count()  # ``order``: the same time, the order they were kept
+        self._deadlines: DeadlineHeap[int] = DeadlineHeap(
+            lambda b, until: b in self.session_lru and self.kept_until.get(b) == until)  # else: released or kept longer since
         self.evicted = {"flex": 0, "other": 0, "session": 0}  # cached blocks evicted, by segment
         self._on_event = on_event
         self._clock = clock
@@ -91,8 +90,7 @@ class BlockManager:
         None if impossible. ``flex``: for a flex request."""
         if n > self.num_available():
             return None
-        if n > len(self.free):
-            self.expire_sessions()
+        self.expire_sessions()
         out: list[int] = []
         evicted: list[BlockHash] = []
         for _ in range(n):
@@ -121,13 +119,19 @@ class BlockManager:
     def acquire(self, hashes: list[BlockHash], flex: bool = False) -> list[int]:
         """Take a reference on the cached blocks of ``hashes`` (all must be present); ``flex``:
         for a flex request (a block any other request takes is no longer flex)."""
-        blocks = [self.cached[h] for h in hashes]
-        for b in blocks:
-            if self.ref[b] == 0:
-                self._segment(b).pop(b)
-            self.ref[b] += 1
-            if not flex:
-                self.flex.discard(b)
+        blocks = [self.cached[h] for h in hashes]  # all present, or nothing is taken
+        taken = 0
+        try:
+            for b in blocks:
+                if self.ref[b] == 0:
+                    self._segment(b).pop(b)
+                self.ref[b] += 1
+                taken += 1
+                if not flex:
+                    self.flex.discard(b)
+        except BaseException:
+            self.release(blocks[:taken])  # no reference left behind
+            raise
         return blocks
 
     def register(self, blocks: list[int], hashes: list[BlockHash]) -> int:
@@ -176,7 +180,7 @@ class BlockManager:
                     self.flex.discard(b)
                     self.session_lru[b] = None
                     self.kept_until[b] = kept
-                    heapq.heappush(self._deadlines, (kept, next(self._kept_count), b))
+                    self._deadlines.push(b, kept, len(self.session_lru))
                 elif b in self.flex:
                     self.flex_lru[b] = None
                 else:
@@ -223,12 +227,10 @@ class BlockManager:
 
     def expire_sessions(self) -> None:
         """Blocks whose session's time is up join ``lru`` as its oldest."""
-        now, expired = self._clock(), []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            until, _, b = heapq.heappop(self._deadlines)
-            if b in self.session_lru and self.kept_until.get(b) == until:  # else: released or kept longer since
-                del self.session_lru[b], self.kept_until[b]
-                expired.append(b)
+        expired = []
+        for b in self._deadlines.due(self._clock()):
+            del self.session_lru[b], self.kept_until[b]
+            expired.append(b)
         for b in reversed(expired):
             self.lru[b] = None
             self.lru.move_to_end(b, last=False)

@@ -11,12 +11,12 @@ when) they are the oldest of the rest.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict
 from itertools import chain
 from typing import Callable, Iterator
+
+from mooncake.deadline_heap import DeadlineHeap
 
 
 class LRU:
@@ -25,8 +25,8 @@ class LRU:
         self._flex: OrderedDict[bytes, int] = OrderedDict()  # evicted first
         self._kept: OrderedDict[bytes, int] = OrderedDict()  # evicted last, soonest to expire first
         self._until: dict[bytes, float] = {}  # of the kept ones
-        self._deadlines: list[tuple[float, int, bytes]] = []  # heap of (until, order, key); stale ones skipped
-        self._kept_count = itertools.count()  # ``order``: the same time, the order they were kept
+        self._deadlines: DeadlineHeap[bytes] = DeadlineHeap(
+            lambda key, until: self._until.get(key) == until)  # else: removed or kept longer since
         self._clock = clock
         self.total_bytes = 0
 
@@ -37,7 +37,7 @@ class LRU:
         if until > self._clock():
             self._kept[key] = nbytes
             self._until[key] = until
-            heapq.heappush(self._deadlines, (until, next(self._kept_count), key))
+            self._deadlines.push(key, until, len(self._until))
         else:
             (self._flex if flex else self._order)[key] = nbytes
         self.total_bytes += nbytes
@@ -83,12 +83,10 @@ class LRU:
 
     def _expire(self) -> None:
         """Kept keys whose time is up join the ordinary segment as its oldest."""
-        now, expired = self._clock(), []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            until, _, key = heapq.heappop(self._deadlines)
-            if self._until.get(key) == until:  # else: removed or kept longer since
-                del self._until[key]
-                expired.append((key, self._kept.pop(key)))
+        expired = []
+        for key in self._deadlines.due(self._clock()):
+            del self._until[key]
+            expired.append((key, self._kept.pop(key)))
         for key, n in reversed(expired):
             self._order[key] = n
             self._order.move_to_end(key, last=False)
