@@ -65,6 +65,11 @@ class Metrics:
                                       ["service_tier", "outcome"], registry=r)
         self.class_preemptions = Counter("mooncake:class_preemptions", "Requests a decode instance gave back for "
                                          "lack of KV blocks, by request class.", ["service_tier"], registry=r)
+        # by tenant (an API key's id, never the key; "" without keys), as a frontend sees them
+        self.tenant_requests = Counter("mooncake:tenant_requests", "Requests by tenant and outcome (refused: with "
+                                       "the reason).", ["tenant", "outcome"], registry=r)
+        self.tenant_tokens = Counter("mooncake:tenant_tokens", "Prompt and generated tokens by tenant.",
+                                     ["tenant", "kind"], registry=r)
 
         # the cluster's own
         self.decision = Histogram("mooncake:scheduler_decision_seconds", "Scheduler decision time.",

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import msgspec
 
 from mooncake import protocol as P
-from mooncake.frontend.tenant_clock import TenantClock
+from mooncake.frontend.tenant_clock import TenantClock, tenant_id
 from mooncake.roles.class_queue import ClassQueue
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.sched.request_class import served_tier, urgency
@@ -97,6 +97,12 @@ def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
     assert classing("sk-a", priority=7)["priority"] == 7  # later than its own is always allowed
     frontend.tenants = TenantClock(clock=lambda: 0.0)
     assert [classing(k)["fair_tag"] for k in ("sk-vip", "sk-a", "sk-a")] == [0.5, 1.0, 2.0]  # weight 2: half
+    assert classing("sk-a")["tenant"] == tenant_id("sk-a") != tenant_id("sk-vip") and classing("")["tenant"] == ""
+    assert "sk-a" not in tenant_id("sk-a")
+    # OpenAI's user names a session only where the operator says so (clients send it on every request)
+    assert classing("sk-a", user="u1")["keep_s"] == 0 and classing("sk-a", session_id="s1")["keep_s"] == 600
+    cfg.classes.session_from_user = True
+    assert classing("sk-a", user="u1")["keep_s"] == 600 and classing("sk-a", user="u1", service_tier="flex")["keep_s"] == 0
 
 
 async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_first():

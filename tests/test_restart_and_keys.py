@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from mooncake.frontend.tenant_clock import tenant_id
 from mooncake.testing.api import MODEL, metric
 from mooncake.testing.cluster import SHAPES, running_cluster, small_config
 from mooncake.testing.wait import wait_for
@@ -63,9 +64,12 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
                 "model": MODEL, "prompt": "Hi", "max_tokens": 2, "service_tier": "priority", "priority": -2**31})
             assert named.status_code == 200 and named.json()["service_tier"] == ceiling, named.text
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "both tenants' blocks in the store")
-        hits = metric(httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text,
-                      "mooncake:prefix_cache_hits_total")
-        assert hits >= 2 * len(PREFIX)
+        text = httpx.get(c.url + "/metrics", headers=bearer(KEY_B), timeout=10).text
+        assert metric(text, "mooncake:prefix_cache_hits_total") >= 2 * len(PREFIX)
+        for key, served in ((KEY_A, 3), (KEY_B, 3)):  # by tenant: the key's id, never the key
+            assert metric(text, "mooncake:tenant_requests_total", tenant=tenant_id(key), outcome="ok") == served
+            assert metric(text, "mooncake:tenant_tokens_total", tenant=tenant_id(key), kind="prompt") >= 2 * len(PROMPT)
+        assert KEY_A not in text and KEY_B not in text
     cfg.frontend.port = small_config(tmp_path).frontend.port  # SIGTERMed above: start again on the same dir
     with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         wait_for(lambda: store_blocks(c.url) >= 20, 60, "the persisted blocks announced")

@@ -32,6 +32,7 @@ from mooncake.api.structured import compile_grammar, tool_calls, tools_for_templ
 from mooncake.api.tokens import add_token_routes
 from mooncake.api.text_stream import TextStream
 from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
+from mooncake.frontend.tenant_clock import tenant_id
 from mooncake.sched.admission import context_rejection
 from mooncake.sched.request_class import served_tier
 
@@ -141,10 +142,12 @@ def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: 
     api_key = http.scope.get("state", {}).get("api_key", "")
     terms = frontend.cfg.classes.terms_of_key(api_key) if api_key else None
     tier = served_tier(body.service_tier, terms.tier if terms else None)
-    # a session's prefix is kept for its next turn (flex work's only when it names one: batch clients send user)
-    keep_s = frontend.cfg.classes.session_ttl_s if body.session_id or (body.user and tier != "flex") else 0.0
+    classes = frontend.cfg.classes
+    # a session's prefix is kept for its next turn (by user where the operator says so; flex work's only by session_id)
+    session = body.session_id or (classes.session_from_user and body.user and tier != "flex")
     return {"tier": tier, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
-            "fair_tag": frontend.tenants.tag(api_key, n_tokens, terms.weight if terms else 1.0), "keep_s": keep_s}
+            "fair_tag": frontend.tenants.tag(api_key, n_tokens, terms.weight if terms else 1.0),
+            "keep_s": classes.session_ttl_s if session else 0.0, "tenant": tenant_id(api_key)}
 
 
 async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,

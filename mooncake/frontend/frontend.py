@@ -143,6 +143,7 @@ class Frontend:
         req = Request.new(tokens, sampling, self.facts, time.monotonic(), cache_salt, request_id)
         answer = await self._place(req, choices=choices)
         if isinstance(answer, Rejection):
+            self.stats.refused(sampling, answer.reason)
             return answer
         self.stats.admitted(req)
         return req

@@ -2,7 +2,7 @@
 first tokens (time to first token, queueing, prefix hits), tokens and the gaps between them,
 ends, the waiting/running gauges read from its live requests before a scrape, and the
 pipeline stages' reports of the attempts it drives; time to first token, queueing, gaps,
-preemptions and ends by request class (``service_tier``) too."""
+preemptions and ends by request class (``service_tier``) too; requests and tokens by tenant."""
 
 from __future__ import annotations
 
@@ -27,10 +27,17 @@ class RequestMetrics:
         outcome = {reason: {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok") for reason in Reason}
         self.ended = {reason: m.requests.labels(outcome[reason]) for reason in Reason}
         self.by_class = {tier: _ClassSeries(m, n, tier, outcome) for tier in ("default", "priority", "flex")}
+        self._outcome = outcome
+        self._by_tenant: dict[str, _TenantSeries] = {}  # tenants are API keys: as many as configured
 
     def admitted(self, req: Request) -> None:
         self.prompt_tokens.inc(len(req.tokens))
         self.prefix_queries.inc(len(req.tokens))
+        self._tenant(req.sampling).prompt_tokens.inc(len(req.tokens))
+
+    def refused(self, sampling: P.Sampling, reason: str) -> None:
+        """A new request of ``sampling``'s tenant refused for ``reason`` (a Rejection's)."""
+        self.metrics.tenant_requests.labels(sampling.tenant, f"refused_{reason}").inc()
 
     def started(self, req: Request, msg: P.PrefillDone, now: float, first: bool) -> None:
         """An attempt's first token (``first``: the request's first token)."""
@@ -50,6 +57,7 @@ class RequestMetrics:
             self.itl.observe(seconds / emitted)
             self._class(req).itl.observe(seconds / emitted)
             self.generation_tokens.inc(emitted)
+            self._tenant(req.sampling).generation_tokens.inc(emitted)
 
     def moved(self, req: Request, preempted: bool) -> None:
         """A new attempt of ``req``: after a preemption, or a migration (its worker failed)."""
@@ -63,9 +71,16 @@ class RequestMetrics:
         self.e2e.observe(now - req.arrived)
         self.ended[reason].inc()
         self._class(req).ended[reason].inc()
+        self._tenant(req.sampling).ended[reason].inc()
 
     def _class(self, req: Request) -> "_ClassSeries":
         return self.by_class.get(req.sampling.tier) or self.by_class["default"]
+
+    def _tenant(self, sampling: P.Sampling) -> "_TenantSeries":
+        series = self._by_tenant.get(sampling.tenant)
+        if series is None:
+            series = self._by_tenant[sampling.tenant] = _TenantSeries(self.metrics, sampling.tenant, self._outcome)
+        return series
 
     def gauges(self, requests: Collection[Request], forks_waiting: int) -> None:
         """Waiting and running requests (``forks_waiting``: choices waiting for a prefill)."""
@@ -91,3 +106,12 @@ class _ClassSeries:
         self.queue_time = m.class_queue_time.labels(model_name, tier)
         self.preemptions = m.class_preemptions.labels(tier)
         self.ended = {reason: m.class_requests.labels(tier, outcome[reason]) for reason in Reason}
+
+
+class _TenantSeries:
+    """One tenant's children of the by-tenant series (looked up once)."""
+
+    def __init__(self, m: Metrics, tenant: str, outcome: dict[P.FinishReason, str]) -> None:
+        self.prompt_tokens = m.tenant_tokens.labels(tenant, "prompt")
+        self.generation_tokens = m.tenant_tokens.labels(tenant, "generation")
+        self.ended = {reason: m.tenant_requests.labels(tenant, outcome[reason]) for reason in Reason}

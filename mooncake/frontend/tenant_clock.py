@@ -12,6 +12,7 @@ on each)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Callable
 
@@ -33,3 +34,9 @@ class TenantClock:
             self._last = {t: last for t, last in self._last.items() if last > now}
         self._last[tenant] = tag
         return tag
+
+
+def tenant_id(api_key: str) -> str:
+    """The id of ``api_key``'s tenant in orders, metrics and ``/cluster`` (a digest, never the key);
+    "" without a key."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:12] if api_key else ""
