@@ -31,6 +31,7 @@ class Attempt:
     started: float  # when it was placed
     route: P.Route
     prefilled: bool = False  # its frontend reported the prefill done
+    answered_to: Node | None = None  # the owner's registration its Admitted went to
 
     @property
     def wire_id(self) -> str:

@@ -133,14 +133,14 @@ class Conductor:
         # a fork's or a moved request's in_flight leaves it out, but it was admitted: it counts
         self.requests_in_flight[node.node_id] = msg.in_flight + (not msg.new_request)
         known = self.attempts.get(msg.wire_id)  # asked again (the frontend re-registered): the same answer
-        placed = known if known is not None and known.owner == node.node_id else \
-            self.submit(msg)
+        placed = known if known is not None and known.owner == node.node_id else self.submit(msg)
         if msg.new_request and not isinstance(placed, Rejection):
             self.requests_in_flight[node.node_id] = msg.in_flight + msg.choices  # ... and this one, now
         if isinstance(placed, Rejection):
             self._send(node.node_id, P.Refused(msg.wire_id, placed.status, placed.reason, placed.message,
                                                placed.param or "", placed.retry_after_s or 0.0))
-        else:
+        elif placed.answered_to is not node:  # once per registration of its frontend (a new one may have lost it)
+            placed.answered_to = node
             self._send(node.node_id, P.Admitted(msg.wire_id, placed.route, msg.sampling.max_tokens))
 
     def submit(self, msg: P.Submit) -> Attempt | Rejection:

@@ -45,6 +45,7 @@ class ConductorClient:
         c = cfg.coordination
         self.place_timeout_s = PLACE_TIMEOUT_S + (c.lease_ttl_s + 2 * c.poll_s if c.etcd_endpoints else 0)
         self._placing: dict[str, tuple[P.Submit, asyncio.Future]] = {}  # wire id -> what awaits an answer
+        self._admitted: set[str] = set()  # wire ids admitted here and not ended: an answer again is a repeat
         self._query: asyncio.Future | None = None
         self.ended: list[P.Ended] = []
         self.done_prefills: list[P.Prefilled] = []
@@ -110,6 +111,7 @@ class ConductorClient:
 
     def release(self, ended: P.Ended) -> None:
         """An attempt that ended here: its booking is released with the next batch."""
+        self._admitted.discard(ended.wire_id)
         self.ended.append(ended)
         self._reported.set()
 
@@ -139,14 +141,16 @@ class ConductorClient:
 
     async def _resubmit(self) -> None:
         """Registered with a conductor again (another leads, or it restarted): it hears the
-        attempts this frontend drives (a new one adopts them), and what waits to be placed is
-        asked again (the other never answered, and may never)."""
+        attempts this frontend drives (a new one adopts them), and what still waits for an answer
+        is asked again (the other never answered, and may never; one sent after the Register is
+        not answered twice: a conductor answers once per registration, and a repeat is ignored here)."""
         self.registered_at = self.heard_at = time.monotonic()
         claims = self.claims()
         for i in range(0, len(claims), CLAIMS_PER_MESSAGE):
             await self.link.send(P.Claims(self.node_id, claims[i:i + CLAIMS_PER_MESSAGE]))
-        for msg, _ in list(self._placing.values()):
-            await self.link.send(msg.for_conductor())
+        for msg, future in list(self._placing.values()):
+            if future is None or not future.done():
+                await self.link.send(msg.for_conductor())
         if self._query is not None and not self._query.done():
             await self.link.send(P.ClusterQuery(self.node_id))
 
@@ -177,10 +181,16 @@ class ConductorClient:
                 log.exception("error handling %s", type(msg).__name__)
 
     def handle(self, msg: P.Msg) -> None:
+        """One answer per attempt is acted on: a repeat of one (asked again on registering again)
+        is ignored, an attempt admitted after this frontend gave up on it (or ended it) is released."""
         if isinstance(msg, (P.Admitted, P.Refused)):
             _, future = self._placing.get(msg.wire_id, (None, None))
             if future is not None and not future.done():
                 future.set_result(msg)
+                if isinstance(msg, P.Admitted):
+                    self._admitted.add(msg.wire_id)
+            elif msg.wire_id in self._admitted:  # driven here (or about to be): never aborted for a repeat
+                log.debug("ignoring a repeated answer to %s", msg.wire_id)
             elif isinstance(msg, P.Admitted):  # placed after this frontend gave up on it
                 self.release(P.Ended(msg.wire_id, abort=True))
         elif isinstance(msg, P.ClusterView):
