@@ -26,6 +26,7 @@ class ClassLimits(Section):
     max_share: float = Field(1.0, gt=0, le=1, description="Share of [conductor] max_requests the class's requests may hold in flight; past it new ones of the class get 503, so that the other classes keep room.")
 
 
+PRIORITY_DEFAULTS = ClassLimits(max_share=0.8)  # the classes below always keep room
 FLEX_DEFAULTS = ClassLimits(ttft_slo_ms=0.0, tbt_slo_ms=0.0, max_waiting=256, max_queue_wait_s=0.0, request_timeout_s=3600.0,
                             max_share=0.5)
 # [classes] keys of an earlier layout, now in [classes.flex]
@@ -70,10 +71,10 @@ def key_terms(entry: str) -> tuple[str, KeyTerms]:
 
 class ClassesConfig(Section):
     """Request classes (``service_tier``; README "Request classes"): ``priority`` and ``default``
-    are interactive; ``flex`` waits behind them, never refused for their SLOs, within its own
-    limits ([classes.flex])."""
+    are interactive (``priority`` within 0.8 of ``max_requests``, so the others always keep room);
+    ``flex`` waits behind them, never refused for their SLOs, within its own limits ([classes.flex])."""
 
-    priority: ClassLimits = ClassLimits()
+    priority: ClassLimits = PRIORITY_DEFAULTS
     default: ClassLimits = ClassLimits()
     flex: ClassLimits = FLEX_DEFAULTS
     flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
@@ -98,12 +99,13 @@ class ClassesConfig(Section):
         raw["flex"] = {**moved, **base}
         return raw
 
-    @field_validator("flex", mode="before")
+    @field_validator("priority", "flex", mode="before")
     @classmethod
-    def _flex_defaults(cls, v: object) -> object:
-        """Keys a [classes.flex] table leaves out keep flex's defaults, not [conductor]'s."""
+    def _class_defaults(cls, v: object, info: Any) -> object:
+        """Keys a [classes.priority] or [classes.flex] table leaves out keep that class's defaults."""
         if isinstance(v, dict):
-            return {**FLEX_DEFAULTS.model_dump(), **v}
+            defaults = PRIORITY_DEFAULTS if info.field_name == "priority" else FLEX_DEFAULTS
+            return {**defaults.model_dump(exclude_unset=info.field_name == "priority"), **v}
         return v
 
     @field_validator("api_key_tiers", mode="before")

@@ -138,6 +138,10 @@ def test_each_class_has_its_own_queue_cap_share_and_ttft_slo():
     full = adm.check_request(40, Sampling(tier="flex"), facts, 0, 600, waiting=0, class_in_flight=512)
     assert isinstance(full, Rejection) and full.status == 503 and "[classes.flex] max_share" in full.message
     assert adm.check_request(40, Sampling(), facts, 0, 600, waiting=0, class_in_flight=88) is None
+    # priority at most 0.8 by default: the classes below it always make progress
+    assert adm.check_request(40, Sampling(tier="priority"), facts, 0, 900, waiting=0, class_in_flight=818) is None
+    full = adm.check_request(40, Sampling(tier="priority"), facts, 0, 900, waiting=0, class_in_flight=819)
+    assert isinstance(full, Rejection) and "[classes.priority] max_share" in full.message
     sched = one_prefill()
     sched.queues["p0"] = q = PrefillQueue()
     q.add("backlog", 8.0)
