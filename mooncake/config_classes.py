@@ -36,12 +36,12 @@ MOVED_TO_FLEX = {"flex_ttft_slo_ms": "ttft_slo_ms", "flex_request_timeout_s": "r
 
 @dataclass(frozen=True)
 class KeyTerms:
-    """What requests authenticated by one API key may ask for: ``tier``, the class they get when
-    they name none and the highest they may name (a higher one is served at it); ``min_priority``,
+    """What requests authenticated by one API key may ask for: ``request_class``, the class they get
+    when they name none and the highest they may name (a higher one is served at it); ``min_priority``,
     the most urgent integer ``priority`` they may send (lower ones are raised to it); ``weight``,
     their share in the fair order among keys within a class (README "Request classes")."""
 
-    tier: str = "default"
+    request_class: str = "default"
     min_priority: int = 0
     weight: float = 1.0
 
@@ -49,11 +49,11 @@ class KeyTerms:
 def key_terms(entry: str) -> tuple[str, KeyTerms]:
     """``KEY=TIER[;min_priority=N][;weight=W]`` as (key, terms); ValueError where it is not that."""
     head, *options = entry.split(";")
-    key, sep, tier = head.rpartition("=")
-    if not sep or not key or tier not in ("default", "priority", "flex"):
+    key, sep, request_class = head.rpartition("=")
+    if not sep or not key or request_class not in ("default", "priority", "flex"):
         raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex, "
                          "then ;min_priority=N and ;weight=W if wanted")
-    fields: dict[str, Any] = {"tier": tier}
+    fields: dict[str, Any] = {"request_class": request_class}
     for option in options:
         name, _, value = option.partition("=")
         try:
@@ -78,7 +78,7 @@ class ClassesConfig(Section):
     default: ClassLimits = ClassLimits()
     flex: ClassLimits = FLEX_DEFAULTS
     flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
-    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER entries (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS), each optionally followed by ;min_priority=N and ;weight=W: a request authenticated by KEY is served at TIER when it names no service_tier and at most at TIER when it names a higher one (a batch job's key: flex; only keys bound to priority may use priority); its integer priority is raised to N (default 0: no key cuts ahead of another's requests of its class); W weighs its share in the fair order among keys within a class (default 1). A key without an entry: default, 0 and 1. No API keys: no tenants, every tier and priority open.")
+    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER entries (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS), each optionally followed by ;min_priority=N and ;weight=W: a request authenticated by KEY is served at TIER when it names no service_tier and at most at TIER when it names a higher one (a batch job's key: flex; only keys bound to priority may use priority); its integer priority is raised to N (default 0: no key cuts ahead of another's requests of its class); W weighs its share in the fair order among keys within a class (default 1). A key without an entry: default, 0 and 1. No API keys: no tenants, every class and priority open.")
     session_ttl_s: float = Field(600.0, ge=0, le=7 * 86400, description="A request naming a session (the extension field session_id, or OpenAI's user where session_from_user is on; a flex request only by session_id) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure (a store's restart forgets it); 0: off.")
     session_from_user: bool = Field(False, description="OpenAI's user field names a session too (for clients that send no session_id); off: only session_id does, since many clients send user on every request.")
     session_blocks_per_key: int = Field(4096, ge=0, description="Blocks the sessions of one API key (tenant; no keys: one tenant) may keep at once in each engine's prefix cache and in each store: past it the tenant's oldest kept blocks become ordinary (evicted in LRU order), so that no tenant pins another's room; 0: no limit.")

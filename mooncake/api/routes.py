@@ -141,7 +141,7 @@ def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: 
     (no keys: every tier and priority open, one tenant), and whether its prefix is kept."""
     api_key = http.scope.get("state", {}).get("api_key", "")
     terms = frontend.cfg.classes.terms_of_key(api_key) if api_key else None
-    tier = served_tier(body.service_tier, terms.tier if terms else None)
+    tier = served_tier(body.service_tier, terms.request_class if terms else None)
     classes = frontend.cfg.classes
     # a session's prefix is kept for its next turn (by user where the operator says so; flex work's only by session_id)
     session = body.session_id or (classes.session_from_user and body.user and tier != "flex")
