@@ -13,6 +13,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Literal, Mapping
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -143,6 +144,22 @@ class CoordinationConfig(Section):
     def _split(cls, v: object) -> object:
         """MOONCAKE_COORDINATION_ETCD_ENDPOINTS (a string): comma-separated URLs, or a JSON list."""
         return split_list(v, "etcd_endpoints")
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        """Each an http:// or https:// URL with a host (a typo such as http//host:2379 would make
+        every etcd call fail, and is refused here instead)."""
+        for url in v:
+            try:
+                parts = urlsplit(url)
+                usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+            except ValueError:  # a port that is not a number in range
+                usable = False
+            if not usable:
+                raise ValueError(f"etcd_endpoints: {url!r} is not an http:// or https:// URL with a host "
+                                 "(e.g. http://127.0.0.1:2379)")
+        return v
 
 
 class NodeConfig(Section):

@@ -61,6 +61,10 @@ async def run_conductor(cfg: Config) -> None:
             campaign.cancel()
             await candidate.close()
             return
+        if campaign.exception() is not None:  # not a win: never lead on a campaign that failed
+            await candidate.close()
+            raise RuntimeError(f"conductor {cfg.node.name}: the campaign through etcd failed") \
+                from campaign.exception()
         log.warning("conductor %s leads", cfg.node.name)
     conductor = Conductor(cfg, name, expected_model(cfg), metrics)
     conductor.metrics.leader_changes.inc()
