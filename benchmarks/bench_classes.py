@@ -11,9 +11,14 @@ interactive requests alone, then with the flood, then alone again (the cache aft
 Per phase: interactive TTFT p50/p90, p90 of each request's mean inter-token time, cached prompt
 tokens per request, and the flood's completions and wall time.
 
+``--tenants``: two API keys (issue 51). Key A, bound to ``default`` by ``[classes] api_key_tiers``,
+sends the flood as a client that does not behave: ``priority: -2147483648``, a ``session_id`` each,
+64 tokens out, half of them asking for ``service_tier: priority``; key B sends the interactive
+requests. Also reported: the class each of A's requests was served in.
+
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_classes.py \
         [--shape colocated|pair] [--flood 24] [--interactive 12] [--every-s 1.5] [--tbt-slo-ms 0] \
-        [--flood-tier flex|default]
+        [--flood-tier flex|default] [--tenants] [--max-queue-wait-s S]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +50,7 @@ def text(words: int, seed: int) -> str:
 
 
 SYSTEM = "You are a helpful assistant for a shipping company. Policies: " + text(560, 1)
+KEY_A, KEY_B = "sk-bench-tenant-a", "sk-bench-tenant-b"
 
 
 @dataclass
@@ -55,6 +62,7 @@ class Outcome:
     tokens: int = 0
     prompt: int = 0  # prompt tokens
     text: str = ""
+    tier: str = ""  # the class it was served in (its chunks' service_tier)
 
 
 @dataclass
@@ -65,21 +73,23 @@ class Phase:
     flood_s: float = 0.0
 
 
-async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
+async def stream(client: httpx.AsyncClient, path: str, body: dict, headers: dict | None = None) -> Outcome:
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
     pieces: list[str] = []
+    tier = ""
     try:
-        async with client.stream("POST", path, json={**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}) as r:
+        async with client.stream("POST", path, headers=headers, json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             if r.status_code != 200:
                 await r.aread()
-                return Outcome(False)
+                return Outcome(False, tier=f"{r.status_code} {r.json().get('error', {}).get('param')}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                tier = chunk.get("service_tier", tier)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):  # a token's text (not the chat role's opening chunk)
@@ -94,25 +104,33 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Outcome:
     gaps = [b - a for a, b in zip(times, times[1:])]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Outcome(True, times[0] - t0, statistics.fmean(gaps) if gaps else 0.0, cached,
-                   usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0), "".join(pieces))
+                   usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0), "".join(pieces), tier)
 
 
-async def interactive(client: httpx.AsyncClient, n: int, every_s: float, seed: int) -> list[Outcome]:
+def bearer(key: str) -> dict | None:
+    return {"Authorization": f"Bearer {key}"} if key else None
+
+
+async def interactive(client: httpx.AsyncClient, n: int, every_s: float, seed: int, key: str = "") -> list[Outcome]:
     async def one(i: int) -> Outcome:
         await asyncio.sleep(i * every_s)
         question = f"Question {seed}-{i}: can a parcel to {text(6, seed * 100 + i)} ship today?"
         return await stream(client, "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+            "max_tokens": 32, "temperature": 0, "ignore_eos": True}, bearer(key))
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def flood(client: httpx.AsyncClient, n: int, tier: str, seed: int) -> list[Outcome]:
+async def flood(client: httpx.AsyncClient, n: int, tier: str, seed: int, key: str = "") -> list[Outcome]:
+    """Key A's misbehaving requests (``key``), else flex (or default) requests without a key."""
     async def one(i: int) -> Outcome:
+        asks = {"service_tier": tier, "max_tokens": 128} if not key else {
+            "priority": -2**31, "session_id": f"tenant-a-{seed}-{i}", "max_tokens": 64,
+            **({"service_tier": "priority"} if i % 2 == 0 else {})}
         return await stream(client, "/v1/completions", {
             "model": MODEL, "prompt": f"Document {seed}-{i}: " + text(1500, seed * 1000 + i) + "\nSummary:",
-            "max_tokens": 128, "temperature": 0, "ignore_eos": True, "service_tier": tier})
+            "temperature": 0, "ignore_eos": True, **asks}, bearer(key))
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
@@ -121,10 +139,11 @@ async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, wi
     phase = Phase(name)
     async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
         t0 = time.perf_counter()
+        keys = (KEY_A, KEY_B) if args.tenants else ("", "")
         if with_flood:
-            flood_task = asyncio.create_task(flood(client, args.flood, args.flood_tier, seed))
+            flood_task = asyncio.create_task(flood(client, args.flood, args.flood_tier, seed, keys[0]))
             await asyncio.sleep(1.0)  # the flood is queued first
-        phase.interactive = await interactive(client, args.interactive, args.every_s, seed)
+        phase.interactive = await interactive(client, args.interactive, args.every_s, seed, keys[1])
         if with_flood:
             phase.flood = await flood_task
             phase.flood_s = time.perf_counter() - t0
@@ -157,6 +176,9 @@ def report(phases: list[Phase]) -> None:
               f"{'met' if t1 <= 2 * t0 + 1 else 'missed'}; ITL p90 {i1 * 1e3:.0f} ms vs {(1.5 * i0 + 0.025) * 1e3:.0f} "
               f"ms allowed (1.5x + 25 ms): {'met' if i1 <= 1.5 * i0 + 0.025 else 'missed'}; cached tokens "
               f"{c1:.0f} vs {0.9 * c0:.0f} wanted (90%): {'met' if c1 >= 0.9 * c0 else 'missed'}")
+    if phases[1].flood:
+        served = Counter(o.tier or "-" for o in phases[1].flood)
+        print(f"flood served as: {', '.join(f'{t} x{n}' for t, n in served.most_common())} (of {len(phases[1].flood)})")
 
 
 def pressed_config(prefix: str) -> Config:
@@ -179,16 +201,25 @@ def main() -> None:
     ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
     ap.add_argument("--shape", choices=["colocated", "pair"], default="colocated",
                     help="mooncake serve's default (one colocated instance) or --disaggregated (prefill + decode)")
+    ap.add_argument("--tenants", action="store_true", help="key A floods as a client that does not behave, key B interactive")
+    ap.add_argument("--max-queue-wait-s", type=float, default=None,
+                    help="[conductor] max_queue_wait_s (default: the config's; 0: every request queues, none refused for its wait)")
     args = ap.parse_args()
     cfg = pressed_config("bench-classes-")
     cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
+    if args.max_queue_wait_s is not None:
+        cfg.conductor.max_queue_wait_s = args.max_queue_wait_s
+    if args.tenants:
+        cfg.frontend.api_key, cfg.frontend.api_keys = KEY_A, [KEY_B]
+        cfg.classes.api_key_tiers = [f"{KEY_A}=default"]
     shape = {"prefill": 0, "decode": 0, "colocated": 1} if args.shape == "colocated" else {}
     with running_cluster(cfg=cfg, **shape) as c:
         asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))
         phases = [asyncio.run(run_phase(c.url, "alone", args, 1, False)),
                   asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True)),
                   asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
-    print(f"{args.shape}, flood tier {args.flood_tier}, tbt_slo_ms {args.tbt_slo_ms:g}\n")
+    flooding = "key A (default) asking for priority" if args.tenants else f"flood tier {args.flood_tier}"
+    print(f"{args.shape}, {flooding}, tbt_slo_ms {args.tbt_slo_ms:g}, max_queue_wait_s {cfg.conductor.max_queue_wait_s:g}\n")
     report(phases)
 
 

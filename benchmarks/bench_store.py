@@ -19,6 +19,7 @@ import lmdb
 import torch
 
 from mooncake.bench.publish import publish
+from mooncake.kv.integrity import checksums
 from mooncake.testing.store_process import start_store_process
 from mooncake.tiers.base import StoredBlock
 from mooncake.tiers.client import StoreClient
@@ -128,15 +129,17 @@ async def bench_remote(endpoint, blocks, reps, shm, per_request):
     client = StoreClient(endpoint, timeout_s=60, shm=shm, shm_min_bytes=0)
     keys = [key(i + (1 << 40) * shm) for i in range(len(blocks))]
     total = sum(b.nbytes for b in blocks)
-    chunks = [(keys[i:i + per_request], blocks[i:i + per_request]) for i in range(0, len(blocks), per_request)]
+    sums = checksums(blocks)  # a store refuses puts without them (computed by the writer, not timed here)
+    chunks = [(keys[i:i + per_request], blocks[i:i + per_request], sums[i:i + per_request])
+              for i in range(0, len(blocks), per_request)]
 
     async def put():
-        for ks, bs in chunks:
-            await client.put(ks, bs)
+        for ks, bs, ss in chunks:
+            await client.put(ks, bs, checksums=ss)
         return total
 
     async def get():
-        for ks, _ in chunks:
+        for ks, _, _ in chunks:
             await client.get(ks)
         return total
 

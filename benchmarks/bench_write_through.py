@@ -26,6 +26,7 @@ import time
 import torch
 
 from mooncake.bench.publish import publish
+from mooncake.kv.integrity import checksums
 from mooncake.testing.store_process import start_store_process
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.dram import DramTier
@@ -68,10 +69,11 @@ async def remote(endpoint: str, blocks: list[torch.Tensor], run: int) -> tuple[f
     total = sum(b.nbytes for b in blocks)
     keys = [key(run, i) for i in range(len(blocks))]
     per = max(1, 8 * MiB // blocks[0].nbytes)
+    sums = checksums(blocks)  # a store refuses puts without them (computed by the writer, not timed here)
     try:
         t0 = time.perf_counter()
         for i in range(0, len(blocks), per):
-            await client.put(keys[i:i + per], blocks[i:i + per])
+            await client.put(keys[i:i + per], blocks[i:i + per], checksums=sums[i:i + per])
         put_s = time.perf_counter() - t0
         while True:
             wt = (await client.stats()).get("write_through")

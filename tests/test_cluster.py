@@ -114,7 +114,7 @@ def test_second_chat_turn_hits_first_turn_blocks(cluster):
 
 
 def test_a_sessions_prefix_is_kept_where_it_is_cached_and_stored(cluster):
-    """A turn naming a session (``session_id``, else ``user``) leaves its blocks kept on the prefill
+    """A turn naming a session (``session_id``) leaves its blocks kept on the prefill
     and in the store it writes to; the conductor has the stores keep a prefix stored before."""
 
     def kept() -> tuple[int, int]:
@@ -142,7 +142,7 @@ def test_a_sessions_prefix_is_kept_where_it_is_cached_and_stored(cluster):
     n = ask(plain)  # cached and stored, but kept by no session
     wait_for(lambda: stored() >= was + n, 20, "the prompt's blocks stored and indexed")
     before = kept()
-    more = ask(plain, user="user-42")  # the same prefix, now a session's: the stores holding it keep it
+    more = ask(plain, session_id="agent-8")  # the same prefix, now a session's: the stores holding it keep it
     wait_for(lambda: (lambda k: k if k[1] - before[1] >= more - 1 else None)(kept()), 20,
              "the stored prefix kept by the conductor's Keep")
 

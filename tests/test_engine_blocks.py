@@ -109,12 +109,15 @@ def test_a_flex_request_taking_a_cached_interactive_block_leaves_it_protected():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "release", "acquire"]),
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "register", "release", "acquire", "forget"]),
                           st.integers(0, 5), st.integers(0, 9), st.booleans()), max_size=60))
 def test_accounting_invariant_random_ops(ops):
-    bm = BlockManager(6)
+    """With sessions of two tenants (quota 2 each) keeping blocks for 0, 10 or 20 ops."""
+    clock = [0.0]
+    bm = BlockManager(6, clock=lambda: clock[0], session_blocks_per_key=2)
     owned: list[list[int]] = []  # each entry: blocks one holder references
     for op, n, k, flex in ops:
+        clock[0] += 1
         if op == "alloc":
             got = bm.allocate(n, flex)
             if got is None:
@@ -125,11 +128,13 @@ def test_accounting_invariant_random_ops(ops):
             blocks = owned[k % len(owned)]
             bm.register(blocks, [h(k * 10 + i) for i in range(len(blocks))])
         elif op == "release" and owned:
-            bm.release(owned.pop(k % len(owned)))
+            bm.release(owned.pop(k % len(owned)), keep_s=10.0 * (n % 3), tenant="ab"[k % 2])
         elif op == "acquire":
             hs = [h(k * 10 + i) for i in range(n)]
             m = bm.cached_prefix(hs)
             owned.append(bm.acquire(hs[:m], flex))
+        elif op == "forget":
+            bm.forget([h(k * 10 + i) for i in range(n)])
         bm.check()
         refs = sum(len(o) for o in owned)
         assert sum(bm.ref) == refs

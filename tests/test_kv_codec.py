@@ -4,6 +4,7 @@ integrity over the encoded bytes, the codec in the model id (no mixing), and a s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import httpx
@@ -235,3 +236,140 @@ def test_a_partial_blocks_stale_positions_are_not_encoded(engines, loaded_model)
     assert not out[0, ..., 8:, :].any()  # zeros, as layer-wise KV leaves them
     assert out[0, ..., :8, :].abs().max() < 100  # the valid positions' scales are their own
     eng.free(seq)
+
+
+def poisoned(enc: torch.Tensor, block: int, value: float) -> torch.Tensor:
+    """``enc`` with one float16 scale of block ``block`` (layer 1, V, head 0, last channel) set to ``value``."""
+    bad = enc.clone()
+    bad[block, 1, 1, 0, -2:] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+    return bad
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_block_with_a_non_finite_scale_is_corrupt(value):
+    """Decoded, it would poison every prompt that reuses it: refused like a checksum mismatch."""
+    from mooncake.kv.integrity import first_nonfinite
+
+    codec = KVCodec("int8", SHAPE, torch.float32)
+    enc = codec.encode(kv_like(3))
+    assert codec.first_nonfinite(enc) is None and first_nonfinite(list(enc), codec) is None
+    bad = poisoned(enc, 1, value)
+    assert not codec.decode(bad[1]).isfinite().all()  # what it would bring into a pool
+    assert codec.first_nonfinite(bad) == 1 and first_nonfinite(list(bad), codec) == 1
+    assert codec.first_nonfinite(bad[:, 1]) == 1 and codec.first_nonfinite(bad[:, 2]) is None  # per layer
+    assert KVCodec("none", SHAPE, torch.float32).first_nonfinite(kv_like(2)) is None  # no scales
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+def test_an_fp8_block_with_a_nan_code_is_corrupt():
+    codec = KVCodec("fp8", SHAPE, torch.float32)
+    enc = codec.encode(kv_like(2))
+    bad = enc.clone()
+    bad[1, 0, 0, 0, 5] = 0x7F  # float8 e4m3's NaN
+    assert codec.first_nonfinite(enc) is None and codec.first_nonfinite(bad) == 1
+
+
+async def test_a_stored_block_with_a_non_finite_scale_is_a_miss_and_recomputed(engines):
+    """Block-wise prefix load: the poisoned block and those after it are not imported (counted as
+    checksum failures); the blocks before it are."""
+    from mooncake.kv.integrity import Rejections
+    from mooncake.kv.prefix_load import PrefixLoader
+
+    eng = engines["int8"]
+    hashes = eng.hashes(list(range(1000, 1100)))[:4]  # a prompt no other test caches
+    bad = poisoned(eng.kv.codec.encode(torch.randn(4, *eng.block_shape, dtype=eng.dtype)), 2, float("inf"))
+
+    class Stores:
+        def client(self, endpoint: str) -> Stores:
+            return self
+
+        async def get(self, asked: list, prefix: bool = True) -> tuple[list, list[torch.Tensor]]:
+            return list(asked), list(bad)  # what the store holds, its checksums intact
+
+    async def run_engine(fn, *args):
+        return fn(*args)
+
+    rejections = Rejections()
+    loader = PrefixLoader(eng, run_engine, Stores(), rejections, None)  # type: ignore[arg-type]
+    try:
+        got, _ = await loader.fetch([P.FetchPlan(0, 4, "tcp://store")], hashes)
+        assert got == 2 and eng.blocks.cached_prefix(hashes) == 2
+        assert rejections.snapshot() == {"checksum": 2}
+    finally:
+        eng.blocks.forget(hashes)
+
+
+async def test_a_streamed_layer_with_a_non_finite_scale_fails_the_load_before_it_lands(engines, loaded_model):
+    """Layer-wise prefix load: the landing refuses the layer; the gate fails as on a checksum
+    mismatch (counted so by the prefill) and the pool rows stay as they were."""
+    from mooncake.kv.integrity import checksums
+    from mooncake.kv.prefix_stream import PrefixLoadFailed, PrefixStream
+
+    eng = engines["int8"]
+    ids = loaded_model.tokenizer(TEXT)["input_ids"][:70]
+    seq = eng.add_sequence("streamed", ids, GREEDY)
+    hashes = seq.hashes[:4]
+    bad = poisoned(eng.kv.codec.encode(torch.randn(4, *eng.block_shape, dtype=eng.dtype)), 3, float("nan"))
+    layers = eng.block_shape[0]
+
+    async def replies():
+        for lo in range(layers):
+            yield P.LayerSlices(list(hashes), lo, lo + 1, checksums=checksums(bad), last=lo == layers - 1), \
+                bad[:, lo:lo + 1].contiguous()
+
+    rows = torch.tensor(seq.block_table[:4])
+    before = eng.pool[rows, 1].clone()
+    try:
+        stream = await PrefixStream.open("tcp://store", replies(), list(hashes), eng.kv.wire_shape, eng.kv.wire_dtype)
+        assert stream is not None
+        stream.start(lambda lo, kv: eng.kv.land_layers(seq, 0, lo, kv), 4, lambda layers: None,
+                     eng.kv.wire_shape, eng.kv.wire_dtype)
+        with pytest.raises(PrefixLoadFailed, match="checksum"):
+            await asyncio.to_thread(stream.gate.wait, layers - 1)
+        await stream.close()
+        assert torch.equal(eng.pool[rows, 1], before)  # the poisoned layer never landed
+    finally:
+        eng.free(seq)
+
+
+@pytest.fixture(scope="module")
+def int8_decode_worker():
+    from mooncake.config import Config
+    from mooncake.roles.decode import DecodeWorker
+
+    cfg = Config()
+    cfg.model.device, cfg.model.kv_codec, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", "int8", 16 << 20, 1
+    w = DecodeWorker(cfg)
+    yield w
+    w._pool.shutdown(wait=False)
+    w.ctx.term()
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+async def test_a_decode_refuses_kv_with_a_non_finite_scale_as_corrupt(int8_decode_worker, layer):
+    """Whole blocks or one layer of them, checksums intact: the attempt fails and is recomputed elsewhere."""
+    from mooncake.kv.integrity import checksums
+
+    w = int8_decode_worker
+    sent: list[P.Msg] = []
+
+    async def send(msg: P.Msg) -> None:
+        sent.append(msg)
+
+    w.send = send
+    T, token, req = w.engine.block_tokens, b"k" * 16, f"poisoned-{layer}"
+    before = w.rejections.snapshot().get("checksum", 0)
+    await w.handle(P.DecodeRequest(req, list(range(100, 100 + 2 * T)), [], b"root", P.Sampling(max_tokens=2),
+                                   kv_token=token), [])
+    assert req in w.incoming
+    kv = poisoned(w.engine.kv.codec.encode(torch.randn(2, *w.engine.block_shape, dtype=w.engine.dtype)), 1,
+                  float("inf"))
+    if layer is None:
+        frames = P.encode(P.KVTransfer(req, 0, token=token, checksums=checksums(kv)), list(kv.unbind(0)))
+    else:
+        part = kv[:, layer].contiguous()
+        frames = P.encode(P.KVLayer(req, 0, layer, token=token, checksums=checksums([part])), [part])
+    await w.kv.on_kv(frames)
+    failed = [m for m in sent if isinstance(m, P.Failed)]
+    assert [f.req_id for f in failed] == [req] and failed[0].kind is P.FailureKind.RETRY
+    assert req not in w.incoming and w.rejections.snapshot()["checksum"] > before

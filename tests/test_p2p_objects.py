@@ -348,3 +348,43 @@ async def test_gets_of_one_object_that_arrive_together_start_one_fetch(tmp_path,
     finally:
         await service.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("layout", ["data_under_root", "root_inside_data"])
+async def test_a_tree_holding_or_inside_the_stores_data_is_never_published(tmp_path, monkeypatch, layout):
+    """Both ways: a tree that holds the store's data directory or node key, and one inside that data
+    directory, are refused before anything is read or announced. A p2p_root set apart inside the
+    data directory (the default: <data_dir>/p2p-objects) is not the store's data."""
+    import zmq.asyncio
+
+    from mooncake.protocol.p2p import PutObject
+    from mooncake.p2p.service import P2PService
+
+    data = tmp_path / "data"
+    root = tmp_path if layout == "data_under_root" else data / "p2p-objects"
+    make_tree(data / "n1-store")  # what the store keeps there (its LMDB tier, its records)
+    key = data / "p2p-n1.key"
+    key.write_text("k" * 64)
+    models = make_tree(root / "models")
+    ctx = zmq.asyncio.Context()
+    service = P2PService(ctx, "n1-store", data / "n1-store-p2p", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1",
+                         root=root, node_key="k" * 64, private=[data, key])
+    published = []
+
+    async def publish(msg: Publish) -> Done:
+        published.append(msg.manifest.name)
+        return Done()
+
+    monkeypatch.setattr(service.meta, "call", publish)
+    refused = [data / "n1-store", data / "n1-store" / "sub", key] if layout == "data_under_root" else []
+    refused += [tmp_path, data] if layout == "data_under_root" else []
+    try:
+        for path in refused:
+            with pytest.raises(ObjectError, match="this store's node key or data"):
+                await service._put(PutObject("leak", str(path)))
+        assert published == []
+        assert isinstance(await service._put(PutObject("model", str(models))), Done)
+        assert published == ["model"]
+    finally:
+        await service.close()
+        ctx.term()

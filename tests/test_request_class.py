@@ -64,6 +64,23 @@ async def test_within_a_class_and_priority_tenants_take_turns_by_their_fair_tags
     assert [(await q.get()).name for _ in range(6)] == ["urgent", "b0", "a0", "a1", "a2", "a3"]
 
 
+def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_on_a_colocated_instance():
+    from mooncake.roles.colocated import ColocatedWorker
+
+    def slot(tag: float, tier: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(prefilled=False, sampling=P.Sampling(tier=tier, fair_tag=tag)))
+
+    worker = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_prefill_batch=4)),
+                             incoming={f"a{i}": slot(10.0 + i) for i in range(4)})  # tenant A's burst holds its room
+
+    def may(**sampling: object) -> bool:
+        return ColocatedWorker._may_reserve(worker, SimpleNamespace(sampling=P.Sampling(**sampling)))  # type: ignore[arg-type]
+
+    assert may(fair_tag=5.0)  # tenant B, ahead of A's burst in the fair order
+    assert not may(fair_tag=20.0)  # A's next waits for its own burst
+    assert may(tier="priority", fair_tag=20.0) and not may(tier="flex", fair_tag=0.0)
+
+
 def test_a_tenants_clock_keeps_its_order_weighs_and_forgets_what_is_behind_the_wall_clock():
     now = [0.0]
     clock = TenantClock(token_s=0.001, clock=lambda: now[0])

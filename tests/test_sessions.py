@@ -1,21 +1,27 @@
 """Sessions (issue 32): a request naming a session has its prefix kept ``[classes] session_ttl_s``
 after its turn, evicted after every block no session keeps, in the engine's prefix cache, in every
-store tier, and where the conductor finds it held."""
+store tier, and where the conductor finds it held; each tenant (API key) keeps at most ``[classes]
+session_blocks_per_key`` blocks at once in each (issue 51)."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import msgspec
 import torch
 
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.conductor.session_keeper import SessionKeeper
 from mooncake.engine.kv_cache import BlockManager
+from mooncake.kv.integrity import Rejections, checksums
+from mooncake.tenant_quota import TenantQuota
 from mooncake.tiers.device import DeviceTier
 from mooncake.tiers.dram import DramTier
 from mooncake.tiers.lru import LRU
+from mooncake.tiers.placement import OTHER
+from mooncake.tiers.store_requests import StoreRequests
 from mooncake.tiers.tiered import TieredStore
 
 
@@ -31,12 +37,13 @@ def h(i: int) -> BlockHash:
     return BlockHash(i.to_bytes(32, "little"))
 
 
-def cache(bm: BlockManager, hashes: list[BlockHash], keep_s: float = 0.0, flex: bool = False) -> None:
-    """A request computes these blocks and finishes."""
+def cache(bm: BlockManager, hashes: list[BlockHash], keep_s: float = 0.0, flex: bool = False,
+          tenant: str = "") -> None:
+    """A request (of ``tenant``) computes these blocks and finishes."""
     got = bm.allocate(len(hashes), flex=flex)
     assert got is not None
     bm.register(got, hashes)
-    bm.release(got, keep_s)
+    bm.release(got, keep_s, tenant)
     bm.check()
 
 
@@ -183,16 +190,214 @@ async def test_the_conductor_has_the_stores_holding_a_sessions_prefix_keep_it():
         def __init__(self, endpoint: str) -> None:
             self.endpoint = endpoint
 
-        async def keep(self, hashes: list[bytes], keep_s: float) -> int:
-            kept.append((self.endpoint, hashes, keep_s))
+        async def keep(self, hashes: list[bytes], keep_s: float, tenant: str = "") -> int:
+            kept.append((self.endpoint, hashes, keep_s, tenant))
             return len(hashes)
 
     keeper = SessionKeeper(cluster, SimpleNamespace(holders=lambda x: held[x]), Client)
-    submit = P.Submit("w", "f", [], [h(1), h(2), h(3)], b"", P.Sampling(keep_s=30.0), n_tokens=48, new_request=True)
+    submit = P.Submit("w", "f", [], [h(1), h(2), h(3)], b"", P.Sampling(keep_s=30.0, tenant="t1"), n_tokens=48,
+                      new_request=True)
     keeper.turn(submit)
     await asyncio.sleep(0)
-    assert sorted(kept) == [("tcp://s0", [h(1), h(2)], 30.0), ("tcp://s1", [h(2)], 30.0)]
+    assert sorted(kept) == [("tcp://s0", [h(1), h(2)], 30.0, "t1"), ("tcp://s1", [h(2)], 30.0, "t1")]
     kept.clear()
     keeper.turn(P.Submit("w2", "f", [], [h(1)], b"", P.Sampling(), n_tokens=16, new_request=True))
     await asyncio.sleep(0)
     assert not kept  # no session: nothing kept
+
+
+# ---------------------------------------------------------------- quotas per tenant (issue 51)
+
+
+def test_a_tenant_past_its_quota_has_its_oldest_kept_blocks_become_ordinary_in_the_prefix_cache():
+    clock = Clock()
+    bm = BlockManager(8, clock=clock, session_blocks_per_key=2)
+    cache(bm, [h(50)], keep_s=60, tenant="b")
+    cache(bm, [h(1), h(2)], keep_s=60, tenant="a")  # released tail first: h(2) is a's oldest
+    cache(bm, [h(5)])  # an ordinary block, used after
+    cache(bm, [h(3)], keep_s=60, tenant="a")  # one past a's quota
+    assert bm.keepers.counts() == {"a": 2, "b": 1}
+    assert set(bm.session_lru) == {bm.cached[x] for x in (h(50), h(1), h(3))}
+    assert next(iter(bm.lru)) == bm.cached[h(2)] and bm.cached[h(2)] not in bm.kept_until  # the oldest ordinary one
+    got = bm.allocate(4)  # the 3 free ones and one evicted: a's block past its quota, first
+    assert got is not None and bm.cached_prefix([h(2)]) == 0 and bm.cached_prefix([h(5)]) == 1
+    assert bm.evicted == {"flex": 0, "other": 1, "session": 0}
+    bm.release(got)
+    bm.check()
+
+
+def test_a_tenants_flood_of_kept_prompts_never_displaces_another_tenants_kept_prefix():
+    """Without a quota every kept block is evicted in the order kept: a flood of new session prompts
+    pushes out the oldest, another tenant's prefix. With one, the flood keeps at most its quota."""
+    bm = BlockManager(8, clock=Clock(), session_blocks_per_key=2)
+    cache(bm, [h(50), h(51)], keep_s=60, tenant="b")
+    for i in range(20):
+        cache(bm, [h(100 + 2 * i), h(101 + 2 * i)], keep_s=60, tenant="a")
+        assert bm.cached_prefix([h(50), h(51)]) == 2 and bm.keepers.counts() == {"a": 2, "b": 2}
+    assert bm.evicted["session"] == 0
+
+
+def test_a_kept_block_belongs_to_the_tenant_that_kept_it_last_until_it_leaves():
+    clock = Clock()
+    bm = BlockManager(8, clock=clock, session_blocks_per_key=2)
+    cache(bm, [h(1)], keep_s=60, tenant="a")
+    bm.release(bm.acquire([h(1)]), keep_s=60, tenant="b")  # b's turn reuses a's prefix: b's now
+    assert bm.keepers.counts() == {"b": 1}
+    shared, held = bm.acquire([h(1)]), bm.acquire([h(1)])
+    bm.release(held, keep_s=60, tenant="a")  # in use by another: kept for a once released
+    assert bm.keepers.counts() == {"a": 1}
+    bm.check()
+    cache(bm, [h(2)], keep_s=60, tenant="a")
+    cache(bm, [h(3)], keep_s=60, tenant="a")  # past a's quota: h(1), still in use, is kept no longer
+    assert bm.cached[h(1)] not in bm.kept_until and bm.keepers.counts() == {"a": 2}
+    bm.release(shared)  # a plain request releases it last: ordinary
+    assert bm.cached[h(1)] in bm.lru
+    bm.check()
+    assert bm.forget([h(2)]) == 1 and bm.keepers.counts() == {"a": 1}  # removed
+    clock.now += 61
+    assert bm.allocate(1) is not None and bm.keepers.counts() == {} and not bm.kept_until  # expired
+    bm.check()
+
+
+def test_no_quota_keeps_every_block_a_tenant_keeps():
+    bm = BlockManager(64, clock=Clock(), session_blocks_per_key=0)
+    cache(bm, [h(i) for i in range(50)], keep_s=60, tenant="a")
+    assert len(bm.session_lru) == 50 and bm.keepers.counts() == {"a": 50}
+    lru = LRU(Clock(), TenantQuota(0))
+    assert all(lru.add(bytes([i]), 1, until=200, tenant="a") == [] for i in range(50))
+    assert lru.kept_blocks() == 50
+    lru.check()
+
+
+def test_ownership_bookkeeping_is_bounded_by_the_blocks_kept_not_by_the_tenants_seen():
+    clock = Clock()
+    bm, lru = BlockManager(16, clock=clock, session_blocks_per_key=4), LRU(clock, TenantQuota(4))
+    for turn in range(5000):  # a new tenant every turn, each keeping a new block
+        cache(bm, [h(1000 + turn)], keep_s=60, tenant=f"t{turn}")
+        lru.add(bytes(h(1000 + turn)), 1, until=clock.now + 60, tenant=f"t{turn}")
+        if len(lru) > 16:
+            lru.remove(lru.oldest())  # evicted
+        assert len(bm.keepers) <= 16 and len(bm.keepers.counts()) <= 16
+        assert len(lru.keepers) <= 16 and len(lru.keepers.counts()) <= 16
+        clock.now += 0.01
+    bm.check()
+    lru.check()
+    clock.now += 61
+    assert bm.allocate(1) is not None and len(bm.keepers) == 0
+    assert lru.kept_blocks() == 0 and len(lru.keepers) == 0 and lru.keepers.counts() == {}
+
+
+def test_a_tier_makes_a_tenants_oldest_kept_keys_ordinary_past_its_quota():
+    clock = Clock()
+    lru = LRU(clock, TenantQuota(2))
+    lru.add(b"b1", 1, until=200, tenant="b")
+    lru.add(b"o", 1)
+    assert lru.add(b"a1", 1, until=200, tenant="a") == lru.add(b"a2", 1, until=200, tenant="a") == []
+    assert lru.add(b"a3", 1, until=200, tenant="a") == [b"a1"]  # now the oldest of the ordinary ones
+    assert list(lru) == [b"a1", b"o", b"b1", b"a2", b"a3"] and lru.keepers.counts() == {"b": 1, "a": 2}
+    assert lru.add(b"a2", 1, until=300, tenant="b") == []  # b keeps it now
+    assert lru.keepers.counts() == {"b": 2, "a": 1}
+    assert lru.add(b"b4", 1, until=300, tenant="b") == [b"b1"]
+    assert list(lru)[:3] == [b"b1", b"a1", b"o"]
+    lru.check()
+    assert lru.remove(b"a3") == 1 and lru.keepers.counts() == {"b": 2}
+    clock.now = 301
+    assert lru.kept_blocks() == 0 and lru.keepers.counts() == {}
+    lru.check()
+
+
+def test_a_store_holds_each_tenant_to_its_quota_over_all_tiers_and_keep_moves_ownership():
+    s = TieredStore([DeviceTier(2 * 1024, "cpu"), DramTier(6 * 1024)], session_blocks_per_key=3)
+    k = [bytes([i]) * 32 for i in range(40)]
+    assert s.put_many(k[:1], [blk(0)], keep_s=600, tenant="b") == 1
+    assert s.put_many(k[1:4], [blk(1), blk(2), blk(3)], keep_s=600, tenant="a") == 3  # into dram as they push
+    assert s.put_many(k[4:5], [blk(4)], keep_s=600, tenant="a") == 1  # a's oldest, k[1], becomes ordinary
+    s.check_invariants()
+    assert s.snapshot()["kept_by_tenant"] == {"b": 1, "a": 3}
+    assert k[1] not in s.placement.kept and s.placement.level(k[1]) == OTHER
+    for i in range(10, 20):  # a flood of ordinary blocks displaces k[1], never a kept block
+        assert s.put_many([k[i]], [blk(i)]) == 1
+        s.check_invariants()
+    assert s.tier_of(k[1]) is None and all(s.tier_of(x) for x in (k[0], k[2], k[3], k[4]))
+    assert s.keep([k[2]], 600, tenant="b") == 1  # b's turn reuses a's block: b's now
+    assert s.snapshot()["kept_by_tenant"] == {"b": 2, "a": 2}
+    s.check_invariants()
+    s.remove([k[0]])
+    assert s.snapshot()["kept_by_tenant"] == {"b": 1, "a": 2}
+    s.close()
+
+
+def test_the_store_messages_carry_the_tenant_and_old_ones_still_decode():
+    seg = P.ShmRef(0, P.TensorSpec("float32", (2,)))
+    for msg in (P.Put([b"k"], [], keep_s=5.0, tenant="t1"), P.Keep([b"k"], 5.0, tenant="t1"),
+                P.ShmPut([b"k"], "seg", [seg], keep_s=5.0, tenant="t1")):
+        back, _ = P.decode(P.encode(msg))
+        assert back == msg and back.tenant == "t1"
+    old = msgspec.msgpack.encode({"t": "keep", "hashes": [b"k"], "keep_s": 5.0})  # from a sender before tenants
+    assert P.decode([old])[0] == P.Keep([b"k"], 5.0, tenant="")
+
+
+async def test_a_put_and_a_keep_keep_blocks_for_their_tenant_in_the_store():
+    store = TieredStore([DramTier(8 * 1024)], session_blocks_per_key=1)
+    requests = StoreRequests(store, Rejections(), workers=1)
+    try:
+        await requests.handle(P.Put([b"a" * 32], [], checksums=checksums([blk(1)]), keep_s=60, tenant="t1"), [blk(1)])
+        await requests.handle(P.Put([b"b" * 32], [], checksums=checksums([blk(2)]), keep_s=60, tenant="t2"), [blk(2)])
+        assert store.snapshot()["kept_by_tenant"] == {"t1": 1, "t2": 1}
+        await requests.handle(P.Keep([b"a" * 32], 60, tenant="t2"), [])  # t2 past its quota: its oldest goes
+        assert store.snapshot()["kept_by_tenant"] == {"t2": 1} and store.placement.keeper == {b"a" * 32: "t2"}
+    finally:
+        requests.close()
+        store.close()
+
+
+async def test_a_worker_writes_back_and_releases_a_sessions_blocks_for_its_tenant():
+    from mooncake.config import SecurityConfig
+    from mooncake.engine.engine import Engine
+    from mooncake.kv.store_clients import StoreClients
+
+    puts: list[dict] = []
+
+    class Client:
+        async def put(self, hashes, kv, model_id, **kw) -> int:
+            puts.append(kw)
+            return len(hashes)
+
+    stores = StoreClients(None, 16 << 20, None, SecurityConfig())
+    stores.client = lambda endpoint: Client()  # type: ignore[method-assign]
+    stores.write_back("tcp://s", [b"k" * 32], blk(1).view(1, -1), keep_s=60, tenant="t1")
+    await asyncio.gather(*stores.writes)
+    assert puts[0]["tenant"] == "t1" and puts[0]["keep_s"] == 60
+
+    bm = BlockManager(4, clock=Clock(), session_blocks_per_key=2)
+    blocks = bm.allocate(2)
+    bm.register(blocks, [h(1), h(2)])
+    seq = SimpleNamespace(freed=False, block_table=blocks, sampling=P.Sampling(keep_s=60, tenant="t1"))
+    Engine.free(SimpleNamespace(blocks=bm, _num_seqs=1), seq)  # type: ignore[arg-type]
+    assert bm.keepers.counts() == {"t1": 2}
+    bm.check()
+
+
+async def test_the_cluster_shows_the_blocks_each_tenant_keeps_per_node_and_in_all():
+    from mooncake.conductor import Conductor
+    from mooncake.conductor.snapshot import cluster_snapshot
+    from mooncake.config import Config
+
+    async def flush() -> None:
+        pass
+
+    c = Conductor(Config(), model_name="m")
+    c.router = SimpleNamespace(send=lambda node_id, msg: None, flush=flush, close=lambda: None)
+    try:
+        for node_id, role, kept, endpoints in (("p0", "prefill", {"t1": 3, "": 1}, {"orders": "tcp://127.0.0.1:3"}),
+                                               ("s0", "store", {"t1": 5, "t2": 2}, {"store": "tcp://127.0.0.1:7"}),
+                                               ("f0", "frontend", {}, {"tokens": "tcp://127.0.0.1:9"})):
+            facts = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8)) if role == "prefill" else None
+            c.membership.register(node_id.encode(), P.Register(role, node_id, P.NodeInfo("n0", 1, facts), endpoints), 0.0)
+            c.cluster.get(node_id).load = P.Load(kept_by_tenant=kept)
+        snap = cluster_snapshot(c)
+        assert snap["tenants"] == {"t1": {"kept_blocks": 8}, "": {"kept_blocks": 1}, "t2": {"kept_blocks": 2}}
+        by_node = {n["node_id"]: n["load"]["kept_by_tenant"] for n in snap["nodes"]}
+        assert by_node == {"p0": {"t1": 3, "": 1}, "s0": {"t1": 5, "t2": 2}, "f0": {}}
+    finally:
+        await c.close()

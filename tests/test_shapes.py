@@ -2,10 +2,11 @@
 (one colocated instance) and the prefill/decode pair (``--disaggregated``), one cluster per shape
 for the module. Greedy output equal to transformers and unchanged by a cache hit (from the
 instance's cache and from the store); request classes (a flex flood does not hold an interactive
-request back, each response says its class); a session's next turn reusing its prefix; structured
-output; past capacity, a 429 that says why, with Retry-After. Promises that involve placement
-between kinds (migration between a colocated instance and a pair, mixed clusters) are in
-``test_colocated.py``; failover is shape-independent at the conductor (``test_failover.py``)."""
+request back, each response says its class); a session's next turn reusing its prefix (and
+``/cluster`` showing its kept blocks per node and per tenant); structured output; past capacity,
+a 429 that says why, with Retry-After. Promises that involve placement between kinds (migration
+between a colocated instance and a pair, mixed clusters) are in ``test_colocated.py``; failover is
+shape-independent at the conductor (``test_failover.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 from mooncake.testing.api import MODEL, complete
 from mooncake.testing.cluster import SHAPES, start_cluster, small_config
+from mooncake.testing.wait import wait_for
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.timeout(900)
@@ -80,6 +82,13 @@ def test_a_sessions_next_turn_reuses_its_prefix(cluster):
     assert turn2.status_code == 200, turn2.text
     usage = turn2.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2
+
+    def kept_by_the_one_tenant() -> dict | None:  # no API keys: one tenant, ""
+        info = httpx.get(cluster.url + "/cluster").json()
+        by_role = {n["role"]: n["load"]["kept_by_tenant"].get("", 0) for n in info["nodes"] if n["role"] != "frontend"}
+        return info if info["tenants"].get("", {}).get("kept_blocks", 0) and all(by_role.values()) else None
+
+    wait_for(kept_by_the_one_tenant, 20, "/cluster showing the session's kept blocks per node and per tenant")
 
 
 def test_structured_output_is_valid_json(cluster):

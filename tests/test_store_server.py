@@ -10,6 +10,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from mooncake.kv.integrity import checksums
 from mooncake.protocol import Error, Get, Put, decode, encode
 from mooncake.testing.store_process import store_process
 from mooncake.tiers.client import StoreClient, StoreError, StoreUnavailable
@@ -36,7 +37,7 @@ async def test_concurrent_clients_round_trip_large_blocks(server, shm):
         try:
             hs = hashes(f"c{c}{shm}", 3)
             blocks = torch.randn(3, 2, 2, 4, 64, 256)  # 3 x 1 MiB
-            assert await client.put(hs, blocks, model_id="m") == 3
+            assert await client.put(hs, blocks, model_id="m", checksums=checksums(blocks)) == 3
             got_h, got = await client.get(hs + hashes("missing", 1) + hs[:1], prefix=True)
             assert got_h == hs
             assert all(torch.equal(a, b) for a, b in zip(got, blocks.unbind(0)))
@@ -58,8 +59,9 @@ async def test_a_flex_requests_blocks_are_marked_flex_in_the_store(server, shm):
     c = StoreClient(server, shm=shm)
     try:
         before = {t["name"]: t["flex_blocks"] for t in (await c.stats())["tiers"]}
-        assert await c.put(hashes(f"flex{shm}", 2), torch.randn(2, 64, 1024), flex=True) == 2
-        assert await c.put(hashes(f"chat{shm}", 2), torch.randn(2, 64, 1024)) == 2
+        flex, chat = torch.randn(2, 64, 1024), torch.randn(2, 64, 1024)
+        assert await c.put(hashes(f"flex{shm}", 2), flex, checksums=checksums(flex), flex=True) == 2
+        assert await c.put(hashes(f"chat{shm}", 2), chat, checksums=checksums(chat)) == 2
         after = {t["name"]: t["flex_blocks"] for t in (await c.stats())["tiers"]}
         assert after["dram"] - before["dram"] == 2
     finally:
@@ -72,8 +74,9 @@ async def test_a_sessions_blocks_are_kept_in_the_store(server, shm):
     c = StoreClient(server, shm=shm)
     try:
         before = sum(t["session_blocks"] for t in (await c.stats())["tiers"])
-        assert await c.put(hashes(f"turn{shm}", 2), torch.randn(2, 64, 1024), keep_s=300) == 2
-        assert await c.put(hashes(f"old{shm}", 3), torch.randn(3, 64, 1024)) == 3
+        turn, old = torch.randn(2, 64, 1024), torch.randn(3, 64, 1024)
+        assert await c.put(hashes(f"turn{shm}", 2), turn, checksums=checksums(turn), keep_s=300) == 2
+        assert await c.put(hashes(f"old{shm}", 3), old, checksums=checksums(old)) == 3
         assert await c.keep([*hashes(f"old{shm}", 3), *hashes(f"absent{shm}", 1)], 300) == 3
         after = sum(t["session_blocks"] for t in (await c.stats())["tiers"])
         assert after - before == 5
@@ -85,7 +88,8 @@ async def test_object_api_exists_remove_stats(server):
     c = StoreClient(server)
     try:
         hs = hashes("api", 4)
-        await c.put(hs[:3], [torch.arange(8, dtype=torch.int32) + i for i in range(3)])
+        blocks = [torch.arange(8, dtype=torch.int32) + i for i in range(3)]
+        await c.put(hs[:3], blocks, checksums=checksums(blocks))
         assert await c.exists(hs) == [True, True, True, False]
         got_h, got = await c.get(hs)
         assert got_h == hs[:3] and got[2].dtype == torch.int32 and got[2][0] == 2
@@ -143,7 +147,7 @@ async def test_persistence_across_restart(tmp_path):
     args = ("--dram-bytes", str(128 * 1024), "--lmdb-bytes", str(16 * MiB))
     with store_process(tmp_path, *args) as ep:
         c = StoreClient(ep)
-        assert await c.put(hs, blocks, model_id="m") == 6  # most get demoted to LMDB
+        assert await c.put(hs, blocks, model_id="m", checksums=checksums(blocks)) == 6  # most get demoted to LMDB
         stats = await c.stats()
         c.close()
         assert stats["tiers"][1]["blocks"] >= 4
@@ -166,7 +170,7 @@ async def test_replication_between_two_stores(tmp_path):
         try:
             hs = hashes("rep", 5)
             blocks = torch.randn(5, 2, 2, 2, 16, 128)
-            await a.put(hs[:4], blocks[:4], model_id="mod")
+            await a.put(hs[:4], blocks[:4], model_id="mod", checksums=checksums(blocks[:4]))
             assert await a.replicate(hs, dst) == 4
             got_h, got = await b.get(hs, prefix=True)
             assert got_h == hs[:4] and all(torch.equal(x, y) for x, y in zip(got, blocks[:4].unbind(0)))
@@ -215,3 +219,29 @@ async def test_puts_travel_apart_from_reads_and_wait_longer_the_more_they_carry(
         stub.cancel()
         router.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+async def test_a_put_without_checksums_is_refused_and_counted(tmp_path, shm):
+    """Stored without its writer's checksum, a block would be served unchecked (checksum 0): the store
+    answers such a put with an error, counts its blocks as refused, stores none, and serves on."""
+    from mooncake.config import StoreConfig
+    from mooncake.tiers.server import StoreServer
+    from mooncake.tiers.tiered import TieredStore
+
+    store = TieredStore.from_config(StoreConfig(dram_bytes=16 * MiB, lmdb_bytes=0, data_dir=str(tmp_path)), "s")
+    server = StoreServer(store, "tcp://127.0.0.1:0")
+    c = StoreClient(await server.start(), shm=shm, shm_min_bytes=0)
+    try:
+        hs, blocks = hashes(f"unsummed{shm}", 2), torch.randn(2, 64, 256)
+        with pytest.raises(StoreError, match="without checksums"):
+            await c.put(hs, blocks, model_id="m")
+        with pytest.raises(StoreError, match="checksum"):  # one checksum for two blocks
+            await c.put(hs, blocks, model_id="m", checksums=checksums(blocks)[:1])
+        assert await c.exists(hs) == [False, False]
+        assert server.rejections.snapshot() == {"checksum": 4}
+        assert await c.put(hs, blocks, model_id="m", checksums=checksums(blocks)) == 2
+    finally:
+        c.close()
+        await server.close()
+        store.close()

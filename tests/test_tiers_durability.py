@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mooncake.config import load_config
+from mooncake.kv.integrity import checksums
 from mooncake.testing.store_process import start_store_process
 from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient
@@ -239,7 +240,7 @@ async def test_write_through_survives_sigkill(tmp_path):
     proc, ep = _server(tmp_path, *args)
     try:
         c = StoreClient(ep)
-        assert await c.put(hs, blocks, model_id="m") == 12  # all in DRAM
+        assert await c.put(hs, blocks, model_id="m", checksums=checksums(blocks)) == 12  # all in DRAM
         for _ in range(200):
             wt = (await c.stats())["write_through"]
             if wt["written"] == 12 and wt["queued"] == 0:

@@ -14,8 +14,10 @@ from mooncake.tiers.tiered import TieredStore
 
 
 KEYS = st.integers(0, 11)
+TENANTS = st.sampled_from([None, "", "a", "b"])  # None: no session
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("put"), KEYS, st.sampled_from([64, 128, 256, 640])),
+    st.tuples(st.just("put"), KEYS, st.sampled_from([64, 128, 256, 640]), TENANTS),
+    st.tuples(st.just("keep"), st.lists(KEYS, min_size=1, max_size=4), TENANTS),
     st.tuples(st.just("get"), st.lists(KEYS, min_size=1, max_size=4), st.booleans()),
     st.tuples(st.just("remove"), st.lists(KEYS, max_size=3)),
 ), max_size=40)
@@ -27,16 +29,19 @@ def test_random_operations_keep_invariants(ops, gate, promote):
     with tempfile.TemporaryDirectory() as d:
         tiers = [DeviceTier(1024, "cpu"), DramTier(2048), LmdbTier(d, 3072)]
         store = TieredStore(tiers, promote_on_hit=promote,
-                            ssd_admission="after_hits" if gate else "on_demotion")
+                            ssd_admission="after_hits" if gate else "on_demotion", session_blocks_per_key=2)
         truth: dict[bytes, torch.Tensor] = {}
         version = 0
         for op in ops:
             if op[0] == "put":
-                _, k, nbytes = op
+                _, k, nbytes, tenant = op
                 version += 1
                 t = torch.full((nbytes // 4,), float(version))
-                if store.put_many([bytes([k]) * 32], [t]) == 1:
+                if store.put_many([bytes([k]) * 32], [t], keep_s=0 if tenant is None else 600, tenant=tenant or "") == 1:
                     truth[bytes([k]) * 32] = t
+            elif op[0] == "keep":
+                _, ks, tenant = op
+                store.keep([bytes([k]) * 32 for k in ks], 0 if tenant is None else 600, tenant or "")
             elif op[0] == "get":
                 _, ks, prefix = op
                 want = [bytes([k]) * 32 for k in ks]
@@ -50,7 +55,7 @@ def test_random_operations_keep_invariants(ops, gate, promote):
                     assert torch.equal(b.tensor, truth[k])  # never stale or wrong bytes
             else:
                 store.remove([bytes([k]) * 32 for k in op[1]])
-            store.check_invariants()
+            store.check_invariants()  # each kept block of one tenant, none past its quota
             for k in truth:
                 if store.tier_of(k) == "lmdb" and gate:
                     assert store.stats.block_hits.get(k, 0) >= 1

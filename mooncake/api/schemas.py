@@ -98,7 +98,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # the request's class
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)  # extension (vLLM): within a class, lower first
-    # the session a request is a turn of (extension; else OpenAI's end-user id): its prefix is kept for the next
+    # the session a request is a turn of (extension; or user, with [classes] session_from_user): its prefix is kept
     session_id: StrictStr | None = Field(None, min_length=1, max_length=256)
     user: StrictStr | None = None
 

@@ -1,11 +1,11 @@
 """What frontends are told of the cluster (``ClusterView``), and what ``GET /cluster`` shows (on any
 frontend, which asks the conductor): the nodes with their endpoints, last reported load and the
-scheduler's bookings, the cost models' estimates and the predictions' record."""
+scheduler's bookings, the cost models' estimates, the predictions' record, and each tenant's share."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import msgspec
 
@@ -14,6 +14,7 @@ from mooncake.conductor.attempt import worker_ref
 
 if TYPE_CHECKING:
     from mooncake.conductor.conductor import Conductor
+    from mooncake.sched.cluster import Node
 
 RETELL_S = 10.0  # frontends are told the view at least this often
 
@@ -57,7 +58,9 @@ class FrontendViews:
 def cluster_snapshot(c: Conductor) -> dict:
     s, costs, facts = c.scheduler, c.costs, c.facts
     pw, dw = costs.prefill.weights, costs.decode.weights
-    return {"model": c.model_name, "leader": c.name, "index_blocks": len(c.index), "attempts": len(c.attempts),
+    return {"model": c.model_name, "leader": c.name,
+            "leader_term": getattr(c, "leader_term", 0),  # its campaign key's etcd revision; 0: no etcd
+            "index_blocks": len(c.index), "attempts": len(c.attempts),
             "requests": sum(c.requests_in_flight.values()),
             "block_tokens": facts.block_tokens if facts else 0,
             "estimates": {"prefill_1k_tokens_s": costs.prefill.predict(1000, 0),
@@ -70,6 +73,7 @@ def cluster_snapshot(c: Conductor) -> dict:
                           "profiled": sorted(costs.profiled)},
             "predictions": c.predictions.summary(),
             "frontends": [n.node_id for n in c.cluster.nodes.values() if n.role == "frontend"],
+            "tenants": tenant_shares(c.cluster.nodes.values()),
             "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
                        "instance": n.info.instance, "endpoints": n.endpoints,
                        "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
@@ -80,3 +84,15 @@ def cluster_snapshot(c: Conductor) -> dict:
                        "assigned": s.assigned(n.node_id), "draining": n.draining, "stalled": n.stalled,
                        "blocks_indexed": c.index.blocks_of(n.node_id)}
                       for n in c.cluster.nodes.values()]}
+
+
+def tenant_shares(nodes: Iterable[Node]) -> dict[str, dict[str, int]]:
+    """Per tenant (its id, "" without API keys): ``kept_blocks``, the blocks its sessions keep in
+    the engines' prefix caches and the stores, summed over the nodes' last reports (each node's own
+    count is in its ``load.kept_by_tenant``)."""
+    out: dict[str, dict[str, int]] = {}
+    for node in nodes:
+        for tenant, kept in node.load.kept_by_tenant.items():
+            share = out.setdefault(tenant, {"kept_blocks": 0})
+            share["kept_blocks"] += kept
+    return out

@@ -4,9 +4,11 @@ One ConfigMap carries the cluster's TOML; everything that differs per pod comes
 from the environment (``MOONCAKE_<SECTION>_<KEY>``): the pod IP as
 ``MOONCAKE_NODE_HOST`` (downward API), the Kubernetes node name as the mooncake
 node name (so that a prefill pod's local store is the one on its machine), the
-pod name as the node id. Secrets (API key, CURVE keys) live in Secrets, never in
-the ConfigMap: every pod is off loopback, so it gets CURVE keys (``deploy/keys.py``:
-the configured ones, or new ones) unless the config allows an insecure network.
+pod name as the node id. Secrets (every key of ``SECRET_KEYS``: the API keys and ``[classes]
+api_key_tiers``; the CURVE keys) live in Secrets, never in the ConfigMap (the frontends read the
+former as ``MOONCAKE_`` variables from the API-key Secret): every pod is off loopback, so it gets
+CURVE keys (``deploy/keys.py``: the configured ones, or new ones) unless the config allows an
+insecure network.
 Objects: Namespace, ConfigMap, Secrets, conductor Deployment + Service (with ``--conductors``
 > 1 the conductors fail over through etcd: ``[coordination] etcd_endpoints``, or a one-member
 etcd StatefulSet + Service rendered here), frontend Deployment (``--frontends`` replicas, the
@@ -23,6 +25,7 @@ it at the pod's IP, which the store registers with the conductor.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from urllib.parse import urlparse
 import yaml
 
 from mooncake import protocol as P
-from mooncake.config import GiB, Config, env_name
+from mooncake.config import SECRET_KEYS, GiB, Config, env_name
 from mooncake.config_toml import dump_toml
 from mooncake.deploy.keys import KeysError, pod_key_files
 from mooncake.deploy.monitoring import METRICS_KEY, SERVICE_MONITOR_FILE, scrape_annotations, service_monitor
@@ -114,7 +117,9 @@ def pod_config(cfg: Config, ports: PodPorts, curve: bool, etcd_urls: list[str] |
     ``curve``), the etcd the conductors fail over through, no secrets."""
     c = cfg.model_copy(deep=True)
     c.coordination.etcd_endpoints = list(etcd_urls or cfg.coordination.etcd_endpoints)
-    c.frontend.api_key, c.frontend.api_keys = "", []  # from the Secret
+    for section, key in SECRET_KEYS:  # from the Secret (``secret_entries``)
+        model = getattr(c, section)
+        setattr(model, key, type(model).model_fields[key].get_default(call_default_factory=True))
     c.frontend.host = "0.0.0.0"
     c.frontend.token_port = ports.tokens
     c.conductor.frontend = "off"  # frontends of their own serve the API
@@ -128,6 +133,18 @@ def pod_config(cfg: Config, ports: PodPorts, curve: bool, etcd_urls: list[str] |
         c.node.p2p_key_file = f"{MODELS_DIR}/p2p-node.key"  # the workers beside the store read it there
     c.security.curve_keys_dir = CURVE_MOUNT if curve else ""
     return c
+
+
+def secret_entries(cfg: Config) -> dict[str, tuple[str, str]]:
+    """Each key of ``SECRET_KEYS`` the config sets: its environment variable -> (its entry in the
+    API-key Secret, its value there; a list as JSON, which the variable also reads)."""
+    entries = {}
+    for section, key in sorted(SECRET_KEYS):
+        value = getattr(getattr(cfg, section), key)
+        if value:
+            text = value if isinstance(value, str) else json.dumps(value)
+            entries[env_name(section, key)] = (key.replace("_", "-"), text)
+    return entries
 
 
 def template_meta(labels: dict[str, str], curve: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
@@ -159,7 +176,9 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     except KeysError as e:
         raise DeployError(str(e)) from None
     curve_secret = f"{APP}-curve" if curve else ""
-    api_key_secret = f"{APP}-api-key" if cfg.frontend.accepted_keys() else ""
+    secrets_env = secret_entries(cfg)
+    api_key_secret = f"{APP}-api-key" if secrets_env else ""
+    metrics_key_secret = api_key_secret if cfg.frontend.accepted_keys() else ""  # what Prometheus sends
 
     def meta(name: str, **labels: str) -> dict:
         return {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": APP, **labels}}
@@ -174,10 +193,11 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
         secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(curve_secret),
                         "type": "Opaque", "stringData": curve})
     if api_key_secret:
+        data = dict(secrets_env.values())
+        if metrics_key_secret:
+            data[METRICS_KEY] = cfg.frontend.accepted_keys()[0]
         secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(api_key_secret),
-                        "type": "Opaque", "stringData": {"api-key": cfg.frontend.api_key,
-                                                         "api-keys": ",".join(cfg.frontend.api_keys),
-                                                         METRICS_KEY: cfg.frontend.accepted_keys()[0]}})
+                        "type": "Opaque", "stringData": data})
     if secrets:
         files["02-secrets.yaml"] = secrets
     pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
@@ -201,7 +221,8 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-frontend", **front),
          "spec": {"replicas": topology.frontend, "selector": {"matchLabels": front},
                   "template": {"metadata": template_meta(front, curve, scrape_annotations(ports.http)),
-                               "spec": frontend_pod(api_key_secret=api_key_secret, **pod_args)}}},
+                               "spec": frontend_pod(api_key_secret=api_key_secret, secret_env={
+                                   var: entry for var, (entry, _) in secrets_env.items()}, **pod_args)}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-frontend", **front),
          "spec": {"selector": front, "ports": [{"name": "http", "port": ports.http, "targetPort": "http",
                                                 "protocol": "TCP"}]}},
@@ -244,7 +265,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                       "selector": {"matchLabels": labels}, "podManagementPolicy": "Parallel",
                       "template": {"metadata": template_meta(labels, curve), "spec": spec},
                       "volumeClaimTemplates": [store_volume_claim(quantity(pvc_bytes))]}}]
-    files[SERVICE_MONITOR_FILE] = [service_monitor(meta(f"{APP}-frontend", **front), front, ns, api_key_secret),
+    files[SERVICE_MONITOR_FILE] = [service_monitor(meta(f"{APP}-frontend", **front), front, ns, metrics_key_secret),
                                    service_monitor(meta(f"{APP}-conductor", **selector), selector, ns, "", "health")]
     return files
 

@@ -32,15 +32,16 @@ def _field(path: str) -> dict:
     return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _env(role: str, common_env: dict[str, str], api_key_secret: str = "") -> list[dict]:
+def _env(role: str, common_env: dict[str, str], api_key_secret: str = "",
+         secret_env: dict[str, str] | None = None) -> list[dict]:
+    """``secret_env``: environment variable -> its entry in the Secret ``api_key_secret``."""
     env = [{"name": env_name("node", "host"), **_field("status.podIP")},
            {"name": env_name("node", "name"), **_field("spec.nodeName")},  # same machine = local
            {"name": env_name("node", "node_id"), **_field("metadata.name")}]
     env += [{"name": k, "value": v} for k, v in common_env.items()]
     if api_key_secret:
-        env += [{"name": env_name("frontend", field), "valueFrom": {"secretKeyRef": {"name": api_key_secret,
-                                                                                  "key": key}}}
-                for field, key in (("api_key", "api-key"), ("api_keys", "api-keys"))]
+        env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": api_key_secret, "key": key}}}
+                for name, key in (secret_env or {}).items()]
     return env
 
 
@@ -90,10 +91,11 @@ def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: st
 
 
 def frontend_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
-                 common_env: dict[str, str], api_key_secret: str) -> dict:
-    """A frontend: the OpenAI API on the http port, its token socket on the pod IP."""
+                 common_env: dict[str, str], api_key_secret: str, secret_env: dict[str, str]) -> dict:
+    """A frontend: the OpenAI API on the http port, its token socket on the pod IP; the config's
+    secrets from ``api_key_secret`` (``secret_env``: as ``_env``'s)."""
     container = {"name": "frontend", "image": image, "command": _command("frontend"),
-                 "env": _env("frontend", common_env, api_key_secret),
+                 "env": _env("frontend", common_env, api_key_secret, secret_env),
                  "ports": [{"name": "http", "containerPort": ports.http, "protocol": "TCP"},
                            {"name": "tokens", "containerPort": ports.tokens, "protocol": "TCP"}],
                  "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},

@@ -37,7 +37,8 @@ from mooncake.sched.request_class import FLEX_RANK, rank
 class Engine:
     """One model on one device with a paged KV pool. Not thread-safe."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, session_blocks_per_key: int = 0) -> None:
+        """``session_blocks_per_key``: blocks one tenant's sessions may keep at once (``[classes]``; 0: no limit)."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         config = loaded.hf_model.config
@@ -56,7 +57,8 @@ class Engine:
             raise ValueError("kv_cache_bytes %d holds no block of %d bytes" % (cfg.kv_cache_bytes, self.block_bytes))
         self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
         self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
-        self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event)
+        self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event,
+                                   session_blocks_per_key=session_blocks_per_key)
         # KV into and out of the pool, encoded outside it ([model] kv_codec)
         self.kv = PoolKV(self.pool, self.blocks, self.model, KVCodec(loaded.kv_codec, self.block_shape, self.dtype))
         self.kv_block_bytes = self.kv.codec.wire_block_bytes  # one block as it travels and is stored
@@ -149,7 +151,7 @@ class Engine:
         pool. Idempotent."""
         if seq.freed:
             return
-        self.blocks.release(seq.block_table, seq.sampling.keep_s)
+        self.blocks.release(seq.block_table, seq.sampling.keep_s, seq.sampling.tenant)
         seq.block_table = []
         seq.freed = True
         self._num_seqs -= 1
@@ -316,11 +318,13 @@ class Engine:
     def stats(self) -> dict:
         """cached_blocks: unreferenced, evictable cached blocks (flex_cached_blocks of them held only
         by flex requests, session_cached_blocks kept for a session now); used_blocks: referenced ones (free + cached + used == num_blocks);
-        prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment. Read-only: it
+        prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment; kept_by_tenant: blocks
+        kept per tenant (those in use that a session keeps once released too). Read-only: it
         runs on the event loop while the engine thread changes the blocks (sessions expire on the
         engine thread, as blocks are allocated)."""
         return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
                 "cached_blocks": self.blocks.num_cached(), "flex_cached_blocks": len(self.blocks.flex_lru),
                 "session_cached_blocks": len(self.blocks.session_lru),
                 "used_blocks": self.blocks.num_referenced(), "prefix_blocks": len(self.blocks.cached),
-                "sequences": self._num_seqs, "evicted_blocks": dict(self.blocks.evicted)}
+                "sequences": self._num_seqs, "evicted_blocks": dict(self.blocks.evicted),
+                "kept_by_tenant": self.blocks.keepers.counts()}

@@ -18,6 +18,8 @@ Every block is in exactly one of three states:
   then ``session_lru``, so a flex scan of unique prompts displaces other flex blocks, never an
   interactive prefix, while flex work is cached at all, and a session's prefix outlives
   everything but other sessions' until its time is up (then it is the oldest of ``lru``),
+  or until the tenant that kept it last keeps more than ``session_blocks_per_key`` blocks (its
+  oldest kept ones then become the oldest of ``lru``: ``keepers``, ``mooncake/tenant_quota.py``),
 - referenced: ``ref[b] > 0`` (a sequence or an in-flight import uses it); it may
   also be keyed in the prefix cache.
 
@@ -34,6 +36,7 @@ import torch
 
 from mooncake.blocks import BlockHash
 from mooncake.deadline_heap import DeadlineHeap
+from mooncake.tenant_quota import TenantQuota
 
 BlockEventFn = Callable[[str, list[BlockHash]], None]
 
@@ -46,7 +49,8 @@ def allocate_pool(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dt
 
 class BlockManager:
     def __init__(self, num_blocks: int, on_event: Callable[[], BlockEventFn | None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, session_blocks_per_key: int = 0) -> None:
+        """``session_blocks_per_key``: blocks one tenant may keep at once (0: no limit)."""
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.hash_of: list[BlockHash | None] = [None] * num_blocks
@@ -57,6 +61,7 @@ class BlockManager:
         self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
         self.session_lru: OrderedDict[int, None] = OrderedDict()  # soonest to expire first
         self.kept_until: dict[int, float] = {}  # blocks a session keeps (referenced ones too): until when
+        self.keepers: TenantQuota[int] = TenantQuota(session_blocks_per_key)  # of kept_until: whose, per tenant
         self._deadlines: DeadlineHeap[int] = DeadlineHeap(
             lambda b, until: b in self.session_lru and self.kept_until.get(b) == until)  # else: released or kept longer since
         self.evicted = {"flex": 0, "other": 0, "session": 0}  # cached blocks evicted, by segment
@@ -99,7 +104,7 @@ class BlockManager:
             else:
                 segment = "flex" if self.flex_lru else "other" if self.lru else "session"
                 b, _ = self._segment(b=None, name=segment).popitem(last=False)
-                self.kept_until.pop(b, None)
+                self._stop_keeping(b)
                 self.evicted[segment] += 1
                 h = self.hash_of[b]
                 assert h is not None
@@ -157,10 +162,10 @@ class BlockManager:
             elif b in self.flex_lru:
                 self.flex_lru.move_to_end(b)
 
-    def release(self, blocks: list[int], keep_s: float = 0.0) -> None:
+    def release(self, blocks: list[int], keep_s: float = 0.0, tenant: str = "") -> None:
         """Drop one reference on each; in reverse, so a chain's leading blocks are evicted last.
         ``keep_s``: the cached ones a request of a session leaves are kept that long (evicted
-        after every block no session keeps, until then)."""
+        after every block no session keeps, until then), by ``tenant`` (the sender's)."""
         now = self._clock()
         until = now + keep_s if keep_s > 0 else 0.0
         for b in reversed(blocks):
@@ -169,22 +174,41 @@ class BlockManager:
                 raise RuntimeError("block %d released more often than referenced" % b)
             self.ref[b] = r - 1
             if r > 1:  # another holder releases it last: the session's time goes with the block
-                if until > self.kept_until.get(b, 0.0) and self.hash_of[b] is not None:
-                    self.kept_until[b] = until
+                if until and self.hash_of[b] is not None:
+                    self.kept_until[b] = max(until, self.kept_until.get(b, 0.0))
+                    self._keep(b, tenant)
             else:
                 kept = max(until, self.kept_until.pop(b, 0.0))
-                if self.hash_of[b] is None:
-                    self.flex.discard(b)
-                    self.free.append(b)
-                elif kept > now:
+                if self.hash_of[b] is not None and kept > now:
                     self.flex.discard(b)
                     self.session_lru[b] = None
                     self.kept_until[b] = kept
                     self._deadlines.push(b, kept, len(self.session_lru))
+                    if until:  # else kept by whoever kept it before
+                        self._keep(b, tenant)
+                    continue
+                self.keepers.drop(b)
+                if self.hash_of[b] is None:
+                    self.flex.discard(b)
+                    self.free.append(b)
                 elif b in self.flex:
                     self.flex_lru[b] = None
                 else:
                     self.lru[b] = None
+
+    def _keep(self, b: int, tenant: str) -> None:
+        """``tenant`` keeps ``b`` (in ``kept_until``); its oldest kept blocks past its quota become
+        ordinary: an unreferenced one the oldest of ``lru`` (as if its time were up)."""
+        for old in self.keepers.keep(b, tenant):
+            del self.kept_until[old]
+            if old in self.session_lru:
+                del self.session_lru[old]
+                self.lru[old] = None
+                self.lru.move_to_end(old, last=False)
+
+    def _stop_keeping(self, b: int) -> None:
+        self.kept_until.pop(b, None)
+        self.keepers.drop(b)
 
     def forget(self, hashes: list[BlockHash]) -> int:
         """Drop the unreferenced cached blocks of ``hashes`` from the prefix cache (they become
@@ -195,7 +219,7 @@ class BlockManager:
             if b is None or self.ref[b]:
                 continue
             self._segment(b).pop(b)
-            self.kept_until.pop(b, None)
+            self._stop_keeping(b)
             del self.cached[h]
             self.flex.discard(b)
             self.hash_of[b] = None
@@ -215,6 +239,7 @@ class BlockManager:
         assert not set(self.lru) & set(self.flex_lru) and set(self.flex_lru) <= self.flex
         assert not set(self.session_lru) & (set(self.lru) | self.flex) and set(self.session_lru) <= set(self.kept_until)
         assert all(b in self.session_lru or self.ref[b] for b in self.kept_until)
+        self.keepers.check(self.kept_until)  # each kept block has one owner; none past its quota
         assert not self.flex & set(self.free)
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert len(set(self.free)) == len(self.free) and not set(self.free) & set(self.lru)
@@ -230,6 +255,7 @@ class BlockManager:
         expired = []
         for b in self._deadlines.due(self._clock()):
             del self.session_lru[b], self.kept_until[b]
+            self.keepers.drop(b)
             expired.append(b)
         for b in reversed(expired):
             self.lru[b] = None

@@ -20,6 +20,10 @@ integrity checksum covers the scales with the codes. Encoding runs on the pool's
 pool sends fewer bytes over PCIe too); both directions are a handful of vectorised torch ops over
 all blocks at once, on the engine or a worker thread, never the event loop.
 
+A block with a NaN or infinite scale (or an fp8 NaN code) is corrupt even where its checksum
+matches: decoded, it would poison every prompt that reuses it, so whatever admits encoded KV
+refuses it as a checksum failure, a miss that is recomputed (``first_nonfinite``).
+
 The codec is part of the model id (``loader.model_variant``), so blocks of different codecs have
 different hashes and never mix, and an engine of another codec cannot join the cluster.
 """
@@ -84,6 +88,17 @@ class KVCodec:
         lead = kv.shape[:-2]
         return torch.cat((codes.view(torch.uint8).reshape(*lead, self._row),
                           scale.view(torch.uint8).reshape(*lead, 2 * self._d)), dim=-1)
+
+    def first_nonfinite(self, enc: torch.Tensor) -> int | None:
+        """Index along the first dimension of encoded ``enc`` (blocks, or layers of blocks) of the
+        first that holds a NaN or infinite scale or an fp8 NaN code; None when all decode finite."""
+        if self.lossless or not len(enc):
+            return None
+        ok = enc[..., self._row:].contiguous().view(SCALE_DTYPE).isfinite().reshape(len(enc), -1).all(dim=1)
+        if self.name == "fp8":  # e4m3fn has no infinity; NaN is S.1111.111
+            ok &= ((enc[..., :self._row] & 0x7F) != 0x7F).reshape(len(enc), -1).all(dim=1)
+        bad = (~ok).nonzero()
+        return int(bad[0]) if len(bad) else None
 
     def decode(self, enc: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         """Encoded ``[..., T * head_dim + 2 * head_dim]`` bytes as ``[..., T, head_dim]`` KV in the pool's

@@ -36,7 +36,8 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.engine import Engine, Sequence
-from mooncake.kv.integrity import Rejections, first_corrupt, shape_problem
+from mooncake.kv.codec import KVCodec
+from mooncake.kv.integrity import Rejections, first_corrupt, first_nonfinite, shape_problem
 from mooncake.kv.link import bind_kv_ingress
 from mooncake.security import Curve, allowed
 from mooncake.sockets import recv_multipart
@@ -173,10 +174,11 @@ class KVIngress:
                 self.rejections.add("shape", len(tensors))
                 await self._give_up(slot, f"its KV is corrupt ({problem}): recomputed elsewhere")
                 return
-        bad = await asyncio.to_thread(_first_corrupt_of, batch)
+        bad = await asyncio.to_thread(_first_corrupt_of, batch, eng.kv.codec)
         if bad is not None:
             self.rejections.add("checksum", len(batch[bad[0]][1]))
-            await self._give_up(slot, f"its KV is corrupt (transfer {bad[1]} fails its checksum): recomputed elsewhere")
+            await self._give_up(slot, f"its KV is corrupt (transfer {bad[1]} fails its checksum or decodes "
+                                      "non-finite): recomputed elsewhere")
             return
         layers_in = list(slot.layers_in)
         writes: list[tuple[int, int | None, list[torch.Tensor]]] = []
@@ -232,10 +234,14 @@ class KVIngress:
         slot.stored = full
 
 
-def _first_corrupt_of(batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]]) -> tuple[int, int] | None:
-    """(message, transfer) of the first frame that fails its checksum, or None (a worker thread)."""
+def _first_corrupt_of(batch: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]],
+                      codec: KVCodec) -> tuple[int, int] | None:
+    """(message, transfer) of the first frame that fails its checksum or holds a non-finite scale, or
+    None (a worker thread)."""
     for i, (msg, tensors) in enumerate(batch):
         bad = first_corrupt(tensors, msg.checksums)
+        if bad is None:
+            bad = first_nonfinite(tensors, codec)
         if bad is not None:
             return i, bad
     return None

@@ -5,16 +5,20 @@ A block's checksum is xxh3_64 over its raw bytes (fast enough to run on every tr
 The prefill computes it when it exports KV; the decode verifies it before writing the KV
 into its pool; a store verifies it on put; a prefill reading a store checks that the
 blocks are the ones it asked for, in the model's block shape and dtype. Whatever fails is
-a miss (the KV is recomputed), counted by reason in ``Rejections``, never served.
+a miss (the KV is recomputed), counted by reason in ``Rejections``, never served. Encoded blocks
+with a NaN or infinite scale count as failing their checksum (``first_nonfinite``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from mooncake.kv.codec import KVCodec
 
 
 def block_checksum(block: torch.Tensor) -> int:
@@ -35,6 +39,15 @@ def first_corrupt(blocks: Sequence[torch.Tensor], sums: Sequence[int]) -> int | 
     counts as a mismatch); None when all match."""
     for i, b in enumerate(blocks):
         if i >= len(sums) or block_checksum(b) != sums[i]:
+            return i
+    return None
+
+
+def first_nonfinite(blocks: Sequence[torch.Tensor], codec: KVCodec) -> int | None:
+    """Index of the first encoded block (or frame of blocks) that would decode to NaN or infinity
+    (``KVCodec.first_nonfinite``): corrupt, as one failing its checksum; None when none would."""
+    for i, b in enumerate(blocks):
+        if codec.first_nonfinite(b.unsqueeze(0)) is not None:
             return i
     return None
 

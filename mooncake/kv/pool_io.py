@@ -121,13 +121,16 @@ class PoolKV:
         """Write layers ``[lo, lo + kv.shape[1])`` of a loading prefix (``kv``: ``[n, layers,
         *wire_shape[1:]]``) into the sequence's blocks ``[first_block, first_block + n)``. The one engine call that may
         run off the engine thread while a forward of ``seq`` runs: it touches only those blocks' pool
-        rows, which that forward reads only after ``past_ready`` let it (and no bookkeeping)."""
+        rows, which that forward reads only after ``past_ready`` let it (and no bookkeeping). Layers
+        with a non-finite scale are refused, nothing of them written (``KVCodec.first_nonfinite``)."""
         n, hi = len(kv), lo + kv.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table) or not 0 <= lo < hi <= self.block_shape[0]:
             raise ValueError("layers %d..%d of blocks %d..%d do not fit sequence %s of %d blocks"
                              % (lo, hi, first_block, first_block + n, seq.req_id, len(seq.block_table)))
         if tuple(kv.shape[2:]) != self.wire_shape[1:]:
             raise ValueError("kv layers have shape %s; expected [n, layers, %s]" % (tuple(kv.shape), self.wire_shape[1:]))
+        if (bad := self.codec.first_nonfinite(kv)) is not None:  # the stream's loader counts it as such
+            raise ValueError(f"block {bad} has non-finite scales in layers {lo}..{hi}: corrupt (a checksum failure)")
         idx = self._tensor(seq.block_table[first_block:first_block + n])
         self.pool[idx, lo:hi] = self.codec.decode(kv, self.device)
 

@@ -2,7 +2,8 @@
 in stores (local node first), imported whole before the prompt computes (``[engine] kv_load =
 "block"``) or streamed layer by layer while its first chunk computes (``"layer"``,
 ``prefix_stream.py``). Blocks read from a store must be the ones asked for, in the model's block
-shape and dtype as they travel (``codec.py``); else they are a miss, recomputed (each refusal counted by reason).
+shape and dtype as they travel (``codec.py``), with finite scales; else they are a miss, recomputed
+(each refusal counted by reason).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.engine import Engine, Sequence
 from mooncake.engine.sequence import PrefillStep
-from mooncake.kv.integrity import Rejections, leading_match, shape_problem
+from mooncake.kv.integrity import Rejections, first_nonfinite, leading_match, shape_problem
 from mooncake.kv.layers import LayerFn
 from mooncake.kv.prefix_stream import PrefixLoadFailed, PrefixStream
 from mooncake.kv.store_clients import StoreClients
@@ -117,4 +118,9 @@ class PrefixLoader:
             self._rejections.add("shape", n)
             log.warning("store %s returned unusable KV (%s): recomputing", endpoint, problem)
             n = 0
+        bad = first_nonfinite(blocks[:n], self._engine.kv.codec)
+        if bad is not None:  # its checksum matched what its writer computed, over a poisoned block
+            self._rejections.add("checksum", n - bad)
+            log.warning("store %s returned a block with non-finite scales: %d of %d used", endpoint, bad, n)
+            n = bad
         return found[:n], blocks[:n]

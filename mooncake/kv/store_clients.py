@@ -67,12 +67,13 @@ class StoreClients:
         assert self._export is not None
         kv = await self._export(seq, first, end)
         if kv is not None:  # None: freed meanwhile
-            self.write_back(endpoint, hashes, kv, rank(seq.sampling) == FLEX_RANK, seq.sampling.keep_s)
+            self.write_back(endpoint, hashes, kv, rank(seq.sampling) == FLEX_RANK, seq.sampling.keep_s,
+                            seq.sampling.tenant)
 
     def write_back(self, endpoint: str, hashes: list[bytes], kv: torch.Tensor, flex: bool = False,
-                   keep_s: float = 0.0) -> None:
-        """Put blocks into a store in the background (see the module docstring); ``flex``, ``keep_s``:
-        as ``StoreClient.put``'s."""
+                   keep_s: float = 0.0, tenant: str = "") -> None:
+        """Put blocks into a store in the background (see the module docstring); ``flex``, ``keep_s``,
+        ``tenant``: as ``StoreClient.put``'s."""
         if len(self.writes) >= self._security.max_pending_writes:
             self.writes_dropped += 1
             log.warning("%s: %d write-backs in flight, dropping %d blocks for %s (%d dropped so far)",
@@ -82,7 +83,8 @@ class StoreClients:
         async def put() -> None:
             try:
                 sums = await asyncio.to_thread(checksums, kv)
-                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums, flex=flex, keep_s=keep_s)
+                await self.client(endpoint).put(hashes, kv, self._model_id, checksums=sums, flex=flex, keep_s=keep_s,
+                                                tenant=tenant)
             except StoreError as e:
                 log.warning("writing %d blocks to %s failed: %s", len(hashes), endpoint, e)
                 self.forget(endpoint, e)

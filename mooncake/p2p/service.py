@@ -57,7 +57,7 @@ class P2PService:
                  root: Path, node_key: str, private: Sequence[Path] = ()) -> None:
         """``bulk_port``: the TCP port chunk bytes leave on without CURVE (0: any free one); ``root``: the
         only tree objects are published from and fetched into; ``node_key``: what object requests carry;
-        ``private``: paths no published tree may hold (the node key, the store's data)."""
+        ``private``: paths no published tree may hold or lie in (the node key, the store's data)."""
         self.ctx, self.node_id, self.curve = ctx, node_id, curve
         self.root, self.node_key = Path(root).resolve(), node_key
         self.private = [Path(p).resolve() for p in private]
@@ -247,14 +247,23 @@ class P2PService:
     async def _put(self, msg: PutObject) -> P2PMsg:
         check_name(msg.name)
         path = confined(self.root, msg.path)
-        if any(p.is_relative_to(path) for p in self.private):
-            raise ObjectError(f"{msg.path} holds this store's node key or data: not published")
+        if self._private(path):
+            raise ObjectError(f"{msg.path} holds this store's node key or data, or lies in it: not published")
         root, manifest = await asyncio.to_thread(build_manifest, msg.name, path, self.chunk_bytes, self.root)
         await self.meta.call(Publish(self.node_id, manifest))
         obj = LocalObject(manifest, root, set(range(len(manifest.checksums))))
         self.objects.add(obj)
         return Done(f"published {manifest.name} version {manifest.version[:12]}: {len(manifest.files)} files, "
                     f"{manifest.total_bytes} bytes, {len(manifest.checksums)} chunks")
+
+    def _private(self, path: Path) -> bool:
+        """Whether ``path`` holds a private path or lies inside one. A p2p root set apart inside a
+        private directory (the default: <data_dir>/p2p-objects) is not private itself."""
+        for p in self.private:
+            root_apart = self.root != p and self.root.is_relative_to(p)
+            if p.is_relative_to(path) or (path.is_relative_to(p) and not root_apart):
+                return True
+        return False
 
     async def _get(self, msg: GetObject) -> P2PMsg:
         check_name(msg.name)

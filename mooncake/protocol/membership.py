@@ -86,6 +86,7 @@ class Load(msgspec.Struct):
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
     evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other", "session")
     kept_blocks: int = 0  # engine: of its cached blocks, those a session keeps
+    kept_by_tenant: dict[str, int] = {}  # engine, store: blocks kept per tenant (its id; "" without API keys), at most [classes] session_blocks_per_key each
 
 
 class Register(Msg, tag="register"):

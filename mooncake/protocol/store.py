@@ -19,6 +19,7 @@ class Put(Msg, tag="put"):
     checksums: list[int] = []  # xxh3_64 per block from the process that computed it; the store verifies
     flex: bool = False  # a flex request's blocks (``sched/request_class.py``): evicted first
     keep_s: float = 0.0  # a session's request's blocks: kept this long (evicted last until then)
+    tenant: str = ""  # who keeps them (``Sampling.tenant``): its kept blocks count against its quota
 
 
 class Get(Msg, tag="get"):
@@ -73,6 +74,7 @@ class Keep(Msg, tag="keep"):
 
     hashes: list[bytes]
     keep_s: float
+    tenant: str = ""  # as Put's
 
 
 class StatsQuery(Msg, tag="stats"):
@@ -126,6 +128,7 @@ class ShmPut(Msg, tag="shm_put"):
     checksums: list[int] = []  # as Put's
     flex: bool = False  # as Put's
     keep_s: float = 0.0  # as Put's
+    tenant: str = ""  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):

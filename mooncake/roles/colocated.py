@@ -110,13 +110,14 @@ class ColocatedWorker(DecodeWorker):
                                      msg.num_generated, [BlockHash(h) for h in msg.hashes], BlockHash(msg.root))
 
     def _may_reserve(self, msg: P.DecodeRequest) -> bool:
-        """At most ``max_prefill_batch`` prompts of ``msg``'s class or a more urgent one hold their
-        blocks before they are computed: the others wait unreserved, leaving the pool to the running
-        batch and the prefix cache (a burst reserving the whole pool would evict the cached prefixes
-        the burst is about to reuse, and leave no room to import those the stores hold). Flex prompts
-        never keep an interactive one from reserving (it preempts them for room if it must)."""
-        r = rank(msg.sampling)
-        ahead = sum(not s.seq.prefilled and rank(s.seq.sampling) <= r for s in self.incoming.values())
+        """At most ``max_prefill_batch`` prompts at least as urgent as ``msg`` (``urgency``: class,
+        priority, the tenants' fair order) hold their blocks before they are computed: the others
+        wait unreserved, leaving the pool to the running batch and the prefix cache (a burst
+        reserving the whole pool would evict the cached prefixes the burst is about to reuse, and
+        leave no room to import those the stores hold). Less urgent prompts never keep one from
+        reserving: flex ones an interactive one, a tenant's burst another tenant's request."""
+        key = urgency(msg.sampling)
+        ahead = sum(not s.seq.prefilled and urgency(s.seq.sampling) <= key for s in self.incoming.values())
         return ahead < self.cfg.engine.max_prefill_batch
 
     async def _maybe_start(self, slot: Slot) -> None:

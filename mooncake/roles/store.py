@@ -52,7 +52,7 @@ async def run_store(cfg: Config) -> None:
     loop = asyncio.get_running_loop()
     ctx = zmq.asyncio.Context()
     try:
-        store = TieredStore.from_config(cfg.store, node_id)
+        store = TieredStore.from_config(cfg.store, node_id, session_blocks_per_key=cfg.classes.session_blocks_per_key)
     except DirLocked as e:
         raise SystemExit(f"mooncake store {node_id}: {e}") from None
     link: ConductorLink | None = None
@@ -99,7 +99,7 @@ async def run_store(cfg: Config) -> None:
                                                     t["evictions"], t["flex_blocks"], t["flex_evictions"],
                                                     t["session_blocks"])
                              for t in snap["tiers"]},
-                      kv_rejected=server.rejections.snapshot())
+                      kv_rejected=server.rejections.snapshot(), kept_by_tenant=snap["kept_by_tenant"])
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid(), instance=P.process_instance()))

@@ -102,7 +102,7 @@ class EngineWorker(ABC):
     def _build_engine(self) -> tuple[LoadedModel, Engine, EngineProfile | None]:
         """The model, its engine and its start-up profile (on the engine thread: ``torch_threads.py``)."""
         loaded = load_model(self.cfg.model)
-        engine = Engine(loaded, self.cfg.engine)
+        engine = Engine(loaded, self.cfg.engine, self.cfg.classes.session_blocks_per_key)
         return loaded, engine, self.profile(engine)
 
     def profile(self, engine: Engine) -> EngineProfile | None:
@@ -135,7 +135,8 @@ class EngineWorker(ABC):
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
                       sequences=st["sequences"], progress=self.progress, pending=self.busy(),
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped,
-                      evicted=st["evicted_blocks"], kept_blocks=st["session_cached_blocks"])
+                      evicted=st["evicted_blocks"], kept_blocks=st["session_cached_blocks"],
+                      kept_by_tenant=st["kept_by_tenant"])
 
     async def send(self, msg: P.Msg) -> None:
         """An attempt's report to the frontend that ordered it; anything else to the conductor."""

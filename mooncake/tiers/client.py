@@ -183,7 +183,7 @@ class StoreClient:
         return True
 
     async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str,
-                       sums: list[int], flex: bool, keep_s: float) -> int | None:
+                       sums: list[int], flex: bool, keep_s: float, tenant: str) -> int | None:
         sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
         seg = self._take_segment(sum(sizes))
         if seg is None:
@@ -194,7 +194,7 @@ class StoreClient:
                 refs.append(ShmRef(off, seg.write(off, b.detach())))
                 off += n
             try:
-                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s))).count
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s, tenant))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -237,11 +237,13 @@ class StoreClient:
     # ---------------------------------------------------------------- object API
 
     async def put(self, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor] | torch.Tensor,
-                  model_id: str = "", checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0) -> int:
+                  model_id: str = "", checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0,
+                  tenant: str = "") -> int:
         """Store blocks (a ``[n, ...]`` tensor is n blocks); returns how many the store now holds.
-        ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``): the store refuses blocks that differ;
+        ``checksums`` (xxh3_64 per block, see ``mooncake.kv.integrity``; required): the store refuses blocks
+        that differ, and a put without them;
         ``flex``: a flex request's blocks (the store evicts them first); ``keep_s``: a session's
-        request's (kept that long, evicted last until then)."""
+        request's (kept that long, evicted last until then), ``tenant``'s (within its quota)."""
         hs = [bytes(h) for h in hashes]
         ts = _blocks_list(blocks)
         if len(hs) != len(ts):
@@ -249,11 +251,11 @@ class StoreClient:
         if not hs:
             return 0
         if self.shm and sum(t.numel() * t.element_size() for t in ts) >= self.shm_min_bytes:
-            n = await self._shm_put(hs, ts, model_id, list(checksums), flex, keep_s)
+            n = await self._shm_put(hs, ts, model_id, list(checksums), flex, keep_s, tenant)
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s), [t.detach() for t in ts],
-                               lane="puts")).count
+        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s, tenant),
+                               [t.detach() for t in ts], lane="puts")).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
         """Blocks found, in request order (``prefix``: only the leading run of present blocks)."""
@@ -311,9 +313,10 @@ class StoreClient:
         """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""
         return (await self._ok(Replicate([bytes(h) for h in hashes], target_endpoint))).count
 
-    async def keep(self, hashes: Sequence[BlockHash], keep_s: float) -> int:
-        """Have the store keep these blocks (those it holds) for ``keep_s`` from now; how many it holds."""
-        return (await self._ok(Keep([bytes(h) for h in hashes], keep_s))).count
+    async def keep(self, hashes: Sequence[BlockHash], keep_s: float, tenant: str = "") -> int:
+        """Have the store keep these blocks (those it holds) for ``keep_s`` from now, for ``tenant``
+        (within its quota); how many it holds."""
+        return (await self._ok(Keep([bytes(h) for h in hashes], keep_s, tenant))).count
 
     async def stats(self) -> dict[str, Any]:
         return dict((await self._ok(StatsQuery())).data)

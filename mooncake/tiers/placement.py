@@ -11,6 +11,9 @@ and its lock, and makes the moves every store operation is built of:
 - ``evict``: a tier's block is demoted to the next tier when admitted there, else dropped;
 - ``unlink`` takes a block out of its tier; ``forget`` records that it left the store (its
   write-through copy and hit count go, a ``removed`` event is queued);
+- ``keep`` records that a session's tenant keeps a block (``kept``, ``keeper``); ``order`` puts a
+  block in its tier's LRU order, where past ``session_blocks_per_key`` blocks kept in the whole
+  store (``keepers``, shared by the tiers) a tenant's oldest kept ones become ordinary;
 - ``finish`` ends an operation: the disk tier's staged writes are flushed, then the queued
   events go to ``on_event``, batched by consecutive (kind, tier).
 
@@ -27,6 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from .base import StoredBlock, Tier
+from ..tenant_quota import TenantQuota
 from .lru import LRU
 from .stats import StoreStats
 
@@ -40,16 +44,18 @@ FLEX, OTHER, KEPT = range(3)  # eviction classes, evicted first to last
 
 class Placement:
     def __init__(self, tiers: Sequence[Tier], ssd_admission: str, ssd_admission_hits: int,
-                 on_event: EventSink | None) -> None:
+                 on_event: EventSink | None, session_blocks_per_key: int = 0) -> None:
         self.tiers = list(tiers)
         self.ssd_admission = ssd_admission
         self.ssd_admission_hits = ssd_admission_hits
         self.on_event = on_event
         self.stats = StoreStats.for_tiers([t.name for t in self.tiers])
-        self.lru = [LRU() for _ in self.tiers]
+        self.keepers: TenantQuota[bytes] = TenantQuota(session_blocks_per_key)  # of the kept blocks, all tiers
+        self.lru = [LRU(keepers=self.keepers) for _ in self.tiers]
         self.where: dict[bytes, int] = {}
         self.flex: set[bytes] = set()  # blocks only flex requests wrote: evicted first in every tier
         self.kept: dict[bytes, float] = {}  # blocks a session keeps -> until when: evicted last in every tier
+        self.keeper: dict[bytes, str] = {}  # of ``kept``: the tenant that kept it last (its quota counts it)
         self.lock = threading.RLock()
         self.disk = next((i for i, t in enumerate(self.tiers) if t.persistent), None)
         self._events: list[tuple[str, str, bytes]] = []
@@ -110,10 +116,26 @@ class Placement:
             tier = self.tiers[j]
             if (tier.has_copy(key) or self.make_room(j, n, self.level(key))) and tier.put(key, block):
                 self.where[key] = j
-                self.lru[j].add(key, n, key in self.flex, self.kept.get(key, 0.0))
+                self.order(j, key, n)
                 self._event("stored", j, key)
                 return j
         return None
+
+    def order(self, i: int, key: bytes, nbytes: int) -> None:
+        """Add held ``key`` to tier ``i``'s LRU order by its class; the blocks its keeper's quota
+        makes ordinary (in any tier) are kept no longer."""
+        for old in self.lru[i].add(key, nbytes, key in self.flex, self.kept.get(key, 0.0), self.keeper.get(key, "")):
+            self.unkeep(old)
+            self.lru[self.where[old]].stop_keeping(old)
+
+    def keep(self, key: bytes, until: float, tenant: str) -> None:
+        """``tenant`` keeps ``key`` until ``until`` or later (the latest time asked wins)."""
+        self.kept[key] = max(until, self.kept.get(key, 0.0))
+        self.keeper[key] = tenant
+
+    def unkeep(self, key: bytes) -> None:
+        self.kept.pop(key, None)
+        self.keeper.pop(key, None)
 
     def unlink(self, i: int, key: bytes) -> None:
         self.lru[i].remove(key)
@@ -122,7 +144,7 @@ class Placement:
 
     def forget(self, i: int, key: bytes) -> None:
         self.flex.discard(key)
-        self.kept.pop(key, None)
+        self.unkeep(key)
         if self.disk is not None:
             self.tiers[self.disk].drop_copy(key)
         self.stats.block_hits.pop(key, None)
@@ -193,4 +215,9 @@ class Placement:
                 assert len(tier) == len(lru), (tier.name, len(tier), len(lru))
                 for k in lru:
                     assert self.where.get(k) == i and tier.contains(k), (tier.name, k.hex())
+                lru.check()
+            kept = sum(lru.kept_blocks() for lru in self.lru)  # (those due expire first)
+            owners = self.keepers.owners()  # the kept blocks of every tier, each of the tenant that kept it last
+            assert len(owners) == kept
+            assert all(self.keeper.get(k) == t for k, t in owners.items()) and set(self.keeper) <= set(self.kept)
             assert len(self.where) == sum(len(lru) for lru in self.lru)

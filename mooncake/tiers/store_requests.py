@@ -1,6 +1,6 @@
-"""What each request of the store's object API does to the tiered store: put (checksums checked,
-kept to return with the blocks), get, exists, remove, stats, shared-memory put / get, replication
-of blocks to another store, keeping a session's blocks, and the layer stream of ``GetLayers``. Whatever may copy or touch LMDB
+"""What each request of the store's object API does to the tiered store: put (checksums required
+and checked, kept to return with the blocks), get, exists, remove, stats, shared-memory put / get,
+replication of blocks to another store, keeping a session's blocks, and the layer stream of ``GetLayers``. Whatever may copy or touch LMDB
 runs in a worker thread of its own pool, so the event loop only moves frames.
 
 ``StoreServer`` owns a ``StoreRequests``: it decodes each request, passes it to ``handle`` (or
@@ -34,7 +34,7 @@ STREAM_FAULT_ENV = "MOONCAKE_FAULT_LAYER_STREAM"
 
 class StoreRequests:
     """The store server's request handlers (see the module docstring). ``rejections`` counts the
-    puts refused for a corrupt block."""
+    blocks of puts refused for a corrupt block or missing checksums."""
 
     def __init__(self, store: TieredStore, rejections: Rejections, node_id: str = "", curve: Curve | None = None,
                  workers: int = 4) -> None:
@@ -66,7 +66,7 @@ class StoreRequests:
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
             return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums,
-                                                   msg.flex, msg.keep_s)))
+                                                   msg.flex, msg.keep_s, msg.tenant)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
             keys = [k for k, _ in found]
@@ -82,7 +82,7 @@ class StoreRequests:
         if isinstance(msg, Replicate):
             return encode(Ok(count=await self._replicate(msg)))
         if isinstance(msg, Keep):
-            return encode(Ok(count=await self._run(s.keep, msg.hashes, msg.keep_s)))
+            return encode(Ok(count=await self._run(s.keep, msg.hashes, msg.keep_s, msg.tenant)))
         if isinstance(msg, ShmPut):
             return encode(Ok(count=await self._run(self._shm_put, msg)))
         if isinstance(msg, ShmGet):
@@ -105,7 +105,7 @@ class StoreRequests:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
-        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex, msg.keep_s)
+        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex, msg.keep_s, msg.tenant)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)
@@ -123,8 +123,12 @@ class StoreRequests:
         return ShmBlocks(keys, refs, checksums=[b.checksum for _, b in found]), [b.tensor for _, b in found[n:]]
 
     def _verify(self, blocks: list[torch.Tensor], sums: list[int]) -> None:
-        """Refuse a put whose blocks do not match the checksums they came with (when they came with any)."""
-        bad = first_corrupt(blocks, sums) if sums else None
+        """Refuse a put whose blocks do not match the checksums they came with, or that came without
+        (stored with checksum 0, they would be served unchecked), counting its blocks as refused."""
+        if blocks and not sums:
+            self.rejections.add("checksum", len(blocks))
+            raise ProtocolError("put without checksums refused: send each block's xxh3_64 (mooncake.kv.integrity)")
+        bad = first_corrupt(blocks, sums)
         if bad is not None:
             self.rejections.add("checksum", len(blocks))
             raise ProtocolError(f"block {bad} does not match its checksum: put refused")

@@ -49,14 +49,16 @@ from .write_through import WriteThrough
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, promote_on_hit: bool = True,
                  ssd_admission: Literal["on_demotion", "after_hits", "write_through"] = "on_demotion",
-                 ssd_admission_hits: int = 1, on_event: EventSink | None = None) -> None:
+                 ssd_admission_hits: int = 1, on_event: EventSink | None = None,
+                 session_blocks_per_key: int = 0) -> None:
+        """``session_blocks_per_key``: blocks one tenant may keep at once in the store, all tiers (0: no limit)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique: {names}")
         self.promote_on_hit = promote_on_hit
-        self.placement = Placement(tiers, ssd_admission, ssd_admission_hits, on_event)
+        self.placement = Placement(tiers, ssd_admission, ssd_admission_hits, on_event, session_blocks_per_key)
         self.tiers = self.placement.tiers
         self.stats = self.placement.stats
         self.durability = Durability(self.placement)
@@ -74,9 +76,10 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, node_id: str, device: torch.device | str | None = None,
-                    on_event: EventSink | None = None) -> "TieredStore":
+                    on_event: EventSink | None = None, session_blocks_per_key: int = 0) -> "TieredStore":
         """Tiers from ``cfg``: device (if device_bytes), DRAM (if dram_bytes), LMDB (if lmdb_bytes)
-        in ``Path(cfg.data_dir) / node_id``. Use a node_id that is stable across restarts."""
+        in ``Path(cfg.data_dir) / node_id``. Use a node_id that is stable across restarts.
+        ``session_blocks_per_key``: ``[classes]``'s."""
         tiers: list[Tier] = []
         if cfg.device_bytes:
             tiers.append(DeviceTier(cfg.device_bytes, device))
@@ -85,16 +88,18 @@ class TieredStore:
         if cfg.lmdb_bytes:
             tiers.append(LmdbTier(Path(cfg.data_dir).expanduser() / node_id, cfg.lmdb_bytes))
         return cls(tiers, promote_on_hit=cfg.promote_on_hit, ssd_admission=cfg.ssd_admission,
-                   ssd_admission_hits=cfg.ssd_admission_hits, on_event=on_event)
+                   ssd_admission_hits=cfg.ssd_admission_hits, on_event=on_event,
+                   session_blocks_per_key=session_blocks_per_key)
 
     # ---------------------------------------------------------------- object API
 
     def put_many(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], model_id: str = "",
-                 checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0) -> int:
+                 checksums: Sequence[int] = (), flex: bool = False, keep_s: float = 0.0, tenant: str = "") -> int:
         """Store blocks (in the top tier that takes them) with the checksums their writer sent
         (none: 0, not known); returns how many are now held. ``flex``: a flex request wrote them
         (they are evicted first, in every tier, unless another request writes them too);
-        ``keep_s``: a session's request wrote them, to be kept that long (evicted last until then)."""
+        ``keep_s``: a session's request of ``tenant`` wrote them, to be kept that long (evicted
+        last until then, within the tenant's quota)."""
         until = _until(keep_s)
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
@@ -109,8 +114,8 @@ class TieredStore:
                         self.placement.flex.add(key)
                     else:
                         self.placement.flex.discard(key)
-                    if until > self.placement.kept.get(key, 0.0):
-                        self.placement.kept[key] = until
+                    if until:
+                        self.placement.keep(key, until, tenant)
                     if i is not None:
                         self.placement.unlink(i, key)  # replace: the new value wins, same key
                     if self.placement.insert(0, key, StoredBlock(t, model_id, sent)) is None:
@@ -118,7 +123,7 @@ class TieredStore:
                         if i is not None:
                             self.placement.forget(i, key)
                         self.placement.flex.discard(key)
-                        self.placement.kept.pop(key, None)
+                        self.placement.unkeep(key)
                         continue
                     self.stats.block_hits.setdefault(key, 0)
                     self.stats.stored += 1
@@ -187,9 +192,9 @@ class TieredStore:
             self.placement.lru[i].touch(key)
         return block
 
-    def keep(self, keys: Iterable[bytes], keep_s: float) -> int:
+    def keep(self, keys: Iterable[bytes], keep_s: float, tenant: str = "") -> int:
         """Keep the held blocks of ``keys`` for ``keep_s`` from now (a session's prefix: evicted
-        last, in every tier, until then); how many are held."""
+        last, in every tier, until then), for ``tenant`` (within its quota); how many are held."""
         until, held = _until(keep_s), 0
         with self.placement.lock:
             for key in map(bytes, keys):
@@ -197,11 +202,10 @@ class TieredStore:
                 if i is None:
                     continue
                 held += 1
-                if until > self.placement.kept.get(key, 0.0):
-                    self.placement.kept[key] = until
+                if until:
+                    self.placement.keep(key, until, tenant)
                     self.placement.flex.discard(key)
-                    lru = self.placement.lru[i]
-                    lru.add(key, lru.remove(key), until=until)
+                    self.placement.order(i, key, self.placement.lru[i].remove(key))
         return held
 
     def exists(self, keys: Iterable[bytes]) -> list[bool]:
@@ -241,6 +245,7 @@ class TieredStore:
                               "session_blocks": self.placement.lru[i].kept_blocks()}
                      for i, t in enumerate(self.tiers)}
             snap = self.stats.snapshot(sizes, top_n)
+            snap["kept_by_tenant"] = self.placement.keepers.counts()  # all tiers (expired ones gone: sizes)
             snap["corrupt"] = sum(getattr(t, "corrupt", 0) for t in self.tiers)
             snap["disk_map_full"] = sum(getattr(t, "map_full", 0) for t in self.tiers)
             snap["disk_write_errors"] = sum(getattr(t, "write_errors", 0) for t in self.tiers)
