@@ -101,7 +101,7 @@ def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
 
     cfg = Config()
     cfg.classes.api_key_tiers = ["sk-a=default", "sk-vip=priority;min_priority=-5;weight=2"]
-    frontend = SimpleNamespace(cfg=cfg, tenants=TenantClock(clock=lambda: 0.0))
+    frontend = SimpleNamespace(cfg=cfg, tenants=TenantClock(0.001, clock=lambda: 0.0))
 
     def classing(key: str, **asked: object) -> dict:
         body = SimpleNamespace(**{"service_tier": None, "priority": 0, "session_id": None, "user": None, **asked})
@@ -112,7 +112,7 @@ def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
         ["default", "default", "priority", "priority"]  # no key: no tenants, every tier open
     assert [classing(k, **worst)["priority"] for k in ("sk-a", "sk-vip", "")] == [0, -5, -2**31]
     assert classing("sk-a", priority=7)["priority"] == 7  # later than its own is always allowed
-    frontend.tenants = TenantClock(clock=lambda: 0.0)
+    frontend.tenants = TenantClock(0.001, clock=lambda: 0.0)
     assert [classing(k)["fair_tag"] for k in ("sk-vip", "sk-a", "sk-a")] == [0.5, 1.0, 2.0]  # weight 2: half
     assert classing("sk-a")["tenant"] == tenant_id("sk-a") != tenant_id("sk-vip") and classing("")["tenant"] == ""
     assert "sk-a" not in tenant_id("sk-a")

@@ -60,7 +60,7 @@ class Frontend:
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id -> the request whose current attempt it is
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
-        self.tenants = TenantClock()  # the fair order among API keys within a class
+        self.tenants = TenantClock(cfg.classes.fair_token_ms / 1000)  # the fair order among API keys within a class
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend")
         self.ctx = zmq.asyncio.Context()
         self.conductor = ConductorClient(cfg, self.node_id, self._handle)

@@ -2,7 +2,9 @@
 virtual clock per tenant (VirtualClock, Zhang 1990, with the wall clock as the system's time).
 
 A request's ``fair_tag`` is the later of when it arrived and its tenant's last tag, plus its
-prompt tokens times ``TOKEN_S`` over the tenant's weight. Queues serve lower tags first among
+prompt tokens times ``token_s`` (``[classes] fair_token_ms``) over the tenant's weight. ``token_s``
+is set above what a token really costs, so a burst's tags run ahead of the wall clock faster than
+the burst is served, and requests that arrive meanwhile go ahead of its later ones. Queues serve lower tags first among
 requests of one class and priority (``sched/request_class.urgency``), so a tenant that sends a
 burst has its later requests ordered after other tenants' requests that arrive meanwhile, in
 proportion to the tokens it sent, and an idle tenant's request goes near the front. Nothing
@@ -16,7 +18,7 @@ import hashlib
 import time
 from typing import Callable
 
-TOKEN_S = 0.001  # a prompt token moves its tenant's clock by 1 ms: a tenant sending 1,000 tokens/s keeps pace
+TOKEN_S = 0.010  # a prompt token moves its tenant's clock by 10 ms ([classes] fair_token_ms)
 MAX_TENANTS = 4096  # clocks kept; those already behind the wall clock are forgotten first (they equal a new one)
 
 
