@@ -64,6 +64,32 @@ async def test_within_a_class_and_priority_tenants_take_turns_by_their_fair_tags
     assert [(await q.get()).name for _ in range(6)] == ["urgent", "b0", "a0", "a1", "a2", "a3"]
 
 
+async def test_a_prefill_lane_full_of_one_tenants_burst_still_starts_another_tenants_prompt():
+    from mooncake.roles.class_queue import TenantSlots, next_to_start
+
+    q: ClassQueue = ClassQueue()
+    slots = TenantSlots(2)
+    for i in range(4):
+        q.put_nowait(SimpleNamespace(name=f"a{i}", sampling=P.Sampling(tenant="a", fair_tag=10.0 + i)))
+    for _ in range(2):
+        slots.take((await next_to_start(q, slots)).sampling.tenant)  # a0, a1 fill the lane
+    waiting = asyncio.create_task(next_to_start(q, slots))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # a2 waits for a place
+    q.put_nowait(SimpleNamespace(name="b0", sampling=P.Sampling(tenant="b", fair_tag=11.5)))
+    assert (await asyncio.wait_for(waiting, 1)).name == "b0"  # b has none running: it starts past the cap
+    slots.take("b")
+    waiting = asyncio.create_task(next_to_start(q, slots))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    slots.release("a")
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # b's place past the cap still counts
+    slots.release("b")
+    assert (await asyncio.wait_for(waiting, 1)).name == "a2"  # the next in order, once a place frees
+    assert q.qsize() == 1
+
+
 def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_on_a_colocated_instance():
     from mooncake.roles.colocated import ColocatedWorker
 
@@ -79,6 +105,19 @@ def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_o
     assert may(fair_tag=5.0)  # tenant B, ahead of A's burst in the fair order
     assert not may(fair_tag=20.0)  # A's next waits for its own burst
     assert may(tier="priority", fair_tag=20.0) and not may(tier="flex", fair_tag=0.0)
+
+
+def test_who_gives_its_kv_room_to_whom():
+    from mooncake.sched.request_class import yields_to
+
+    def sp(tier: str = "default", tenant: str = "", tag: float = 0.0, priority: int = 0) -> P.Sampling:
+        return P.Sampling(tier=tier, tenant=tenant, fair_tag=tag, priority=priority)
+
+    assert yields_to(sp("flex"), sp()) and not yields_to(sp("flex", tag=9), sp("flex", tag=1))  # flex to interactive only
+    assert yields_to(sp(tenant="a", tag=30), sp(tenant="b", tag=7))  # a burst's later work to another tenant
+    assert not yields_to(sp(tenant="a", tag=3), sp(tenant="b", tag=7))  # ahead of it in the fair order
+    assert not yields_to(sp(tag=30), sp(tag=7))  # one tenant's own requests never preempt each other (no keys: all)
+    assert not yields_to(sp("priority", "a", 30), sp("default", "b", 7))
 
 
 def test_a_tenants_clock_keeps_its_order_weighs_and_forgets_what_is_behind_the_wall_clock():

@@ -37,7 +37,8 @@ from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.colocated import reachable_target_ms
-from mooncake.sched.request_class import FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency
+from mooncake.sched.request_class import (FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency,
+                                          yields_to)
 
 log = logging.getLogger(__name__)
 STEPS_PER_S = 32  # decode steps a second the conductor's cost model learns from (a refit reads 256)
@@ -143,7 +144,7 @@ class DecodeWorker(EngineWorker):
                         await self.run_engine(eng.free, seq)
                     continue
                 if seq is None:
-                    if await self._preempt_flex_for(msg):  # an interactive request takes flex work's room
+                    if await self._preempt_for(msg):  # it takes the room of work it goes before
                         continue
                     if not (self.running or self.incoming):  # nothing will free memory: it never fits here
                         self._unqueue(msg)
@@ -305,16 +306,14 @@ class DecodeWorker(EngineWorker):
                 return
             await self._preempt(victim)
 
-    async def _preempt_flex_for(self, msg: P.DecodeRequest) -> bool:
-        """Make room for a request of an interactive class by preempting one flex sequence
-        (reserved or decoding, the newest first); False if ``msg`` is flex or none holds blocks."""
-        if rank(msg.sampling) == FLEX_RANK:
-            return False
-        flex = [s for s in (*self.running.values(), *self.incoming.values()) if rank(s.seq.sampling) == FLEX_RANK]
+    async def _preempt_for(self, msg: P.DecodeRequest) -> bool:
+        """Make room for ``msg`` by preempting one sequence that yields to it (``yields_to``: flex work
+        to interactive work, another tenant's later work in the fair order; the least urgent first)."""
+        ours = [s for s in (*self.running.values(), *self.incoming.values()) if yields_to(s.seq.sampling, msg.sampling)]
         need = -(-len(msg.tokens) // self.engine.block_tokens) + len(self.running)
-        if not flex or self.engine.blocks.num_available() + sum(len(s.seq.block_table) for s in flex) < need:
+        if not ours or self.engine.blocks.num_available() + sum(len(s.seq.block_table) for s in ours) < need:
             return False  # none to take, or not enough even with all of it
-        await self._preempt(preemption_victim(flex))
+        await self._preempt(preemption_victim(ours))
         return True
 
     async def _preempt(self, victim: Slot) -> None:

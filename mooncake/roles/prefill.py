@@ -34,7 +34,7 @@ from mooncake.kv.egress import KVEgress
 from mooncake.kv.link import bind_kv_ingress
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
-from mooncake.roles.class_queue import ClassQueue
+from mooncake.roles.class_queue import ClassQueue, TenantSlots, next_to_start
 from mooncake.roles.engine_thread import ENGINE_URGENCY
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
@@ -57,7 +57,7 @@ class PrefillWorker(EngineWorker):
         self.aborted: set[str] = set()
         self.queued: set[str] = set()  # ids in ``queue``: an Abort for anything else is stale
         self.running: set[str] = set()  # requests being prefilled (their chunks batch together)
-        self._slots = {flex: asyncio.Semaphore(cfg.engine.max_prefill_batch) for flex in self.queues}
+        self._slots = {flex: TenantSlots(cfg.engine.max_prefill_batch) for flex in self.queues}
         self._holding = 0  # requests holding a sequence (blocks) in the engine
         self._released = asyncio.Event()  # set when one of them frees its blocks
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
@@ -115,21 +115,21 @@ class PrefillWorker(EngineWorker):
 
     async def _work_loop(self, flex: bool) -> None:
         """Up to ``max_prefill_batch`` requests of interactive classes (or, ``flex``, of flex work)
-        at once, by class then arrival; the chunks of all that run batch (``prefill_batcher.py``)."""
+        at once (and one more of a tenant with none running), by class, priority, the tenants' fair
+        order, then arrival; the chunks of all that run batch (``prefill_batcher.py``)."""
         queue, slots = self.queues[flex], self._slots[flex]
         while True:
-            await slots.acquire()
-            req = await queue.get()
+            req = await next_to_start(queue, slots)
             self.queued.discard(req.req_id)
             if req.req_id in self.aborted:
                 self.aborted.discard(req.req_id)
-                slots.release()
                 continue
+            slots.take(req.sampling.tenant)
             self.running.add(req.req_id)
             self._tasks.append(asyncio.create_task(self._run_one(req, slots)))
             self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def _run_one(self, req: P.PrefillRequest, slots: asyncio.Semaphore) -> None:
+    async def _run_one(self, req: P.PrefillRequest, slots: TenantSlots) -> None:
         urgency = rank(req.sampling)
         ENGINE_URGENCY.set(urgency)  # this task's engine calls (and its tasks') go by its class
         try:
@@ -145,7 +145,7 @@ class PrefillWorker(EngineWorker):
             self.running.discard(req.req_id)
             self.aborted.discard(req.req_id)
             self.inbox.drop(req.req_id)
-            slots.release()
+            slots.release(req.sampling.tenant)
 
     def layer_frame_blocks(self) -> int:
         """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""

@@ -38,6 +38,15 @@ def urgency(sampling: Any) -> tuple[int, int, float]:
     return rank(sampling), sampling.priority, sampling.fair_tag
 
 
+def yields_to(holder: Any, asker: Any) -> bool:
+    """Whether a sequence of ``holder`` (sampling) gives its KV room to a request of ``asker`` waiting
+    for room: flex work to interactive work, and another tenant's work that comes later in the
+    order (class, priority, fair tag). One tenant's own requests never preempt each other."""
+    if rank(asker) == FLEX_RANK:
+        return False
+    return rank(holder) == FLEX_RANK or (holder.tenant != asker.tenant and urgency(holder) > urgency(asker))
+
+
 def rank(sampling: Any) -> int:
     """Where a request's class is served: 0 first, ``FLEX_RANK`` last."""
     return _RANK.get(sampling.tier, DEFAULT_RANK)
