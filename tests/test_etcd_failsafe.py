@@ -29,6 +29,7 @@ KEPT = (200, json.dumps({"result": {"ID": LEASE, "TTL": "2"}}))
 BAD = {"non-JSON": (200, "<html>ok</html>"), "truncated": (200, '{"ID": "7", "TT'), "empty": (200, ""),
        "HTTP 500": (500, '{"error": "etcdserver: leader changed"}'), "a JSON list": (200, "[1, 2]"),
        "missing fields": (200, '{"header": {}}'), "wrong types": (200, '{"ID": [7], "leader": "me"}')}
+HANG = (0, "")  # an answer that never comes (the request hangs until the gateway closes)
 
 
 def coordination(*urls: str) -> CoordinationConfig:
@@ -42,10 +43,11 @@ def won(cfg: CoordinationConfig, lease: str = LEASE) -> tuple[int, str]:
 
 
 class FakeEtcd:
-    """A stand-in gateway: ``answers[path]`` is (status, body) for ``/v3/<path>``."""
+    """A stand-in gateway: ``answers[path]`` is (status, body) for ``/v3/<path>``, or ``HANG``."""
 
     def __init__(self, answers: dict[str, tuple[int, str]]) -> None:
         self.answers, self.asked = answers, []
+        self.closing = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,6 +56,9 @@ class FakeEtcd:
                 path = self.path.removeprefix("/v3/")
                 fake.asked.append(path)
                 status, body = fake.answers.get(path, (404, "no such path"))
+                if (status, body) == HANG:
+                    fake.closing.wait()
+                    return
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body.encode())))
                 self.end_headers()
@@ -67,6 +72,7 @@ class FakeEtcd:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -133,7 +139,7 @@ async def test_a_leader_whose_keepalive_fails_steps_down(fake, keepalive):
     cfg.etcd_endpoints = [fake(lease_grant=GRANTED, lease_keepalive=kept, election_campaign=won(cfg)).url]
     candidate = Candidate(cfg, "c1", "tcp://127.0.0.1:1")
     if keepalive == "raises":  # any unforeseen failure: the keepalive must not die leaving it leading
-        async def broken(lease: str) -> int:
+        async def broken(lease: str, timeout_s: float | None = None) -> int:
             raise RuntimeError("boom")
         candidate.etcd.keepalive = broken
     await asyncio.wait_for(candidate.win(), 2.0)

@@ -61,6 +61,7 @@ class Conductor:
         self.cfg = cfg
         self.model_name = model_name
         self.name = cfg.node.name
+        self.leader_term = 0  # etcd's revision of its campaign key (roles/conductor.py); 0: no election
         self.metrics = metrics or Metrics(model_name)
         self.predictions = Predictions(self.metrics)
         self.stats = AttemptMetrics(self.metrics, model_name, self.predictions)

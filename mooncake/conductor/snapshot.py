@@ -59,7 +59,7 @@ def cluster_snapshot(c: Conductor) -> dict:
     s, costs, facts = c.scheduler, c.costs, c.facts
     pw, dw = costs.prefill.weights, costs.decode.weights
     return {"model": c.model_name, "leader": c.name,
-            "leader_term": getattr(c, "leader_term", 0),  # its campaign key's etcd revision; 0: no etcd
+            "leader_term": c.leader_term,  # its campaign key's etcd revision; 0: no etcd
             "index_blocks": len(c.index), "attempts": len(c.attempts),
             "requests": sum(c.requests_in_flight.values()),
             "block_tokens": facts.block_tokens if facts else 0,

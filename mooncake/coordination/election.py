@@ -3,11 +3,16 @@
 A conductor (``Candidate``) holds a lease of ``lease_ttl_s`` seconds, refreshed three times per
 TTL, and campaigns under ``<prefix>/conductor`` with its name and endpoint; etcd answers the
 campaign once it leads, and a campaign wins only on that verified answer (etcd names this lease as
-the leader's); a standby campaigns again every ``CAMPAIGN_TIMEOUT_S`` with the same lease. If the
-lease cannot be refreshed for a whole TTL (etcd unreachable or answering nonsense, the process
-frozen) the lease has lapsed and another may lead: ``lost`` is set and the conductor steps down;
-the keepalive sets it too if it fails in any other way. A clean shutdown revokes the lease, so a
-standby leads at once.
+the leader's); a standby campaigns again every ``CAMPAIGN_TIMEOUT_S`` with the same lease. The
+leader's ``term`` is etcd's revision of its campaign key (a later leader's is higher).
+
+A leader acts only while its lease is proven: etcd counts a refreshed TTL from when the keepalive
+reached it, never before it was sent, so the lease surely holds until ``proven_until`` = the
+send time of the last keepalive answered + the TTL etcd answered - a margin. Every wait of the
+keepalive ends by then; when it passes unproven (etcd unreachable, hung or answering nonsense, the
+process frozen), or etcd answers that the lease is gone, ``lost`` is set — before etcd could expire
+the lease and another lead — and ``on_lost`` is called in that same step; the keepalive sets it too
+if it fails in any other way. A clean shutdown revokes the lease, so a standby leads at once.
 
 Frontends and workers (``LeaderWatch``) ask etcd who leads every ``poll_s`` and follow a change;
 whatever fails, the watch logs it and keeps following.
@@ -18,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Awaitable, Callable
 
 from mooncake.config import CoordinationConfig
@@ -28,10 +32,21 @@ log = logging.getLogger(__name__)
 
 CAMPAIGN_TIMEOUT_S = 30.0  # a standby's campaign call is renewed this often (every etcd call has a limit)
 WATCH_BACKOFF_S = 1.0  # after a failure, the leader watch waits this much more before asking again
+KEEPALIVE_RETRY_S = 0.25  # a keepalive that failed is tried again this much later (not a third of a TTL)
 
 
 def election_key(cfg: CoordinationConfig) -> bytes:
     return f"{cfg.prefix.rstrip('/')}/conductor".encode()
+
+
+def lease_margin_s(ttl_s: float) -> float:
+    """How long before its lease could lapse a leader stops acting (its event loop may notice late)."""
+    return max(0.5, ttl_s / 5)
+
+
+def proven_until(sent: float, ttl_s: float) -> float:
+    """Until when a lease given ``ttl_s`` by a request sent at ``sent`` surely holds, less the margin."""
+    return sent + ttl_s - lease_margin_s(ttl_s)
 
 
 class Candidate:
@@ -40,21 +55,35 @@ class Candidate:
         self.etcd = Etcd(cfg.etcd_endpoints)
         self.value = json.dumps({"name": name, "endpoint": endpoint}).encode()
         self.lease = ""
-        self.lost = asyncio.Event()
+        self.term: int | None = None  # etcd's revision of the campaign key, once this leads
+        self.proven_until = float("-inf")  # the lease surely holds until then (the event loop's time)
+        self.lost = asyncio.Event()  # set when the lease is not proven: a leader must not act
+        self.on_lost: Callable[[], None] | None = None  # called in the step that sets ``lost``
         self._keepalive: asyncio.Task | None = None
 
-    async def win(self) -> None:
-        """Campaign until this conductor leads (standing by meanwhile; etcd may come and go). A
-        lease is kept while its keepalive runs: campaigning again with it resumes its place."""
+    def proven(self) -> bool:
+        """Whether the lease surely holds now (a leader acts only while it does)."""
+        return asyncio.get_running_loop().time() < self.proven_until
+
+    async def win(self, same_lease: bool = False) -> bool:
+        """Campaign until this conductor leads with its lease proven (True), standing by meanwhile
+        (etcd may come and go); ``lost`` is clear then. A lease is kept while its keepalive runs:
+        campaigning again with it resumes its place, and its term. ``same_lease`` (after ``lost``):
+        only with the lease held, False once that is gone."""
         while True:
             try:
                 if self._keepalive is None or self._keepalive.done():
+                    if same_lease:
+                        return False
+                    sent = asyncio.get_running_loop().time()
                     self.lease = await self.etcd.grant(self.cfg.lease_ttl_s)
-                    self.lost.clear()
+                    self.proven_until = proven_until(sent, self.cfg.lease_ttl_s)
                     self._keepalive = asyncio.create_task(self._keep())
-                await self.etcd.campaign(election_key(self.cfg), self.lease, self.value, CAMPAIGN_TIMEOUT_S)
-                if not self.lost.is_set():
-                    return
+                leader = await self.etcd.campaign(election_key(self.cfg), self.lease, self.value, CAMPAIGN_TIMEOUT_S)
+                if self.proven():
+                    self.term = int(leader["rev"])
+                    self.lost.clear()
+                    return True
             except EtcdTimedOut as e:
                 log.debug("still standing by (%s)", e)
                 continue
@@ -62,30 +91,60 @@ class Candidate:
                 log.warning("campaign failed (%s); trying again", e)
             await asyncio.sleep(min(1.0, self.cfg.lease_ttl_s / 3))
 
+    def _lose(self) -> None:
+        if not self.lost.is_set():
+            self.lost.set()
+            if self.on_lost is not None:
+                try:
+                    self.on_lost()
+                except Exception:
+                    log.exception("stepping down failed")
+
     async def _keep(self) -> None:
-        """Refresh the lease until it lapses; then, or if refreshing fails in any unforeseen way,
-        ``lost`` is set (never a keepalive that stops while the conductor goes on leading)."""
+        """Refresh the lease until etcd says it is gone; then, or if refreshing fails in any
+        unforeseen way, ``lost`` is set (never a keepalive that stops while the conductor goes on
+        leading)."""
         try:
             await self._refresh()
         except Exception:
             log.exception("the conductor's lease keepalive failed: stepping down")
-        self.lost.set()
+        self._lose()
 
     async def _refresh(self) -> None:
-        ttl = self.cfg.lease_ttl_s
-        refreshed = time.monotonic()
+        """A keepalive every third of the TTL (sooner after one that failed while proven), each
+        proving the lease from when it was sent; ``lost`` is set as ``proven_until`` passes, and no
+        wait here outlasts it (a hung etcd cannot hold a leader past it). Not proven, it goes on
+        trying: the lease may be proven again. Returns once etcd says the lease is gone."""
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.lease_ttl_s / 3
+        pause = interval
         while True:
-            await asyncio.sleep(ttl / 3)
+            left_s = self.proven_until - loop.time()
+            await asyncio.sleep(min(pause, left_s) if left_s > 0 else pause)
+            sent = loop.time()
+            if sent >= self.proven_until:
+                self._unproven()
             try:
-                left = await self.etcd.keepalive(self.lease)
+                left = await asyncio.wait_for(self.etcd.keepalive(self.lease, timeout_s=interval),
+                                              self.proven_until - sent if self.proven_until > sent else None)
+            except asyncio.TimeoutError:  # proven_until passed while etcd did not answer
+                left = -1
             except EtcdUnavailable as e:
                 left = -1
                 log.warning("cannot refresh the conductor's lease: %s", e)
-            if left > 0:
-                refreshed = time.monotonic()
-            elif left == 0 or time.monotonic() - refreshed >= ttl:
+            if left == 0:
                 log.error("the conductor's lease lapsed: another conductor may lead now")
                 return
+            if left > 0:
+                self.proven_until = max(self.proven_until, proven_until(sent, left))
+            elif not self.proven():
+                self._unproven()
+            pause = interval if left > 0 or not self.proven() else min(KEEPALIVE_RETRY_S, interval)
+
+    def _unproven(self) -> None:
+        if not self.lost.is_set():
+            log.error("the conductor's lease is not proven: a leader stops acting before etcd could expire it")
+        self._lose()
 
     async def close(self) -> None:
         """Give the lead up at once (a standby need not wait out the lease)."""

@@ -105,13 +105,14 @@ class Etcd:
         """A new lease of ``ttl_s`` seconds; its id (a decimal string, as the gateway gives it)."""
         return await self.call("lease/grant", {"TTL": int(ttl_s)}, lambda a: str(_int(a, "ID")))
 
-    async def keepalive(self, lease: str) -> int:
-        """Refresh the lease; the seconds it has left (0: it had expired, it is gone)."""
+    async def keepalive(self, lease: str, timeout_s: float | None = None) -> int:
+        """Refresh the lease; the seconds it has left (0: it had expired, it is gone), counted from
+        when the request reached etcd. ``timeout_s`` bounds each member's try."""
         def read(answer: dict) -> int:
             if str(_int(answer, "ID")) != lease:
                 raise BadAnswer(f"keepalive answered for lease {answer['ID']}, not {lease}")
             return _int(answer, "TTL", 0)
-        return await self.call("lease/keepalive", {"ID": lease}, read)
+        return await self.call("lease/keepalive", {"ID": lease}, read, timeout_s)
 
     async def revoke(self, lease: str) -> None:
         await self.call("lease/revoke", {"ID": lease})
