@@ -10,6 +10,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 
 from mooncake import protocol as P
 from mooncake.frontend.tenant_clock import TenantClock, tenant_id
@@ -128,6 +129,10 @@ def test_a_tenants_clock_keeps_its_order_weighs_and_forgets_what_is_behind_the_w
     assert clock.tag("heavy", 1000, weight=2.0) == 0.5  # twice the weight, half the step
     now[0] = 10.0
     assert clock.tag("a", 1000) == 11.0  # idle since: from the wall clock again, no credit banked
+    clock.refund("a", 600)  # 600 of its tokens came from a cache
+    assert clock.tag("a", 1000) == pytest.approx(11.4) and (clock.refund("a", 10**6) or clock.tag("a", 0)) == 10.0
+    clock.refund("heavy", 1000)
+    assert clock.tag("heavy", 0) == 10.0  # never behind the wall clock
     for i in range(5000):  # bounded by the tenants whose clocks run ahead of the wall clock
         now[0] += 0.01
         clock.tag(f"t{i}", 1)

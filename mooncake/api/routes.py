@@ -146,7 +146,7 @@ def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: 
     # a session's prefix is kept for its next turn (by user where the operator says so; flex work's only by session_id)
     session = body.session_id or (classes.session_from_user and body.user and tier != "flex")
     return {"tier": tier, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
-            "fair_tag": frontend.tenants.tag(api_key, n_tokens, terms.weight if terms else 1.0),
+            "fair_tag": frontend.tenants.tag(tenant_id(api_key), n_tokens, terms.weight if terms else 1.0),
             "keep_s": classes.session_ttl_s if session else 0.0, "tenant": tenant_id(api_key)}
 
 

@@ -322,6 +322,8 @@ class Frontend:
             return
         first = req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob)
         self.stats.started(req, msg, now, first)
+        if first:  # its tenant's clock charged the whole prompt: what came from a cache cost little
+            self.tenants.refund(req.sampling.tenant, msg.cached_tokens)
         self.forks.release(req)  # its prompt's blocks are on the prefill now
         if msg.finished is not None:  # done at its first token (the driver had decode drop it)
             self._finish(req, msg.finished, abort=False)
