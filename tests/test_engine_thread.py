@@ -117,3 +117,22 @@ async def test_an_interactive_prompt_never_waits_for_a_place_flex_work_holds():
             t.cancel()
         w._pool.shutdown(wait=False)
         w.ctx.term()
+
+
+def test_calls_of_one_class_go_by_the_tenants_fair_order_and_never_wait_for_each_other():
+    """Whole urgencies (class, priority, fair tag) beside plain class ranks: one order; a request of
+    the same class and priority expecting calls gives another's no grace (grace 30 s: it would show)."""
+    t = EngineThread("test-engine", grace_s=30.0)
+    gate, order = threading.Event(), []
+    try:
+        t.submit(gate.wait, urgency=-1)
+        calls = [("burst-late", (1, 0, 50.0)), ("flex", 2), ("other-tenant", (1, 0, 12.0)), ("plain-default", 1)]
+        futures = [t.submit(order.append, name, urgency=u) for name, u in calls]
+        gate.set()
+        for f in futures:
+            f.result(10)
+        assert order == ["plain-default", "other-tenant", "burst-late", "flex"]
+        with t.expecting((1, 0, 5.0)):
+            assert t.submit(lambda: "ran", urgency=(1, 0, 80.0)).result(5) == "ran"
+    finally:
+        t.shutdown()

@@ -71,8 +71,11 @@ class TenantSlots:
 async def next_to_start(queue: ClassQueue[T], slots: TenantSlots) -> T:
     """The most urgent queued order whose tenant may start a prompt now, once one may: a place freed
     or a more urgent order arrived (its tenant may have none running) puts the question again."""
-    entry = await queue.get_entry()
-    while not slots.may_start(entry[-1].sampling.tenant):  # type: ignore[attr-defined]
+    while True:
+        entry = await queue.get_entry()
+        if slots.may_start(entry[-1].sampling.tenant):  # type: ignore[attr-defined]
+            return entry[-1]
+        queue.put_back(entry)  # still queued (counted as waiting) while no place is free for it
         queue.changed.clear()
         slots.freed.clear()
         waits = [asyncio.ensure_future(e.wait()) for e in (queue.changed, slots.freed)]
@@ -81,6 +84,3 @@ async def next_to_start(queue: ClassQueue[T], slots: TenantSlots) -> T:
         finally:
             for w in waits:
                 w.cancel()
-        queue.put_back(entry)  # the most urgent again, which may be another
-        entry = await queue.get_entry()
-    return entry[-1]

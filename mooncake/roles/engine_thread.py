@@ -4,8 +4,9 @@ A role's coroutines queue engine calls (a forward, a block import, a sequence's 
 faster than one thread runs them. In arrival order, an interactive request's every step
 would wait behind the calls flex work queued before it: a flood of flex prompts puts a
 forward and its exports ahead of each of them. Here each call carries an urgency (its
-request's class rank, ``sched/request_class.py``: lower first) and waits only for the call
-running and the more urgent ones; calls of one urgency keep their order. A coroutine's calls
+request's class rank, or its whole ``urgency`` — class, priority, the tenants' fair order —
+``sched/request_class.py``: lower first) and waits only for the call running and the more
+urgent ones; calls of one urgency keep their order. A coroutine's calls
 take the urgency set in its context (``ENGINE_URGENCY``, inherited by the tasks it starts),
 or the one it names.
 
@@ -13,8 +14,9 @@ A request makes its calls one after another, and between two of them (while its 
 resumes) the queue may hold only less urgent work: a long flex forward would start then, and
 the request's next call wait it out, at every step. While a request of some urgency is
 ``expecting`` calls, a less urgent call waits up to ``grace_s`` for one of them to come
-first; never longer, so a request that waits on flex work (blocks it computes, a place it
-holds) is never stuck behind it.
+first (by class and priority: requests of one class and priority, whatever their fair order,
+never wait for each other's calls); never longer, so a request that waits on flex work (blocks
+it computes, a place it holds) is never stuck behind it.
 """
 
 from __future__ import annotations
@@ -31,25 +33,30 @@ from typing import Any, Callable, Iterator
 
 from mooncake.sched.request_class import DEFAULT_RANK
 
-ENGINE_URGENCY: contextvars.ContextVar[int] = contextvars.ContextVar("engine_urgency", default=DEFAULT_RANK)
+Urgency = int | tuple  # a class rank, or ``request_class.urgency``; compared as tuples
+ENGINE_URGENCY: contextvars.ContextVar[Urgency] = contextvars.ContextVar("engine_urgency", default=DEFAULT_RANK)
+
+
+def _key(urgency: Urgency) -> tuple:
+    return urgency if isinstance(urgency, tuple) else (urgency,)
 
 
 class EngineThread(Executor):
     def __init__(self, name: str, grace_s: float = 0.05) -> None:
         self.grace_s = grace_s
         self._calls: list[tuple] = []  # heap of (urgency, order, future, fn, args, kwargs)
-        self._expected: Counter[int] = Counter()  # urgency -> requests expecting calls
+        self._expected: Counter[tuple] = Counter()  # (class rank, priority) -> requests expecting calls
         self._cond = threading.Condition()
         self._order = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, urgency: int | None = None, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, urgency: Urgency | None = None, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` after the calls more urgent than ``urgency`` (default: the
         caller's context's) and those of its urgency queued before it."""
         f: Future = Future()
-        key = ENGINE_URGENCY.get() if urgency is None else urgency
+        key = _key(ENGINE_URGENCY.get() if urgency is None else urgency)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine thread is shut down")
@@ -58,7 +65,7 @@ class EngineThread(Executor):
         return f
 
     @contextmanager
-    def expecting(self, urgency: int) -> Iterator[None]:
+    def expecting(self, urgency: Urgency) -> Iterator[None]:
         """While in it, a request of ``urgency`` makes calls: less urgent ones give them ``grace_s``."""
         self._expect(urgency, 1)
         try:
@@ -67,7 +74,7 @@ class EngineThread(Executor):
             self._expect(urgency, -1)
 
     @contextmanager
-    def waiting_on_others(self, urgency: int | None = None) -> Iterator[None]:
+    def waiting_on_others(self, urgency: Urgency | None = None) -> Iterator[None]:
         """Within ``expecting(urgency)`` (default: the caller's context's), while the request waits
         on other work (blocks another request computes, room it frees, a transfer): no grace for it
         meanwhile."""
@@ -78,11 +85,12 @@ class EngineThread(Executor):
         finally:
             self._expect(urgency, 1)
 
-    def _expect(self, urgency: int, change: int) -> None:
+    def _expect(self, urgency: Urgency, change: int) -> None:
+        key = _key(urgency)[:2]
         with self._cond:
-            self._expected[urgency] += change
-            if self._expected[urgency] <= 0:
-                del self._expected[urgency]
+            self._expected[key] += change
+            if self._expected[key] <= 0:
+                del self._expected[key]
             self._cond.notify()
 
     def _next(self) -> tuple:
@@ -93,7 +101,7 @@ class EngineThread(Executor):
                     self._cond.wait()
                     continue
                 head = self._calls[0]
-                if head[2] is None or not self._expected or head[0] <= min(self._expected):
+                if head[2] is None or not self._expected or head[0][:2] <= min(self._expected):
                     return heapq.heappop(self._calls)
                 since = time.monotonic() if since is None else since
                 left = self.grace_s - (time.monotonic() - since)
@@ -122,7 +130,7 @@ class EngineThread(Executor):
                     if item[2] is not None:
                         item[2].cancel()
                 self._calls = []
-            heapq.heappush(self._calls, (float("inf"), next(self._order), None, None, (), {}))
+            heapq.heappush(self._calls, ((float("inf"),), next(self._order), None, None, (), {}))
             self._cond.notify()
         if wait:
             self._thread.join()

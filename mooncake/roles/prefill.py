@@ -39,7 +39,7 @@ from mooncake.roles.engine_thread import ENGINE_URGENCY
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
-from mooncake.sched.request_class import FLEX_RANK, rank
+from mooncake.sched.request_class import FLEX_RANK, rank, urgency
 from mooncake.sockets import recv_multipart
 from mooncake.roles.worker import EngineWorker
 
@@ -63,7 +63,7 @@ class PrefillWorker(EngineWorker):
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self.inflight = InflightBlocks()  # prompt blocks the running requests are computing
         self.chunks = PrefillBatcher(lambda seqs, hooks, budget: self.run_engine(
-            self.engine.prefill_many, seqs, hooks, budget, urgency=min(rank(s.sampling) for s in seqs)),
+            self.engine.prefill_many, seqs, hooks, budget, urgency=min(urgency(s.sampling) for s in seqs)),
             min(cfg.classes.flex_chunk_tokens or cfg.engine.prefill_chunk_tokens, cfg.engine.prefill_chunk_tokens))
         self.egress = KVEgress(self.ctx, self.curve, self.aborted)  # KV (and activations) to other instances
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
@@ -130,10 +130,10 @@ class PrefillWorker(EngineWorker):
             self._tasks = [t for t in self._tasks if not t.done()]
 
     async def _run_one(self, req: P.PrefillRequest, slots: TenantSlots) -> None:
-        urgency = rank(req.sampling)
-        ENGINE_URGENCY.set(urgency)  # this task's engine calls (and its tasks') go by its class
+        key = urgency(req.sampling)
+        ENGINE_URGENCY.set(key)  # this task's engine calls (and its tasks') go by its class, priority, fair order
         try:
-            with self._pool.expecting(urgency):  # its calls come first, one after another
+            with self._pool.expecting(key):  # its calls come first, one after another
                 await self._prefill(req)
         except Exception as e:  # report, never die
             if req.req_id in self.aborted:
