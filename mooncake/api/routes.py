@@ -139,15 +139,15 @@ def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: 
     """Where the request is served among others: its class, within the ceiling of its API key's
     tier, its priority no more urgent than the key allows, its place in the fair order among keys
     (no keys: every tier and priority open, one tenant), and whether its prefix is kept."""
-    api_key = http.scope.get("state", {}).get("api_key", "")
-    terms = frontend.cfg.classes.terms_of_key(api_key) if api_key else None
-    tier = served_tier(body.service_tier, terms.request_class if terms else None)
     classes = frontend.cfg.classes
+    api_key = http.scope.get("state", {}).get("api_key", "")
+    terms, tenant = (classes.terms_of_key(api_key) if api_key else None), tenant_id(api_key)
+    tier = served_tier(body.service_tier, terms.request_class if terms else None)
     # a session's prefix is kept for its next turn (by user where the operator says so; flex work's only by session_id)
     session = body.session_id or (classes.session_from_user and body.user and tier != "flex")
     return {"tier": tier, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
-            "fair_tag": frontend.tenants.tag(tenant_id(api_key), n_tokens, terms.weight if terms else 1.0),
-            "keep_s": classes.session_ttl_s if session else 0.0, "tenant": tenant_id(api_key)}
+            "fair_tag": frontend.tenants.tag(tenant, n_tokens, terms.weight if terms else 1.0),
+            "keep_s": classes.session_ttl_s if session else 0.0, "tenant": tenant}
 
 
 async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens: list[int], shape: Shape,

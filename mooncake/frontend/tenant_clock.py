@@ -4,15 +4,16 @@ virtual clock per tenant (VirtualClock, Zhang 1990, with the wall clock as the s
 A request's ``fair_tag`` is the later of when it arrived and its tenant's last tag, plus its
 prompt tokens times ``token_s`` (``[classes] fair_token_ms``) over the tenant's weight. ``token_s``
 is set above what a token really costs, so a burst's tags run ahead of the wall clock faster than
-the burst is served, and requests that arrive meanwhile go ahead of its later ones. Once a prompt's
-first token says how much of it came from a cache, that part is given back to its tenant's clock:
-a chat client resending a long cached history is charged for what it computes. Queues serve lower tags first among
-requests of one class and priority (``sched/request_class.urgency``), so a tenant that sends a
-burst has its later requests ordered after other tenants' requests that arrive meanwhile, in
-proportion to the tokens it sent, and an idle tenant's request goes near the front. Nothing
-starves: a request goes ahead of everything that arrives after its tag. Tags are wall-clock
-times, so they compare across frontends (a tenant spread over several frontends keeps a clock
-on each)."""
+the burst is served, and requests that arrive meanwhile go ahead of its later ones. Once a
+prompt's first token says how much of it came from a cache, that part is given back to its
+tenant's clock: a chat client resending a long cached history is charged for what it computes.
+
+Queues serve lower tags first among requests of one class and priority
+(``sched/request_class.urgency``), so a tenant that sends a burst has its later requests ordered
+after other tenants' requests that arrive meanwhile, in proportion to the tokens it sent, and an
+idle tenant's request goes near the front. Nothing starves: a request goes ahead of everything
+that arrives after its tag. Tags are wall-clock times, so they compare across frontends (a
+tenant spread over several frontends keeps a clock on each)."""
 
 from __future__ import annotations
 
