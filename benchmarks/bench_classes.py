@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from mooncake.config import Config, MiB
+from mooncake.frontend.tenant_clock import tenant_id
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import running_cluster
 from mooncake.testing.ports import free_port
@@ -71,6 +72,7 @@ class Phase:
     interactive: list[Outcome] = field(default_factory=list)
     flood: list[Outcome] = field(default_factory=list)
     flood_s: float = 0.0
+    kept_a: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (most blocks key A kept, its quota)
 
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict, headers: dict | None = None) -> Outcome:
@@ -135,11 +137,28 @@ async def flood(client: httpx.AsyncClient, n: int, tier: str, seed: int, key: st
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, with_flood: bool) -> Phase:
+async def watch_kept(client: httpx.AsyncClient, phase: Phase, cfg: Config) -> None:
+    """Key A's session-kept blocks on each node, from ``GET /cluster`` once a second: the most seen
+    and its quota there (``[classes]``: the count, or a share of the node's blocks)."""
+    a, classes = tenant_id(KEY_A), cfg.classes
+    while True:
+        info = (await client.get("/cluster", headers=bearer(KEY_B))).json()
+        block_bytes = max((n["kv_block_bytes"] or 0 for n in info["nodes"]), default=0)
+        for n in (n for n in info["nodes"] if n["role"] in ("prefill", "decode", "colocated", "store")):
+            blocks = n["num_blocks"] or sum(t["capacity_bytes"] for t in n["load"]["tiers"].values()) // max(1, block_bytes)
+            quota = min(classes.session_blocks_per_key, max(1, int(classes.session_share_per_key * blocks)))
+            kept = n["load"]["kept_by_tenant"].get(a, 0)
+            phase.kept_a[n["node_id"]] = (max(kept, phase.kept_a.get(n["node_id"], (0, 0))[0]), quota)
+        await asyncio.sleep(1.0)
+
+
+async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, with_flood: bool,
+                    cfg: Config | None = None) -> Phase:
     phase = Phase(name)
     async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
         t0 = time.perf_counter()
         keys = (KEY_A, KEY_B) if args.tenants else ("", "")
+        watch = asyncio.create_task(watch_kept(client, phase, cfg)) if args.tenants and with_flood and cfg else None
         if with_flood:
             flood_task = asyncio.create_task(flood(client, args.flood, args.flood_tier, seed, keys[0]))
             await asyncio.sleep(1.0)  # the flood is queued first
@@ -147,6 +166,8 @@ async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, wi
         if with_flood:
             phase.flood = await flood_task
             phase.flood_s = time.perf_counter() - t0
+        if watch is not None:
+            watch.cancel()
     return phase
 
 
@@ -179,6 +200,9 @@ def report(phases: list[Phase]) -> None:
     if phases[1].flood:
         served = Counter(o.tier or "-" for o in phases[1].flood)
         print(f"flood served as: {', '.join(f'{t} x{n}' for t, n in served.most_common())} (of {len(phases[1].flood)})")
+    if phases[1].kept_a:
+        print("key A's kept blocks, most seen / quota: " + ", ".join(
+            f"{node} {kept}/{quota}" for node, (kept, quota) in sorted(phases[1].kept_a.items())))
 
 
 def pressed_config(prefix: str) -> Config:
@@ -216,7 +240,7 @@ def main() -> None:
     with running_cluster(cfg=cfg, **shape) as c:
         asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))
         phases = [asyncio.run(run_phase(c.url, "alone", args, 1, False)),
-                  asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True)),
+                  asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True, cfg)),
                   asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
     flooding = "key A (default) asking for priority" if args.tenants else f"flood tier {args.flood_tier}"
     print(f"{args.shape}, {flooding}, tbt_slo_ms {args.tbt_slo_ms:g}, max_queue_wait_s {cfg.conductor.max_queue_wait_s:g}\n")

@@ -1,5 +1,8 @@
 """Who keeps each session-kept key (the engine's prefix cache, a store tier's LRU), and how many one
-tenant (API key; no keys: one tenant, "") may keep at once (``[classes] session_blocks_per_key``).
+tenant (API key; no keys: one tenant, "") may keep at once: ``[classes] session_blocks_per_key``,
+and for a tenant with a key, ``session_share_per_key`` of the cache's capacity (in blocks; the
+owner says what that is), whichever is smaller. Without keys there is one tenant, whose sessions
+may keep the whole cache up to the count.
 
 A kept key is owned by the tenant whose request kept it last. Per tenant its keys are held in the
 order they were kept; when a tenant keeps one more than its quota, its oldest ones are handed back
@@ -17,8 +20,10 @@ K = TypeVar("K", bound=Hashable)
 
 
 class TenantQuota(Generic[K]):
-    def __init__(self, quota: int = 0) -> None:
+    def __init__(self, quota: int = 0, share: float = 0.0) -> None:
         self.quota = quota  # keys one tenant may keep at once; 0: no limit
+        self.share = share  # of ``capacity``, what a tenant with a key may keep; 0: no limit
+        self.capacity = 0  # keys the cache holds (its owner sets it; 0: unknown, no share limit)
         self._owner: dict[K, str] = {}
         self._by_tenant: dict[str, OrderedDict[K, None]] = {}  # each kept earliest first
 
@@ -30,11 +35,19 @@ class TenantQuota(Generic[K]):
         keys = self._by_tenant.setdefault(tenant, OrderedDict())
         keys[key] = None
         over: list[K] = []
-        while self.quota and len(keys) > self.quota:
+        limit = self.limit(tenant)
+        while limit and len(keys) > limit:
             old, _ = keys.popitem(last=False)
             del self._owner[old]
             over.append(old)
         return over
+
+    def limit(self, tenant: str) -> int:
+        """The keys ``tenant`` may keep at once (0: no limit)."""
+        if not (tenant and self.share and self.capacity):
+            return self.quota
+        by_share = max(1, int(self.share * self.capacity))
+        return min(self.quota, by_share) if self.quota else by_share
 
     def drop(self, key: K) -> None:
         """``key`` is no longer kept (a key not kept: nothing)."""
@@ -63,4 +76,4 @@ class TenantQuota(Generic[K]):
         assert sum(len(keys) for keys in self._by_tenant.values()) == len(self._owner)
         for tenant, keys in self._by_tenant.items():
             assert keys and all(self._owner[k] == tenant for k in keys), tenant
-            assert not self.quota or len(keys) <= self.quota, (tenant, len(keys), self.quota)
+            assert not self.limit(tenant) or len(keys) <= self.limit(tenant), (tenant, len(keys), self.limit(tenant))

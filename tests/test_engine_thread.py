@@ -136,3 +136,20 @@ def test_calls_of_one_class_go_by_the_tenants_fair_order_and_never_wait_for_each
             assert t.submit(lambda: "ran", urgency=(1, 0, 80.0)).result(5) == "ran"
     finally:
         t.shutdown()
+
+
+def test_a_tenants_call_gives_another_tenants_earlier_turn_its_grace_never_its_own_tenants():
+    """Urgencies that name their tenant (``request_class.tenant_urgency``): a burst's call waits the
+    grace for another tenant whose turn came first, not for its own tenant's earlier requests
+    (grace 30 s where none is due: it would show)."""
+    t = EngineThread("test-engine", grace_s=30.0)
+    try:
+        with t.expecting((1, 0, 5.0, "key-b")):
+            assert t.submit(lambda: "own", urgency=(1, 0, 9.0, "key-b")).result(5) == "own"  # b's own later request
+            assert t.submit(lambda: "ahead", urgency=(1, 0, 2.0, "key-a")).result(5) == "ahead"  # a's turn came first
+            t.grace_s = 0.3
+            started = time.monotonic()
+            assert t.submit(lambda: "burst", urgency=(1, 0, 80.0, "key-a")).result(5) == "burst"
+            assert time.monotonic() - started >= 0.3  # a's burst gave b's turn its grace
+    finally:
+        t.shutdown()

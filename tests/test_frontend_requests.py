@@ -5,6 +5,7 @@ timeouts, what a moved request resumes with, the release of what ended here."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -290,3 +291,24 @@ async def test_an_attempt_placed_with_no_conductor_is_reported_once_a_conductor_
     frontend._on_tokens("d0", P.TokenEvent(req.wire_id, 1, [8, 9, 10], P.FinishReason.LENGTH))
     assert [p.wire_id for p in frontend.conductor.done_prefills] == [req.wire_id]
     assert req.wire_id in {e.wire_id for e in frontend.conductor.ended}  # the booking the conductor made goes
+
+
+async def test_a_refused_request_takes_no_turn_from_its_tenant():
+    """The fair order charges a request's prompt tokens to its tenant's clock when it arrives; a
+    refusal gives them back, so a tenant refused at capacity does not lose its place to come."""
+    import httpx
+
+    from mooncake.api.routes import build_app
+    from mooncake.frontend.tenant_clock import tenant_id
+
+    cfg = Config()
+    cfg.frontend.api_key = "sk-a"
+    f = Frontend(cfg, tokenizer=None, model_name="m", node_id="f0")
+    f.conductor.link = Link(f)
+    f.conductor.view = P.ClusterView("c0", FACTS, True, {"prefill": 1, "decode": 1})
+    f.conductor.link.refuse = P.Refused("", 429, "overloaded", "too many requests")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(build_app(f)), base_url="http://f") as client:
+        r = await client.post("/v1/completions", headers={"Authorization": "Bearer sk-a"},
+                              json={"model": "m", "prompt": list(range(1, 100)), "max_tokens": 4})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
+    assert f.tenants.tag(tenant_id("sk-a"), 0) < time.time() + 0.5  # its 99 tokens would be ~1 s ahead

@@ -15,7 +15,7 @@ import pytest
 from mooncake import protocol as P
 from mooncake.frontend.tenant_clock import TenantClock, tenant_id
 from mooncake.roles.class_queue import ClassQueue
-from mooncake.roles.prefill_batcher import PrefillBatcher
+from mooncake.roles.prefill_batcher import PrefillBatcher, shared_budget
 from mooncake.sched.request_class import served_tier, urgency
 
 
@@ -178,15 +178,55 @@ async def test_a_batch_of_prefill_chunks_gives_the_budget_to_interactive_work_fi
         budgets.update((s.name, budget) for s in seqs)
         return [s.name for s in seqs]
 
-    batcher = PrefillBatcher(run_many, flex_chunk_tokens=128)
+    batcher = PrefillBatcher(run_many, 512, flex_chunk_tokens=128)
     asked = [order("flex", "flex"), order("chat"), order("batch", "flex", -1), order("first", "priority")]
     results = await asyncio.gather(*(batcher.chunk(o) for o in asked))
     assert sorted(calls) == [["batch", "flex"], ["first", "chat"]]
     assert results == ["flex", "chat", "batch", "first"]  # each caller gets its own sequence's step
-    assert budgets == {"first": None, "chat": None, "batch": 128, "flex": 128}  # flex forwards are shorter
+    assert budgets == {"first": 512, "chat": 512, "batch": 128, "flex": 128}  # flex forwards are shorter
     calls.clear()
     await asyncio.gather(*(batcher.chunk(o) for o in (order("f1", "flex"), order("f2", "flex"))))
     assert calls == [["f1", "f2"]]  # flex work alone batches as before
+
+
+async def test_a_tenant_whose_turn_came_first_does_not_wait_for_another_tenants_batch_in_flight():
+    """While a burst's batch computes, another tenant's chunk that goes before it (fair order) goes
+    to the engine at once in a batch of its own (the engine thread runs it next); a chunk of the
+    burst's own tenant, or one later in the order, waits for the next batch."""
+    gate, calls = asyncio.Event(), []
+
+    async def run_many(seqs, hooks, budget):
+        calls.append([s.name for s in seqs])
+        if seqs[0].name == "a1":
+            await gate.wait()
+        return [s.name for s in seqs]
+
+    def chunk_of(name: str, tenant: str, tag: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, sampling=P.Sampling(tenant=tenant, fair_tag=tag), tokens=[0] * 64, num_computed=0)
+
+    batcher = PrefillBatcher(run_many, 512)
+    burst = asyncio.ensure_future(batcher.chunk(chunk_of("a1", "key-a", 10.0)))
+    await asyncio.sleep(0.01)
+    later = [asyncio.ensure_future(batcher.chunk(chunk_of(n, t, tag))) for n, t, tag in
+             (("a2", "key-a", 1.0), ("c1", "key-c", 50.0))]
+    assert await batcher.chunk(chunk_of("b1", "key-b", 2.0)) == "b1"  # while a1's batch is still in flight
+    assert calls == [["a1"], ["b1"]]
+    gate.set()
+    assert await burst == "a1" and [await f for f in later] == ["a2", "c1"]
+    assert calls[2] == ["a2", "c1"]
+
+
+def test_a_forward_shared_by_tenants_is_as_long_as_twice_the_first_tenants_chunks():
+    """A tenant whose turn it is (its prompt first in the batch) does not wait for a forward filled
+    with another tenant's backlog; one tenant's chunks fill the budget as before."""
+    def seq(tenant: str, tokens: int, computed: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(sampling=P.Sampling(tenant=tenant), tokens=[0] * tokens, num_computed=computed)
+
+    burst = [seq("key-a", 1500), seq("key-a", 1500, 1024)]
+    assert shared_budget(burst, 512) == 512
+    assert shared_budget([seq("key-b", 606, 576), *burst], 512) == 60  # b's 30 new tokens, a's 30
+    assert shared_budget([seq("key-b", 2000), *burst], 512) == 512
+    assert shared_budget([seq("key-b", 606, 576), seq("key-b", 700, 600), *burst], 512) == 260
 
 
 def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():

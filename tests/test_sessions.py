@@ -327,6 +327,28 @@ def test_a_store_holds_each_tenant_to_its_quota_over_all_tiers_and_keep_moves_ow
     s.close()
 
 
+def test_a_tenant_with_a_key_keeps_at_most_its_share_of_a_cache_the_one_tenant_without_keys_all():
+    """``session_share_per_key``: the quota is the smaller of the count and the share of the cache's
+    capacity (engine: its blocks; store: its bytes over the kept block's size), for tenants with a key."""
+    bm = BlockManager(16, clock=Clock(), session_blocks_per_key=100, session_share_per_key=0.25)
+    for i in range(8):
+        cache(bm, [h(100 + i)], keep_s=60, tenant="key-a")
+        cache(bm, [h(200 + i)], keep_s=60, tenant="")
+    assert bm.keepers.counts() == {"key-a": 4, "": 8}  # a quarter of 16 blocks; no keys: the count only
+    bm.check()
+    s = TieredStore([DramTier(16 * 1024)], session_blocks_per_key=3, session_share_per_key=0.5)
+    k = [bytes([i]) * 32 for i in range(12)]
+    for i in range(6):
+        assert s.put_many(k[i:i + 1], [blk(i)], keep_s=600, tenant="key-a") == 1
+    assert s.snapshot()["kept_by_tenant"] == {"key-a": 3}  # the count is the smaller: 3 < 16 KiB / 1 KiB / 2
+    s.placement.keepers.quota = 0
+    for i in range(6, 12):
+        assert s.put_many(k[i:i + 1], [blk(i)], keep_s=600, tenant="key-a") == 1
+    assert s.snapshot()["kept_by_tenant"] == {"key-a": 8}  # half of the 16 blocks the store holds
+    s.check_invariants()
+    s.close()
+
+
 def test_the_store_messages_carry_the_tenant_and_old_ones_still_decode():
     seg = P.ShmRef(0, P.TensorSpec("float32", (2,)))
     for msg in (P.Put([b"k"], [], keep_s=5.0, tenant="t1"), P.Keep([b"k"], 5.0, tenant="t1"),
@@ -378,7 +400,7 @@ async def test_a_worker_writes_back_and_releases_a_sessions_blocks_for_its_tenan
     bm.check()
 
 
-async def test_the_cluster_shows_the_blocks_each_tenant_keeps_per_node_and_in_all():
+async def test_the_cluster_shows_each_tenants_share_of_the_attempts_and_the_blocks_it_keeps():
     from mooncake.conductor import Conductor
     from mooncake.conductor.snapshot import cluster_snapshot
     from mooncake.config import Config
@@ -395,8 +417,14 @@ async def test_the_cluster_shows_the_blocks_each_tenant_keeps_per_node_and_in_al
             facts = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8)) if role == "prefill" else None
             c.membership.register(node_id.encode(), P.Register(role, node_id, P.NodeInfo("n0", 1, facts), endpoints), 0.0)
             c.cluster.get(node_id).load = P.Load(kept_by_tenant=kept)
+        for i, tenant in enumerate(("t1", "t1", "t1", "t3")):  # attempts placed and not ended
+            c.attempts[f"r{i}#1"] = SimpleNamespace(submit=SimpleNamespace(sampling=P.Sampling(tenant=tenant)))
         snap = cluster_snapshot(c)
-        assert snap["tenants"] == {"t1": {"kept_blocks": 8}, "": {"kept_blocks": 1}, "t2": {"kept_blocks": 2}}
+        assert snap["tenants"] == {"t1": {"attempts": 3, "share": 0.75, "kept_blocks": 8},
+                                   "t3": {"attempts": 1, "share": 0.25, "kept_blocks": 0},
+                                   "": {"attempts": 0, "share": 0.0, "kept_blocks": 1},
+                                   "t2": {"attempts": 0, "share": 0.0, "kept_blocks": 2}}
+        c.attempts.clear()
         by_node = {n["node_id"]: n["load"]["kept_by_tenant"] for n in snap["nodes"]}
         assert by_node == {"p0": {"t1": 3, "": 1}, "s0": {"t1": 5, "t2": 2}, "f0": {}}
     finally:

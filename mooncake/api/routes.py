@@ -161,6 +161,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     submitted = await frontend.submit(tokens, sampling, salt, request_id=getattr(http.state, "request_id", ""),
                                       choices=body.n)
     if isinstance(submitted, Rejection):
+        frontend.tenants.refund(sampling.tenant, len(tokens))  # a refused request takes no turn from its tenant
         raise _error(submitted, chat)
     # the other choices share the prompt's KV: they start once the first one's prefill is done
     reqs = [submitted] + [frontend.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,

@@ -73,7 +73,7 @@ def cluster_snapshot(c: Conductor) -> dict:
                           "profiled": sorted(costs.profiled)},
             "predictions": c.predictions.summary(),
             "frontends": [n.node_id for n in c.cluster.nodes.values() if n.role == "frontend"],
-            "tenants": tenant_shares(c.cluster.nodes.values()),
+            "tenants": tenant_shares(c.cluster.nodes.values(), [a.submit.sampling.tenant for a in c.attempts.values()]),
             "nodes": [{"node_id": n.node_id, "role": n.role, "name": n.name, "pid": n.info.pid,
                        "instance": n.info.instance, "endpoints": n.endpoints,
                        "num_blocks": n.info.num_blocks, "block_bytes": n.info.block_bytes,
@@ -86,13 +86,19 @@ def cluster_snapshot(c: Conductor) -> dict:
                       for n in c.cluster.nodes.values()]}
 
 
-def tenant_shares(nodes: Iterable[Node]) -> dict[str, dict[str, int]]:
-    """Per tenant (its id, "" without API keys): ``kept_blocks``, the blocks its sessions keep in
-    the engines' prefix caches and the stores, summed over the nodes' last reports (each node's own
-    count is in its ``load.kept_by_tenant``)."""
-    out: dict[str, dict[str, int]] = {}
+def tenant_shares(nodes: Iterable[Node], in_flight: list[str]) -> dict[str, dict[str, float]]:
+    """Per tenant (its id, "" without API keys): ``attempts``, its requests' attempts placed and not
+    ended (``in_flight``: each one's tenant), and ``share``, their part of all of them;
+    ``kept_blocks``, the blocks its sessions keep in the engines' prefix caches and the stores,
+    summed over the nodes' last reports (each node's own count is in its ``load.kept_by_tenant``)."""
+    out: dict[str, dict[str, float]] = {}
+    for tenant in in_flight:
+        share = out.setdefault(tenant, {"attempts": 0, "share": 0.0, "kept_blocks": 0})
+        share["attempts"] += 1
     for node in nodes:
         for tenant, kept in node.load.kept_by_tenant.items():
-            share = out.setdefault(tenant, {"kept_blocks": 0})
+            share = out.setdefault(tenant, {"attempts": 0, "share": 0.0, "kept_blocks": 0})
             share["kept_blocks"] += kept
+    for share in out.values():
+        share["share"] = round(share["attempts"] / len(in_flight), 3) if in_flight else 0.0
     return out

@@ -37,8 +37,9 @@ from mooncake.sched.request_class import FLEX_RANK, rank
 class Engine:
     """One model on one device with a paged KV pool. Not thread-safe."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, session_blocks_per_key: int = 0) -> None:
-        """``session_blocks_per_key``: blocks one tenant's sessions may keep at once (``[classes]``; 0: no limit)."""
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, session_blocks_per_key: int = 0,
+                 session_share_per_key: float = 0.0) -> None:
+        """``session_blocks_per_key``, ``session_share_per_key``: what one tenant's sessions may keep (``[classes]``)."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         config = loaded.hf_model.config
@@ -58,7 +59,8 @@ class Engine:
         self.pool = allocate_pool(self.num_blocks, self.block_shape, self.dtype, self.device)
         self.on_block_event: Callable[[str, list[BlockHash]], None] | None = None
         self.blocks = BlockManager(self.num_blocks, lambda: self.on_block_event,
-                                   session_blocks_per_key=session_blocks_per_key)
+                                   session_blocks_per_key=session_blocks_per_key,
+                                   session_share_per_key=session_share_per_key)
         # KV into and out of the pool, encoded outside it ([model] kv_codec)
         self.kv = PoolKV(self.pool, self.blocks, self.model, KVCodec(loaded.kv_codec, self.block_shape, self.dtype))
         self.kv_block_bytes = self.kv.codec.wire_block_bytes  # one block as it travels and is stored

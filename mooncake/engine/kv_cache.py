@@ -49,8 +49,10 @@ def allocate_pool(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dt
 
 class BlockManager:
     def __init__(self, num_blocks: int, on_event: Callable[[], BlockEventFn | None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic, session_blocks_per_key: int = 0) -> None:
-        """``session_blocks_per_key``: blocks one tenant may keep at once (0: no limit)."""
+                 clock: Callable[[], float] = time.monotonic, session_blocks_per_key: int = 0,
+                 session_share_per_key: float = 0.0) -> None:
+        """``session_blocks_per_key``, ``session_share_per_key`` (of ``num_blocks``): what one tenant
+        may keep at once (``tenant_quota.py``; 0: no limit)."""
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.hash_of: list[BlockHash | None] = [None] * num_blocks
@@ -61,7 +63,8 @@ class BlockManager:
         self.flex: set[int] = set()  # blocks held only by flex requests since they were allocated
         self.session_lru: OrderedDict[int, None] = OrderedDict()  # soonest to expire first
         self.kept_until: dict[int, float] = {}  # blocks a session keeps (referenced ones too): until when
-        self.keepers: TenantQuota[int] = TenantQuota(session_blocks_per_key)  # of kept_until: whose, per tenant
+        self.keepers: TenantQuota[int] = TenantQuota(session_blocks_per_key, session_share_per_key)  # of kept_until: whose
+        self.keepers.capacity = num_blocks
         self._deadlines: DeadlineHeap[int] = DeadlineHeap(
             lambda b, until: b in self.session_lru and self.kept_until.get(b) == until)  # else: released or kept longer since
         self.evicted = {"flex": 0, "other": 0, "session": 0}  # cached blocks evicted, by segment

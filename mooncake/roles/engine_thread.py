@@ -14,9 +14,11 @@ A request makes its calls one after another, and between two of them (while its 
 resumes) the queue may hold only less urgent work: a long flex forward would start then, and
 the request's next call wait it out, at every step. While a request of some urgency is
 ``expecting`` calls, a less urgent call waits up to ``grace_s`` for one of them to come
-first (by class and priority: requests of one class and priority, whatever their fair order,
-never wait for each other's calls); never longer, so a request that waits on flex work (blocks
-it computes, a place it holds) is never stuck behind it.
+first: by class and priority, and within one class and priority by the tenants' fair order
+when the urgency names the tenant (``request_class.tenant_urgency``): a tenant's burst gives
+way to another tenant whose turn it is, while one tenant's requests never wait for each
+other's calls (their forwards batch). Never longer, so a request that waits on flex work
+(blocks it computes, a place it holds) is never stuck behind it.
 """
 
 from __future__ import annotations
@@ -41,11 +43,19 @@ def _key(urgency: Urgency) -> tuple:
     return urgency if isinstance(urgency, tuple) else (urgency,)
 
 
+def _gives_way(call: tuple, expected: tuple) -> bool:
+    """Whether a call of urgency ``call`` gives a request of urgency ``expected`` its grace: a
+    more urgent class or priority, or (both naming their tenants) another tenant's earlier turn."""
+    if call[:2] != expected[:2]:
+        return expected[:2] < call[:2]
+    return len(call) > 3 and len(expected) > 3 and call[3] != expected[3] and expected[2] < call[2]
+
+
 class EngineThread(Executor):
     def __init__(self, name: str, grace_s: float = 0.05) -> None:
         self.grace_s = grace_s
         self._calls: list[tuple] = []  # heap of (urgency, order, future, fn, args, kwargs)
-        self._expected: Counter[tuple] = Counter()  # (class rank, priority) -> requests expecting calls
+        self._expected: Counter[tuple] = Counter()  # (class rank, priority[, fair tag, tenant]) -> requests expecting calls
         self._cond = threading.Condition()
         self._order = itertools.count()
         self._closed = False
@@ -86,7 +96,8 @@ class EngineThread(Executor):
             self._expect(urgency, 1)
 
     def _expect(self, urgency: Urgency, change: int) -> None:
-        key = _key(urgency)[:2]
+        key = _key(urgency)
+        key = key if len(key) > 3 else key[:2]
         with self._cond:
             self._expected[key] += change
             if self._expected[key] <= 0:
@@ -101,7 +112,7 @@ class EngineThread(Executor):
                     self._cond.wait()
                     continue
                 head = self._calls[0]
-                if head[2] is None or not self._expected or head[0][:2] <= min(self._expected):
+                if head[2] is None or not any(_gives_way(head[0], e) for e in self._expected):
                     return heapq.heappop(self._calls)
                 since = time.monotonic() if since is None else since
                 left = self.grace_s - (time.monotonic() - since)

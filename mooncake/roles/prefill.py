@@ -39,7 +39,7 @@ from mooncake.roles.engine_thread import ENGINE_URGENCY
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
-from mooncake.sched.request_class import FLEX_RANK, rank, urgency
+from mooncake.sched.request_class import FLEX_RANK, rank, tenant_urgency
 from mooncake.sockets import recv_multipart
 from mooncake.roles.worker import EngineWorker
 
@@ -63,7 +63,8 @@ class PrefillWorker(EngineWorker):
         self._releases = 0  # how many have (a failed allocation retries if one did meanwhile)
         self.inflight = InflightBlocks()  # prompt blocks the running requests are computing
         self.chunks = PrefillBatcher(lambda seqs, hooks, budget: self.run_engine(
-            self.engine.prefill_many, seqs, hooks, budget, urgency=min(urgency(s.sampling) for s in seqs)),
+            self.engine.prefill_many, seqs, hooks, budget, urgency=min(tenant_urgency(s.sampling) for s in seqs)),
+            cfg.engine.prefill_chunk_tokens,
             min(cfg.classes.flex_chunk_tokens or cfg.engine.prefill_chunk_tokens, cfg.engine.prefill_chunk_tokens))
         self.egress = KVEgress(self.ctx, self.curve, self.aborted)  # KV (and activations) to other instances
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
@@ -130,7 +131,7 @@ class PrefillWorker(EngineWorker):
             self._tasks = [t for t in self._tasks if not t.done()]
 
     async def _run_one(self, req: P.PrefillRequest, slots: TenantSlots) -> None:
-        key = urgency(req.sampling)
+        key = tenant_urgency(req.sampling)
         ENGINE_URGENCY.set(key)  # this task's engine calls (and its tasks') go by its class, priority, fair order
         try:
             with self._pool.expecting(key):  # its calls come first, one after another

@@ -52,7 +52,8 @@ async def run_store(cfg: Config) -> None:
     loop = asyncio.get_running_loop()
     ctx = zmq.asyncio.Context()
     try:
-        store = TieredStore.from_config(cfg.store, node_id, session_blocks_per_key=cfg.classes.session_blocks_per_key)
+        store = TieredStore.from_config(cfg.store, node_id, session_blocks_per_key=cfg.classes.session_blocks_per_key,
+                                        session_share_per_key=cfg.classes.session_share_per_key)
     except DirLocked as e:
         raise SystemExit(f"mooncake store {node_id}: {e}") from None
     link: ConductorLink | None = None

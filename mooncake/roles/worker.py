@@ -102,7 +102,8 @@ class EngineWorker(ABC):
     def _build_engine(self) -> tuple[LoadedModel, Engine, EngineProfile | None]:
         """The model, its engine and its start-up profile (on the engine thread: ``torch_threads.py``)."""
         loaded = load_model(self.cfg.model)
-        engine = Engine(loaded, self.cfg.engine, self.cfg.classes.session_blocks_per_key)
+        classes = self.cfg.classes
+        engine = Engine(loaded, self.cfg.engine, classes.session_blocks_per_key, classes.session_share_per_key)
         return loaded, engine, self.profile(engine)
 
     def profile(self, engine: Engine) -> EngineProfile | None:

@@ -38,6 +38,13 @@ def urgency(sampling: Any) -> tuple[int, int, float]:
     return rank(sampling), sampling.priority, sampling.fair_tag
 
 
+def tenant_urgency(sampling: Any) -> tuple[int, int, float, str]:
+    """``urgency`` with the request's tenant beside it: where one engine thread serves several
+    tenants, a call of one class and priority gives way to another tenant's earlier turn, never
+    to its own tenant's other requests (``roles/engine_thread.py``)."""
+    return (*urgency(sampling), sampling.tenant)
+
+
 def yields_to(holder: Any, asker: Any) -> bool:
     """Whether a sequence of ``holder`` (sampling) gives its KV room to a request of ``asker`` waiting
     for room: flex work to interactive work, and another tenant's work that comes later in the

@@ -44,13 +44,16 @@ FLEX, OTHER, KEPT = range(3)  # eviction classes, evicted first to last
 
 class Placement:
     def __init__(self, tiers: Sequence[Tier], ssd_admission: str, ssd_admission_hits: int,
-                 on_event: EventSink | None, session_blocks_per_key: int = 0) -> None:
+                 on_event: EventSink | None, keepers: TenantQuota[bytes] | None = None) -> None:
+        """``keepers``: what each tenant may keep in the whole store (``tenant_quota.py``; its capacity
+        in blocks is the tiers' bytes over the size of the block being kept)."""
         self.tiers = list(tiers)
         self.ssd_admission = ssd_admission
         self.ssd_admission_hits = ssd_admission_hits
         self.on_event = on_event
         self.stats = StoreStats.for_tiers([t.name for t in self.tiers])
-        self.keepers: TenantQuota[bytes] = TenantQuota(session_blocks_per_key)  # of the kept blocks, all tiers
+        self.keepers: TenantQuota[bytes] = keepers if keepers is not None else TenantQuota()  # of the kept blocks, all tiers
+        self.capacity_bytes = sum(t.capacity_bytes for t in self.tiers)
         self.lru = [LRU(keepers=self.keepers) for _ in self.tiers]
         self.where: dict[bytes, int] = {}
         self.flex: set[bytes] = set()  # blocks only flex requests wrote: evicted first in every tier
@@ -124,6 +127,7 @@ class Placement:
     def order(self, i: int, key: bytes, nbytes: int) -> None:
         """Add held ``key`` to tier ``i``'s LRU order by its class; the blocks its keeper's quota
         makes ordinary (in any tier) are kept no longer."""
+        self.keepers.capacity = self.capacity_bytes // max(1, nbytes)
         for old in self.lru[i].add(key, nbytes, key in self.flex, self.kept.get(key, 0.0), self.keeper.get(key, "")):
             self.unkeep(old)
             self.lru[self.where[old]].stop_keeping(old)

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Literal, Sequence
 import torch
 
 from ..config import StoreConfig
+from ..tenant_quota import TenantQuota
 from .base import StoredBlock, Tier
 from .device import DeviceTier
 from .dram import DramTier
@@ -50,15 +51,17 @@ class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, promote_on_hit: bool = True,
                  ssd_admission: Literal["on_demotion", "after_hits", "write_through"] = "on_demotion",
                  ssd_admission_hits: int = 1, on_event: EventSink | None = None,
-                 session_blocks_per_key: int = 0) -> None:
-        """``session_blocks_per_key``: blocks one tenant may keep at once in the store, all tiers (0: no limit)."""
+                 session_blocks_per_key: int = 0, session_share_per_key: float = 0.0) -> None:
+        """``session_blocks_per_key``, ``session_share_per_key`` (of the store's capacity): what one
+        tenant may keep at once in the store, all tiers (``tenant_quota.py``; 0: no limit)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique: {names}")
         self.promote_on_hit = promote_on_hit
-        self.placement = Placement(tiers, ssd_admission, ssd_admission_hits, on_event, session_blocks_per_key)
+        self.placement = Placement(tiers, ssd_admission, ssd_admission_hits, on_event,
+                                   TenantQuota(session_blocks_per_key, session_share_per_key))
         self.tiers = self.placement.tiers
         self.stats = self.placement.stats
         self.durability = Durability(self.placement)
@@ -76,10 +79,11 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, node_id: str, device: torch.device | str | None = None,
-                    on_event: EventSink | None = None, session_blocks_per_key: int = 0) -> "TieredStore":
+                    on_event: EventSink | None = None, session_blocks_per_key: int = 0,
+                    session_share_per_key: float = 0.0) -> "TieredStore":
         """Tiers from ``cfg``: device (if device_bytes), DRAM (if dram_bytes), LMDB (if lmdb_bytes)
         in ``Path(cfg.data_dir) / node_id``. Use a node_id that is stable across restarts.
-        ``session_blocks_per_key``: ``[classes]``'s."""
+        ``session_blocks_per_key``, ``session_share_per_key``: ``[classes]``'s."""
         tiers: list[Tier] = []
         if cfg.device_bytes:
             tiers.append(DeviceTier(cfg.device_bytes, device))
@@ -89,7 +93,7 @@ class TieredStore:
             tiers.append(LmdbTier(Path(cfg.data_dir).expanduser() / node_id, cfg.lmdb_bytes))
         return cls(tiers, promote_on_hit=cfg.promote_on_hit, ssd_admission=cfg.ssd_admission,
                    ssd_admission_hits=cfg.ssd_admission_hits, on_event=on_event,
-                   session_blocks_per_key=session_blocks_per_key)
+                   session_blocks_per_key=session_blocks_per_key, session_share_per_key=session_share_per_key)
 
     # ---------------------------------------------------------------- object API
 
