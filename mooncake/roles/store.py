@@ -38,6 +38,7 @@ from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.tiers.dir_lock import DirLocked
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
+from mooncake.tiers.write_budget import WriteBudget
 
 log = logging.getLogger(__name__)
 ANNOUNCE_CHUNK = 4096
@@ -65,6 +66,8 @@ async def run_store(cfg: Config) -> None:
     port = cfg.node.store_port
     server = StoreServer(store, f"tcp://{cfg.node.host}:{port if port else '*'}", on_event=on_event,
                          node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
+    budget = int(cfg.classes.store_write_share_per_key * store.placement.capacity_bytes)
+    server.requests.budget = WriteBudget(budget)  # bytes one API key may write per minute
     endpoint = await server.start()
     p2p_port = cfg.node.p2p_port
     root = p2p_root(cfg)

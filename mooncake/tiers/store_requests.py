@@ -25,6 +25,7 @@ from .base import StoredBlock
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
 from .tiered import TieredStore
+from .write_budget import WriteBudget
 
 log = logging.getLogger(__name__)
 # Fault injection for tests, read once at start: "die:N" (the process exits after sending N replies
@@ -46,6 +47,7 @@ class StoreRequests:
         self._segments = SegmentCache()
         self._peers: dict[str, StoreClient] = {}
         self._stream_fault = os.environ.get(STREAM_FAULT_ENV, "")
+        self.budget = WriteBudget(0)  # what each tenant may write per minute (the store role sets it)
 
     def close(self) -> None:
         """Close the replication clients, wait for the worker threads, unmap the segments."""
@@ -65,8 +67,9 @@ class StoreRequests:
             if len(msg.hashes) != len(tensors):
                 raise ProtocolError(f"{len(msg.hashes)} hashes for {len(tensors)} tensors")
             await self._run(self._verify, tensors, msg.checksums)
-            return encode(Ok(count=await self._run(s.put_many, msg.hashes, tensors, msg.model_id, msg.checksums,
-                                                   msg.flex, msg.keep_s, msg.tenant)))
+            n = self.budget.admit(msg.tenant, [t.nbytes for t in tensors])
+            return encode(Ok(count=await self._run(s.put_many, msg.hashes[:n], tensors[:n], msg.model_id,
+                                                   msg.checksums[:n], msg.flex, msg.keep_s, msg.tenant)))
         if isinstance(msg, Get):
             found = await self._run(s.get_many, msg.hashes, msg.prefix)
             keys = [k for k, _ in found]
@@ -105,7 +108,9 @@ class StoreRequests:
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         self._verify(views, msg.checksums)
-        return self.store.put_many(msg.hashes, views, msg.model_id, msg.checksums, msg.flex, msg.keep_s, msg.tenant)
+        n = self.budget.admit(msg.tenant, [v.nbytes for v in views])
+        return self.store.put_many(msg.hashes[:n], views[:n], msg.model_id, msg.checksums[:n], msg.flex, msg.keep_s,
+                                   msg.tenant)
 
     def _shm_get(self, msg: ShmGet) -> tuple[ShmBlocks, list[torch.Tensor]]:
         seg = self._segment(msg.segment)
