@@ -153,6 +153,9 @@ class Metrics:
                                       "attempt it no longer runs, or from another decode than its own).", registry=r)
         self.writes_dropped = Counter("mooncake:kv_writes_dropped", "Write-backs to a store a worker dropped (too "
                                       "many in flight).", ["node"], registry=r)
+        self.stale_term_refused = Counter("mooncake:stale_term_refused", "Conductor messages a node refused for "
+                                          "a leadership term older than the newest it saw (a stale leader's), per "
+                                          "node and message type.", ["node", "message"], registry=r)
 
     def of_node(self, metric: MetricWrapperBase, node_id: str, *labels: str) -> MetricWrapperBase:
         """``metric``'s child for ``node_id`` (its first label), remembered for ``forget_node``."""

@@ -61,7 +61,7 @@ class Conductor:
         self.cfg = cfg
         self.model_name = model_name
         self.name = cfg.node.name
-        self.leader_term = 0  # etcd's revision of its campaign key (roles/conductor.py); 0: no election
+        self.leader_term = 0  # etcd's revision of its campaign key (roles/conductor.py), on all it orders; 0: no election
         self.metrics = metrics or Metrics(model_name)
         self.predictions = Predictions(self.metrics)
         self.stats = AttemptMetrics(self.metrics, model_name, self.predictions)
@@ -81,7 +81,7 @@ class Conductor:
         self.router: Router | None = None
         self.p2p = P2PIndex(self.cluster, self._send,  # who holds which chunks of the P2P objects
                             lambda node_id, peer: self.curve is None or self.membership.peers.get(node_id) == peer)
-        self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve)
+        self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve, lambda: self.leader_term)
         self.sessions = SessionKeeper(self.cluster, self.index, self.replicator.client)
         self.requests_in_flight: dict[str, int] = {}  # frontend -> requests it holds (admission counts them)
         self.views = FrontendViews(self)
@@ -91,7 +91,7 @@ class Conductor:
 
     async def start(self) -> str:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
-                                 self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics)
+                                 self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics, self.replicator.term)
         for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
                              P.BlockEvent: self.membership.block_event, P.Submit: self._on_submit,
                              P.Release: self._on_release, P.Claims: self._on_claims}.items():

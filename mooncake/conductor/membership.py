@@ -143,6 +143,8 @@ class Membership:
             m.report(m.device_evictions, node.node_id, (segment,), count)
         for reason, count in load.kv_rejected.items():
             m.report(m.kv_rejected, node.node_id, (reason,), count)
+        for message, count in load.stale_terms.items():  # what it refused from a stale leader (term_fence.py)
+            m.report(m.stale_term_refused, node.node_id, (message,), count)
         for tier, st in load.tiers.items():
             m.of_node(m.tier_used, node.node_id, tier).set(st.used_bytes)
             m.report(m.tier_hits, node.node_id, (tier,), st.hits)

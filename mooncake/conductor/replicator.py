@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
@@ -22,8 +23,10 @@ log = logging.getLogger(__name__)
 
 class Replicator:
     def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
-                 curve: Curve | None) -> None:
+                 curve: Curve | None, term: Callable[[], int] = lambda: 0) -> None:
+        """``term()``: the leader's term, which its store orders carry (``term_fence.py``)."""
         self.cfg = cfg
+        self.term = term
         self.cluster = cluster
         self.index = index
         self.metrics = metrics
@@ -67,6 +70,7 @@ class Replicator:
         client = self._stores.get(endpoint)
         if client is None:
             client = self._stores[endpoint] = StoreClient(endpoint, curve=self.curve)
+        client.term = self.term()
         return client
 
     def forget(self, endpoint: str) -> None:

@@ -11,6 +11,7 @@ restarted, or declared the node dead) is told ``Reregister`` in answer to a hear
 to what stands in for one (a frontend's ``Submit``), once a second at most. Queries
 (``answer``: the P2P object index) are answered to any sender, registered or not (under
 CURVE, any cluster key): the ``mooncake p2p`` command asks them. Frames above ``max_message_bytes`` disconnect their sender.
+What it sends carries the leader's term where the message has a field for it (fencing: ``term_fence.py``).
 
 The socket is a ``PlainSocket`` (read from the event loop's reader callback, written with
 ``NOBLOCK``; a ROUTER never blocks a send: a message to a peer that is gone or past its
@@ -25,6 +26,7 @@ import logging
 import time
 from typing import Any, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -42,9 +44,12 @@ Handler = Callable[[Node, P.Msg], None]
 class Router:
     def __init__(self, endpoint: str, cluster: Cluster, curve: Curve | None,
                  on_register: Callable[[bytes, P.Register, str], P.Msg],
-                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES, metrics: Metrics | None = None) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES, metrics: Metrics | None = None,
+                 term: Callable[[], int] = lambda: 0) -> None:
         """``on_register(routing id, message, peer key)`` answers a registration; ``metrics``: counts
-        what arrives, by type."""
+        what arrives, by type; ``term()``: the leader's term, which every message sent that has a
+        ``term`` field carries (``term_fence.py``)."""
+        self.term = term
         self.counts = metrics.conductor_messages if metrics is not None else None
         self.cluster = cluster
         self.curve = curve
@@ -125,6 +130,9 @@ class Router:
     def _send_raw(self, ident: bytes, msg: P.Msg) -> None:
         if self.sock.sock.closed:
             return
+        term = self.term()
+        if term and "term" in msg.__struct_fields__:  # an order of this leadership (a copy: the caller's stays)
+            msg = msgspec.structs.replace(msg, term=term)
         try:
             self.sock.send([ident, *P.encode(msg)])
         except zmq.ZMQError as e:  # a ROUTER drops rather than blocks; anything else is logged

@@ -7,7 +7,8 @@ cluster as the conductor last described it (``ClusterView``: in answer to a hear
 changes) and ``GET /cluster``'s snapshot (asked now). What else the conductor says
 (``AttemptEnded``) goes to the frontend. A conductor that says nothing for ``LEADERLESS_AFTER_S``
 or three heartbeats (it answers every heartbeat and every ``Submit``) is taken for none: ``ask``
-then answers None at once, and the frontend places the attempt itself (``fallback.py``)."""
+then answers None at once, and the frontend places the attempt itself (``fallback.py``). What a
+conductor of an older leadership term than the newest seen answers is refused (``term_fence.py``)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.config import Config
+from mooncake.metrics import Metrics
 from mooncake.roles.link import ConductorLink
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
+from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, until_tick
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,12 @@ LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each heart
 
 
 class ConductorClient:
-    def __init__(self, cfg: Config, node_id: str, on_message: Callable[[P.Msg], None]) -> None:
+    def __init__(self, cfg: Config, node_id: str, on_message: Callable[[P.Msg], None],
+                 metrics: Metrics | None = None) -> None:
+        """``metrics``: where answers refused for a stale leader's term are counted (``term_fence.py``;
+        None: they ride the heartbeats to the conductor)."""
         self.cfg = cfg
+        self.fence = TermFence(node_id, metrics.stale_term_refused if metrics is not None else None)
         self.node_id = node_id
         self.on_message = on_message
         self.view = P.ClusterView("")  # the conductor's last word on the cluster
@@ -62,7 +69,7 @@ class ConductorClient:
         self.claims = claims
         self.link = ConductorLink(ctx, self.cfg.conductor.endpoint, register, load, curve=curve,
                                   max_message_bytes=self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES,
-                                  on_registered=self._resubmit, coordination=self.cfg.coordination)
+                                  on_registered=self._resubmit, coordination=self.cfg.coordination, fence=self.fence)
         await self.link.connect(timeout_s=60)
         self.heard_at = time.monotonic()
         self.link.start_heartbeat()

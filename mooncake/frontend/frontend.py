@@ -63,7 +63,7 @@ class Frontend:
         self.tenants = TenantClock(cfg.classes.fair_token_ms / 1000)  # the fair order among API keys within a class
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend")
         self.ctx = zmq.asyncio.Context()
-        self.conductor = ConductorClient(cfg, self.node_id, self._handle)
+        self.conductor = ConductorClient(cfg, self.node_id, self._handle, self.metrics)
         self.inlet: TokenInlet | None = None
         self.driver: AttemptDriver | None = None
         self.fallback = FallbackPlacer()

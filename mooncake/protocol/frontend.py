@@ -91,6 +91,7 @@ class Admitted(Msg, tag="admitted"):
     wire_id: str
     route: Route
     max_tokens: int = 0  # clamped to the context
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class Refused(Msg, tag="refused"):
@@ -102,6 +103,7 @@ class Refused(Msg, tag="refused"):
     message: str
     param: str = ""
     retry_after_s: float = 0.0
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class AttemptEnded(Msg, tag="attempt_ended"):
@@ -114,6 +116,7 @@ class AttemptEnded(Msg, tag="attempt_ended"):
     message: str
     status: int = 503
     param: str = ""
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class Ended(msgspec.Struct, array_like=True):

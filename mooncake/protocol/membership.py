@@ -87,6 +87,7 @@ class Load(msgspec.Struct):
     evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other", "session")
     kept_blocks: int = 0  # engine: of its cached blocks, those a session keeps
     kept_by_tenant: dict[str, int] = {}  # engine, store: blocks kept per tenant (its id; "" without API keys), at most [classes] session_blocks_per_key each
+    stale_terms: dict[str, int] = {}  # conductor messages refused since start for a stale term, by type (``term_fence.py``)
 
 
 class Register(Msg, tag="register"):
@@ -115,6 +116,7 @@ class Registered(Msg, tag="registered"):
     node_id: str
     heartbeat_s: float
     keep: list[str] = []  # of ``holding``, what the conductor still knows there: the rest is dropped
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class Heartbeat(Msg, tag="heartbeat"):

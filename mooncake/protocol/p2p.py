@@ -139,6 +139,7 @@ class Failure(P2PMsg, tag="p2p_failure"):
 
 class Forget(P2PMsg, tag="p2p_forget"):
     name: str
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 # ---- CLI / worker -> its node's store (P2P socket)

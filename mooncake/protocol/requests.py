@@ -220,6 +220,7 @@ class TokenStep(Msg, tag="token_step"):
 
 class Abort(Msg, tag="abort"):
     req_id: str
+    term: int = 0  # from the conductor: its leader's term (``term_fence.py``); a frontend's: 0
 
 
 class FrontendGone(Msg, tag="frontend_gone"):
@@ -231,6 +232,7 @@ class FrontendGone(Msg, tag="frontend_gone"):
     node_id: str
     instance: str = ""  # the process start that died (``NodeInfo.instance``; "" from a frontend without one)
     pid: int = 0  # ... and its pid, which such a frontend ordered under
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 def orders_identity(node_id: str, instance: str) -> bytes:

@@ -59,6 +59,7 @@ class Exists(Msg, tag="exists"):
 
 class Remove(Msg, tag="remove"):
     hashes: list[bytes]
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class Replicate(Msg, tag="replicate"):
@@ -66,6 +67,7 @@ class Replicate(Msg, tag="replicate"):
 
     hashes: list[bytes]
     target: str  # the target store's endpoint
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class Keep(Msg, tag="keep"):
@@ -75,6 +77,7 @@ class Keep(Msg, tag="keep"):
     hashes: list[bytes]
     keep_s: float
     tenant: str = ""  # as Put's
+    term: int = 0  # the leader's term (``term_fence.py``); 0: no election
 
 
 class StatsQuery(Msg, tag="stats"):

@@ -12,6 +12,8 @@ state, or had declared this role dead) the link registers again and calls
 for instance). Every registration lists the requests the role holds (``holding``);
 the conductor answers which of them it still knows there, and the role drops the
 others (``on_orphans``): reconciliation, so that no reservation waits for a timeout.
+What a conductor sends under an older leadership term than the newest the process has seen is
+refused (``term_fence.py``: a stale leader is fenced off).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mooncake.coordination.election import LeaderWatch
 from mooncake.roles.block_events import BlockEvents
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
+from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, SLACK_S, last_tick, until_tick
 
 if TYPE_CHECKING:
@@ -57,9 +60,13 @@ class ConductorLink:
         fallback: Callable[[list[str]], list[str]] = lambda held: [],
         on_orphans: Callable[[list[str]], Awaitable[None]] | None = None,
         coordination: CoordinationConfig | None = None,
+        fence: TermFence | None = None,
     ) -> None:
         """With ``coordination`` (etcd endpoints set), ``endpoint`` is only the default: the link
-        connects to the conductor etcd says leads, and follows it when another does."""
+        connects to the conductor etcd says leads, and follows it when another does. ``fence``: the
+        process's newest leadership term (``term_fence.py``; a store shares its server's), which
+        refuses what a stale conductor sends (its own when None)."""
+        self.fence = fence if fence is not None else TermFence(register.node_id)
         self.endpoint = endpoint
         self.register_msg = register
         self.load = load
@@ -125,6 +132,8 @@ class ConductorLink:
                     raise HandshakeError(f"conductor at {self.endpoint} did not answer within {timeout_s:.0f}s") from None
                 continue
             msg, _ = P.decode(frames)
+            if not self.fence.admit(msg):  # a stale conductor's answer: wait for the leader's
+                continue
             if isinstance(msg, P.Registered):
                 self.heartbeat_s = msg.heartbeat_s
                 self._reconcile(msg)
@@ -161,7 +170,7 @@ class ConductorLink:
             if time.time() - self.beat_at < half and not (blocks and blocks.pending.is_set()):
                 continue  # a message that stands in for a heartbeat went meanwhile
             try:
-                await self.send(P.Heartbeat(self.node_id, self.load(), blocks.take() if blocks else []), beat=True)
+                await self.send(P.Heartbeat(self.node_id, self._load(), blocks.take() if blocks else []), beat=True)
             except Exception:  # a heartbeat that cannot be built must not stop the role
                 log.exception("heartbeat failed")  # blocks it took are lost: the next registration announces all
                 self.beat_at = time.time()
@@ -176,6 +185,8 @@ class ConductorLink:
                 msg, tensors = P.decode(frames)
             except P.ProtocolError as e:
                 log.warning("dropping malformed message from conductor: %s", e)
+                continue
+            if not self.fence.admit(msg):  # from a stale conductor (counted, logged once per term)
                 continue
             if isinstance(msg, P.Reregister):
                 log.info("conductor asked %s to register again", self.node_id)
@@ -192,6 +203,13 @@ class ConductorLink:
                 self._reregistering = False
                 continue
             return msg, tensors
+
+    def _load(self) -> Any:
+        """The role's load; with the stale-term refusals of a fence that counts in no registry."""
+        load = self.load()
+        if self.fence.counter is None and self.fence.refused and isinstance(load, P.Load):
+            load.stale_terms = dict(self.fence.refused)
+        return load
 
     async def _register(self) -> None:
         self._held = self.holding()

@@ -108,7 +108,8 @@ async def run_store(cfg: Config) -> None:
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid(), instance=P.process_instance()))
     link = ConductorLink(ctx, cfg.conductor.endpoint, reg, load, on_registered=announce, curve=curve,
-                         max_message_bytes=max_message_bytes, coordination=cfg.coordination)
+                         max_message_bytes=max_message_bytes, coordination=cfg.coordination,
+                         fence=server.fence)  # one newest leadership term for the link and the store orders
     health = await start_node_health(cfg, "store", node_id)
     await link.connect(timeout_s=60)
     health.ready = True

@@ -73,6 +73,7 @@ class StoreClient:
         self.on_corrupt = on_corrupt
         self.endpoint = endpoint
         self.curve = curve
+        self.term = 0  # the leadership term its store orders (Keep, Replicate, Remove) carry: a conductor's
         self.timeout_s = timeout_s
         self.shm = (is_local_endpoint(endpoint) and shm_available()) if shm is None else shm
         self.shm_min_bytes = shm_min_bytes
@@ -307,16 +308,16 @@ class StoreClient:
         return list((await self._ok(Exists([bytes(h) for h in hashes]))).flags)
 
     async def remove(self, hashes: Sequence[BlockHash]) -> int:
-        return (await self._ok(Remove([bytes(h) for h in hashes]))).count
+        return (await self._ok(Remove([bytes(h) for h in hashes], self.term))).count
 
     async def replicate(self, hashes: Sequence[BlockHash], target_endpoint: str) -> int:
         """Have the store copy these blocks (those it holds) to the store at ``target_endpoint``."""
-        return (await self._ok(Replicate([bytes(h) for h in hashes], target_endpoint))).count
+        return (await self._ok(Replicate([bytes(h) for h in hashes], target_endpoint, self.term))).count
 
     async def keep(self, hashes: Sequence[BlockHash], keep_s: float, tenant: str = "") -> int:
         """Have the store keep these blocks (those it holds) for ``keep_s`` from now, for ``tenant``
         (within its quota); how many it holds."""
-        return (await self._ok(Keep([bytes(h) for h in hashes], keep_s, tenant))).count
+        return (await self._ok(Keep([bytes(h) for h in hashes], keep_s, tenant, self.term))).count
 
     async def stats(self) -> dict[str, Any]:
         return dict((await self._ok(StatsQuery())).data)

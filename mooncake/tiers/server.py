@@ -5,7 +5,8 @@ sees the peer identity first); the reply is ``[request_id, *protocol frames]``
 back to that peer. ``request_id`` is opaque (<= 64 bytes) and echoed, so one
 client socket can have many requests in flight. Tensors are payload frames,
 sent and received without copies. Anything malformed or unknown is answered
-with ``Error`` and the server carries on.
+with ``Error`` and the server carries on; so is a store order (``Keep``, ``Replicate``, ``Remove``)
+of an older leadership term than the newest seen (``Error`` code ``stale_term``: ``term_fence.py``).
 
 Every store operation that may copy or touch LMDB runs in a worker thread
 (``store_requests.py``: what each request does, owned by the server); the event loop
@@ -36,6 +37,7 @@ from ..kv.integrity import Rejections
 from ..protocol import BlockEvent, Error, GetLayers, ProtocolError, decode, encode
 from ..security import Curve, store_access_problem
 from ..sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
+from ..term_fence import TermFence
 from .client import StoreError
 from .store_requests import StoreRequests
 from .tiered import TieredStore
@@ -48,8 +50,11 @@ class StoreServer:
     def __init__(self, store: TieredStore, bind_endpoint: str,
                  on_event: Callable[[BlockEvent], Any] | None = None, node_id: str = "",
                  workers: int = 4, curve: Curve | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MSG_BYTES, fence: TermFence | None = None) -> None:
+        """``fence``: the newest leadership term seen (``term_fence.py``): store orders of an older one
+        are refused (the store role's link to the conductor shares it)."""
         self.max_message_bytes = max_message_bytes
+        self.fence = fence if fence is not None else TermFence(node_id)
         self.rejections = Rejections()  # requests refused: unauthorized key, corrupt block
         self.store = store
         self.curve = curve
@@ -139,6 +144,9 @@ class StoreServer:
                 self.rejections.add("unauthorized")
                 log.warning("refused: %s", refused)
                 reply = encode(Error(refused, "unauthorized"))
+            elif not self.fence.admit(msg):  # a stale conductor's order: not acted on
+                reply = encode(Error(f"leadership term {getattr(msg, 'term', 0)} is older than {self.fence.term}",
+                                     "stale_term"))
             elif isinstance(msg, GetLayers):
                 async for reply in self.requests.stream_layers(msg):
                     await send_multipart(self._sock, [ident, rid[:MAX_RID], *reply])
