@@ -156,6 +156,12 @@ class Metrics:
         self.stale_term_refused = Counter("mooncake:stale_term_refused", "Conductor messages a node refused for "
                                           "a leadership term older than the newest it saw (a stale leader's), per "
                                           "node and message type.", ["node", "message"], registry=r)
+        # by tenant, as the nodes report them (an API key's id, never the key; "" without keys)
+        self.tenant_kept_blocks = Gauge("mooncake:tenant_kept_blocks", "Blocks a tenant's sessions keep, per node "
+                                        "(an engine's prefix cache, a store's tiers).", ["node", "tenant"], registry=r)
+        self.tenant_store_bytes = Counter("mooncake:tenant_store_bytes", "Bytes a tenant's requests wrote to a store, "
+                                          "per node (dropped: past its write budget).", ["node", "tenant", "outcome"],
+                                          registry=r)
 
     def of_node(self, metric: MetricWrapperBase, node_id: str, *labels: str) -> MetricWrapperBase:
         """``metric``'s child for ``node_id`` (its first label), remembered for ``forget_node``."""

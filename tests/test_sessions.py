@@ -416,14 +416,21 @@ async def test_the_cluster_shows_each_tenants_share_of_the_attempts_and_the_bloc
                                                ("f0", "frontend", {}, {"tokens": "tcp://127.0.0.1:9"})):
             facts = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8)) if role == "prefill" else None
             c.membership.register(node_id.encode(), P.Register(role, node_id, P.NodeInfo("n0", 1, facts), endpoints), 0.0)
-            c.cluster.get(node_id).load = P.Load(kept_by_tenant=kept)
+            written, dropped = ({"t2": 4096}, {"t2": 1024}) if role == "store" else ({}, {})
+            c.membership.heartbeat(c.cluster.get(node_id), P.Load(kept_by_tenant=kept, written_by_tenant=written,
+                                                                  dropped_by_tenant=dropped), 0.0)
         for i, tenant in enumerate(("t1", "t1", "t1", "t3")):  # attempts placed and not ended
             c.attempts[f"r{i}#1"] = SimpleNamespace(submit=SimpleNamespace(sampling=P.Sampling(tenant=tenant)))
         snap = cluster_snapshot(c)
-        assert snap["tenants"] == {"t1": {"attempts": 3, "share": 0.75, "kept_blocks": 8},
-                                   "t3": {"attempts": 1, "share": 0.25, "kept_blocks": 0},
-                                   "": {"attempts": 0, "share": 0.0, "kept_blocks": 1},
-                                   "t2": {"attempts": 0, "share": 0.0, "kept_blocks": 2}}
+        assert snap["tenants"] == {"t1": {"attempts": 3, "share": 0.75, "kept_blocks": 8, "store_bytes": 0},
+                                   "t3": {"attempts": 1, "share": 0.25, "kept_blocks": 0, "store_bytes": 0},
+                                   "": {"attempts": 0, "share": 0.0, "kept_blocks": 1, "store_bytes": 0},
+                                   "t2": {"attempts": 0, "share": 0.0, "kept_blocks": 2, "store_bytes": 4096}}
+        text = c.metrics.render().decode()
+        assert 'mooncake:tenant_kept_blocks{node="s0",tenant="t1"} 5.0' in text
+        assert 'mooncake:tenant_store_bytes_total{node="s0",outcome="dropped",tenant="t2"} 1024.0' in text
+        c.membership.heartbeat(c.cluster.get("s0"), P.Load(kept_by_tenant={"t2": 1}), 1.0)  # t1 keeps none there now
+        assert 'mooncake:tenant_kept_blocks{node="s0",tenant="t1"} 0.0' in c.metrics.render().decode()
         c.attempts.clear()
         by_node = {n["node_id"]: n["load"]["kept_by_tenant"] for n in snap["nodes"]}
         assert by_node == {"p0": {"t1": 3, "": 1}, "s0": {"t1": 5, "t2": 2}, "f0": {}}

@@ -76,6 +76,7 @@ class Membership:
         self.keys_required = keys_required
         self.facts: P.ModelFacts | None = None  # what the cluster serves: the first engine matching ``expected``
         self.peers: dict[str, str] = {}  # node id -> the peer key it registered with
+        self._kept_tenants: dict[str, set[str]] = {}  # node id -> the tenants it last said keep blocks
 
     def register(self, ident: bytes, msg: P.Register, now: float, peer: str = "") -> P.Msg:
         """Admit or refuse a node (``peer``: its CURVE key, ``KIND:key``); returns the answer to send it."""
@@ -145,6 +146,12 @@ class Membership:
             m.report(m.kv_rejected, node.node_id, (reason,), count)
         for message, count in load.stale_terms.items():  # what it refused from a stale leader (term_fence.py)
             m.report(m.stale_term_refused, node.node_id, (message,), count)
+        for tenant in {*load.kept_by_tenant, *self._kept_tenants.get(node.node_id, ())}:  # none kept now: 0
+            m.of_node(m.tenant_kept_blocks, node.node_id, tenant).set(load.kept_by_tenant.get(tenant, 0))
+        self._kept_tenants[node.node_id] = set(load.kept_by_tenant)
+        for outcome, by_tenant in (("stored", load.written_by_tenant), ("dropped", load.dropped_by_tenant)):
+            for tenant, total in by_tenant.items():
+                m.report(m.tenant_store_bytes, node.node_id, (tenant, outcome), total)
         for tier, st in load.tiers.items():
             m.of_node(m.tier_used, node.node_id, tier).set(st.used_bytes)
             m.report(m.tier_hits, node.node_id, (tier,), st.hits)
@@ -170,6 +177,7 @@ class Membership:
             self.cluster.remove(node.node_id)
             self.metrics.forget_node(node.node_id)
             self.peers.pop(node.node_id, None)
+            self._kept_tenants.pop(node.node_id, None)
             self.index.drop_node(node.node_id)
             self._count(node.role)
             self.on_lost(node, f"{node.role} instance {node.node_id} died")

@@ -89,16 +89,21 @@ def cluster_snapshot(c: Conductor) -> dict:
 def tenant_shares(nodes: Iterable[Node], in_flight: list[str]) -> dict[str, dict[str, float]]:
     """Per tenant (its id, "" without API keys): ``attempts``, its requests' attempts placed and not
     ended (``in_flight``: each one's tenant), and ``share``, their part of all of them;
-    ``kept_blocks``, the blocks its sessions keep in the engines' prefix caches and the stores,
-    summed over the nodes' last reports (each node's own count is in its ``load.kept_by_tenant``)."""
+    ``kept_blocks``, the blocks its sessions keep in the engines' prefix caches and the stores, and
+    ``store_bytes``, what it wrote to the stores since they started, summed over the nodes' last
+    reports (each node's own are in its ``load``: ``kept_by_tenant``, ``written_by_tenant``)."""
     out: dict[str, dict[str, float]] = {}
+
+    def of(tenant: str) -> dict[str, float]:
+        return out.setdefault(tenant, {"attempts": 0, "share": 0.0, "kept_blocks": 0, "store_bytes": 0})
+
     for tenant in in_flight:
-        share = out.setdefault(tenant, {"attempts": 0, "share": 0.0, "kept_blocks": 0})
-        share["attempts"] += 1
+        of(tenant)["attempts"] += 1
     for node in nodes:
         for tenant, kept in node.load.kept_by_tenant.items():
-            share = out.setdefault(tenant, {"attempts": 0, "share": 0.0, "kept_blocks": 0})
-            share["kept_blocks"] += kept
+            of(tenant)["kept_blocks"] += kept
+        for tenant, written in node.load.written_by_tenant.items():
+            of(tenant)["store_bytes"] += written
     for share in out.values():
         share["share"] = round(share["attempts"] / len(in_flight), 3) if in_flight else 0.0
     return out

@@ -88,6 +88,8 @@ class Load(msgspec.Struct):
     kept_blocks: int = 0  # engine: of its cached blocks, those a session keeps
     kept_by_tenant: dict[str, int] = {}  # engine, store: blocks kept per tenant (its id; "" without API keys), at most [classes] session_blocks_per_key each
     stale_terms: dict[str, int] = {}  # conductor messages refused since start for a stale term, by type (``term_fence.py``)
+    written_by_tenant: dict[str, int] = {}  # store: bytes stored per tenant since start
+    dropped_by_tenant: dict[str, int] = {}  # store: bytes past the tenant's write budget since start (``tiers/write_budget.py``)
 
 
 class Register(Msg, tag="register"):

@@ -103,7 +103,9 @@ async def run_store(cfg: Config) -> None:
                                                     t["evictions"], t["flex_blocks"], t["flex_evictions"],
                                                     t["session_blocks"])
                              for t in snap["tiers"]},
-                      kv_rejected=server.rejections.snapshot(), kept_by_tenant=snap["kept_by_tenant"])
+                      kv_rejected=server.rejections.snapshot(), kept_by_tenant=snap["kept_by_tenant"],
+                      written_by_tenant=dict(server.requests.budget.written),
+                      dropped_by_tenant=dict(server.requests.budget.dropped))
 
     reg = P.Register(role="store", node_id=node_id, endpoints={"store": endpoint, "p2p": p2p.endpoint},
                      info=P.NodeInfo(cfg.node.name, os.getpid(), instance=P.process_instance()))
