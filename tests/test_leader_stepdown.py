@@ -209,3 +209,18 @@ async def test_a_leader_whose_etcd_hangs_stops_acting_before_its_lease_could_lap
         await second.close()
     finally:
         server.stop()
+
+
+async def test_a_conductor_that_stops_acting_takes_back_its_metric_refreshers():
+    """A leader that leads again builds a new Conductor on the same metrics: the old one's gauge
+    refreshers (which hold it, its cluster and its index) go when it closes."""
+    from mooncake.metrics import Metrics
+
+    metrics = Metrics("m")
+    before = len(metrics.before_render)
+    for _ in range(3):
+        c = Conductor(Config(), "m", None, metrics)
+        assert len(metrics.before_render) == before + 2
+        await c.close()
+    assert len(metrics.before_render) == before
+    metrics.render()

@@ -67,8 +67,8 @@ class Conductor:
         self.stats = AttemptMetrics(self.metrics, model_name, self.predictions)
         self.cluster = Cluster()
         self.index = KVIndex()
-        self.metrics.before_render += [lambda: self.stats.kv_usage(self.cluster),
-                                       lambda: self.metrics.index_blocks.set(len(self.index))]
+        self._refresh = [lambda: self.stats.kv_usage(self.cluster), lambda: self.metrics.index_blocks.set(len(self.index))]
+        self.metrics.before_render += self._refresh  # taken back at close (a leader that leads again makes a new one)
         self.costs = CostModels(self.metrics)
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
         self.admission = Admission(cfg.conductor, self.metrics, cfg.classes)
@@ -109,6 +109,7 @@ class Conductor:
         tell the next conductor of them (``adoption.py``); the socket closes."""
         if self.router is not None:
             await self.router.flush()
+        self.metrics.before_render[:] = [f for f in self.metrics.before_render if f not in self._refresh]
         for t in self._tasks:
             t.cancel()
         self.replicator.close()  # and with it the clients a session's keeping uses
