@@ -5,7 +5,13 @@ It fails safe: every call tries the configured endpoints in turn (any member of 
 answers) and takes the first answer that is a 200 with a JSON body holding what the caller needs;
 a member that cannot be reached, answers an error or a body that does not parse is skipped for the
 next. When no member gives such an answer the call raises ``EtcdUnavailable``, whatever went
-wrong (never another exception); every call has a time limit."""
+wrong (never another exception); every call has a time limit.
+Why our own and not a library: the Python etcd v3 clients (python-etcd3 and its asyncio fork
+``aetcd``, not yet 1.0) speak gRPC, a native dependency (grpcio, protobuf) for a few calls, and
+their APIs have no election calls (Campaign, Leader, Observe), which this uses; the gateway needs
+only httpx, which the server has anyway. It is tested against real etcd processes
+(``test_leader_stepdown.py``, ``test_etcd_cluster.py``) and a gateway that misbehaves on purpose
+(``test_etcd_failsafe.py``)."""
 
 from __future__ import annotations
 
