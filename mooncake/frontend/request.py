@@ -11,8 +11,8 @@ attempts, its events.
 An attempt is one try on one prefill/decode pair, placed by the conductor; workers and the
 conductor know it by its wire id (``<request id>#<attempt>``), so a message of an earlier
 attempt matches nothing. Tokens carry their index among the request's generated tokens:
-they are emitted in index order whatever path (the prefill's first token through the
-conductor, decode's stream straight to this frontend) they came by, and an index already
+they are emitted in index order whatever path (the prefill's first token in its
+``PrefillDone``, decode's stream to this frontend's token socket) they came by, and an index already
 emitted is a duplicate. The HTTP layer reads the typed events from ``events``; only this
 module changes a request's state.
 """
