@@ -218,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     keys = sub.add_parser("keys", help="create the role keys for [security] curve_keys_dir")
     keys.add_argument("dir", help="directory to write KIND.key and KIND.key_secret into (KIND: conductor, "
-                                  "worker, store)")
+                                  "worker, store, frontend)")
+    keys.add_argument("--frontend", action="append", default=[], metavar="NAME",
+                      help="a key of its own for the frontend whose node id is NAME (frontend-NAME.key*), "
+                           "instead of the one frontend.key pair; repeat for each frontend")
+    keys.add_argument("--frontends-only", action="store_true",
+                      help="write only the frontend keys (add frontends to a directory whose other keys stay)")
     from mooncake.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -234,10 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from mooncake.security import generate_keys
 
-        for secret in generate_keys(args.dir):
+        from mooncake.security import CurveError
+
+        try:
+            written = generate_keys(args.dir, args.frontend, args.frontends_only)
+        except CurveError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for secret in written:
             print(f"wrote {secret} and {secret.with_suffix('.key')}")
-        print(f"every machine needs the three *.key files and the *.key_secret of the roles it runs "
-              f"(conductor, worker: prefill and decode, store); set [security] curve_keys_dir = \"{args.dir}\"")
+        print(f"every machine needs all the *.key files and the *.key_secret of the roles it runs (conductor; "
+              f"worker: prefill and decode; store; a frontend its own frontend*.key_secret, never the "
+              f"conductor's); set [security] curve_keys_dir = \"{args.dir}\"")
         return 0
     if args.command == "sim":
         from mooncake.sim.cli import run_sim

@@ -1,18 +1,26 @@
 """Authentication, encryption and authorization of the links between roles (ZeroMQ CURVE).
 
 ``mooncake keys DIR`` writes one keypair per role kind: ``conductor``, ``worker``
-(prefill and decode) and ``store`` (``KIND.key`` public, ``KIND.key_secret``
-secret). A role loads the secret of its own kind and the public keys of all
-kinds; a machine only needs the secrets of the kinds it runs (see README).
+(prefill and decode), ``store`` and ``frontend`` (``KIND.key`` public, ``KIND.key_secret``
+secret). Frontends, the internet-facing processes, have keys of their own, one per frontend:
+``mooncake keys DIR --frontend NAME`` (repeatable) writes ``frontend-NAME.key`` /
+``frontend-NAME.key_secret`` instead of the one ``frontend.key`` pair. A frontend whose node
+id is NAME loads ``frontend-NAME.key_secret`` where there is one, else ``frontend.key_secret``;
+it never needs the conductor's secret (a conductor that serves the API itself loads a frontend
+key for it too). A role loads the secret of its own kind and the public keys of all kinds (every
+``frontend*.key``); a machine only needs the secrets of the kinds it runs (docs/operations.md, Security).
 
-Every socket that binds (conductor, store, decode KV ingress) is a CURVE server
-whose ZAP authenticator admits only the public keys in the directory and tags each
+Every socket that binds (conductor, store, worker orders, decode KV ingress, frontend tokens) is
+a CURVE server whose ZAP authenticator admits only the public keys in the directory and tags each
 connection with its kind: every received frame carries ``User-Id`` =
-``"KIND:<z85 public key>"`` (``peer_of``). Servers authorize by kind: the conductor
-registers prefill/decode only from worker keys and stores only from store keys, a
-store takes Put from workers (and stores replicating) and Replicate only from the
-conductor, a decode takes KV only from workers. Every socket that connects presents
-its kind's key and checks the server's (``client(sock, server_kind)``).
+``"KIND:<z85 public key>"`` (``peer_of``). Servers authorize by kind: the conductor registers
+prefill/decode only from worker keys, stores only from store keys and frontends only from
+frontend keys, and a node id held by a live node under another key or another process start
+(``NodeInfo.instance``) is refused (``conductor/membership.py``); a store takes Put from workers
+(and stores replicating) and Keep/Replicate/Remove only from the conductor; a worker takes orders
+(``roles/orders.py``) only from frontend keys; a decode takes KV only from workers. Every socket
+that connects presents its kind's key and checks the server's (``client(sock, server_kind)``);
+a decode streams tokens to a frontend under the key that frontend ordered with (``vouch``).
 
 Off loopback, roles refuse to start without keys unless ``[security]
 allow_insecure_network`` is set (``check_network``).
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +41,10 @@ from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
-KINDS = ("conductor", "worker", "store")
-ROLE_KIND = {"conductor": "conductor", "frontend": "conductor", "prefill": "worker", "decode": "worker", "colocated": "worker", "store": "store"}
+KINDS = ("conductor", "worker", "store", "frontend")
+ROLE_KIND = {"conductor": "conductor", "frontend": "frontend", "prefill": "worker", "decode": "worker", "colocated": "worker", "store": "store"}
+_NAME = re.compile(r"^[-._a-zA-Z0-9]+$")
+MAX_VOUCHED = 4096  # frontend endpoints whose key a worker remembers
 
 
 class CurveError(RuntimeError):
@@ -44,13 +55,25 @@ class InsecureNetworkError(RuntimeError):
     """A role would talk to a non-loopback address without CURVE."""
 
 
-def generate_keys(directory: str | Path) -> list[Path]:
-    """Write a new keypair per role kind into ``directory``; returns the secret key files."""
+def frontend_key_name(name: str = "") -> str:
+    """The file stem of a frontend's key: ``frontend`` (the one shared pair), or ``frontend-NAME``."""
+    if name and not _NAME.match(name):
+        raise CurveError(f"frontend name {name!r} is not usable in a key file name (letters, digits, '-._')")
+    return f"frontend-{name}" if name else "frontend"
+
+
+def generate_keys(directory: str | Path, frontends: list[str] | tuple[str, ...] = (),
+                  frontends_only: bool = False) -> list[Path]:
+    """Write a new keypair per role kind into ``directory``, a frontend's per name in ``frontends``
+    (none: the one ``frontend`` pair); ``frontends_only``: only the frontends' (added to a directory
+    whose other keys stay); returns the secret key files."""
     d = Path(directory).expanduser()
     d.mkdir(parents=True, exist_ok=True)
+    stems = [] if frontends_only else [k for k in KINDS if k != "frontend"]
+    stems += [frontend_key_name(n) for n in frontends or [""]]
     secrets = []
-    for kind in KINDS:
-        _, secret = zmq.auth.create_certificates(str(d), kind)
+    for stem in stems:
+        _, secret = zmq.auth.create_certificates(str(d), stem)
         Path(secret).chmod(0o600)
         secrets.append(Path(secret))
     return secrets
@@ -70,9 +93,10 @@ class _KindAuthenticator(AsyncioAuthenticator):
 
 
 class Curve:
-    """The CURVE keys of one role process (``role``: conductor, prefill, decode or store)."""
+    """The CURVE keys of one role process (``role``: conductor, frontend, prefill, decode or store)."""
 
-    def __init__(self, keys_dir: str | Path, role: str) -> None:
+    def __init__(self, keys_dir: str | Path, role: str, name: str = "") -> None:
+        """``name``: a frontend's node id (it loads ``frontend-NAME.key_secret`` where there is one)."""
         if not zmq.has("curve"):
             raise CurveError("this libzmq was built without CURVE support")
         if role not in ROLE_KIND:
@@ -81,43 +105,63 @@ class Curve:
         self.keys_dir = Path(keys_dir).expanduser()
         hint = f"(create them with: mooncake keys {self.keys_dir})"
         secret_file = self.keys_dir / f"{self.kind}.key_secret"
+        if self.kind == "frontend" and name and _NAME.match(name) and \
+                (own := self.keys_dir / f"{frontend_key_name(name)}.key_secret").is_file():
+            secret_file = own
         try:
             self.public, self.secret = zmq.auth.load_certificate(str(secret_file))
         except (OSError, ValueError) as e:
             raise CurveError(f"cannot read the {self.kind} key {secret_file}: {e} {hint}") from None
         if self.secret is None:
             raise CurveError(f"{secret_file} holds no secret key {hint}")
-        self.publics: dict[str, bytes] = {}  # kind -> public key
+        self.publics: dict[str, bytes] = {}  # kind -> public key (frontend: ``frontend.key``, else the first)
         self.kinds: dict[bytes, str] = {}  # z85 public key -> kind
         for kind in KINDS:
-            try:
-                public, _ = zmq.auth.load_certificate(str(self.keys_dir / f"{kind}.key"))
-            except (OSError, ValueError) as e:
-                raise CurveError(f"cannot read the {kind} public key in {self.keys_dir}: {e} {hint}") from None
-            self.publics[kind] = public
-            self.kinds[public] = kind
+            files = [self.keys_dir / f"{kind}.key"]
+            if kind == "frontend":
+                files = sorted(self.keys_dir.glob("frontend*.key"), key=lambda p: p.name != "frontend.key")
+            for file in files or [self.keys_dir / "frontend.key"]:
+                try:
+                    public, _ = zmq.auth.load_certificate(str(file))
+                except (OSError, ValueError) as e:
+                    fix = f"(add frontend keys with: mooncake keys {self.keys_dir} --frontends-only)" \
+                        if kind == "frontend" else hint
+                    raise CurveError(f"cannot read the {kind} public key in {self.keys_dir}: {e} {fix}") from None
+                self.publics.setdefault(kind, public)
+                self.kinds[public] = kind
+        self.vouched: dict[str, bytes] = {}  # endpoint -> the public key of the frontend that serves it
         self._auths: dict[int, AsyncioAuthenticator] = {}
 
     @classmethod
-    def from_dir(cls, keys_dir: str, role: str) -> "Curve | None":
-        return cls(keys_dir, role) if keys_dir else None
+    def from_dir(cls, keys_dir: str, role: str, name: str = "") -> "Curve | None":
+        return cls(keys_dir, role, name) if keys_dir else None
 
     def server(self, sock: zmq.Socket, ctx: zmq.Context) -> None:
         """Make ``sock`` (before bind) a CURVE server; starts ``ctx``'s authenticator once."""
         if id(ctx) not in self._auths:
             auth = _KindAuthenticator(ctx, self.kinds)
             auth.start()
-            auth.configure_curve(domain="*", location=str(self.keys_dir))  # every *.key: the three kinds
+            auth.configure_curve(domain="*", location=str(self.keys_dir))  # every *.key: all kinds
             self._auths[id(ctx)] = auth
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
 
-    def client(self, sock: zmq.Socket, server_kind: str) -> None:
-        """Make ``sock`` (before connect) present this role's key to a CURVE server of ``server_kind``."""
-        sock.curve_serverkey = self.publics[server_kind]
+    def client(self, sock: zmq.Socket, server_kind: str, server_key: bytes | None = None) -> None:
+        """Make ``sock`` (before connect) present this role's key to a CURVE server of ``server_kind``
+        (``server_key``: that server's own public key, z85, where the kind has several)."""
+        sock.curve_serverkey = server_key or self.publics[server_kind]
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
+
+    def vouch(self, endpoint: str, peer: str) -> None:
+        """The frontend that sent an order under CURVE key ``peer`` (``KIND:key``) serves ``endpoint``
+        (its token socket, bound under that key): what connects there expects that key."""
+        if not endpoint or ":" not in peer:
+            return
+        if endpoint not in self.vouched and len(self.vouched) >= MAX_VOUCHED:
+            self.vouched.pop(next(iter(self.vouched)))
+        self.vouched[endpoint] = peer.split(":", 1)[1].encode("ascii")
 
     def stop(self) -> None:
         for auth in self._auths.values():

@@ -75,10 +75,10 @@ def bind_server(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, host: st
 
 
 def connect_client(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, server_kind: str, endpoint: str,
-                   identity: str = "", max_bytes: int = 0, plain: bool = False) -> Any:
+                   identity: str = "", max_bytes: int = 0, plain: bool = False, server_key: bytes | None = None) -> Any:
     """A socket connected to ``endpoint``; under CURVE it expects the server to hold the
-    ``server_kind`` key. ``identity``: its routing id (what a ROUTER on the other end sees);
-    ``plain``: as for ``bind_server``."""
+    ``server_kind`` key (``server_key``: that very key, where the kind has several). ``identity``:
+    its routing id (what a ROUTER on the other end sees); ``plain``: as for ``bind_server``."""
     sock = _socket(ctx, socket_type, plain)
     sock.setsockopt(zmq.LINGER, 0)
     if identity:
@@ -86,7 +86,7 @@ def connect_client(ctx: zmq.asyncio.Context, socket_type: int, curve: Any, serve
     if max_bytes:
         limit_message_size(sock, max_bytes)
     if curve is not None:
-        curve.client(sock, server_kind)
+        curve.client(sock, server_kind, server_key)
     sock.connect(endpoint)
     return sock
 

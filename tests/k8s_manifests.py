@@ -62,3 +62,20 @@ def pod_specs(objs: list[dict]) -> dict[str, dict]:
     roles: not the etcd rendered for the conductors' election)."""
     return {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o["spec"]["template"]["spec"]
             for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"] != "mooncake-etcd"}
+
+
+def curve_items(spec: dict) -> list[tuple[str, str, str]]:
+    """(Secret, its key, the file's path) of each key file a pod mounts in its ``curve`` volume
+    (a Secret's items, or a projected volume's: a frontend's own key comes from a Secret of its own)."""
+    volume = next((v for v in spec["volumes"] if v["name"] == "curve"), None)
+    if volume is None:
+        return []
+    if "secret" in volume:
+        return [(volume["secret"]["secretName"], i["key"], i["path"]) for i in volume["secret"]["items"]]
+    return [(s["secret"]["name"], i["key"], i["path"]) for s in volume["projected"]["sources"] for i in s["secret"]["items"]]
+
+
+def frontend_specs(objs: list[dict]) -> dict[str, dict]:
+    """Deployment name -> pod spec of each frontend (a Deployment each: each has a key of its own)."""
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objs if o["kind"] == "Deployment"
+            and o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "frontend"}

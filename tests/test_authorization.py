@@ -213,8 +213,17 @@ def test_mooncake_keys_writes_a_keypair_per_role_kind(tmp_path, capsys):
 
     assert main(["keys", str(tmp_path / "k")]) == 0
     names = sorted(p.name for p in (tmp_path / "k").iterdir())
-    assert names == sorted(f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret"))
+    assert names == sorted(f"{k}.{e}" for k in ("conductor", "worker", "store", "frontend") for e in ("key", "key_secret"))
     assert all((tmp_path / "k" / n).stat().st_mode & 0o077 == 0 for n in names if n.endswith("_secret"))
     assert "key_secret" in capsys.readouterr().out
-    kinds = {role: Curve(tmp_path / "k", role) for role in ("conductor", "prefill", "decode", "store")}
+    kinds = {role: Curve(tmp_path / "k", role) for role in ("conductor", "prefill", "decode", "store", "frontend")}
     assert kinds["prefill"].public == kinds["decode"].public != kinds["store"].public != kinds["conductor"].public
+    assert kinds["frontend"].kind == "frontend" and kinds["frontend"].public not in (kinds["conductor"].public,
+                                                                                     kinds["prefill"].public)
+    # a key per frontend, added beside the others: a frontend named "edge" loads its own
+    assert main(["keys", str(tmp_path / "k"), "--frontends-only", "--frontend", "edge"]) == 0
+    assert Curve(tmp_path / "k", "conductor").public == kinds["conductor"].public  # the others stay
+    edge = Curve(tmp_path / "k", "frontend", "edge")
+    assert edge.public != kinds["frontend"].public and edge.kinds[edge.public] == "frontend"
+    assert Curve(tmp_path / "k", "frontend", "other").public == kinds["frontend"].public  # no key of its own
+    assert main(["keys", str(tmp_path / "k"), "--frontend", "bad/name"]) == 2

@@ -19,7 +19,7 @@ ROOT = k8s.ROOT
 @pytest.fixture
 def gpu_config(tmp_path) -> Path:
     """Two nodes' worth of GPU cluster: CUDA, CURVE keys, an API key, non-default ports."""
-    generate_keys(tmp_path / "keys")
+    generate_keys(tmp_path / "keys", ["0", "1"])  # a key per frontend
     path = tmp_path / "gpu.toml"
     path.write_text(f'[model]\ndevice = "cuda"\n[conductor]\nport = 8080\napi_key = "sk-secret"\n'
                     f'endpoint = "tcp://10.0.0.1:6000"\ndrain_timeout_s = 120\n'
@@ -38,9 +38,9 @@ def test_manifests_validate_against_the_kubernetes_schemas(tmp_path, gpu_config,
     assert written and all(p.endswith(".yaml") and Path(p).is_file() for p in written)
     k8s.validate(tmp_path / "out")
     kinds = sorted(o["kind"] for o in k8s.objects(tmp_path / "out"))
-    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Deployment", "Namespace", "Service",
-                "Service", "Service", "Service", "StatefulSet", "StatefulSet"]  # + frontends, etcd
-    secrets = ["Secret", "Secret"] if which == "gpu" else ["Secret"]  # CURVE keys (+ the API key)
+    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Deployment", "Deployment", "Namespace",
+                "Service", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]  # + 2 frontends, etcd
+    secrets = ["Secret"] * (4 if which == "gpu" else 3)  # CURVE keys, each frontend's own (+ the API key)
     assert kinds == sorted(expected + secrets)
 
 
@@ -59,7 +59,10 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     workloads = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
                  for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
     assert set(workloads) == {"conductor", "frontend", "prefill", "decode", "store", "etcd"}
-    assert workloads["frontend"]["spec"]["replicas"] == 2 and workloads["conductor"]["spec"]["replicas"] == 2
+    fronts = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("mooncake-frontend")]
+    assert [(o["metadata"]["name"], o["spec"]["replicas"]) for o in fronts] == [("mooncake-frontend-0", 1),
+                                                                                ("mooncake-frontend-1", 1)]
+    assert workloads["conductor"]["spec"]["replicas"] == 2
     etcd = workloads.pop("etcd")  # not a mooncake role: the conductors' election
     assert etcd["kind"] == "StatefulSet" and etcd["spec"]["replicas"] == 1
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
@@ -83,9 +86,10 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         assert effective.security.curve_keys_dir == "/etc/mooncake/curve"
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/etc/mooncake/curve" in mounts
-        curve_files = {i["path"] for v in pod["volumes"] if v["name"] == "curve" for i in v["secret"]["items"]}
-        kind = {"prefill": "worker", "decode": "worker", "frontend": "conductor"}.get(role, role)
-        assert curve_files == {"conductor.key", "worker.key", "store.key", f"{kind}.key_secret"}, role
+        curve_files = {path for _, _, path in k8s.curve_items(pod)}
+        kind = {"prefill": "worker", "decode": "worker"}.get(role, role)  # a frontend: its own key, never the conductor's
+        assert curve_files == {"conductor.key", "worker.key", "store.key", "frontend-0.key", "frontend-1.key",
+                               f"{kind}.key_secret"}, role
         assert effective.coordination.etcd_endpoints == ["http://mooncake-etcd.mooncake.svc.cluster.local:2379"]
         assert not effective.conductor.serves_frontend(True)
         if role == "frontend":
@@ -120,7 +124,10 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     assert "sk-secret" not in configmap["data"]["cluster.toml"]
     curve = next(o for o in objects if o["metadata"]["name"] == "mooncake-curve")
-    assert set(curve["stringData"]) == {f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret")}
+    assert set(curve["stringData"]) == {f"{k}.{e}" for k in ("conductor", "worker", "store") for e in ("key", "key_secret")} | \
+        {"frontend-0.key", "frontend-1.key"}  # the frontends' secret keys: each in a Secret of its own
+    service = services["mooncake-frontend"]  # one Service in front of every frontend
+    assert all(service["spec"]["selector"].items() <= o["spec"]["template"]["metadata"]["labels"].items() for o in fronts)
 
 
 def test_cpu_config_requests_no_gpu():
@@ -220,3 +227,16 @@ def test_colocated_replicas_render_a_deployment_of_their_own():
     assert "colocated" in _pod_spec(objects, "colocated")["containers"][0]["command"]
     assert not any(o["metadata"]["labels"].get("app.kubernetes.io/component") in ("prefill", "decode")
                    for o in objects if o["kind"] == "Deployment")
+
+
+def test_each_frontend_needs_a_key_of_its_own(tmp_path):
+    """A key directory with one frontend key cannot serve two frontends (the message says how to add
+    keys); one frontend deploys with the one ``frontend`` pair, mounted as its own."""
+    generate_keys(tmp_path / "keys")  # `mooncake keys DIR`: one frontend key
+    cfg = load_config(None, env={}, overrides={"security": {"curve_keys_dir": str(tmp_path / "keys")}})
+    with pytest.raises(DeployError, match="--frontends-only --frontend 0 --frontend 1"):
+        render(cfg, Topology(frontend=2))
+    objects = [o for objs in render(cfg, Topology(frontend=1)).values() for o in objs]
+    (spec,) = k8s.frontend_specs(objects).values()
+    assert ("mooncake-curve-frontend-0", "frontend.key_secret", "frontend.key_secret") in k8s.curve_items(spec)
+    assert not any(path == "conductor.key_secret" for _, _, path in k8s.curve_items(spec))

@@ -41,12 +41,11 @@ def _mounted_keys(objs: list[dict], spec: dict, mount_path: str, into: Path) -> 
     """Writes the key files the pod's container sees at ``mount_path`` into ``into``; their names."""
     secrets = {o["metadata"]["name"]: o["stringData"] for o in objs if o["kind"] == "Secret"}
     mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == mount_path)
-    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-    data = secrets[volume["secret"]["secretName"]]  # the Secret is rendered beside the pods
+    assert mount["name"] == "curve"
     into.mkdir()
-    for item in volume["secret"]["items"]:
-        (into / item["path"]).write_text(data[item["key"]])
-    return {item["path"] for item in volume["secret"]["items"]}
+    for secret, key, path in k8s.curve_items(spec):  # the Secrets are rendered beside the pods
+        (into / path).write_text(secrets[secret][key])
+    return {path for _, _, path in k8s.curve_items(spec)}
 
 
 def _assert_every_pod_can_start(objs: list[dict], tmp_path: Path) -> None:
@@ -59,16 +58,25 @@ def _assert_every_pod_can_start(objs: list[dict], tmp_path: Path) -> None:
             continue
         assert cfg.security.curve_keys_dir, role
         files = _mounted_keys(objs, spec, cfg.security.curve_keys_dir, tmp_path / role)
-        # the public keys and the secret key of its own kind only
-        assert files == {f"{kind}.key" for kind in KINDS} | {f"{ROLE_KIND[role]}.key_secret"}, role
-        Curve(tmp_path / role, role)  # what the role loads at start: these keys load
+        # the public keys and the secret key of its own kind only (a frontend: its own)
+        publics = {f"{kind}.key" for kind in KINDS if kind != "frontend"} | {"frontend-0.key", "frontend-1.key"}
+        assert files == publics | {f"{ROLE_KIND[role]}.key_secret"}, role
+        Curve(tmp_path / role, role, cfg.node.node_id)  # what the role loads at start: these keys load
+    owns = set()
+    for name, spec in k8s.frontend_specs(objs).items():
+        cfg = k8s.effective(objs, spec["containers"][0])
+        if not cfg.security.allow_insecure_network:
+            _mounted_keys(objs, spec, cfg.security.curve_keys_dir, tmp_path / name)
+            owns.add(Curve(tmp_path / name, "frontend", cfg.node.node_id).public)
+    assert len(owns) in (0, 2)  # each frontend its own key
 
 
 def test_the_example_config_deploys_pods_that_can_start(tmp_path):
     objs = _deploy(tmp_path, EXAMPLE)
     _assert_every_pod_can_start(objs, tmp_path)
     secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == "mooncake-curve")
-    assert set(secret["stringData"]) == {f"{k}.{e}" for k in KINDS for e in ("key", "key_secret")}
+    assert set(secret["stringData"]) == {f"{k}.{e}" for k in KINDS if k != "frontend" for e in ("key", "key_secret")} | \
+        {"frontend-0.key", "frontend-1.key"}  # generated: a key per frontend, each secret in its own Secret
     elsewhere = yaml.safe_dump_all([o for o in objs if o["kind"] != "Secret"])
     assert not any(text.strip() in elsewhere for text in secret["stringData"].values())
     # new manifests with new keys restart every pod (no pod keeps keys the others no longer accept)
@@ -82,13 +90,14 @@ def test_the_example_config_deploys_pods_that_can_start(tmp_path):
 
 
 def test_configured_keys_are_the_ones_deployed(tmp_path):
-    generate_keys(tmp_path / "keys")
+    generate_keys(tmp_path / "keys", ["0", "1"])
     config = tmp_path / "c.toml"
     config.write_text(f'[security]\ncurve_keys_dir = "{tmp_path / "keys"}"\n')
     objs = _deploy(tmp_path, config)
     _assert_every_pod_can_start(objs, tmp_path)
     secret = next(o for o in objs if o["metadata"]["name"] == "mooncake-curve")
-    assert secret["stringData"] == {p.name: p.read_text() for p in (tmp_path / "keys").iterdir()}
+    assert secret["stringData"] == {p.name: p.read_text() for p in (tmp_path / "keys").iterdir()
+                                    if not (p.name.startswith("frontend") and p.name.endswith("_secret"))}
 
 
 def test_allow_insecure_network_deploys_without_keys(tmp_path):
@@ -107,7 +116,7 @@ def test_without_keys_that_cannot_be_generated_deploy_refuses(monkeypatch, break
     if breakage == "no_curve":
         monkeypatch.setattr(deploy_keys.zmq, "has", lambda capability: False)
     else:
-        def fail(directory):
+        def fail(directory, *names):
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(deploy_keys, "generate_keys", fail)
@@ -144,7 +153,7 @@ def test_service_monitors_and_scrape_annotations_find_the_frontend_and_conductor
             assert secret["stringData"][ref["key"]] in accepted
         else:  # no key: a conductor's health port serves no API
             assert "bearerTokenSecret" not in endpoint
-        template = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+        template = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] in (name, f"{name}-0"))
         annotations = template["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
         named = next(p for p in spec["containers"][0]["ports"] if p["name"] == endpoint["port"])

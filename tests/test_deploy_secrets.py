@@ -49,7 +49,7 @@ def test_every_field_that_may_hold_a_secret_is_listed():
 @pytest.fixture
 def rendered(tmp_path) -> tuple[Config, list[dict], dict[str, str]]:
     """Manifests of a config with every secret set, CURVE keys included; and those keys' texts."""
-    generate_keys(tmp_path / "keys")
+    generate_keys(tmp_path / "keys", ["0", "1"])  # a key per frontend
     cfg = load_config(None, env={}, overrides={
         "security": {"curve_keys_dir": str(tmp_path / "keys")},
         **{section: {k: v for (s, k), v in SECRETS.items() if s == section} for section, _ in SECRETS}})
@@ -61,10 +61,10 @@ def rendered(tmp_path) -> tuple[Config, list[dict], dict[str, str]]:
 
 def test_no_secret_of_the_config_reaches_an_object_other_than_a_secret(rendered):
     cfg, objects, curve_secrets = rendered
-    assert len(curve_secrets) == 3
+    assert len(curve_secrets) == 5  # conductor, worker, store, two frontends
     curve_texts = [line.split('"')[1] for text in curve_secrets.values() for line in text.splitlines()
                    if "secret-key" in line]
-    assert len(curve_texts) == 3
+    assert len(curve_texts) == 5
     for obj in objects:
         if obj["kind"] == "Secret":
             continue
@@ -87,9 +87,16 @@ def test_the_frontends_still_get_every_secret_and_each_pod_its_curve_key_from_se
         if env["name"].endswith(("API_KEY", "API_KEYS", "API_KEY_TIERS")):
             assert "secretKeyRef" in env["valueFrom"], env["name"]
     for role, spec in specs.items():
-        mounted = {i["path"] for v in spec["volumes"] if "secret" in v for i in v["secret"]["items"]}
+        mounted = {path for _, _, path in k8s.curve_items(spec)}
         assert any(p.endswith(".key_secret") for p in mounted), role
-    assert set(secrets["mooncake-curve"]) >= set(curve_secrets)
+    frontends = {n.removeprefix("frontend-").removesuffix(".key_secret") for n in curve_secrets if n.startswith("frontend")}
+    assert frontends == {"0", "1"}
+    assert set(secrets["mooncake-curve"]) == {n for n in curve_secrets if not n.startswith("frontend")} | {
+        n.removesuffix("_secret") for n in curve_secrets}  # every public key; no frontend's secret key
+    for i, (name, spec) in enumerate(sorted(k8s.frontend_specs(objects).items())):
+        own = [(secret, key) for secret, key, path in k8s.curve_items(spec) if path.endswith(".key_secret")]
+        assert own == [(f"mooncake-curve-frontend-{i}", f"frontend-{i}.key_secret")], name  # its own, alone
+        assert secrets[f"mooncake-curve-frontend-{i}"] == {f"frontend-{i}.key_secret": curve_secrets[f"frontend-{i}.key_secret"]}
     monitor = next(o for o in objects if o["kind"] == "ServiceMonitor" and "frontend" in o["metadata"]["name"])
     bearer = monitor["spec"]["endpoints"][0]["bearerTokenSecret"]
     assert secrets[bearer["name"]][bearer["key"]] in RAW_KEYS

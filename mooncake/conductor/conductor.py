@@ -307,7 +307,7 @@ class Conductor:
             for a in [a for a in self.attempts.values() if a.owner == node.node_id]:
                 self.metrics.frontend_aborts.inc()
                 self._end(a, abort=False)
-            for worker in (n for role in P.ENGINE_ROLES for n in self.cluster.of_role(role)):
+            for worker in [n for n in self.cluster.nodes.values() if n.role in P.ENGINE_ROLES]:  # draining, stalled too
                 self._send(worker.node_id, P.FrontendGone(node.node_id, node.info.instance, node.info.pid))
         else:
             for a in [a for a in self.attempts.values() if node.node_id in a.nodes]:

@@ -8,8 +8,11 @@ progresses again takes work again. ``Leave`` marks a node draining: it finishes
 what it has and gets nothing new.
 
 Authorization: under CURVE each registration comes with its peer key
-(``KIND:key``): prefill and decode must hold the worker key, stores the store key;
-a node id registered under one key cannot be taken over by another. The model is
+(``KIND:key``): prefill and decode must hold the worker key, stores the store key,
+frontends a frontend key; a node id held by a live node cannot be taken over under
+another key, nor by another process start (``NodeInfo.instance``: workers share one
+key) — refused as ``node_id_taken``, which the newcomer retries (``roles/link.py``)
+until the old one has left (``Leave``: draining) or is declared dead. The model is
 what the conductor's own copy says (``ExpectedModel``), not what the first
 registrant claims.
 """
@@ -120,10 +123,15 @@ class Membership:
         if self.keys_required and kind_of(peer) != ROLE_KIND.get(msg.role):
             self.metrics.refused_registrations.labels("key_kind").inc()
             return P.Error(f"a {kind_of(peer) or 'keyless'} key may not register as {msg.role!r}", "unauthorized")
-        taken = self.peers.get(msg.node_id)
-        if taken is not None and taken != peer and self.cluster.get(msg.node_id) is not None:
+        taken, old = self.peers.get(msg.node_id), self.cluster.get(msg.node_id)
+        if taken is not None and taken != peer and old is not None:
             self.metrics.refused_registrations.labels("node_id_taken").inc()
             return P.Error(f"node id {msg.node_id!r} is registered under another key", "unauthorized")
+        if self.keys_required and old is not None and not old.draining and \
+                (old.info.instance, old.info.pid) != (msg.info.instance, msg.info.pid):
+            self.metrics.refused_registrations.labels("node_id_taken").inc()
+            return P.Error(f"node id {msg.node_id!r} is held by another live process; it may register once "
+                           f"that one leaves or is declared dead", "node_id_taken")
         return None
 
     def heartbeat(self, node: Node, load: P.Load, now: float) -> None:

@@ -8,11 +8,12 @@ pod name as the node id. Secrets (every key of ``SECRET_KEYS``: the API keys and
 api_key_tiers``; the CURVE keys) live in Secrets, never in the ConfigMap (the frontends read the
 former as ``MOONCAKE_`` variables from the API-key Secret): every pod is off loopback, so it gets
 CURVE keys (``deploy/keys.py``: the configured ones, or new ones) unless the config allows an
-insecure network.
+insecure network. Each frontend has a key of its own, in a Secret of its own
+(``mooncake-curve-frontend-I``), and mounts that secret key, never the conductor's.
 Objects: Namespace, ConfigMap, Secrets, conductor Deployment + Service (with ``--conductors``
 > 1 the conductors fail over through etcd: ``[coordination] etcd_endpoints``, or a one-member
-etcd StatefulSet + Service rendered here), frontend Deployment (``--frontends`` replicas, the
-OpenAI API) + Service, prefill and decode Deployments, store StatefulSet (a
+etcd StatefulSet + Service rendered here), a Deployment per frontend (``--frontends`` of them,
+``mooncake-frontend-I``, one replica each: one key each; the OpenAI API) + one Service, prefill and decode Deployments, store StatefulSet (a
 PersistentVolumeClaim per pod for the LMDB tier) + headless Service, and apart, in
 ``monitoring/``, ServiceMonitors of the frontends' and conductors' /metrics
 (``deploy/monitoring.py``). With ``[model] p2p_name`` the store fetches
@@ -28,7 +29,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -37,9 +38,9 @@ import yaml
 from mooncake import protocol as P
 from mooncake.config import SECRET_KEYS, GiB, Config, env_name
 from mooncake.config_toml import dump_toml
-from mooncake.deploy.keys import KeysError, pod_key_files
+from mooncake.deploy.keys import KeysError, frontend_stems, pod_key_files
 from mooncake.deploy.monitoring import METRICS_KEY, SERVICE_MONITOR_FILE, scrape_annotations, service_monitor
-from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, PodPorts, conductor_pod, etcd_pod,
+from mooncake.deploy.pods import (CURVE_MOUNT, DATA_MOUNT, MODELS_DIR, CurveMount, PodPorts, conductor_pod, etcd_pod,
                                   frontend_pod, store_volume_claim, worker_pod)
 
 APP = "mooncake"
@@ -172,10 +173,12 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     etcd_urls = cfg.coordination.etcd_endpoints or (
         [f"http://{APP}-etcd.{ns}.svc.cluster.local:2379"] if topology.conductor > 1 else [])
     try:
-        curve = pod_key_files(cfg)
+        curve = pod_key_files(cfg, topology.frontend)
     except KeysError as e:
         raise DeployError(str(e)) from None
     curve_secret = f"{APP}-curve" if curve else ""
+    fronts = frontend_stems(curve)[:topology.frontend]  # one key per frontend
+    mount = CurveMount(curve_secret, tuple(n for n in curve if n.endswith(".key"))) if curve else None
     secrets_env = secret_entries(cfg)
     api_key_secret = f"{APP}-api-key" if secrets_env else ""
     metrics_key_secret = api_key_secret if cfg.frontend.accepted_keys() else ""  # what Prometheus sends
@@ -189,9 +192,12 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                             "data": {"cluster.toml": dump_toml(pod_config(cfg, ports, bool(curve), etcd_urls))}}],
     }
     secrets = []
-    if curve:
-        secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(curve_secret),
-                        "type": "Opaque", "stringData": curve})
+    if curve:  # no frontend's secret key: each is in a Secret of its own
+        secrets.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(curve_secret), "type": "Opaque",
+                        "stringData": {n: t for n, t in curve.items() if n.removesuffix(".key_secret") not in frontend_stems(curve)}})
+        secrets += [{"apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{curve_secret}-frontend-{i}"),
+                     "type": "Opaque", "stringData": {f"{stem}.key_secret": curve[f"{stem}.key_secret"]}}
+                    for i, stem in enumerate(fronts)]
     if api_key_secret:
         data = dict(secrets_env.values())
         if metrics_key_secret:
@@ -200,8 +206,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
                         "type": "Opaque", "stringData": data})
     if secrets:
         files["02-secrets.yaml"] = secrets
-    pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve_secret=curve_secret,
-                    common_env=common_env)
+    pod_args = dict(image=topology.image, ports=ports, grace_s=grace, curve=mount, common_env=common_env)
     p2p_model = bool(cfg.model.p2p_name)
 
     selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "conductor"}
@@ -217,12 +222,17 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
              {"name": "zmq", "port": ports.zmq, "targetPort": "zmq", "protocol": "TCP"}]}},
     ]
     front = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "frontend"}
-    files["15-frontend.yaml"] = [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-frontend", **front),
-         "spec": {"replicas": topology.frontend, "selector": {"matchLabels": front},
-                  "template": {"metadata": template_meta(front, curve, scrape_annotations(ports.http)),
-                               "spec": frontend_pod(api_key_secret=api_key_secret, secret_env={
-                                   var: entry for var, (entry, _) in secrets_env.items()}, **pod_args)}}},
+    files["15-frontend.yaml"] = []
+    for i in range(topology.frontend):  # a Deployment each: each frontend mounts its own key
+        one = {**front, "mooncake.io/frontend": str(i)}
+        own = {"curve": replace(mount, own=f"{curve_secret}-frontend-{i}", own_key=fronts[i])} if mount else {}
+        files["15-frontend.yaml"].append(
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{APP}-frontend-{i}", **one),
+             "spec": {"replicas": 1, "selector": {"matchLabels": one},
+                      "template": {"metadata": template_meta(one, curve, scrape_annotations(ports.http)),
+                                   "spec": frontend_pod(api_key_secret=api_key_secret, secret_env={
+                                       var: entry for var, (entry, _) in secrets_env.items()}, **{**pod_args, **own})}}})
+    files["15-frontend.yaml"] += [
         {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{APP}-frontend", **front),
          "spec": {"selector": front, "ports": [{"name": "http", "port": ports.http, "targetPort": "http",
                                                 "protocol": "TCP"}]}},

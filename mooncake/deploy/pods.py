@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake.config import env_name
-from mooncake.security import KINDS, ROLE_KIND
+from mooncake.security import ROLE_KIND
 
 CONFIG_FILE = "/etc/mooncake/cluster.toml"
 CURVE_MOUNT = "/etc/mooncake/curve"
@@ -26,6 +26,18 @@ class PodPorts:
     store_port: int  # store object API
     p2p_port: int  # store P2P chunks (peers connect to it at the pod IP)
     health_port: int  # worker/store /health/{live,ready}
+
+
+@dataclass(frozen=True)
+class CurveMount:
+    """What a pod mounts of the CURVE keys at ``CURVE_MOUNT``: every public key and the secret of
+    its own kind from ``secret``; a frontend instead its own secret key alone, from ``own`` (the
+    Secret holding ``own_key``), mounted as ``frontend.key_secret`` (what it loads)."""
+
+    secret: str  # the Secret with every public key and the conductor's, workers' and stores' secrets
+    public: tuple[str, ...]  # its public key files
+    own: str = ""
+    own_key: str = ""
 
 
 def _field(path: str) -> dict:
@@ -55,15 +67,25 @@ def _probes(port: str, path_ready: str = "/health/ready") -> dict:
             "readinessProbe": get(path_ready, 5, 2)}
 
 
-def _pod(container: dict, grace_s: int, curve_secret: str, volumes: list[dict]) -> dict:
+def _curve_volume(curve: CurveMount, role: str) -> dict:
+    """The public keys of every kind, and the secret of this role's kind only (a frontend: its own,
+    from a Secret of its own; never the conductor's). Group-readable: the pod's fsGroup is the
+    container user's group."""
+    public = [{"key": f, "path": f} for f in curve.public]
+    if ROLE_KIND[role] != "frontend":
+        items = public + [{"key": f"{ROLE_KIND[role]}.key_secret", "path": f"{ROLE_KIND[role]}.key_secret"}]
+        return {"name": "curve", "secret": {"secretName": curve.secret, "defaultMode": 0o440, "items": items}}
+    own = {"key": f"{curve.own_key}.key_secret", "path": "frontend.key_secret"}
+    return {"name": "curve", "projected": {"defaultMode": 0o440, "sources": [
+        {"secret": {"name": curve.secret, "items": public}}, {"secret": {"name": curve.own, "items": [own]}}]}}
+
+
+def _pod(container: dict, grace_s: int, curve: CurveMount | None, volumes: list[dict]) -> dict:
     mounts = [{"name": "config", "mountPath": CONFIG_FILE, "subPath": "cluster.toml", "readOnly": True}]
     volumes = [{"name": "config", "configMap": {"name": "mooncake-config"}}, *volumes]
-    if curve_secret:  # group-readable: the pod's fsGroup is the container user's group
-        # the public keys of every kind, and the secret of this role's kind only
-        files = [f"{kind}.key" for kind in KINDS] + [f"{ROLE_KIND[container['name']]}.key_secret"]
+    if curve is not None:
         mounts.append({"name": "curve", "mountPath": CURVE_MOUNT, "readOnly": True})
-        volumes.append({"name": "curve", "secret": {"secretName": curve_secret, "defaultMode": 0o440,
-                                                    "items": [{"key": f, "path": f} for f in files]}})
+        volumes.append(_curve_volume(curve, container["name"]))
     container["volumeMounts"] = mounts + container.get("volumeMounts", [])
     container["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     return {"terminationGracePeriodSeconds": grace_s,
@@ -76,7 +98,7 @@ def _command(role: str) -> list[str]:
     return ["mooncake", "serve", "--role", role, "--config", CONFIG_FILE]
 
 
-def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve: CurveMount | None,
                   common_env: dict[str, str]) -> dict:
     """The conductor binds its role endpoint on every interface (under etcd it announces the pod
     IP; without, roles reach it by its Service); its probes and /metrics are on the health port."""
@@ -87,10 +109,10 @@ def conductor_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: st
                            {"name": "zmq", "containerPort": ports.zmq, "protocol": "TCP"}],
                  "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                  **_probes("health", "/health/live")}  # a standby is as healthy as the leader
-    return _pod(container, grace_s, curve_secret, [])
+    return _pod(container, grace_s, curve, [])
 
 
-def frontend_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+def frontend_pod(*, image: str, ports: PodPorts, grace_s: int, curve: CurveMount | None,
                  common_env: dict[str, str], api_key_secret: str, secret_env: dict[str, str]) -> dict:
     """A frontend: the OpenAI API on the http port, its token socket on the pod IP; the config's
     secrets from ``api_key_secret`` (``secret_env``: as ``_env``'s)."""
@@ -100,7 +122,7 @@ def frontend_pod(*, image: str, ports: PodPorts, grace_s: int, curve_secret: str
                            {"name": "tokens", "containerPort": ports.tokens, "protocol": "TCP"}],
                  "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                  **_probes("http")}
-    return _pod(container, grace_s, curve_secret, [])
+    return _pod(container, grace_s, curve, [])
 
 
 def etcd_pod(image: str) -> dict:
@@ -137,7 +159,7 @@ def _beside_a_store() -> dict:
         {"labelSelector": {"matchLabels": store}, "topologyKey": "kubernetes.io/hostname"}]}}
 
 
-def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_secret: str,
+def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve: CurveMount | None,
                common_env: dict[str, str], gpu: bool, cpu: int, memory: str, p2p_model: bool = False) -> dict:
     """A prefill, decode or store pod; each serves /health/{live,ready} on the health port.
     ``p2p_model`` ([model] p2p_name): the store pod fetches the model into the node's
@@ -156,10 +178,10 @@ def worker_pod(role: str, *, image: str, ports: PodPorts, grace_s: int, curve_se
     if role == "store":  # the LMDB tier, on the pod's PersistentVolumeClaim
         container["volumeMounts"] = [{"name": "data", "mountPath": DATA_MOUNT}]
     if not p2p_model:
-        return _pod(container, grace_s, curve_secret, [])
+        return _pod(container, grace_s, curve, [])
     container["volumeMounts"] = container.get("volumeMounts", []) + [
         {"name": "models", "mountPath": MODELS_DIR, "readOnly": role != "store"}]
-    pod = _pod(container, grace_s, curve_secret, [_models_volume()])
+    pod = _pod(container, grace_s, curve, [_models_volume()])
     if role == "store":
         pod["initContainers"] = [_models_owner(image)]
     else:

@@ -61,7 +61,7 @@ class Frontend:
         self.attempts: dict[str, Request] = {}  # wire id -> the request whose current attempt it is
         self.forks = Forks(self._start_choice)  # choices waiting for another choice's prefill (n > 1)
         self.tenants = TenantClock(cfg.classes.fair_token_ms / 1000)  # the fair order among API keys within a class
-        self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend")
+        self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "frontend", self.node_id)  # its own key
         self.ctx = zmq.asyncio.Context()
         self.conductor = ConductorClient(cfg, self.node_id, self._handle, self.metrics)
         self.inlet: TokenInlet | None = None

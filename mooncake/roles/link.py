@@ -13,7 +13,9 @@ for instance). Every registration lists the requests the role holds (``holding``
 the conductor answers which of them it still knows there, and the role drops the
 others (``on_orphans``): reconciliation, so that no reservation waits for a timeout.
 What a conductor sends under an older leadership term than the newest the process has seen is
-refused (``term_fence.py``: a stale leader is fenced off).
+refused (``term_fence.py``: a stale leader is fenced off). A registration refused because its node
+id is still held by a live process (under CURVE: the one this process replaces, not gone yet) is
+retried until ``connect``'s timeout.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+TAKEN_RETRY_S = 1.0  # a registration refused as ``node_id_taken`` (the process it replaces not gone yet) is retried
 
 
 class HandshakeError(RuntimeError):
@@ -139,7 +142,12 @@ class ConductorLink:
                 self._reconcile(msg)
                 log.info("%s registered with conductor %s", self.node_id, self.endpoint)
                 return
-            if isinstance(msg, P.Error):  # refused (wrong key kind, model, node id taken): final
+            if isinstance(msg, P.Error) and msg.code == "node_id_taken" and \
+                    asyncio.get_running_loop().time() + TAKEN_RETRY_S < deadline:  # a restart: the old one goes soon
+                log.warning("conductor at %s: %s (retrying)", self.endpoint, msg.message)
+                await asyncio.sleep(TAKEN_RETRY_S)
+                continue
+            if isinstance(msg, P.Error):  # refused (wrong key kind, model, node id still taken): final
                 raise HandshakeError(f"conductor at {self.endpoint} refused {self.node_id}: {msg.message}")
             log.warning("ignoring %s before registration", type(msg).__name__)
 

@@ -9,7 +9,8 @@ conductor only aborts (over the worker's link), and when a frontend dies has the
 every attempt that frontend ordered here. Attempts a frontend placed itself while no conductor
 led (``fallback``) are marked so in the worker's registration: a conductor keeps them until
 their frontend claims them (``conductor/adoption.py``), and drops them if it never does.
-Under CURVE only frontend (control-plane) keys may order.
+Under CURVE only frontend keys may order; the key a ``DecodeRequest`` came under is the one its
+tokens go to (``Curve.vouch``: the frontend's token socket is bound under it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
-from mooncake.security import Curve, allowed
+from mooncake.security import Curve, allowed, peer_of
 from mooncake.sockets import bind_server, recv_multipart
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Orders:
         while True:
             frames = await recv_multipart(self.sock)
             ident = frames[0].bytes
-            if not allowed(self.curve, frames[1], ("conductor",)):
+            if not allowed(self.curve, frames[1], ("frontend",)):
                 log.warning("dropping an order from %r: not a frontend key", ident[:64])
                 continue
             try:
@@ -64,6 +65,8 @@ class Orders:
                 self.ordered_by[msg.req_id] = ident
                 if msg.fallback:
                     self.fallback.add(msg.req_id)
+                if isinstance(msg, P.DecodeRequest) and self.curve is not None:
+                    self.curve.vouch(msg.reply_to, peer_of(frames[1]))
             try:
                 await self.handle(msg, tensors)
             except Exception as e:  # reported to the frontend, as the conductor's would be

@@ -24,14 +24,19 @@ class TokenOutlets:
         self.node_id = node_id
         self.curve = curve
         self.socks: dict[str, zmq.asyncio.Socket] = {}
+        self.keys: dict[str, bytes | None] = {}  # endpoint -> the frontend key its socket expects
         self.dropped = 0  # token messages a gone frontend did not take
 
     def _sock(self, endpoint: str) -> zmq.asyncio.Socket:
+        key = self.curve.vouched.get(endpoint) if self.curve is not None else None  # the key it ordered under
         sock = self.socks.get(endpoint)
+        if sock is not None and self.keys.get(endpoint) != key:  # another frontend at that endpoint now
+            self.socks.pop(endpoint).close(0)
+            sock = None
         if sock is None:
-            # frontends hold the control plane's key
-            sock = self.socks[endpoint] = connect_client(self.ctx, zmq.DEALER, self.curve, "conductor", endpoint,
-                                                         self.node_id)
+            sock = self.socks[endpoint] = connect_client(self.ctx, zmq.DEALER, self.curve, "frontend", endpoint,
+                                                         self.node_id, server_key=key)
+            self.keys[endpoint] = key
         return sock
 
     async def send(self, endpoint: str, events: list[P.TokenEvent]) -> None:
@@ -48,6 +53,7 @@ class TokenOutlets:
         """Close the sockets of frontends no held request streams to."""
         for endpoint in [e for e in self.socks if e not in in_use]:
             self.socks.pop(endpoint).close(0)
+            self.keys.pop(endpoint, None)
 
     def close(self) -> None:
         self.prune(set())
