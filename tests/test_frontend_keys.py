@@ -144,6 +144,21 @@ async def test_a_frontend_key_cannot_register_as_a_worker_nor_take_another_front
     assert c.metrics.refused_registrations.labels("node_id_taken")._value.get() == 2
 
 
+async def test_a_nodes_messages_count_only_under_the_key_it_registered_with(conductor):
+    """Another key that reconnects under a gone connection's routing id is not that node: its
+    heartbeats and submits are not taken (it is told to register, which its key cannot)."""
+    c, peer = conductor
+    a = peer("frontend", "a-1", "a")
+    assert code(await a.register("frontend", "fa")) == "registered"
+    seen = c.cluster.get("fa").last_seen
+    a.close()
+    await asyncio.sleep(0.3)
+    b = peer("frontend", "a-1", "b")  # the same routing id ("peer-a-1"), frontend b's key
+    await b.sock.send_multipart(P.encode(P.Heartbeat("fa", P.Load())))
+    assert isinstance(await b.recv(P.Reregister), P.Reregister)
+    assert c.cluster.get("fa").last_seen == seen and c.cluster.get("fa").peer.startswith("frontend:")
+
+
 async def test_a_worker_key_cannot_take_over_a_live_worker_s_id_but_a_restart_gets_it(conductor):
     c, peer = conductor
     first = peer("prefill", "p0-1")

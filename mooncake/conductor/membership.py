@@ -89,7 +89,7 @@ class Membership:
             return refusal
         if msg.info.model is not None and self.facts is None:
             self.facts = msg.info.model
-        node = Node(msg.node_id, msg.role, ident, dict(msg.endpoints), msg.info, now, progress_at=now)
+        node = Node(msg.node_id, msg.role, ident, dict(msg.endpoints), msg.info, now, progress_at=now, peer=peer)
         old = self.cluster.upsert(node)
         self.peers[msg.node_id] = peer
         restarted = old is not None and (old.info.pid, old.info.instance) != (msg.info.pid, msg.info.instance)

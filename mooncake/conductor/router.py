@@ -107,7 +107,7 @@ class Router:
         node_id = getattr(msg, "node_id", None) or P.node_of(ident)
         node = self.cluster.get(node_id) if isinstance(node_id, str) else None
         now = time.monotonic()
-        if node is None or node.ident != ident:
+        if node is None or node.ident != ident or node.peer != peer_of(frames[1]):  # (another key: not that node)
             if isinstance(msg, (P.Heartbeat, P.Submit)) and now - self._reregister_at.get(ident, -1.0) >= 1.0:
                 if len(self._reregister_at) > 4096:
                     self._reregister_at.clear()

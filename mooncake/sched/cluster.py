@@ -23,6 +23,7 @@ class Node:
     progress_at: float = 0.0  # when ``load.progress`` last advanced (or the work began)
     draining: bool = False  # leaving: finishes what it has, gets nothing new
     stalled: bool = False  # has work but its engine stopped progressing: gets nothing new
+    peer: str = ""  # the CURVE key it registered under (``KIND:key``; "" without CURVE): its messages must come under it
 
     @property
     def name(self) -> str:
