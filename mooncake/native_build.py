@@ -55,7 +55,8 @@ class Library:
 
 
 KERNELS = Library(  # the decode engine's kernels (engine/kernels/native.py, native_decode.py)
-    "mooncake-kernels", (PACKAGE_DIR / "engine" / "kernels" / "quant_gemv.c", PACKAGE_DIR / "engine" / "kernels" / "decode_kernels.c"),
+    "mooncake-kernels", (PACKAGE_DIR / "engine" / "kernels" / "quant_gemv.c", PACKAGE_DIR / "engine" / "kernels" / "decode_kernels.c",
+                         PACKAGE_DIR / "engine" / "kernels" / "int4_vnni.c"),
     ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-fopenmp"),
     "decode runs torch's ops instead, several times slower per layer",
     ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"))

@@ -16,7 +16,7 @@ from mooncake.engine.model.int4 import INT4_MAX_ROWS, Int4Projection, dequantize
 from mooncake.engine.model.int8 import Int8Projection, quantize_spec
 from mooncake.protocol import ModelFacts
 
-KERNEL = load_int4_kernel()
+KERNEL = load_int4_kernel(activations="float")  # the float path (int8 activations: test_int4_vnni.py)
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler or no AVX-512 VNNI here")
 
 

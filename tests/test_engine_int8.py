@@ -99,7 +99,7 @@ def test_quantized_engine_in_float32_is_token_exact_against_its_float_reference(
     there; the engine, told to ignore it, goes on)."""
     loaded = load_model(ModelConfig(device="cpu", dtype="float32", quantization=scheme))
     assert loaded.model_id.endswith(f"/float32-{scheme}")
-    engine = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20))
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20, int4_activations="float"))  # int4's exact path
     ref, tok = loaded.hf_model, loaded.tokenizer
     for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         ids = tok(text)["input_ids"]

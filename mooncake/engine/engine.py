@@ -47,7 +47,8 @@ class Engine:
         self.block_tokens = T = cfg.block_tokens
         model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
-        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization, cfg.native_kernels)
+        self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization, cfg.native_kernels,
+                                    cfg.int4_activations)
         self.dtype, self.device = self.model.dtype, self.model.device
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse freed memory instead of faulting in fresh pages

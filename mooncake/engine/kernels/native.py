@@ -7,7 +7,9 @@ on this 2-core AVX-512 VM, against 30+ GB/s for a plain reduction over the same 
 decode step at batch 1 is mostly those reads. ``quant_gemv.c`` reads each weight row once for
 all rows of the batch, prefetching ahead of its reads (what lifted it from 10 to 21-32 GB/s on
 the lm_head), with integer dot products on exact-enough int16 parts of the activations (int8;
-int4 unpacks each group of weights to float32 once for up to 4 rows and sums in float32):
+int4 unpacks each group of weights to float32 once for up to 4 rows and sums in float32; with
+``[engine] int4_activations = "int8"`` int4 instead rounds the activations to int8 per block
+of 32 and multiplies them with the nibbles by AVX-512 VNNI ``vpdpbusd``, ``int4_vnni.c``):
 float32-accurate ``x @ (w8 * scale).T`` (int4: per group of 32, ``x @ (q * scale + zero).T``), the
 float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
@@ -62,12 +64,20 @@ class Int4Gemv:
     """``out = x @ W.T`` with ``W[n, k] = q[n, k] * scale[n, g] + zero[n, g]`` over groups ``g``
     of 32 along ``k``: ``x [M, K]`` bfloat16 or float32 (contiguous), ``w4 [N, K / 2]`` uint8 (a
     group's 16 bytes: its elements 0-15 in the low nibbles, 16-31 in the high ones), ``scale`` and
-    ``zero [N, K / 32]`` float32; ``out [M, N]`` in ``x``'s dtype."""
+    ``zero [N, K / 32]`` float32; ``out [M, N]`` in ``x``'s dtype. ``activations``: ``"float"``
+    (``quant_gemv.c``: float32 sums, the float reference to float32 accuracy) or ``"int8"``
+    (``int4_vnni.c``: x rounded to int8 per block of 32, integer dot products; relative error
+    of an output about 1e-3 of the weights' and x's magnitudes, see ``ERROR_BOUND``)."""
 
     GROUP = 32
+    ACTIVATIONS = ("int8", "float")
+    ERROR_BOUND = 0.01  # int8: worst-case ||out - ref|| / ||ref|| over tests/test_int4_vnni.py's matrices
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.mooncake_int4_gemv
+    def __init__(self, lib: ctypes.CDLL, activations: str = "float") -> None:
+        if activations not in self.ACTIVATIONS:
+            raise ValueError(f"int4 activations are int8 or float, not {activations!r}")
+        self.activations = activations
+        fn = lib.mooncake_int4_gemv_q8 if activations == "int8" else lib.mooncake_int4_gemv
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -106,8 +116,8 @@ def load_kernel(cache_dir: Path | None = None) -> Int8Gemv | None:
     return Int8Gemv(lib) if lib is not None else None
 
 
-def load_int4_kernel(cache_dir: Path | None = None) -> Int4Gemv | None:
-    """The int4 kernel, or None where it cannot run on this machine."""
+def load_int4_kernel(cache_dir: Path | None = None, activations: str = "float") -> Int4Gemv | None:
+    """The int4 kernel (``activations``: see ``Int4Gemv``), or None where it cannot run on this machine."""
     lib = library(cache_dir)
-    return Int4Gemv(lib) if lib is not None else None
+    return Int4Gemv(lib, activations) if lib is not None else None
 

@@ -37,12 +37,13 @@ if TYPE_CHECKING:
 
 class DecoderForward:
     def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none",
-                 native: bool = True) -> None:
+                 native: bool = True, int4_activations: str = "float") -> None:
         """``native``: the engine's own kernels where they run (``native.py``: int8 or int4 at small batch;
-        ``fast_decode.py``: every decode step of a Llama-style model); else torch's."""
+        ``fast_decode.py``: every decode step of a Llama-style model); else torch's. ``int4_activations``:
+        the int4 kernel's (``[engine] int4_activations``)."""
         self.spec = spec = model_spec(hf_model)
         if quantization in ("int8", "int4"):
-            quantize_spec(spec, native, quantization)
+            quantize_spec(spec, native, quantization, int4_activations)
         self.num_layers = len(spec.layers)
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families.spec import Fused, Linear, ModelSpec, Separate
-from mooncake.engine.kernels.native import MAX_K, Int8Gemv, load_kernel
+from mooncake.engine.kernels.native import MAX_K, Int8Gemv, load_int4_kernel, load_kernel
 
 log = logging.getLogger(__name__)
 INT8_DTYPES = (torch.bfloat16, torch.float32)
@@ -98,12 +98,12 @@ def _quantized(proj: object, where: str, scheme: str, kernels: dict[type, object
     return Int8Projection(proj.weight, proj.bias, sizes, kernels.get(Int8Projection))  # type: ignore[arg-type]
 
 
-def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8") -> None:
+def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8", int4_activations: str = "float") -> None:
     """Every layer's projections and the lm_head (the tied embedding's bytes, the largest single
     matrix) to ``scheme``, in place (see the module doc). ``int4`` (``int4.py``) keeps in int4 the
     weights that already sit on its groups (a Q4_1 file's) and rounds the others to int8 rows:
     four bits per full-precision weight, uncalibrated, would lose too much. ``use_kernel=False``:
-    torch's kernels instead of the engine's."""
+    torch's kernels instead of the engine's; ``int4_activations``: the int4 kernel's (``Int4Gemv``)."""
     from mooncake.engine.model.int4 import Int4Projection
 
     if scheme not in ("int8", "int4"):
@@ -113,7 +113,7 @@ def quantize_spec(spec: ModelSpec, use_kernel: bool = True, scheme: str = "int8"
         raise ModelLoadError(f"quantization '{scheme}' runs on CPU in bfloat16 or float32; this model serves "
                              f"{str(dtype).removeprefix('torch.')} on {device.type}: "
                              f"set dtype = \"bfloat16\" on a CPU or quantization = \"none\"")
-    kernels = {make: make.load_kernel() for make in (Int8Projection, Int4Projection)} if use_kernel else {}
+    kernels = {Int8Projection: load_kernel(), Int4Projection: load_int4_kernel(activations=int4_activations)} if use_kernel else {}
     for i, layer in enumerate(spec.layers):
         layer.qkv = _quantized(layer.qkv, f"layer {i} qkv", scheme, kernels)
         layer.o = _quantized(layer.o, f"layer {i} o", scheme, kernels)
