@@ -13,7 +13,9 @@ that event loop: use one client per loop.
 Same-node fast path: with ``shm=None`` (default) a client whose endpoint is
 ``ipc://`` or loopback moves block bytes through shared-memory segments
 (``mooncake.tiers.shm``) for requests of at least ``shm_min_bytes``; the
-socket path is used otherwise, and for good if the server cannot attach.
+socket path is used otherwise, and for good if the server cannot attach. Segments are reused; a
+client holds at most ``shm_max_segments`` (16 MiB or more each), and a request that finds them
+all busy goes over the socket rather than fault in a fresh one.
 
 Tensors returned by ``get`` over the socket are read-only views of the received
 frames (no copy); over shared memory they are fresh copies.
@@ -36,8 +38,8 @@ from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_mul
 
 from ..blocks import BlockHash
 from ..protocol import (Blocks, Error, Exists, Get, GetLayers, Keep, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
-                        Replicate, ShmBlocks, ShmGet, ShmPut, ShmRef, StatsQuery, decode, encode)
-from .shm import ShmSegment, aligned, is_local_endpoint, shm_available
+                        Replicate, ShmBlocks, ShmGet, ShmPut, StatsQuery, decode, encode)
+from .shm import SEGMENT_BYTES, SegmentPool, aligned, is_local_endpoint, shm_available
 
 SLOW_LINK_BYTES_PER_S = 1e6  # what a call's payload adds to its timeout: a second per MB
 
@@ -65,7 +67,8 @@ def _blocks_list(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Te
 
 class StoreClient:
     def __init__(self, endpoint: str, timeout_s: float = 10.0, shm: bool | None = None,
-                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, curve: Curve | None = None,
+                 shm_min_bytes: int = 256 * 1024, shm_max_bytes: int = 1 << 30, shm_max_segments: int = 8,
+                 curve: Curve | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MSG_BYTES,
                  on_corrupt: Callable[[int], Any] | None = None) -> None:
         """``on_corrupt(n)``: ``get`` returned n blocks that fail their checksums (they are left out)."""
@@ -77,7 +80,6 @@ class StoreClient:
         self.timeout_s = timeout_s
         self.shm = (is_local_endpoint(endpoint) and shm_available()) if shm is None else shm
         self.shm_min_bytes = shm_min_bytes
-        self.shm_max_bytes = shm_max_bytes
         self._ctx: zmq.asyncio.Context | None = None
         self._socks: dict[str, zmq.asyncio.Socket] = {}  # lane ("main", "puts") -> its DEALER
         self._readers: list[asyncio.Task] = []
@@ -85,9 +87,8 @@ class StoreClient:
         self._pending: dict[bytes, asyncio.Future] = {}
         self._streams: dict[bytes, asyncio.Queue] = {}  # request id -> replies of a GetLayers stream
         self._ids = itertools.count(1)
-        self._free_segs: list[ShmSegment] = []
-        self._all_segs: list[ShmSegment] = []
-        self._get_hint = 64 * MiB
+        self._segs = SegmentPool(shm_max_bytes, shm_max_segments)
+        self._get_hint = SEGMENT_BYTES  # a get's segment: grown when its blocks did not all fit
         self._closed = False
 
     # ---------------------------------------------------------------- transport
@@ -165,18 +166,6 @@ class StoreClient:
 
     # ---------------------------------------------------------------- shared memory
 
-    def _take_segment(self, nbytes: int) -> ShmSegment | None:
-        for i, seg in enumerate(self._free_segs):
-            if seg.size >= nbytes:
-                return self._free_segs.pop(i)
-        held = sum(s.size for s in self._all_segs)
-        if held + nbytes > self.shm_max_bytes:
-            return None
-        size = max(nbytes, 16 * MiB)
-        seg = ShmSegment(size=1 << (size - 1).bit_length(), create=True)
-        self._all_segs.append(seg)
-        return seg
-
     def _shm_failed(self, e: StoreError) -> bool:
         if "shm_unavailable" not in str(e):
             return False
@@ -185,26 +174,25 @@ class StoreClient:
 
     async def _shm_put(self, hashes: list[bytes], blocks: list[torch.Tensor], model_id: str,
                        sums: list[int], flex: bool, keep_s: float, tenant: str) -> int | None:
-        sizes = [aligned(b.numel() * b.element_size()) for b in blocks]
-        seg = self._take_segment(sum(sizes))
+        seg = self._segs.take(sum(aligned(b.numel() * b.element_size()) for b in blocks))
         if seg is None:
             return None
         try:
-            refs, off = [], 0
-            for b, n in zip(blocks, sizes):
-                refs.append(ShmRef(off, seg.write(off, b.detach())))
-                off += n
+            refs = seg.write_blocks(blocks)
             try:
                 return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s, tenant))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
                 raise
+        except StoreUnavailable:
+            self._segs.drop(seg)  # the store may still be at it: never reused
+            raise
         finally:
-            self._free_segs.append(seg)
+            self._segs.give(seg)
 
     async def _shm_get(self, hashes: list[bytes], prefix: bool):
-        seg = self._take_segment(self._get_hint)
+        seg = self._segs.take(self._get_hint)
         if seg is None:
             return None
         try:
@@ -216,13 +204,19 @@ class StoreClient:
                 raise
             if not isinstance(reply, ShmBlocks):
                 raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
-            out = [seg.view(r.offset, r.spec).clone() for r in reply.blocks] + frames
+            try:
+                out = [seg.read(r.offset, r.spec) for r in reply.blocks] + frames
+            except ValueError as e:
+                raise StoreError(f"malformed reply: {e}", "bad_reply") from None
             if frames:  # did not all fit: ask for a bigger segment next time
                 need = sum(aligned(t.numel() * t.element_size()) for t in out)
-                self._get_hint = min(max(self._get_hint, need), self.shm_max_bytes // 2)
+                self._get_hint = min(max(self._get_hint, need), self._segs.max_bytes // 2)
             return self._verified(reply.hashes, out, reply.checksums)
+        except StoreUnavailable:
+            self._segs.drop(seg)  # the store may still be at it: never reused
+            raise
         finally:
-            self._free_segs.append(seg)
+            self._segs.give(seg)
 
     def _verified(self, hashes: list[bytes], blocks: list[torch.Tensor],
                   sums: list[int]) -> tuple[list[BlockHash], list[torch.Tensor]]:
@@ -340,7 +334,4 @@ class StoreClient:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        for seg in self._all_segs:
-            seg.close()
-        self._all_segs.clear()
-        self._free_segs.clear()
+        self._segs.close()
