@@ -12,6 +12,7 @@ to what stands in for one (a frontend's ``Submit``), once a second at most. Quer
 (``answer``: the P2P object index) are answered to any sender, registered or not (under
 CURVE, any cluster key): the ``mooncake p2p`` command asks them. Frames above ``max_message_bytes`` disconnect their sender.
 What it sends carries the leader's term where the message has a field for it (fencing: ``term_fence.py``).
+Each ``Admitted`` sent is logged at debug level with its term and wall time (who booked what, when).
 
 The socket is a ``PlainSocket`` (read from the event loop's reader callback, written with
 ``NOBLOCK``; a ROUTER never blocks a send: a message to a peer that is gone or past its
@@ -137,6 +138,9 @@ class Router:
             self.sock.send([ident, *P.encode(msg)])
         except zmq.ZMQError as e:  # a ROUTER drops rather than blocks; anything else is logged
             log.warning("could not send %s: %s", type(msg).__name__, e)
+        else:
+            if type(msg) is P.Admitted:  # a booking, answered: per term, at debug level (tests/test_partition.py)
+                log.debug("admitted %s under term %d at %.3f", msg.wire_id, term, time.time())
 
     async def flush(self, grace_s: float = 0.05) -> None:
         """Give libzmq's I/O thread a moment to pass on what was just sent (at shutdown: LINGER is 0)."""
