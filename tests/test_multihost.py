@@ -76,15 +76,7 @@ def cluster(tmp_path_factory):
                 hosts.spawn(i, role, cfg)
         c = Cluster(hosts, Curve(work / "keys", "conductor"))
 
-        def ready() -> bool:
-            assert all(p.poll() is None for h in hosts.hosts for p in h.procs.values()), hosts.logs()
-            try:
-                nodes = httpx.get(c.url + "/health", timeout=2).json()["nodes"]
-            except (httpx.HTTPError, ValueError):
-                return False
-            return nodes == {"prefill": 1, "decode": 2, "colocated": 0, "store": 2, "frontend": 2}
-
-        wait_for(ready, 240, "the four hosts' roles to register")
+        hosts.wait_registered(c.url, {"prefill": 1, "decode": 2, "colocated": 0, "store": 2, "frontend": 2}, "the four hosts' roles to register")
         yield c
     finally:
         hosts.close()

@@ -60,15 +60,7 @@ def hosts(tmp_path_factory):
                 h.spawn(i, role, cfg)
         h.url = f"http://{h[3].address}:8000"
 
-        def ready() -> bool:
-            assert all(p.poll() is None for host in h.hosts for p in host.procs.values()), h.logs()
-            try:
-                nodes = httpx.get(h.url + "/health", timeout=2).json()["nodes"]
-            except (httpx.HTTPError, ValueError):
-                return False
-            return nodes == {"prefill": 1, "decode": 1, "colocated": 0, "store": 1, "frontend": 1}
-
-        wait_for(ready, 240, "the four hosts' roles to register")
+        h.wait_registered(h.url, {"prefill": 1, "decode": 1, "colocated": 0, "store": 1, "frontend": 1}, "the four hosts' roles to register")
         yield h
     finally:
         h.close()

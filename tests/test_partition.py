@@ -101,15 +101,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
                 h.spawn(i, role, cfg, log_level="debug" if role == "conductor" else "warning")
         h.url = f"http://{h[4].address}:8000"
 
-        def ready() -> bool:
-            assert all(p.poll() is None for host in h.hosts for p in host.procs.values()), h.logs()
-            try:
-                nodes = httpx.get(h.url + "/health", timeout=2).json()["nodes"]
-            except (httpx.HTTPError, ValueError):
-                return False
-            return nodes == {"prefill": 1, "decode": 1, "colocated": 0, "store": 1, "frontend": 1}
-
-        wait_for(ready, 240, "the hosts' roles to register")
+        h.wait_registered(h.url, {"prefill": 1, "decode": 1, "colocated": 0, "store": 1, "frontend": 1}, "the hosts' roles to register")
         yield h
     finally:
         h.close()

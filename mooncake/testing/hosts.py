@@ -216,6 +216,22 @@ class Hosts:
         host.procs[role] = proc
         return proc
 
+    def wait_registered(self, url: str, nodes: dict[str, int], what: str, timeout_s: float = 240) -> None:
+        """Until ``url``'s ``/health`` counts ``nodes`` (role -> live instances); fails at once, with
+        the logs, if a role process died meanwhile."""
+        import httpx
+
+        from mooncake.testing.wait import wait_for
+
+        def ready() -> bool:
+            assert all(p.poll() is None for host in self.hosts for p in host.procs.values()), self.logs()
+            try:
+                return httpx.get(url + "/health", timeout=2).json()["nodes"] == nodes
+            except (httpx.HTTPError, ValueError):
+                return False
+
+        wait_for(ready, timeout_s, what)
+
     def logs(self) -> str:
         """The tail of every role's log (for assertion messages)."""
         return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-2000:]
