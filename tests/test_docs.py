@@ -49,3 +49,17 @@ def test_every_config_key_the_docs_name_exists_in_the_section_they_name():
             if node is None or not hasattr(node, key):
                 wrong.append(f"{page.name}: [{section}] {key}")
     assert not wrong, wrong
+
+
+def test_benchmarks_is_a_reference_with_a_date_and_a_commit_per_figure():
+    """BENCHMARKS.md stays under 1,000 lines; each row of its figures table has one date and one commit."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 1000
+    table = text.split("## Today's figures", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| figure")]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 10, row
+        assert re.fullmatch(r"20\d\d-\d\d-\d\d", cells[6]), row
+        assert re.fullmatch(r"[0-9a-f]{7,40}", cells[7]), row
