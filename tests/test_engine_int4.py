@@ -13,7 +13,8 @@ from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, ModelLoadError, load_model
 from mooncake.engine.kernels.native import load_int4_kernel
 from mooncake.engine.model.int4 import INT4_MAX_ROWS, Int4Projection, dequantize_groups, int4_groups, quantize_groups
-from mooncake.engine.model.int8 import Int8Projection, quantize_spec
+from mooncake.engine.model.int8 import Int8Projection
+from mooncake.engine.model.quantize import quantize_spec
 from mooncake.protocol import ModelFacts
 
 KERNEL = load_int4_kernel(activations="float")  # the float path (int8 activations: test_int4_vnni.py)

@@ -106,17 +106,63 @@ def test_no_import_cycle_between_modules():
     assert not cycles, "\n".join(cycles)
 
 
-def test_no_function_takes_a_whole_worker():
-    """Module-level helpers take the narrow collaborators they use, never a role's worker."""
+def all_imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports anywhere: at module level, in functions, under ``TYPE_CHECKING``."""
+    known = {module_name(p) for p in modules()}
+    package = ["mooncake", *path.relative_to(PACKAGE).parent.parts]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            subs = {f"{module}.{a.name}" for a in node.names} & known
+            out.update(subs or ({module} & known))
+    return out
+
+
+def test_no_two_modules_import_each_other_however_written():
+    """A two-way import hidden under ``TYPE_CHECKING`` or inside a function is still two modules that
+    need each other: one of them should take a narrow collaborator (a callable, a ``Protocol``)."""
+    graph = {module_name(p): all_imports(p) for p in modules()}
+    pairs = sorted(f"{a} <-> {b}" for a, deps in graph.items() for b in deps
+                   if a < b and a in graph.get(b, ()) and not a.startswith(b + ".") and not b.startswith(a + "."))
+    assert not pairs, "\n".join(pairs)
+
+
+# The objects that orchestrate (a role's worker, the conductor, its scheduler, a frontend, the
+# simulation, the local cluster): helpers elsewhere take the narrow parts they use, or a Protocol
+# that declares them. Only the module that runs one (and the frontend's HTTP routes) may pass it whole.
+ORCHESTRATORS = {"Conductor", "Scheduler", "Frontend", "Simulation", "LocalCluster"}
+HOSTS = {"Frontend": ("api/", "roles/frontend.py"), "Conductor": ("roles/conductor.py",)}
+
+
+def _orchestrator(annotation: str) -> str | None:
+    name = annotation.strip("'\"").split("[")[0].split(".")[-1].split(" | ")[0]
+    return name if name.endswith("Worker") or name in ORCHESTRATORS else None
+
+
+def test_no_function_takes_an_orchestrating_object():
+    """Module-level functions, and the constructors of classes outside the orchestrator's own module,
+    take the narrow collaborators they use, never a role's worker, the conductor, the scheduler, a
+    frontend or the simulation (``HOSTS`` aside)."""
     found = []
     for path in modules():
-        for node in ast.parse(path.read_text(), str(path)).body:
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+        tree = ast.parse(path.read_text(), str(path))
+        defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        functions = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        functions += [(f"{c.name}.__init__", f) for c in tree.body if isinstance(c, ast.ClassDef)
+                      for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+        for name, fn in functions:
+            for arg in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
                 annotation = ast.unparse(arg.annotation) if arg.annotation else ""
-                if annotation.strip("'\"").endswith("Worker") or (not annotation and arg.arg in ("w", "worker")):
-                    found.append(f"{path.relative_to(PACKAGE.parent)}: {node.name}({arg.arg})")
+                kind = _orchestrator(annotation) if annotation else ("Worker" if arg.arg in ("w", "worker") else None)
+                if kind is None or kind in defined:
+                    continue
+                if str(path.relative_to(PACKAGE)).startswith(HOSTS.get(kind, ())):
+                    continue
+                found.append(f"{path.relative_to(PACKAGE.parent)}: {name}({arg.arg}: {annotation})")
     assert not found, "\n".join(found)
 
 

@@ -5,21 +5,45 @@ scheduler's bookings, the cost models' estimates, the predictions' record, and e
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import msgspec
 
 from mooncake import protocol as P
-from mooncake.conductor.attempt import worker_ref
-
-if TYPE_CHECKING:
-    from mooncake.conductor.conductor import Conductor
-    from mooncake.sched.cluster import Node
+from mooncake.conductor.attempt import Attempt, worker_ref
+from mooncake.conductor.router import Router
+from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.cost_model import CostModels
+from mooncake.sched.kv_index import KVIndex
+from mooncake.sched.predictions import Predictions
+from mooncake.sched.scheduler import Scheduler
 
 RETELL_S = 10.0  # frontends are told the view at least this often
 
 
-def cluster_view(c: Conductor, snapshot: bool = False) -> P.ClusterView:
+class ConductorState(Protocol):
+    """What the views read of the conductor (``conductor.Conductor``)."""
+
+    name: str
+    model_name: str
+    leader_term: int
+    cluster: Cluster
+    index: KVIndex
+    scheduler: Scheduler
+    costs: CostModels
+    predictions: Predictions
+    router: Router
+    attempts: dict[str, Attempt]
+    requests_in_flight: dict[str, int]
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def facts(self) -> P.ModelFacts | None: ...
+
+
+def cluster_view(c: ConductorState, snapshot: bool = False) -> P.ClusterView:
     """Who leads, what the cluster serves, whether it can, its workers (for a frontend's fallback);
     with ``snapshot``, ``GET /cluster``'s."""
     nodes = {role: len(c.cluster.of_role(role)) for role in (*P.ENGINE_ROLES, "store", "frontend")}
@@ -33,7 +57,7 @@ class FrontendViews:
     ``RETELL_S`` (a busy frontend sends no heartbeat for the conductor to answer with it, and a
     message to a peer past its high-water mark is dropped)."""
 
-    def __init__(self, c: Conductor) -> None:
+    def __init__(self, c: ConductorState) -> None:
         self.c = c
         self._view: tuple[Any, Any] = (None, None)  # (cluster version, facts) -> the view
         self._told = (-1, 0.0)  # the cluster's version frontends were last told of, and when
@@ -55,7 +79,7 @@ class FrontendViews:
             self.tell()
 
 
-def cluster_snapshot(c: Conductor) -> dict:
+def cluster_snapshot(c: ConductorState) -> dict:
     s, costs, facts = c.scheduler, c.costs, c.facts
     pw, dw = costs.prefill.weights, costs.decode.weights
     return {"model": c.model_name, "leader": c.name,

@@ -17,13 +17,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Container, Iterable
+from typing import Callable, Container, Iterable
 
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
-
-if TYPE_CHECKING:
-    from mooncake.sched.scheduler import Scheduler
 
 
 @dataclass
@@ -190,10 +187,12 @@ class PendingBlocks:
 
 class Booking:
     """One request's booked load (its plan's prefill work, a decode slot, the blocks pending on
-    both instances), handed back to the scheduler that booked it."""
+    both instances), handed back to the scheduler that booked it: ``on_prefill_finished`` and
+    ``on_release`` are its hand-backs, each called with the request id."""
 
-    def __init__(self, scheduler: Scheduler, req_id: str, plan: Plan, rank: int = DEFAULT_RANK) -> None:
-        self._scheduler = scheduler
+    def __init__(self, on_prefill_finished: Callable[[str], None], on_release: Callable[[str], None], req_id: str,
+                 plan: Plan, rank: int = DEFAULT_RANK) -> None:
+        self._on_prefill_finished, self._on_release = on_prefill_finished, on_release
         self.req_id = req_id
         self.plan = plan
         self.rank = rank  # its class's (``request_class.py``)
@@ -202,8 +201,8 @@ class Booking:
 
     def prefill_finished(self) -> None:
         """The request left its prefill queue (it is decoding now)."""
-        self._scheduler.prefill_finished(self.req_id)
+        self._on_prefill_finished(self.req_id)
 
     def release(self) -> None:
         """All of its load (the request finished, failed or moved). Idempotent."""
-        self._scheduler.release(self.req_id)
+        self._on_release(self.req_id)

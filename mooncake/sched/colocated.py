@@ -20,7 +20,7 @@ from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 
 if TYPE_CHECKING:
     from mooncake.protocol.engine_profile import EngineProfile
-    from mooncake.sched.scheduler import Scheduler
+    from mooncake.sched.booking import DecodeSlots
 
 # A stream's default pace while prompts share its steps: 200 ms a token is 5 tokens (~4 words) a
 # second, as fast as people read, so a reader never waits on the stream; on this repository's 2-core
@@ -106,7 +106,7 @@ def _target_s(node: Node) -> float:
     return node.info.step_target_ms / 1000
 
 
-def _node_budget(sched: Scheduler, node: Node, batch: int, kv_tokens: int, ctx: int) -> int:
+def _node_budget(prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel, node: Node, batch: int, kv_tokens: int, ctx: int) -> int:
     """Prompt tokens a step of ``node`` carries while ``batch`` sequences holding ``kv_tokens`` decode:
     its fixed ``[engine] step_tokens`` less a token per row where it has one, else as the role
     picks them (``prompt_budget``)."""
@@ -115,30 +115,29 @@ def _node_budget(sched: Scheduler, node: Node, batch: int, kv_tokens: int, ctx: 
     block = info.model.block_tokens if info.model is not None else 16
     if info.step_tokens:
         return max(block, info.step_tokens - batch)
-    decode_s = sched.decode_cost.predict(batch, kv_tokens)
-    return prompt_budget(decode_s, sched.prefill_cost, ctx, _target_s(node), chunk, block)
+    decode_s = decode_cost.predict(batch, kv_tokens)
+    return prompt_budget(decode_s, prefill_cost, ctx, _target_s(node), chunk, block)
 
 
-def mixed_prefill_s(sched: Scheduler, node: Node, prefill_s: float, compute_tokens: int, block_tokens: int) -> float:
-    """A prompt's prefill time on ``node`` (``prefill_s``: alone) while its booked batch decodes:
-    each step gives it the budget the batch leaves and costs a decode step more."""
-    slots = sched.slots.get(node.node_id)
+def mixed_prefill_s(prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel, slots: DecodeSlots | None,
+                    node: Node, prefill_s: float, compute_tokens: int, block_tokens: int) -> float:
+    """A prompt's prefill time on ``node`` (``prefill_s``: alone) while its booked batch (``slots``)
+    decodes: each step gives it the budget the batch leaves and costs a decode step more."""
     batch = len(slots.assigned) if slots is not None else 0
     if not batch:
         return prefill_s
-    budget = _node_budget(sched, node, batch, slots.kv_tokens_total, 0)
+    budget = _node_budget(prefill_cost, decode_cost, node, batch, slots.kv_tokens_total, 0)
     steps = -(-max(compute_tokens, 1) // max(block_tokens, budget))
-    return prefill_s + steps * sched.decode_cost.predict(batch, slots.kv_tokens_total)
+    return prefill_s + steps * decode_cost.predict(batch, slots.kv_tokens_total)
 
 
-def mixed_tbt_s(sched: Scheduler, node: Node, max_tokens: int, rank: int) -> float:
-    """What the prompts queued on ``node`` add to each of its decode steps, spread over a request's
-    ``max_tokens`` (at most the chunk a step carries at the booked batch): the queue stands in for
-    the prompts that will arrive while it decodes."""
-    queued_s = sched.queue_s(node.node_id)
+def mixed_tbt_s(prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel, slots: DecodeSlots | None,
+                queued_s: float, node: Node, max_tokens: int) -> float:
+    """What the prompts queued on ``node`` (``queued_s`` of prefill) add to each of its decode steps,
+    spread over a request's ``max_tokens`` (at most the chunk a step carries at the booked batch,
+    ``slots``): the queue stands in for the prompts that will arrive while it decodes."""
     if queued_s <= 0:
         return 0.0
-    slots = sched.slots.get(node.node_id)
     batch, kv = (len(slots.assigned), slots.kv_tokens_total) if slots is not None else (0, 0)
-    chunk_s = sched.prefill_cost.predict(_node_budget(sched, node, batch + 1, kv, 0), 0)
+    chunk_s = prefill_cost.predict(_node_budget(prefill_cost, decode_cost, node, batch + 1, kv, 0), 0)
     return min(chunk_s, queued_s / max(1, max_tokens))

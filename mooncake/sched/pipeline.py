@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 from mooncake.config import Config
 from mooncake.protocol import ModelFacts
 from mooncake.sched.cluster import Cluster, Node
-
-if TYPE_CHECKING:
-    from mooncake.sched.scheduler import Scheduler
+from mooncake.sched.cost_model import PrefillCostModel
 
 DEFAULT_LINK_BYTES_S = 1e9  # activation hand-over rate when no store fetch has been measured
 
@@ -83,22 +81,23 @@ class PipelineShape:
                                   stage_layers(self.num_layers, self.group_size), hand_over)
 
 
-def best_group(sched: Scheduler, shape: PipelineShape, prefills: list[Node], hashes: Sequence[bytes],
-               runs: dict[str, int], usable: int, store_end: int, n_tokens: int, block_tokens: int,
-               rank: int) -> tuple[float, float, int, int, list[Node]] | None:
+def best_group(shape: PipelineShape, prefills: list[Node], prefill_cost: PrefillCostModel,
+               resident: Callable[[Node], int], queue_s: Callable[[Node], float], store_end: int, n_tokens: int,
+               block_tokens: int) -> tuple[float, float, int, int, list[Node]] | None:
     """(est TTFT, prefill s, device blocks, reusable blocks, stages) of the group predicted
-    fastest for this prompt; None when no group may serve it (too few tokens to compute)."""
+    fastest for this prompt; None when no group may serve it (too few tokens to compute).
+    ``resident``: a node's leading run of the prompt's blocks; ``queue_s``: the prefill queued ahead
+    of the prompt on a node."""
     best = None
     for group in pipeline_groups(prefills, shape.group_size):
-        dev = min(sched.resident_run(sched.views(rank)[1], p.node_id, hashes, runs.get(p.node_id, 0), usable)
-                  for p in group)
+        dev = min(resident(p) for p in group)
         reusable = max(dev, store_end)
         cached = reusable * block_tokens
         if n_tokens - cached < shape.min_tokens:
             continue
-        prefill_s = shape.prefill_s(sched.prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
-        est = (sched.prefill_cost.dispatch.value + max(sched.queue_s(p.node_id, rank) for p in group)
-               + (reusable - dev) * sched.prefill_cost.fetch_block_s + prefill_s)
+        prefill_s = shape.prefill_s(prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
+        est = (prefill_cost.dispatch.value + max(queue_s(p) for p in group)
+               + (reusable - dev) * prefill_cost.fetch_block_s + prefill_s)
         if best is None or est < best[0]:
             best = (est, prefill_s, dev, reusable, group)
     return best

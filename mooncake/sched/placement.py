@@ -5,16 +5,29 @@ load is booked; the booking is handed back when the attempt ends."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from mooncake.sched.admission import JUDGED_LIMITS, Admission, Evidence, Rejection
 from mooncake.sched.booking import Booking
 from mooncake.sched.pipeline import PipelineShape
+from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, TIERS
-from mooncake.sched.scheduler import Scheduler
+from mooncake.sched.write_admission import WriteAdmission
 
 
-def place(scheduler: Scheduler, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
+class Planner(Protocol):
+    """What placement uses of the scheduler (``scheduler.Scheduler``): it plans, its write admission
+    picks the blocks the stores keep, and it books an admitted plan."""
+
+    writes: WriteAdmission
+
+    def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int, now: float,
+             pipeline: PipelineShape | None = None, rank: int = DEFAULT_RANK) -> Plan | None: ...
+
+    def book(self, req_id: str, plan: Plan, deadline: float = math.inf, rank: int = DEFAULT_RANK) -> Booking: ...
+
+
+def place(scheduler: Planner, admission: Admission, booking_id: str, hashes: Sequence[bytes], n_tokens: int,
           max_tokens: int, block_tokens: int, now: float, *, pipeline: PipelineShape | None = None,
           deadline: float = math.inf, evidence: Evidence = (True, True), judge: bool = True,
           rank: int = DEFAULT_RANK, session: bool = False) -> Booking | Rejection:

@@ -117,7 +117,8 @@ class Scheduler:
                 cached = reusable * block_tokens
                 prefill_s = prefill_time[reusable] = self.prefill_cost.predict(n_tokens - cached, cached)
             if p.role == "colocated":  # its chunks share steps with its decoding batch
-                prefill_s = mixed_prefill_s(self, p, prefill_s, n_tokens - reusable * block_tokens, block_tokens)
+                prefill_s = mixed_prefill_s(self.prefill_cost, self.decode_cost, self.slots.get(nid), p, prefill_s,
+                                            n_tokens - reusable * block_tokens, block_tokens)
             candidates.append((dispatch_s + q + (reusable - dev) * fetch_s + prefill_s, prefill_s, dev, reusable, p, q))
 
         if self.cfg.policy == "random":
@@ -129,7 +130,9 @@ class Scheduler:
         else:  # the fastest prefill, and the fastest colocated instance
             chosen = [min(c, key=itemgetter(0)) for c in (candidates[:len(prefills)], candidates[len(prefills):]) if c]
         if prefills and pipeline is not None and pipeline.group_size > 1 and chosen[0][4].role == "prefill":
-            group = best_group(self, pipeline, prefills, hashes, runs, usable, store_end, n_tokens, block_tokens, rank)
+            group = best_group(pipeline, prefills, self.prefill_cost,
+                               lambda n: self.resident_run(pending_blocks, n.node_id, hashes, runs.get(n.node_id, 0), usable),
+                               lambda n: self.queue_s(n.node_id, rank), store_end, n_tokens, block_tokens)
             if group is not None and group[0] < min(c[0] for c in candidates):
                 est, prefill_s, dev, reusable, stages = group
                 chosen[0] = (est, prefill_s, dev, reusable, stages[-1], self.queue_s(stages[-1].node_id, rank), stages)
@@ -178,7 +181,8 @@ class Scheduler:
         others = slots.kv_tokens_total / len(slots.assigned) if slots.assigned else kv_tokens
         tbt = self.decode_cost.predict(batch, int(kv_tokens + (batch - 1) * others))
         if decode is p:  # a colocated instance's steps also carry the prompts queued there
-            tbt += mixed_tbt_s(self, p, max_tokens, rank)
+            tbt += mixed_tbt_s(self.prefill_cost, self.decode_cost, self.slots.get(p.node_id), self.queue_s(p.node_id), p,
+                               max_tokens)
         ttft = first_token_at - now
         if wait > 0:
             best_ttft = min(c[0] + max(0.0, wait - c[5]) for c in candidates)
@@ -246,7 +250,7 @@ class Scheduler:
         """Reserve the plan's predicted load: its prefill work and a decode slot (``deadline``:
         when its first token is due, if it has an SLO; ``rank``: its class's)."""
         self.release(req_id)
-        booking = self._booked[req_id] = Booking(self, req_id, plan, rank)
+        booking = self._booked[req_id] = Booking(self.prefill_finished, self.release, req_id, plan, rank)
         self._in_flight[rank] += 1
         for node_id in plan.prefill_ids:
             self._queue(node_id).add(req_id, plan.est_prefill_s, deadline, rank)

@@ -16,17 +16,39 @@ preemption of flex work (a flex request waits for room like any other).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mooncake.config import EngineConfig
+from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
 from mooncake.sched.plan import Plan
+from mooncake.sched.scheduler import Scheduler
+from mooncake.sim.events import EventLoop
 from mooncake.sim.hardware import Hardware
-from mooncake.sim.instances import ColocatedInstance, DecodeSeq, Prompt, queue_by_rank
+from mooncake.sim.instances import ColocatedInstance, DecodeSeq, Prefiller, Prompt, queue_by_rank
+from mooncake.sim.results import Outcome
 from mooncake.sim.workload import SimRequest
 
-if TYPE_CHECKING:
-    from mooncake.sim.simulator import Simulation
+
+class SimulationCore(Protocol):
+    """What the colocated steps use of the simulation (``simulator.Simulation``)."""
+
+    B: int  # tokens per block
+    loop: EventLoop
+    hw: Hardware
+    outcomes: dict[str, Outcome]
+    gaps: list[tuple[float, float]]
+    sched: Scheduler
+    prefill_cost: PrefillCostModel
+    decode_cost: DecodeCostModel
+
+    def rank_of(self, r: SimRequest) -> int: ...
+    def reuse(self, inst: Prefiller, r: SimRequest, plan: Plan) -> tuple[int, int, float]: ...
+    def prefilled(self, inst: Prefiller, r: SimRequest, plan: Plan) -> None: ...
+    def finish(self, req_id: str) -> None: ...
+    def speed(self) -> float: ...
+    def set_computing(self, node_id: str, computing: bool) -> bool: ...
+
 
 # As the role: engine blocks of ``[engine] block_tokens`` (a prompt moves at least one a step); at
 # most ``[engine] max_prefill_batch`` prompts hold room before they are computed (the defaults).
@@ -58,7 +80,7 @@ def budget_ladder(hw: Hardware, tbt_slo_ms: float) -> list[int]:
 class ColocatedSteps:
     """The event logic of the simulation's colocated instances (the rest is ``simulator.py``'s)."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimulationCore) -> None:
         self.sim = sim
 
     def enqueue(self, ci: ColocatedInstance, r: SimRequest, plan: Plan) -> None:

@@ -28,7 +28,7 @@ from mooncake.engine.model.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
 from mooncake.engine.model.families import model_spec
 from mooncake.engine.kernels.fast_decode import FastDecode
-from mooncake.engine.model.int8 import quantize_spec
+from mooncake.engine.model.quantize import quantize_spec
 from mooncake.engine.model.rope import tables_of
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 per group: the layout of GGUF's Q4_1, so a model converted from a Q4_1 file gets back the file's
 own values, up to the serving dtype's rounding; a Q4_0 file's symmetric groups are the same with
 ``zero = -8 * scale``). Only weights already on such groups are kept so (``int4_groups``);
-``int8.quantize_spec`` rounds the others to int8 rows.
+``quantize.quantize_spec`` rounds the others to int8 rows.
 
 As with int8 (``int8.py``), the float weights are overwritten by their dequantized values, the
 float reference; calls with few rows read the packed nibbles (3/8 the bytes of bfloat16 with
