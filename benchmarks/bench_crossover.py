@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from mooncake.bench.trace import load_trace
-from mooncake.sim.colocated import ENGINE_BLOCK, step_budget
+from mooncake.sim.colocated_steps import ENGINE_BLOCK, step_budget
 from mooncake.sim.profiles import hardware_for
 from mooncake.sim.setup import SimSetup
 from mooncake.sim.size import SizeAnswer, size_cluster

@@ -62,7 +62,7 @@ from mooncake.bench import (ArrivalSpec, BenchConfig, SharedPrefixSpec, TraceSca
 from mooncake.bench.arrivals import copies_to_span
 from mooncake.bench.publish import publish
 from mooncake.config import Config, ConductorConfig, MiB, ModelConfig
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.engine.loading.loader import default_model_path, resolve_model_dir
 from mooncake.testing.cluster import small_config
 from mooncake.testing.ports import free_port

@@ -38,7 +38,7 @@ import httpx
 
 from mooncake.config import Config, MiB, ModelConfig
 from mooncake.engine.loading.loader import resolve_model_dir
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.security import generate_keys
 from mooncake.testing.api import MODEL, metric, metrics
 from mooncake.testing.hosts import Hosts

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mooncake.bench.publish import publish
 from mooncake.config import MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL, metric, metrics
 from mooncake.testing.cluster import small_config
 

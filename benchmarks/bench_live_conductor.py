@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 from mooncake.testing.ports import free_port

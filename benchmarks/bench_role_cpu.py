@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from mooncake.config import MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 

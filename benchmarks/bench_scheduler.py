@@ -38,7 +38,7 @@ from mooncake.blocks import hash_blocks, root_hash, scheme_model_id
 from mooncake.config import ConductorConfig
 from mooncake.protocol import NodeInfo
 from mooncake.sched.booking import DecodeSlots, PrefillQueue
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.plan import Plan

@@ -44,7 +44,7 @@ from bench_role_cpu import stat_cpu_s, thread_cpu_s
 from one_request import fresh_prompt
 from mooncake.bench.client import RequestRecord, stream_request
 from mooncake.engine.loading.loader import default_model_path
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
 SYSTEMS = ["colocated", "pair", "llama_server"]

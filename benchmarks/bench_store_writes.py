@@ -28,7 +28,7 @@ import httpx
 from benchmarks.bench_e2e import SLOS, start_local, warm, workloads
 from mooncake.bench import BenchConfig, run_benchmark
 from mooncake.config import MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import metric, metrics
 from mooncake.testing.cluster import small_config
 from mooncake.tiers.client import StoreClient

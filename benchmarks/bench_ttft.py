@@ -31,7 +31,7 @@ import httpx
 from mooncake.bench.client import RequestRecord, stream_request
 from mooncake.bench.publish import publish
 from mooncake.config import MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 

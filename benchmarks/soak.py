@@ -43,7 +43,7 @@ import httpx
 import psutil
 
 from mooncake.config import Config, MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL
 from mooncake.testing.cluster import small_config
 

@@ -38,7 +38,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config, load_config
 from mooncake.roles.block_events import BlockEvents
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.roles.orders import Orders
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import machine_id

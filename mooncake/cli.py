@@ -80,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"mooncake: {e}", file=sys.stderr)
         return 2
     if not args.role:
-        from mooncake.local.cluster import run_local
+        from mooncake.local.machine_cluster import run_local
 
         # One colocated instance by default (it served the trace replays better here: BENCHMARKS.md
         # section 24); a disaggregated pair when any of --prefill, --decode, --disaggregated is given.
@@ -112,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
         async def main(cfg):  # type: ignore[no-redef]
             await worker_cls(cfg).start()
     from mooncake.engine import ModelLoadError
-    from mooncake.roles.link import HandshakeError
+    from mooncake.roles.conductor_link import HandshakeError
     from mooncake.p2p.rpc import P2PError
     from mooncake.security import CurveError, InsecureNetworkError
 

@@ -23,7 +23,7 @@ MAX_LOGGED = 64  # stale terms remembered as logged (then forgotten: logged agai
 class TermFence:
     def __init__(self, node_id: str = "", counter: Any = None) -> None:
         """``counter``: a Prometheus counter labelled (node, message) that refusals count in; None:
-        the process has no registry of its own, ``refused`` rides its heartbeats (``roles/link.py``)."""
+        the process has no registry of its own, ``refused`` rides its heartbeats (``roles/conductor_link.py``)."""
         self.node_id = node_id
         self.counter = counter
         self.term = 0  # the highest term seen

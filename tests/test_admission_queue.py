@@ -15,7 +15,7 @@ from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import Sampling
 from mooncake.sched.booking import PrefillQueue
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.placement import place

@@ -17,7 +17,7 @@ from mooncake.conductor.membership import Membership
 from mooncake.config import Config, MiB
 from mooncake.kv.integrity import checksums
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import InsecureNetworkError, check_network, store_access_problem
 from mooncake.tiers.client import StoreUnavailable

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.cluster import SHAPES, running_cluster, small_config
 
 from hf_cache import hf_cache_with

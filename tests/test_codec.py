@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mooncake.api.codec import Codec
+from mooncake.api.text_codec import Codec
 from mooncake.api.text_stream import TextStream
 
 TEXTS = ["Hello wörld! 🙂 你好，世界。\n\ndef f(x):\n    return x ** 2\n", "<|im_start|>user\nhi<|im_end|>\n",

@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 
-from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS
+from mooncake.sched.colocated_budget import DEFAULT_TBT_TARGET_MS
 from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import start_cluster
 from mooncake.testing.wait import wait_for

@@ -14,7 +14,7 @@ from mooncake.conductor import Conductor
 from mooncake.conductor.attempt import Attempt
 from mooncake.config import Config
 from mooncake.sched.admission import Rejection
-from mooncake.sched.cluster import Node
+from mooncake.sched.node_registry import Node
 
 FACTS = P.ModelFacts("m@x/float32", 16, 128, 1000, (2, 2, 1, 16, 8))
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL, stream, stream_text
 from mooncake.testing.cluster import SHAPES, small_config
 from mooncake.testing.etcd import FailingProxy, etcd_cluster

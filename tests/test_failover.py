@@ -19,7 +19,7 @@ from mooncake.testing.api import MODEL, complete, metric, metrics, stream, strea
 from mooncake.testing.cluster import SHAPES, serving_role, small_config
 from mooncake.testing.etcd import EtcdServer
 from mooncake.testing.ports import free_port
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.wait import wait_for
 
 pytestmark = pytest.mark.timeout(900)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mooncake.config import MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL, complete, metric, metrics, stream, stream_text
 from mooncake.testing.cluster import small_config, start_cluster
 from mooncake.testing.wait import wait_for

@@ -19,7 +19,7 @@ import httpx
 
 from mooncake.testing.ports import free_port
 from mooncake import cli
-from mooncake.local import cluster as local_cluster
+from mooncake.local import machine_cluster as local_cluster
 from mooncake.local.supervisor import RestartBudget, describe_exit, split_name
 
 ROOT = Path(__file__).resolve().parent.parent

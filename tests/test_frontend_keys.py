@@ -20,7 +20,7 @@ from mooncake import protocol as P
 from mooncake.conductor import Conductor
 from mooncake.config import Config, MiB, StoreConfig
 from mooncake.kv.integrity import checksums
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.roles.orders import Orders
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.security import Curve, CurveError, generate_keys

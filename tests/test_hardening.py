@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import MODEL, stream
 from mooncake.testing.cluster import running_cluster, small_config
 

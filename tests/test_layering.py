@@ -194,3 +194,15 @@ def test_no_class_inherits_a_mixin_from_another_module():
                     continue
                 mixins.append(f"{name}.{cls.__name__}({base.__module__}.{base.__name__})")
     assert not mixins, "\n".join(mixins)
+
+
+def test_a_module_name_names_one_module():
+    """The names that once meant two or three things (a request's placement and a block's, the
+    colocated role, its step budget and its simulation...) each name one module now."""
+    names = ["placement", "colocated", "cluster", "pipeline", "link", "codec", "lru", "request_metrics"]
+    for name in names:
+        found = sorted(str(p.relative_to(PACKAGE)) for p in modules() if p.stem == name)
+        assert len(found) == 1, f"{name}.py: {found}"
+    classes = [f"{module_name(p)}.{n.name}" for p in modules() for n in ast.parse(p.read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "Attempt"]
+    assert len(classes) == 1, classes

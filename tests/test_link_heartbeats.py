@@ -15,8 +15,8 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.conductor.router import Router
 from mooncake.roles.block_events import BlockEvents
-from mooncake.roles.link import ConductorLink
-from mooncake.sched.cluster import Cluster
+from mooncake.roles.conductor_link import ConductorLink
+from mooncake.sched.node_registry import Cluster
 from mooncake.sockets import recv_multipart, send_multipart
 from mooncake.ticks import REPORT_EVERY_S, SLACK_S, last_tick, until_tick
 

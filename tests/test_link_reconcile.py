@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from mooncake import protocol as P
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.sockets import recv_multipart, send_multipart
 
 

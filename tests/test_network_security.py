@@ -24,7 +24,7 @@ from mooncake import protocol as P
 from mooncake.config import MiB
 from mooncake.config_toml import dump_toml
 from mooncake.kv.integrity import checksums
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.security import Curve, generate_keys
 from mooncake.testing.api import complete, metric, metrics
 from mooncake.testing.cluster import small_config

@@ -20,7 +20,7 @@ from mooncake.protocol.p2p import (Done, Failure, Fetching, FindStore, Forget, H
                                    Publish, RemoveObject, StoreAt, bits)
 from mooncake.p2p.objects import ChunkCorrupt, DiskFull, LocalObject, NotHeld, ObjectStore
 from mooncake.protocol import NodeInfo
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 
 CHUNK = 64 * 1024
 

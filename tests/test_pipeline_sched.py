@@ -8,7 +8,7 @@ import pytest
 
 from mooncake.config import ConductorConfig
 from mooncake.protocol import NodeInfo
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import PipelineShape, group_chunk_tokens, pipeline_groups, pipeline_prefill_s

@@ -11,7 +11,7 @@ from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import NodeInfo
 from mooncake.sched.booking import DecodeSlots, PrefillQueue
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex

@@ -1,4 +1,4 @@
-"""The scheduler with colocated instances (``sched/colocated.py``): one decodes what it
+"""The scheduler with colocated instances (``sched/colocated_budget.py``): one decodes what it
 prefills, it competes with prefill/decode pairs by predicted end, and its own decoding batch
 slows its prompts while its queued prompts slow its decode steps."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from mooncake.config import ConductorConfig
 from mooncake.protocol import NodeInfo
 from mooncake.sched.booking import PrefillQueue
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.scheduler import Scheduler

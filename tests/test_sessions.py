@@ -20,7 +20,7 @@ from mooncake.tenant_quota import TenantQuota
 from mooncake.tiers.device import DeviceTier
 from mooncake.tiers.dram import DramTier
 from mooncake.tiers.lru import LRU
-from mooncake.tiers.placement import OTHER
+from mooncake.tiers.block_placement import OTHER
 from mooncake.tiers.store_requests import StoreRequests
 from mooncake.tiers.tiered import TieredStore
 

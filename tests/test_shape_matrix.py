@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from mooncake import cli
-from mooncake.local import cluster as local_cluster
+from mooncake.local import machine_cluster as local_cluster
 from mooncake.testing.cluster import SHAPES
 
 TESTS = Path(__file__).parent

@@ -11,8 +11,8 @@ import pytest
 
 from mooncake.cli import main
 from mooncake.sim.calibrate import calibrated_hardware
-from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS
-from mooncake.sim.colocated import budget_ladder, step_budget
+from mooncake.sched.colocated_budget import DEFAULT_TBT_TARGET_MS
+from mooncake.sim.colocated_steps import budget_ladder, step_budget
 from mooncake.sim.hardware import Capacities, FittedHardware, LinearCosts
 from mooncake.sim.profiles import hardware_for
 from mooncake.sim.setup import SimSetup

@@ -9,7 +9,7 @@ from mooncake.bench.trace import TraceRecord
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sim.events import EventLoop
 from mooncake.sim.instances import DecodeInstance, DecodeSeq, StoreInstance, virtual_node
-from mooncake.sim.lru import LRUBlocks
+from mooncake.sim.block_lru import LRUBlocks
 from mooncake.sim.profiles import hardware_for
 from mooncake.sim.synthetic import concatenate
 from mooncake.sim.workload import requests_from_records
@@ -161,7 +161,7 @@ def test_scheduler_random_policy_draws_from_its_seeded_rng() -> None:
     import random
 
     from mooncake.config import ConductorConfig
-    from mooncake.sched.cluster import Cluster
+    from mooncake.sched.node_registry import Cluster
     from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
     from mooncake.sched.scheduler import Scheduler
 

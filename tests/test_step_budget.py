@@ -1,4 +1,4 @@
-"""A colocated step's prompt budget (``sched/colocated.py``): the most prompt tokens whose predicted
+"""A colocated step's prompt budget (``sched/colocated_budget.py``): the most prompt tokens whose predicted
 step stays within the tightest TBT target of the classes decoding, from the fitted costs of the
 instance's own steps, shrinking at once after a step that overran; the default target; the role
 applying it with request classes (``roles/colocated.py``); the queue bound that refuses past
@@ -15,7 +15,7 @@ from mooncake.config import Config, ConductorConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.sched.admission import Admission, Rejection
-from mooncake.sched.colocated import (DEFAULT_TBT_TARGET_MS, StepBudget, fit_step_tokens, prompt_budget,
+from mooncake.sched.colocated_budget import (DEFAULT_TBT_TARGET_MS, StepBudget, fit_step_tokens, prompt_budget,
                                       reachable_target_ms)
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.request_class import tbt_target_ms, tightest_target_ms

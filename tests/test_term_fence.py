@@ -24,7 +24,7 @@ from mooncake.frontend.conductor_client import ConductorClient
 from mooncake.kv.integrity import checksums
 from mooncake.metrics import Metrics
 from mooncake.protocol.p2p import Forget
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.sockets import recv_multipart, send_multipart
 from mooncake.term_fence import TermFence
 from mooncake.tiers.client import StoreClient, StoreError

@@ -15,7 +15,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mooncake.api.codec import Codec
+from mooncake.api.text_codec import Codec
 from mooncake.api.errors import APIError
 from mooncake.api.schemas import ChatMessage
 from mooncake.api.structured import tool_call_text, tools_system_text

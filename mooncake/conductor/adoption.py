@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 
 from mooncake import protocol as P
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.plan import Plan
 

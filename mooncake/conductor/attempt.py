@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from mooncake import protocol as P
 from mooncake.sched.booking import Booking
-from mooncake.sched.cluster import Node
+from mooncake.sched.node_registry import Node
 from mooncake.sched.plan import Plan
 
 

@@ -28,17 +28,17 @@ from mooncake.conductor.adoption import Adoption, adopted_plan
 from mooncake.conductor.attempt import Attempt, route_of
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.conductor.membership import Membership
-from mooncake.conductor.pipeline import stage_plans
+from mooncake.conductor.stage_plans import stage_plans
 from mooncake.conductor.replicator import Replicator
 from mooncake.conductor.session_keeper import SessionKeeper
-from mooncake.conductor.request_metrics import AttemptMetrics
+from mooncake.conductor.attempt_metrics import AttemptMetrics
 from mooncake.conductor.router import Router
 from mooncake.conductor.snapshot import FrontendViews, cluster_view
 from mooncake.config import Config
 from mooncake.metrics import Metrics
 from mooncake.p2p.index import P2PIndex
 from mooncake.sched.admission import Admission, Rejection
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import CostModels
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.pipeline import pipeline_shape

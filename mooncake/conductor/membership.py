@@ -11,7 +11,7 @@ Authorization: under CURVE each registration comes with its peer key
 (``KIND:key``): prefill and decode must hold the worker key, stores the store key,
 frontends a frontend key; a node id held by a live node cannot be taken over under
 another key, nor by another process start (``NodeInfo.instance``: workers share one
-key) — refused as ``node_id_taken``, which the newcomer retries (``roles/link.py``)
+key) — refused as ``node_id_taken``, which the newcomer retries (``roles/conductor_link.py``)
 until the old one has left (``Leave``: draining) or is declared dead. The model is
 what the conductor's own copy says (``ExpectedModel``), not what the first
 registrant claims.
@@ -26,7 +26,7 @@ from mooncake import protocol as P
 from mooncake.conductor.expected_model import ExpectedModel
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import ROLE_KIND, kind_of
 

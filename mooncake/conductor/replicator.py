@@ -12,7 +12,7 @@ from typing import Callable
 
 from mooncake.config import ConductorConfig
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
 from mooncake.security import Curve

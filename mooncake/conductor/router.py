@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from mooncake import protocol as P
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.security import Curve, peer_of
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, PlainSocket, limit_message_size
 

@@ -13,7 +13,7 @@ import logging
 from typing import Callable, Sequence
 
 from mooncake import protocol as P
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.kv_index import KVIndex
 from mooncake.tiers.client import StoreClient, StoreError
 

@@ -12,7 +12,7 @@ import msgspec
 from mooncake import protocol as P
 from mooncake.conductor.attempt import Attempt, worker_ref
 from mooncake.conductor.router import Router
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import CostModels
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.predictions import Predictions

@@ -23,7 +23,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.metrics import Metrics
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.term_fence import TermFence

@@ -25,7 +25,7 @@ import msgspec
 import zmq.asyncio
 
 from mooncake import protocol as P
-from mooncake.api.codec import Codec
+from mooncake.api.text_codec import Codec
 from mooncake.config import Config
 from mooncake.frontend.attempt_driver import AttemptDriver, DrivenAttempt
 from mooncake.frontend.conductor_client import ConductorClient

@@ -67,7 +67,7 @@ class Tokens:
 
 
 @dataclass(eq=False)
-class Attempt:
+class FrontendAttempt:
     """One try of a request, as its frontend knows it."""
 
     number: int
@@ -101,7 +101,7 @@ class Request:
     sampling: Sampling
     arrived: float
     status: RequestStatus = RequestStatus.WAITING
-    attempt: Attempt | None = None
+    attempt: FrontendAttempt | None = None
     attempts: int = 0
     migrations: int = 0  # attempts moved after a failure (preemptions do not count)
     generated: list[int] = field(default_factory=list)
@@ -153,11 +153,11 @@ class Request:
 
     # ------------------------------------------------------------ transitions
 
-    def placed(self, decode: str, now: float) -> Attempt:
+    def placed(self, decode: str, now: float) -> FrontendAttempt:
         """A new attempt (``next_wire_id``), placed with ``decode`` streaming its tokens."""
         self._to(RequestStatus.PLACED)
         self.attempts += 1
-        self.attempt = Attempt(self.attempts, f"{self.req_id}#{self.attempts}", decode, now)
+        self.attempt = FrontendAttempt(self.attempts, f"{self.req_id}#{self.attempts}", decode, now)
         self.held.clear()
         self.held_logprobs.clear()
         self.decode_finished = None

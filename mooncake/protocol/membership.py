@@ -124,7 +124,7 @@ class Registered(Msg, tag="registered"):
 class Heartbeat(Msg, tag="heartbeat"):
     """Node -> conductor, every ``heartbeat_s`` or sooner: its load, and what changed in the blocks
     it caches since its last one (``roles/block_events.py``). Any message says a node is alive; a
-    frontend's ``Submit`` stands in for its heartbeat (``roles/link.py``)."""
+    frontend's ``Submit`` stands in for its heartbeat (``roles/conductor_link.py``)."""
 
     node_id: str
     load: Load = msgspec.field(default_factory=Load)

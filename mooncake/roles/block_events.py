@@ -1,5 +1,5 @@
 """What a role tells the conductor of the blocks it caches (an engine's device cache, a store's
-tiers), gathered here and carried by the role's next heartbeat (``roles/link.py``): a role with
+tiers), gathered here and carried by the role's next heartbeat (``roles/conductor_link.py``): a role with
 blocks to report sends its heartbeat early, on the next tick of ``REPORT_EVERY_S``
 (``ticks.py``: the ticks every node's reports go on). So the conductor hears from a node at most
 once a tick, however many blocks it stores, and an idle node wakes nobody between heartbeats.

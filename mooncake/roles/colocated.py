@@ -10,7 +10,7 @@ the KV is computed into the very blocks the sequence decodes from.
 Each step is a token for every decoding sequence (``Engine.decode_step``) and then the next
 chunks of the prompts being prefilled (``Engine.prefill_many``, interactive prompts first): as many
 prompt tokens as keep the step within the tightest TBT target of the classes it decodes, by the
-fitted cost of the role's own steps (``sched/colocated.py``: a slow CPU gets small chunks, a GPU
+fitted cost of the role's own steps (``sched/colocated_budget.py``: a slow CPU gets small chunks, a GPU
 whole ones; a step that overran shrinks the next budget at once), a block at least. Flex decode
 rows join a step only while the interactive rows' target holds (the decode role's rule), and flex
 prompts' chunks get what the interactive ones leave; a flex prompt never keeps an interactive one
@@ -45,7 +45,7 @@ from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.decode import DecodeWorker
 from mooncake.roles.prefill_inflight import InflightBlocks
-from mooncake.sched.colocated import StepBudget
+from mooncake.sched.colocated_budget import StepBudget
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.request_class import FLEX_RANK, flex_allowance_s, rank, tbt_target_ms, tightest_target_ms, urgency
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 def step_budget(cfg: Config, profile: EngineProfile | None, decode: DecodeCostModel) -> StepBudget:
-    """The role's prompt budget per step (``sched/colocated.py``): its decode steps' model
+    """The role's prompt budget per step (``sched/colocated_budget.py``): its decode steps' model
     (``decode``, the one its flex decisions use) and a prompt model from the start-up profile."""
     prefill = PrefillCostModel.from_profile(profile.prefill, chunk_tokens=profile.chunk_tokens) \
         if profile is not None and profile.prefill else PrefillCostModel(chunk_tokens=cfg.engine.prefill_chunk_tokens)
@@ -281,7 +281,7 @@ class ColocatedWorker(DecodeWorker):
     def _prompt_budget(self, slots: list[Slot], kv_tokens: int, prompts: list[Sequence]) -> int:
         """Prompt tokens for this step (``prompts``: interactive first). While sequences decode (or one is
         about to join): what keeps the step within the tightest TBT target of their classes
-        (``sched/colocated.py``), a block at least; else a whole chunk. Flex prompts get what the
+        (``sched/colocated_budget.py``), a block at least; else a whole chunk. Flex prompts get what the
         flex allowance of the step's interactive work (rows and prompts' chunks) leaves
         (``request_class.flex_allowance_s``; maybe nothing: they wait for a step interactive work does
         not need), and flex work alone ``[classes] flex_chunk_tokens`` (an interactive prompt that

@@ -36,7 +36,7 @@ from mooncake.kv.ingress import KVIngress, Slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 from mooncake.sched.cost_model import DecodeCostModel
-from mooncake.sched.colocated import reachable_target_ms
+from mooncake.sched.colocated_budget import reachable_target_ms
 from mooncake.sched.request_class import (FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency,
                                           yields_to)
 

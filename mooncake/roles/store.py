@@ -27,7 +27,7 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.config import Config
 from mooncake.roles.block_events import BlockEvents
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.protocol.p2p import Forget
 from mooncake.p2p.manifest import ObjectError

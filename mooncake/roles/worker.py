@@ -27,7 +27,7 @@ from mooncake.kv.store_clients import StoreClients
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.engine_thread import EngineThread
-from mooncake.roles.link import ConductorLink
+from mooncake.roles.conductor_link import ConductorLink
 from mooncake.roles.node_health import start_node_health
 from mooncake.roles.orders import Orders
 from mooncake.roles.torch_threads import build_on_engine_thread

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from mooncake.config import Config
 from mooncake.protocol import ModelFacts
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import PrefillCostModel
 
 DEFAULT_LINK_BYTES_S = 1e9  # activation hand-over rate when no store fetch has been measured

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mooncake.protocol import FetchPlan
-from mooncake.sched.cluster import Node
+from mooncake.sched.node_registry import Node
 
 
 @dataclass

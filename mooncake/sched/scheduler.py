@@ -33,10 +33,10 @@ from typing import Sequence
 from mooncake.config import ConductorConfig
 from mooncake.protocol import FetchPlan
 from mooncake.sched.booking import Booking, DecodeSlots, PendingBlocks, PrefillQueue
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.kv_index import KVIndex
-from mooncake.sched.colocated import mixed_prefill_s, mixed_tbt_s
+from mooncake.sched.colocated_budget import mixed_prefill_s, mixed_tbt_s
 from mooncake.sched.pipeline import PipelineShape, best_group
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
@@ -78,7 +78,7 @@ class Scheduler:
     def plan(self, hashes: Sequence[bytes], n_tokens: int, max_tokens: int, block_tokens: int,
              now: float, pipeline: PipelineShape | None = None, rank: int = DEFAULT_RANK) -> Plan | None:
         """Where a request of ``n_tokens`` (``hashes``: its full blocks) runs: a prefill/decode pair or
-        a colocated instance (``colocated.py``), whichever is predicted to serve it sooner; None when
+        a colocated instance (``colocated_budget.py``), whichever is predicted to serve it sooner; None when
         neither takes work. ``pipeline``: consider pipeline groups too; ``rank``: its class's
         (``request_class.py``): it waits only for the queued work served before it.
 

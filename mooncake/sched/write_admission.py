@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.plan import Plan
 from mooncake.sched.sightings import Sightings

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mooncake.protocol import NodeInfo
-from mooncake.sched.cluster import Node
+from mooncake.sched.node_registry import Node
 from mooncake.sched.kv_index import KVIndex
 from mooncake.sched.plan import Plan
-from mooncake.sim.lru import Inserted, LRUBlocks
+from mooncake.sim.block_lru import Inserted, LRUBlocks
 from mooncake.sim.workload import SimRequest
 
 
@@ -177,7 +177,7 @@ class Prompt:
 
 @dataclass
 class ColocatedInstance(Prefiller):
-    """A colocated instance's state (its steps: ``colocated.py``)."""
+    """A colocated instance's state (its steps: ``colocated_steps.py``)."""
 
     batch: DecodeInstance  # its decoding sequences, its KV reservations (prompts' too), its step time
     step_tokens: int  # tokens per step while it decodes

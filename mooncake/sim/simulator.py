@@ -1,6 +1,6 @@
 """The discrete-event simulation: trace arrivals -> the conductor's placement (the real
 scheduler's plan, admission, booking) -> virtual prefill queues -> KV handoff -> virtual
-decode batches; or, where the plan names a colocated instance, its own steps (``colocated.py``).
+decode batches; or, where the plan names a colocated instance, its own steps (``colocated_steps.py``).
 
 Each arrival goes through ``sched.placement.place``, as on the conductor: its ``Scheduler``
 (with its booking, the ``KVIndex`` fed by the virtual caches and stores, and the online cost
@@ -20,7 +20,7 @@ from mooncake.config import ConductorConfig
 from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Admission, Rejection
-from mooncake.sched.cluster import Cluster
+from mooncake.sched.node_registry import Cluster
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.hot_blocks import HotBlocks
 from mooncake.sched.kv_index import KVIndex
@@ -28,12 +28,12 @@ from mooncake.sched.placement import place
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, rank
 from mooncake.sched.scheduler import Scheduler
-from mooncake.sim.colocated import ColocatedInstance, ColocatedSteps, step_budget
+from mooncake.sim.colocated_steps import ColocatedInstance, ColocatedSteps, step_budget
 from mooncake.sim.events import EventLoop
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.instances import (DecodeInstance, DecodeSeq, Prefiller, PrefillInstance, StoreInstance,
                                     queue_by_rank, virtual_node)
-from mooncake.sim.lru import LRUBlocks
+from mooncake.sim.block_lru import LRUBlocks
 from mooncake.sim.results import Outcome, SimResult, summarize
 from mooncake.sim.setup import SimSetup
 from mooncake.sim.shared_cpu import SharedCpu

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from mooncake.sim.colocated import budget_ladder
+from mooncake.sim.colocated_steps import budget_ladder
 from mooncake.sim.hardware import Hardware
 from mooncake.sim.results import SimResult
 from mooncake.sim.setup import SimSetup

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mooncake.config import MOVED_TO_FRONTEND, Config, MiB
-from mooncake.local.cluster import LocalCluster
+from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
 SHAPES: dict[str, dict[str, int]] = {"colocated": {"prefill": 0, "decode": 0, "colocated": 1},

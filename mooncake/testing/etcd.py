@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
-from mooncake.local.cluster import die_with_parent
+from mooncake.local.machine_cluster import die_with_parent
 from mooncake.testing.ports import free_port
 
 

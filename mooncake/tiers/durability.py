@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from .placement import Placement
+from .block_placement import Placement
 
 PERSIST_BATCH = 64  # blocks per transaction when persisting on shutdown
 

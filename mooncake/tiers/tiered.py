@@ -14,7 +14,7 @@ demoted, dropped when it leaves the store. ``persist`` moves every block held
 above the persistent tier down into it (graceful shutdown: a restart hits).
 
 The store is the object API (put, get with hit counting and promotion, remove,
-stats) over its ``Placement`` (``placement.py``: which tier holds each block,
+stats) over its ``Placement`` (``block_placement.py``: which tier holds each block,
 and the moves between tiers); its ``Durability`` (``durability.py``) writes the
 write-through copies and persists on shutdown.
 
@@ -43,7 +43,7 @@ from .device import DeviceTier
 from .dram import DramTier
 from .durability import Durability
 from .lmdb_tier import LmdbTier
-from .placement import EventSink, Placement
+from .block_placement import EventSink, Placement
 from .write_through import WriteThrough
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mooncake import protocol as P
 from mooncake.conductor.attempt import Attempt
 from mooncake.metrics import Metrics
-from mooncake.sched.cluster import Cluster, Node
+from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.predictions import Predictions
 
 

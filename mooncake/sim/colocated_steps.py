@@ -20,7 +20,7 @@ from typing import Protocol
 
 from mooncake.config import EngineConfig
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
-from mooncake.sched.colocated import DEFAULT_TBT_TARGET_MS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
+from mooncake.sched.colocated_budget import DEFAULT_TBT_TARGET_MS, TYPICAL_BATCH, TYPICAL_CTX, fit_step_tokens
 from mooncake.sched.plan import Plan
 from mooncake.sched.scheduler import Scheduler
 from mooncake.sim.events import EventLoop

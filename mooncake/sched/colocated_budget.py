@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from mooncake.sched.cluster import Node
+from mooncake.sched.node_registry import Node
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 
 if TYPE_CHECKING:
