@@ -206,3 +206,29 @@ def test_a_module_name_names_one_module():
     classes = [f"{module_name(p)}.{n.name}" for p in modules() for n in ast.parse(p.read_text()).body
                if isinstance(n, ast.ClassDef) and n.name == "Attempt"]
     assert len(classes) == 1, classes
+
+
+def test_the_persistent_tier_is_used_through_its_interface():
+    """``Placement`` and ``Durability`` call on the disk tier only what ``PersistentTier`` declares;
+    a store refuses a second persistent tier, or one above a memory tier."""
+    import pytest
+
+    from mooncake.tiers.base import Tier
+    from mooncake.tiers.dram import DramTier
+    from mooncake.tiers.lmdb_tier import LmdbTier
+    from mooncake.tiers.persistent import PersistentTier, persistent_index
+
+    declared = {n for n in dir(PersistentTier) if not n.startswith("_")} | set(PersistentTier.__annotations__)
+    only_lmdb = {n for n in vars(LmdbTier) if not n.startswith("_")} - declared - set(dir(Tier)) - set(Tier.__annotations__)
+    for name in ("block_placement.py", "durability.py", "tiered.py"):
+        source = (PACKAGE / "tiers" / name).read_text()
+        used = sorted(n for n in only_lmdb if f".{n}(" in source or f".{n} " in source)
+        assert not used, f"tiers/{name} calls LMDB-only {used}"
+    dram = DramTier(1 << 20)
+    assert persistent_index([dram]) is None
+    lmdb_like = type("Durable", (PersistentTier,), {n: lambda *a: None for n in PersistentTier.__abstractmethods__})
+    lmdb_like.name = "durable"
+    with pytest.raises(ValueError, match="last"):
+        persistent_index([lmdb_like(1), dram])
+    with pytest.raises(ValueError, match="at most one"):
+        persistent_index([dram, lmdb_like(1), lmdb_like(1)])

@@ -35,7 +35,6 @@ class Tier(ABC):
     """A capacity-bounded block container. ``used_bytes`` counts tensor bytes exactly."""
 
     name: str  # "device" | "dram" | "lmdb"
-    persistent: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -67,7 +66,7 @@ class Tier(ABC):
         """Every stored key (recovery after a restart; order unspecified)."""
 
     def has_copy(self, key: bytes) -> bool:
-        """A write-through copy of ``key`` is here (persistent tiers: lmdb_tier.py)."""
+        """A write-through copy of ``key`` is here (only a ``PersistentTier`` holds copies)."""
         return False
 
     def fits(self, nbytes: int) -> bool:

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from .base import StoredBlock, Tier
 from ..tenant_quota import TenantQuota
 from .lru import LRU
+from .persistent import PersistentTier, persistent_index
 from .stats import StoreStats
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class Placement:
         self.kept: dict[bytes, float] = {}  # blocks a session keeps -> until when: evicted last in every tier
         self.keeper: dict[bytes, str] = {}  # of ``kept``: the tenant that kept it last (its quota counts it)
         self.lock = threading.RLock()
-        self.disk = next((i for i, t in enumerate(self.tiers) if t.persistent), None)
+        self.disk = persistent_index(self.tiers)  # the persistent tier's index, None without one
+        self.persistent: PersistentTier | None = self.tiers[self.disk] if self.disk is not None else None  # type: ignore[assignment]
         self._events: list[tuple[str, str, bytes]] = []
 
     def recover(self) -> None:
@@ -86,7 +88,7 @@ class Placement:
         self._events.append((kind, self.tiers[tier].name, key))
 
     def admitted(self, tier: int, key: bytes) -> bool:
-        if not self.tiers[tier].persistent or self.ssd_admission != "after_hits":
+        if tier != self.disk or self.ssd_admission != "after_hits":
             return True
         return self.stats.block_hits.get(key, 0) >= self.ssd_admission_hits
 
@@ -149,8 +151,8 @@ class Placement:
     def forget(self, i: int, key: bytes) -> None:
         self.flex.discard(key)
         self.unkeep(key)
-        if self.disk is not None:
-            self.tiers[self.disk].drop_copy(key)
+        if self.persistent is not None:
+            self.persistent.drop_copy(key)
         self.stats.block_hits.pop(key, None)
         self._event("removed", i, key)
 
@@ -172,7 +174,7 @@ class Placement:
     def finish(self) -> None:
         """Flush staged writes, then hand the operation's events to the sink."""
         if self.disk is not None:
-            self._flush(self.disk)
+            self._flush()
         events, self._events = self._events, []
         if self.on_event is None or not events:
             return
@@ -183,10 +185,12 @@ class Placement:
                 self.on_event(kind, tier, run)
                 run = []
 
-    def _flush(self, i: int) -> None:
-        """Write tier ``i``'s staged blocks. A full LMDB map shrinks the tier's capacity to what
-        it holds and the failed blocks go in again (evicting the LRU); any other failure drops them."""
-        tier = self.tiers[i]
+    def _flush(self) -> None:
+        """Write the persistent tier's staged blocks. A full medium (LMDB's map) shrinks the tier's
+        capacity to what it holds and the failed blocks go in again (evicting the LRU); any other
+        failure drops them."""
+        i, tier = self.disk, self.persistent
+        assert i is not None and tier is not None
         full_before = tier.map_full
         failed = tier.flush()
         for key, _ in failed:
@@ -213,7 +217,7 @@ class Placement:
         with self.lock:
             for i, tier in enumerate(self.tiers):
                 lru = self.lru[i]
-                copies = tier.copy_bytes if i == self.disk else 0
+                copies = self.persistent.copy_bytes if tier is self.persistent else 0  # type: ignore[union-attr]
                 assert tier.used_bytes == lru.total_bytes + copies, (tier.name, tier.used_bytes, lru.total_bytes)
                 assert tier.used_bytes <= tier.capacity_bytes, (tier.name, tier.used_bytes)
                 assert len(tier) == len(lru), (tier.name, len(tier), len(lru))

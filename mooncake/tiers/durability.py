@@ -27,9 +27,8 @@ class Durability:
         tier to it, in one transaction. Space is reserved under the store's lock (evicting the disk
         tier's LRU), the records are encoded and written without it, and settled under it again."""
         p = self.placement
-        d = p.disk
-        assert d is not None
-        disk = p.tiers[d]
+        d, disk = p.disk, p.persistent
+        assert d is not None and disk is not None
         items = []
         with p.lock:
             try:

@@ -34,9 +34,10 @@ from typing import Iterator
 
 import lmdb
 
-from .base import StoredBlock, Tier
+from .base import StoredBlock
 from .dir_lock import DirLock
 from .lmdb_record import CorruptRecord, decode_record, encode_record, parse_header
+from .persistent import PersistentTier
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -44,9 +45,8 @@ CORRUPT_ENV_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundE
                       lmdb.VersionMismatchError, lmdb.PanicError, lmdb.IncompatibleError)
 
 
-class LmdbTier(Tier):
+class LmdbTier(PersistentTier):
     name = "lmdb"
-    persistent = True
 
     def __init__(self, path: str | Path, capacity_bytes: int, headroom: float = 0.25,
                  map_bytes: int | None = None) -> None:

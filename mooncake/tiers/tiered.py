@@ -184,7 +184,7 @@ class TieredStore:
         self.stats.tiers[names[i]].hits += 1
         if i > 0 and self.promote_on_hit:
             if i == self.placement.disk and self.writer is not None:
-                self.tiers[i].to_copy(key)  # write-through: its record stays as the copy
+                self.placement.persistent.to_copy(key)  # type: ignore[union-attr]  # write-through: its record stays as the copy
             self.placement.unlink(i, key)
             j = self.placement.insert(0, key, block)
             if j is None:
