@@ -3,14 +3,17 @@ models: per layer, one call for RMSNorm with the residual add before it (twice),
 rotary + KV write + attention, and the projections; about 8 calls instead of ~25 torch ops.
 
 Used for every decode step of an eligible model, whatever its batch size, so a sequence's
-numbers do not depend on the batch it runs in (the kernels compute each row alone). Models
-with what these kernels do not do (soft-capped attention, q/k norms, partial rotary, Gemma's
-upcast or extra norms, unfused q/k/v) keep the general path of ``DecoderForward.forward``.
+numbers do not depend on the batch it runs in (the kernels compute each row alone). Eligibility
+is an accepts-list (``MODEL_ACCEPTS``, ``LAYER_ACCEPTS``): each field of the model's spec with the
+values these kernels compute; a model with a field the lists do not name, or a value they refuse
+(soft-capped attention, q/k norms, partial rotary, Gemma's upcast or extra norms, unfused q/k/v),
+keeps the general path of ``DecoderForward.forward``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import fields
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,18 +34,65 @@ def _halves(gate_up: Any) -> bool:
             and sizes[0] == sizes[1] and sizes[0] % 16 == 0)
 
 
+def _any(spec: ModelSpec, value: Any) -> bool:
+    return True
+
+
+def _none(spec: ModelSpec, value: Any) -> bool:
+    return value is None
+
+
+def _plain(spec: ModelSpec, norm: RMSNorm | None) -> bool:
+    return _plain_norm(norm, spec.embed.dtype)
+
+
+Accepts = Callable[[ModelSpec, Any], bool]
+# What the kernels compute, field by field of ``ModelSpec`` (``layers``: by ``LAYER_ACCEPTS``).
+MODEL_ACCEPTS: dict[str, Accepts] = {
+    "num_heads": lambda s, h: h % s.num_kv_heads == 0 and h // s.num_kv_heads <= MAX_GROUP,
+    "num_kv_heads": _any,
+    "head_dim": lambda s, d: d % 32 == 0 and d <= MAX_HEAD_DIM,
+    "hidden": _any,
+    "embed": lambda s, e: e.device.type == "cpu" and e.dtype in DTYPES,
+    "lm_head": _any,  # the head runs after the layers, on the general path
+    "final_norm": _plain,
+    "layers": _any,
+    "act": _any,  # silu fused with the multiply; others in torch
+    "rope": _any,
+    "rotary_dim": lambda s, r: r in (0, s.head_dim),
+    "embed_scale": _none,
+    "attn_scale": _any,
+    "attn_softcap": _none,
+    "logit_softcap": _any,  # on the logits, after the head
+    "head": _any,
+}
+# ... and of each ``Layer``.
+LAYER_ACCEPTS: dict[str, Accepts] = {
+    "attn_norm": _plain,
+    "qkv": lambda s, p: getattr(p, "joint", None) is not None,  # fused q/k/v
+    "o": _any,
+    "mlp_norm": _plain,
+    "gate_up": _any,
+    "down": _any,
+    "q_norm": _none,
+    "k_norm": _none,
+    "post_attn_norm": _none,
+    "post_mlp_norm": _none,
+    "window": _any,
+    "rope": _any,
+}
+
+
+def _accepted(spec: ModelSpec, obj: Any, accepts: dict[str, Accepts]) -> bool:
+    """Every field of ``obj`` is listed and its value accepted (a field the list does not name: no)."""
+    return all(f.name in accepts and accepts[f.name](spec, getattr(obj, f.name)) for f in fields(obj))
+
+
 def eligible(spec: ModelSpec, rotary_dim: int) -> bool:
-    """Whether ``FastDecode`` computes this model's decode steps exactly as the general path does."""
-    D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    dtype = spec.embed.dtype
-    if (spec.embed.device.type != "cpu" or dtype not in DTYPES or spec.attn_softcap is not None
-            or rotary_dim != D or D % 32 or D > MAX_HEAD_DIM or H % Hkv or H // Hkv > MAX_GROUP
-            or spec.embed_scale is not None or not _plain_norm(spec.final_norm, dtype)):
-        return False
-    return all(getattr(layer.qkv, "joint", None) is not None and layer.q_norm is None and layer.k_norm is None
-               and layer.post_attn_norm is None and layer.post_mlp_norm is None
-               and _plain_norm(layer.attn_norm, dtype) and _plain_norm(layer.mlp_norm, dtype)
-               for layer in spec.layers)
+    """Whether ``FastDecode`` computes this model's decode steps exactly as the general path does:
+    every field of its spec and of each layer on the accepts-lists, and the whole head rotating."""
+    return (rotary_dim == spec.head_dim and _accepted(spec, spec, MODEL_ACCEPTS)
+            and all(_accepted(spec, layer, LAYER_ACCEPTS) for layer in spec.layers))
 
 
 class FastDecode:
