@@ -1,4 +1,4 @@
-"""``[model] quantization = "auto"`` (the default): int4 weights where the source is a Q4_1 GGUF,
+"""``[model] quantization = "auto"`` (the default): int4 weights where the source is a Q4_1 or Q4_0 GGUF,
 int8 where it is another quantized GGUF, when the model serves in bfloat16 on a CPU the engine's
 kernels run on; none elsewhere. The
 GGUF's file type is read from its header alone; the conductor lets the first engine fix the choice."""
@@ -63,6 +63,8 @@ def test_auto_quantizes_only_a_quantized_gguf_in_bfloat16_on_a_cpu_with_the_kern
     assert resolve_quantization(bundled, torch.bfloat16, CPU) == ("int4" if kernel else "none")
     q8 = ModelConfig(path=str(_gguf(tmp_path / "q8.gguf", 7)))
     assert resolve_quantization(q8, torch.bfloat16, CPU) == ("int8" if kernel else "none")
+    q4_0 = ModelConfig(path=str(_gguf(tmp_path / "q4_0.gguf", 2)))  # symmetric groups: int4's too
+    assert resolve_quantization(q4_0, torch.bfloat16, CPU) == ("int4" if kernel else "none")
     assert resolve_quantization(bundled, torch.float32, CPU) == "none"  # token-exact stays exact
     assert resolve_quantization(bundled, torch.bfloat16, CUDA) == "none"
     f16 = ModelConfig(path=str(_gguf(tmp_path / "f16.gguf", 1)))

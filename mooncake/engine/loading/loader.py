@@ -27,7 +27,7 @@ from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families import SUPPORTED_MODEL_TYPES, check_config
-from mooncake.engine.loading.gguf_header import Q4_1, gguf_file_type, gguf_is_quantized
+from mooncake.engine.loading.gguf_header import Q4_0, Q4_1, gguf_file_type, gguf_is_quantized
 from mooncake.engine.loading.hub_cache import is_repo_id, repo_id_of, snapshot_dir
 from mooncake.engine.loading.quantization import refuse_quantized
 
@@ -134,9 +134,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
 def resolve_quantization(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
     """``[model] quantization`` for this load. ``auto``, where the weights come from a GGUF stored
-    quantized, serve in bfloat16 on a CPU and the engine's kernels run here: int4 for a Q4_1 file
-    (its groups of 32 with a scale and an offset are the int4 weights' own: the file's values come
-    back), int8 for any other quantized file (rounding each row to int8 loses far less than the
+    quantized, serve in bfloat16 on a CPU and the engine's kernels run here: int4 for a Q4_1 or
+    Q4_0 file (its groups of 32 with a scale and an offset, or a scale alone, are the int4 weights'
+    own: the file's values come back), int8 for any other quantized file (rounding each row to int8 loses far less than the
     file's own 4- to 8-bit rounding did); else none."""
     if cfg.quantization != "auto":
         return cfg.quantization
@@ -147,7 +147,7 @@ def resolve_quantization(cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
 
     if load_kernel() is None:
         return "none"
-    return "int4" if gguf_file_type(source) == Q4_1 else "int8"
+    return "int4" if gguf_file_type(source) in (Q4_0, Q4_1) else "int8"
 
 
 def prefer_sdpa_kernels_without_planning() -> None:
