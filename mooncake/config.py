@@ -40,6 +40,7 @@ class ModelConfig(Section):
         "none", description="How KV blocks travel and are stored outside an engine's pool: none (the serving dtype's bytes), int8 (a float16 scale per channel of each layer's K and V of each head over the block's positions: 0.56x the bytes of bfloat16, 0.28x of float32) or fp8 (e4m3, same size, less accurate). Decoded where they land in a pool; part of the model id, so blocks of different codecs never mix. Exactness against transformers holds with none (BENCHMARKS.md section 23: the accuracy of each).")
     cache_dir: str = Field("~/.cache/mooncake", description="Where converted weights (from GGUF, in the serving dtype) are kept.")
     p2p_name: str = Field("", description="P2P object (mooncake p2p put NAME DIR) holding the model directory: a prefill/decode role whose model path is missing fetches it from peers, through its node's store, into path before loading.")
+    p2p_store_wait_s: float = Field(120.0, gt=0, description="With p2p_name: how long a role waits for its node's store to register (the node's roles start in any order; a store recovering a large LMDB tier takes longer) before it gives up fetching the model.")
 
 
 class EngineConfig(Section):
@@ -86,6 +87,9 @@ class FrontendConfig(Section):
     sse_keepalive_s: float = Field(10.0, gt=0, description="A stream with nothing to send for this long gets an SSE comment (keeps proxies with idle timeouts from cutting it while the request is queued).")
     sse_write_timeout_s: float = Field(30.0, gt=0, description="A stream the client takes nothing of for this long (it stopped reading; the server's buffer is full) ends: its request is cancelled and its KV freed.")
     access_log: bool = Field(False, description="Log one line per HTTP request (method, path, status, seconds, X-Request-Id).")
+    place_timeout_s: float = Field(10.0, gt=0, description="How long a frontend waits for the conductor to place a request (its answer to the Submit) before refusing it with a 503; under [coordination] a failover's lease_ttl_s and two poll_s are added.")
+    grammar_timeout_s: float = Field(5.0, gt=0, description="How long one request's JSON schema (response_format, tools) may take to compile once it has a grammar thread; past it the request gets a 400 (invalid_schema).")
+    grammar_queue_s: float = Field(30.0, gt=0, description="How long a request with a JSON schema waits for a free grammar thread (others' schemas hold them all) before a 503 with a Retry-After.")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -139,6 +143,7 @@ class CoordinationConfig(Section):
     lease_ttl_s: int = Field(5, ge=2, le=300, description="The leader's etcd lease: a conductor that cannot refresh it this long steps down, and a standby leads once it lapses.")
     prefix: str = Field("/mooncake/default", description="etcd key prefix of this cluster (clusters sharing an etcd differ by it).")
     poll_s: float = Field(0.5, gt=0, description="How often frontends and workers ask etcd who leads.")
+    regain_s: float = Field(30.0, gt=0, description="A leading conductor whose lease etcd can no longer prove (etcd restarted, or out of reach) stops acting at once and waits this long for etcd to prove it again before it gives up the lead and exits (its supervisor restarts it as a standby).")
 
     @field_validator("etcd_endpoints", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from mooncake.api.errors import APIError, install_error_handlers
 from mooncake.api.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_SCHEMA_BYTES, MAX_TOOLS, ChatCompletionRequest,
                                   CompletionRequest, check_response_size)
 from mooncake.api.structured import compile_grammar
+from mooncake.config import FrontendConfig
 
 from test_structured import request_grammar
 
@@ -104,12 +105,11 @@ async def test_grammars_compile_off_the_event_loop(monkeypatch):
 
 async def test_a_compilation_past_its_time_limit_is_a_400(monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(structured, "GRAMMAR_TIMEOUT_S", 0.1)
     monkeypatch.setattr(structured, "schema_grammar", lambda schema, param: release.wait(5) and "g")
     t0 = time.monotonic()
     try:
         with pytest.raises(APIError) as e:
-            await compile_grammar(chat(response_format={"type": "json_object"}))
+            await compile_grammar(chat(response_format={"type": "json_object"}), FrontendConfig(grammar_timeout_s=0.1))
         assert time.monotonic() - t0 < 2
         assert e.value.status == 400 and e.value.param == "response_format" and "too complex" in e.value.message
         assert await compile_grammar(chat()) == ""  # others are not held up meanwhile
@@ -131,14 +131,14 @@ async def test_compilations_run_a_few_at_once_and_waiting_is_not_timed(monkeypat
             running -= 1
         return "g"
 
-    monkeypatch.setattr(structured, "GRAMMAR_TIMEOUT_S", 0.5)
+    limits = FrontendConfig(grammar_timeout_s=0.5)
     monkeypatch.setattr(structured, "schema_grammar", slow)
     body = chat(response_format={"type": "json_object"})
     n = 3 * structured.GRAMMAR_THREADS  # the last ones wait ~0.6 s for a thread: more than their time limit
-    assert await asyncio.gather(*[compile_grammar(body) for _ in range(n)]) == ["g"] * n
+    assert await asyncio.gather(*[compile_grammar(body, limits) for _ in range(n)]) == ["g"] * n
     assert most == structured.GRAMMAR_THREADS
-    monkeypatch.setattr(structured, "GRAMMAR_QUEUE_S", 0.1)  # every thread held longer than a request may wait
-    results = await asyncio.gather(*[compile_grammar(body) for _ in range(n)], return_exceptions=True)
+    limits = FrontendConfig(grammar_timeout_s=0.5, grammar_queue_s=0.1)  # every thread held longer than a request may wait
+    results = await asyncio.gather(*[compile_grammar(body, limits) for _ in range(n)], return_exceptions=True)
     refused = [r for r in results if isinstance(r, APIError)]
     assert refused and all(r.status == 503 and r.retry_after_s for r in refused) and "g" in results
 

@@ -89,7 +89,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         _check(frontend, body)
         tokens = await prompts.chat(body.messages, tools_for_template(body))
         limit = body.limit() or max(1, frontend.max_model_len - len(tokens))
-        shape = Shape(chat=True, grammar=await compile_grammar(body), tool_mode=body.tool_mode(), body=body)
+        shape = Shape(chat=True, grammar=await compile_grammar(body, frontend.cfg.frontend), tool_mode=body.tool_mode(), body=body)
         return await _serve(frontend, request, body, tokens, shape, max_tokens=limit)
 
     add_token_routes(app, frontend, prompts)

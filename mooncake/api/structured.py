@@ -8,7 +8,7 @@ Tool calls use the Hermes format (Qwen2/3, SmolLM, Hermes): ``<tool_call>{"name"
 ``tool_calls`` itself gets them in that format in the conversation.
 
 Grammars are compiled off the event loop (``compile_grammar``), by at most ``GRAMMAR_THREADS``
-at once and within ``GRAMMAR_TIMEOUT_S``; llguidance's own parser limits (``LLParserLimits``
+at once and within ``[frontend] grammar_timeout_s``; llguidance's own parser limits (``LLParserLimits``
 defaults: grammar size, lexer fuel and states) make most oversized schemas fail fast.
 """
 
@@ -23,9 +23,8 @@ from typing import Any
 
 from mooncake.api.errors import APIError
 from mooncake.api.schemas import MAX_SCHEMA_BYTES, ChatCompletionRequest, NamedToolChoice
+from mooncake.config import FrontendConfig
 
-GRAMMAR_TIMEOUT_S = 5.0  # compiling one request's grammar, from when it gets a thread
-GRAMMAR_QUEUE_S = 30.0  # waiting for a grammar thread: past it a 503 (others' schemas hold them all)
 GRAMMAR_THREADS = 2  # compilations at once; a grammar past its time limit keeps its thread until it is done
 MAX_GRAMMAR_SCHEMA_BYTES = 4 * MAX_SCHEMA_BYTES  # compiled at once (tool_choice "required": every tool's)
 
@@ -78,10 +77,10 @@ def grammar_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any], str] | 
     return fmt.json_schema.schema_ or {"type": "object"}, "response_format"
 
 
-async def compile_grammar(body: ChatCompletionRequest) -> str:
+async def compile_grammar(body: ChatCompletionRequest, limits: FrontendConfig = FrontendConfig()) -> str:
     """The request's grammar, compiled in a grammar thread: a request waits for a free one (up to
-    ``GRAMMAR_QUEUE_S``: then a 503), then has ``GRAMMAR_TIMEOUT_S`` (past it: a 400, the
-    compilation finishing in the background)."""
+    ``limits.grammar_queue_s``: then a 503), then has ``limits.grammar_timeout_s`` (past it: a 400,
+    the compilation finishing in the background)."""
     spec = grammar_schema(body)
     if spec is None:  # free text: no thread, no wait behind others' schemas
         return ""
@@ -95,13 +94,13 @@ async def compile_grammar(body: ChatCompletionRequest) -> str:
     job = _compiler.submit(run)
     try:
         try:
-            await asyncio.wait_for(started.wait(), GRAMMAR_QUEUE_S)
+            await asyncio.wait_for(started.wait(), limits.grammar_queue_s)
         except TimeoutError:
             raise APIError(503, "busy compiling other requests' JSON schemas; try again", code="overloaded",
                            retry_after_s=1) from None
-        return await asyncio.wait_for(asyncio.wrap_future(job), GRAMMAR_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(job), limits.grammar_timeout_s)
     except TimeoutError:
-        raise APIError(400, f"JSON schema too complex to compile in time ({GRAMMAR_TIMEOUT_S:g} s)", param=spec[1],
+        raise APIError(400, f"JSON schema too complex to compile in time ({limits.grammar_timeout_s:g} s)", param=spec[1],
                        code="invalid_schema") from None
     finally:
         job.cancel()  # still queued (the client went away): never runs; running or done: no effect

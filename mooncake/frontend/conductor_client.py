@@ -30,7 +30,6 @@ from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, until_tick
 
 log = logging.getLogger(__name__)
-PLACE_TIMEOUT_S = 10.0  # a conductor that does not answer a Submit this long: the attempt is refused
 RETRY_NO_WORKERS_S = 0.25
 CLAIMS_PER_MESSAGE = 256  # attempts per Claims message (each carries its prompt's block hashes)
 LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each heartbeat and Submit): none leads
@@ -50,7 +49,7 @@ class ConductorClient:
         self.claims: Callable[[], list[P.Claim]] = list
         # a Submit may wait out an election: the lease's TTL, the watch noticing, the new leader's start
         c = cfg.coordination
-        self.place_timeout_s = PLACE_TIMEOUT_S + (c.lease_ttl_s + 2 * c.poll_s if c.etcd_endpoints else 0)
+        self.place_timeout_s = cfg.frontend.place_timeout_s + (c.lease_ttl_s + 2 * c.poll_s if c.etcd_endpoints else 0)
         self._placing: dict[str, tuple[P.Submit, asyncio.Future]] = {}  # wire id -> what awaits an answer
         self._admitted: set[str] = set()  # wire ids admitted here and not ended: an answer again is a repeat
         self._query: asyncio.Future | None = None
@@ -169,7 +168,7 @@ class ConductorClient:
             query = self._query = asyncio.get_running_loop().create_future()
             await self.link.send(P.ClusterQuery(self.node_id))
         try:
-            view = await asyncio.wait_for(asyncio.shield(query), PLACE_TIMEOUT_S)
+            view = await asyncio.wait_for(asyncio.shield(query), self.cfg.frontend.place_timeout_s)
         except asyncio.TimeoutError:
             if self._query is query:
                 self._query = None

@@ -121,9 +121,6 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-STORE_WAIT_S = 120.0  # how long a worker waits for its node's store to register before fetching its model
-
-
 def fetch_model(cfg: Config, role: str) -> None:
     """``[model] p2p_name`` for a worker: fetch the model directory into ``[model] path``
     through this node's store when it is missing. A directory with files is left alone
@@ -140,7 +137,7 @@ def fetch_model(cfg: Config, role: str) -> None:
     async def run() -> None:
         client = P2PClient(cfg, role)
         try:
-            await client.store(wait_s=STORE_WAIT_S)  # the node's roles start in any order
+            await client.store(wait_s=cfg.model.p2p_store_wait_s)  # the node's roles start in any order
             if path.is_dir() and any(path.iterdir()) and not await client.knows(name):
                 return
             await client.get(name, path)

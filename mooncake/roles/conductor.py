@@ -7,8 +7,8 @@ Under ``[coordination]`` the conductor first campaigns through etcd and stands b
 leads (its socket unbound meanwhile). A leader acts only while its lease is proven
 (``election.py``): the moment it is not, the keepalive calls ``stop_acting`` — no message is
 handled or sent after that — before etcd could expire the lease. If etcd then proves the same
-lease again within ``REGAIN_S`` (etcd restarted, or out of reach for a moment: its campaign key
-was never deleted, so nobody led meanwhile) it leads again, a new Conductor under the same term;
+lease again within ``[coordination] regain_s`` (etcd restarted, or out of reach for a moment: its
+campaign key was never deleted, so nobody led meanwhile) it leads again, a new Conductor under the same term;
 else it steps down: it drops what it held and exits non-zero (its supervisor starts it again, as a
 candidate). The leader's term (``GET /cluster``'s ``leader_term``) is etcd's revision of its
 campaign key; 0 without etcd (a single conductor, no election).
@@ -36,7 +36,6 @@ from mooncake.security import check_network, role_endpoints
 
 log = logging.getLogger(__name__)
 
-REGAIN_S = 30.0  # a leader whose lease is not proven waits this long for etcd to prove it again
 
 
 def stop_acting(conductor: Conductor) -> None:
@@ -118,9 +117,10 @@ async def run_conductor(cfg: Config) -> None:
             if health is not None:
                 health.ready = False
             log.error("conductor %s stopped acting: its etcd lease is not proven (waiting up to %.0fs for etcd "
-                      "to prove it again)", cfg.node.name, REGAIN_S)
+                      "to prove it again)", cfg.node.name, cfg.coordination.regain_s)
             regained = asyncio.create_task(candidate.win(same_lease=True))
-            await asyncio.wait({regained, http or stopped}, timeout=REGAIN_S, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({regained, http or stopped}, timeout=cfg.coordination.regain_s,
+                               return_when=asyncio.FIRST_COMPLETED)
             if not regained.done() or regained.exception() is not None or not regained.result():
                 regained.cancel()
                 if (http or stopped).done():
