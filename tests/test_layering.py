@@ -57,11 +57,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _package_modules(path: Path, node: ast.stmt, known: set[str]) -> set[str]:
+    """The package modules an import statement of ``path`` names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    assert isinstance(node, ast.ImportFrom)
+    package = ["mooncake", *path.relative_to(PACKAGE).parent.parts]
+    base = package[:len(package) - node.level + 1] if node.level else []
+    module = ".".join([*base, node.module] if node.module else base)
+    subs = {f"{module}.{a.name}" for a in node.names} & known
+    return subs or ({module} & known)
+
+
 def run_time_imports(path: Path) -> set[str]:
     """The package modules ``path`` imports when it is imported: module-level statements only (not
     inside functions, not under ``if TYPE_CHECKING``)."""
     known = {module_name(p) for p in modules()}
-    package = ["mooncake", *path.relative_to(PACKAGE).parent.parts]
     out = set()
 
     def visit(body: list[ast.stmt]) -> None:
@@ -70,13 +81,8 @@ def run_time_imports(path: Path) -> set[str]:
                 continue
             if isinstance(node, (ast.If, ast.Try)):
                 visit(node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body])
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name in known)
-            elif isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
-                module = ".".join([*base, node.module] if node.module else base)
-                subs = {f"{module}.{a.name}" for a in node.names} & known
-                out.update(subs or ({module} & known))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.update(_package_modules(path, node, known))
 
     visit(ast.parse(path.read_text(), str(path)).body)
     return out
@@ -109,17 +115,8 @@ def test_no_import_cycle_between_modules():
 def all_imports(path: Path) -> set[str]:
     """The package modules ``path`` imports anywhere: at module level, in functions, under ``TYPE_CHECKING``."""
     known = {module_name(p) for p in modules()}
-    package = ["mooncake", *path.relative_to(PACKAGE).parent.parts]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            module = ".".join([*base, node.module] if node.module else base)
-            subs = {f"{module}.{a.name}" for a in node.names} & known
-            out.update(subs or ({module} & known))
-    return out
+    return {m for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for m in _package_modules(path, node, known)}
 
 
 def test_no_two_modules_import_each_other_however_written():
