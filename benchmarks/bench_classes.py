@@ -6,19 +6,19 @@ defaults but for caches smaller than the flood: ``[engine] kv_cache_bytes`` 256 
 64 MiB, no LMDB tier). Interactive requests: a shared ~600-token system prompt and a short
 question, 32 tokens out, streamed, one every ``--every-s``. The flood: ``--flood`` requests of
 unique ~1,500-token prompts, 128 tokens out, sent at once with ``service_tier: flex`` (or, with
-``--flood-tier default``, as ordinary requests: classes off). Three phases on one cluster: the
+``--flood-class default``, as ordinary requests: classes off). Three phases on one cluster: the
 interactive requests alone, then with the flood, then alone again (the cache after the flood).
 Per phase: interactive TTFT p50/p90, p90 of each request's mean inter-token time, cached prompt
 tokens per request, and the flood's completions and wall time.
 
-``--tenants``: two API keys (issue 51). Key A, bound to ``default`` by ``[classes] api_key_tiers``,
+``--tenants``: two API keys (issue 51). Key A, bound to ``default`` by ``[classes] api_key_classes``,
 sends the flood as a client that does not behave: ``priority: -2147483648``, a ``session_id`` each,
 64 tokens out, half of them asking for ``service_tier: priority``; key B sends the interactive
 requests. Also reported: the class each of A's requests was served in.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/bench_classes.py \
         [--shape colocated|pair] [--flood 24] [--interactive 12] [--every-s 1.5] [--tbt-slo-ms 0] \
-        [--flood-tier flex|default] [--tenants] [--max-queue-wait-s S]
+        [--flood-class flex|default] [--tenants] [--max-queue-wait-s S]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -63,7 +64,7 @@ class Outcome:
     tokens: int = 0
     prompt: int = 0  # prompt tokens
     text: str = ""
-    tier: str = ""  # the class it was served in (its chunks' service_tier)
+    request_class: str = ""  # the class it was served in (its chunks' service_tier)
 
 
 @dataclass
@@ -80,18 +81,18 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, headers: dict
     times: list[float] = []
     usage: dict = {}
     pieces: list[str] = []
-    tier = ""
+    request_class = ""
     try:
         async with client.stream("POST", path, headers=headers, json={
                 **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             if r.status_code != 200:
                 await r.aread()
-                return Outcome(False, tier=f"{r.status_code} {r.json().get('error', {}).get('param')}")
+                return Outcome(False, request_class=f"{r.status_code} {r.json().get('error', {}).get('param')}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                tier = chunk.get("service_tier", tier)
+                request_class = chunk.get("service_tier", request_class)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):  # a token's text (not the chat role's opening chunk)
@@ -106,7 +107,7 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, headers: dict
     gaps = [b - a for a, b in zip(times, times[1:])]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Outcome(True, times[0] - t0, statistics.fmean(gaps) if gaps else 0.0, cached,
-                   usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0), "".join(pieces), tier)
+                   usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0), "".join(pieces), request_class)
 
 
 def bearer(key: str) -> dict | None:
@@ -124,10 +125,10 @@ async def interactive(client: httpx.AsyncClient, n: int, every_s: float, seed: i
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def flood(client: httpx.AsyncClient, n: int, tier: str, seed: int, key: str = "") -> list[Outcome]:
+async def flood(client: httpx.AsyncClient, n: int, request_class: str, seed: int, key: str = "") -> list[Outcome]:
     """Key A's misbehaving requests (``key``), else flex (or default) requests without a key."""
     async def one(i: int) -> Outcome:
-        asks = {"service_tier": tier, "max_tokens": 128} if not key else {
+        asks = {"service_tier": request_class, "max_tokens": 128} if not key else {
             "priority": -2**31, "session_id": f"tenant-a-{seed}-{i}", "max_tokens": 64,
             **({"service_tier": "priority"} if i % 2 == 0 else {})}
         return await stream(client, "/v1/completions", {
@@ -160,7 +161,7 @@ async def run_phase(url: str, name: str, args: argparse.Namespace, seed: int, wi
         keys = (KEY_A, KEY_B) if args.tenants else ("", "")
         watch = asyncio.create_task(watch_kept(client, phase, cfg)) if args.tenants and with_flood and cfg else None
         if with_flood:
-            flood_task = asyncio.create_task(flood(client, args.flood, args.flood_tier, seed, keys[0]))
+            flood_task = asyncio.create_task(flood(client, args.flood, args.flood_class, seed, keys[0]))
             await asyncio.sleep(1.0)  # the flood is queued first
         phase.interactive = await interactive(client, args.interactive, args.every_s, seed, keys[1])
         if with_flood:
@@ -198,7 +199,7 @@ def report(phases: list[Phase]) -> None:
               f"ms allowed (1.5x + 25 ms): {'met' if i1 <= 1.5 * i0 + 0.025 else 'missed'}; cached tokens "
               f"{c1:.0f} vs {0.9 * c0:.0f} wanted (90%): {'met' if c1 >= 0.9 * c0 else 'missed'}")
     if phases[1].flood:
-        served = Counter(o.tier or "-" for o in phases[1].flood)
+        served = Counter(o.request_class or "-" for o in phases[1].flood)
         print(f"flood served as: {', '.join(f'{t} x{n}' for t, n in served.most_common())} (of {len(phases[1].flood)})")
     if phases[1].kept_a:
         print("key A's kept blocks, most seen / quota: " + ", ".join(
@@ -221,7 +222,8 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=24)
     ap.add_argument("--interactive", type=int, default=12)
     ap.add_argument("--every-s", type=float, default=1.5)
-    ap.add_argument("--flood-tier", choices=["flex", "default"], default="flex")
+    ap.add_argument("--flood-class", "--flood-tier", choices=["flex", "default"], default="flex",
+                    help="the flood's request class (--flood-tier: its old name, deprecated)")
     ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
     ap.add_argument("--shape", choices=["colocated", "pair"], default="colocated",
                     help="mooncake serve's default (one colocated instance) or --disaggregated (prefill + decode)")
@@ -229,20 +231,22 @@ def main() -> None:
     ap.add_argument("--max-queue-wait-s", type=float, default=None,
                     help="[conductor] max_queue_wait_s (default: the config's; 0: every request queues, none refused for its wait)")
     args = ap.parse_args()
+    if any(a.startswith("--flood-tier") for a in sys.argv[1:]):
+        print("--flood-tier is deprecated: use --flood-class", file=sys.stderr)
     cfg = pressed_config("bench-classes-")
     cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
     if args.max_queue_wait_s is not None:
         cfg.conductor.max_queue_wait_s = args.max_queue_wait_s
     if args.tenants:
         cfg.frontend.api_key, cfg.frontend.api_keys = KEY_A, [KEY_B]
-        cfg.classes.api_key_tiers = [f"{KEY_A}=default"]
+        cfg.classes.api_key_classes = [f"{KEY_A}=default"]
     shape = {"prefill": 0, "decode": 0, "colocated": 1} if args.shape == "colocated" else {}
     with running_cluster(cfg=cfg, **shape) as c:
         asyncio.run(run_phase(c.url, "warm-up", argparse.Namespace(**{**vars(args), "interactive": 2}), 0, False))
         phases = [asyncio.run(run_phase(c.url, "alone", args, 1, False)),
-                  asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_tier} requests", args, 2, True, cfg)),
+                  asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_class} requests", args, 2, True, cfg)),
                   asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
-    flooding = "key A (default) asking for priority" if args.tenants else f"flood tier {args.flood_tier}"
+    flooding = "key A (default) asking for priority" if args.tenants else f"flood class {args.flood_class}"
     print(f"{args.shape}, {flooding}, tbt_slo_ms {args.tbt_slo_ms:g}, max_queue_wait_s {cfg.conductor.max_queue_wait_s:g}\n")
     report(phases)
 

@@ -5,7 +5,7 @@ A dev cluster as ``mooncake serve`` starts it (one prefill, one decode, one stor
 than the traffic: ``[engine] kv_cache_bytes`` 256 MiB, store DRAM 64 MiB, no LMDB tier). ``--agents``
 agents each open a conversation on a document of their own (~``--context`` words), one turn, 32
 tokens out; half of them name a session (``session_id``), half do not. Then a flood of
-``--flood`` unique ~1,500-token prompts from other users (no session, default tier) runs to
+``--flood`` unique ~1,500-token prompts from other users (no session, default class) runs to
 completion, more KV than the caches hold. Then every agent sends its second turn (the first
 turn, its answer, a new question). Both halves see the same cluster, flood and timing, so the
 difference is the session alone: the second turn's cached prompt tokens and TTFT per half.

@@ -50,8 +50,8 @@ def main() -> None:
         setup = SimSetup(args.prefill, args.decode, "cache_aware", True, args.ttft_slo_ms, args.tbt_slo_ms,
                          args.seed, classes=on)
         r = results[on] = simulate(setup, hw, requests)
-        for tier, c in r.by_class.items():
-            print(f"| {'on' if on else 'off'} | {tier} | {c['requests']} | {c['completed']} | "
+        for cls_name, c in r.by_class.items():
+            print(f"| {'on' if on else 'off'} | {cls_name} | {c['requests']} | {c['completed']} | "
                   f"{c['slo_attainment']:.3f} | {c['ttft_p50_s']:.2f} | {c['ttft_p90_s']:.2f} | "
                   f"{c['output_tokens']} | {c['last_finished_s']:.0f} |")
     on, off = results[True].by_class, results[False].by_class

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from mooncake.config_classes import ClassesConfig
+from mooncake.config_classes import RENAMED_KEYS, ClassesConfig
 from mooncake.config_section import Section, split_list
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,7 @@ def _config_keys() -> dict[str, tuple[str, ...]]:
             else:
                 known[env_name(section, key)] = (section, key)
     known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_TO_FRONTEND})
+    known.update({env_name(*old): old for old in RENAMED_KEYS})  # warned aliases
     return known
 
 
@@ -331,12 +332,13 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
             key = next((loc[:n] for n in (3, 2) if loc[:n] in origin), loc[:2])
             if key not in origin and key[:1] == ("frontend",) and ("conductor", *key[1:]) in origin:
                 key = ("conductor", *key[1:])  # a moved key, set under its old name
+            key = next((old for old, new in RENAMED_KEYS.items() if new == key and key not in origin and old in origin), key)
             if key in origin and _at(overrides or {}, key) is None:
-                secret = key in SECRET_KEYS or ("frontend", key[-1]) in SECRET_KEYS
+                secret = RENAMED_KEYS.get(key, key) in SECRET_KEYS or ("frontend", key[-1]) in SECRET_KEYS
                 at = f"{at} (from {origin[key]}={MASK if secret else repr(_at(from_env, key))})"
             problems.append(f"{at}: {err['msg']}")
         raise ConfigError(f"invalid config{where}: {'; '.join(problems)}") from None
 
 
-SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys"), ("classes", "api_key_tiers")}
+SECRET_KEYS = {("frontend", "api_key"), ("frontend", "api_keys"), ("classes", "api_key_classes")}  # old names too
 MASK = "***"

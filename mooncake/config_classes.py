@@ -32,6 +32,10 @@ FLEX_DEFAULTS = ClassLimits(ttft_slo_ms=0.0, tbt_slo_ms=0.0, max_waiting=256, ma
 # [classes] keys of an earlier layout, now in [classes.flex]
 MOVED_TO_FLEX = {"flex_ttft_slo_ms": "ttft_slo_ms", "flex_request_timeout_s": "request_timeout_s",
                  "flex_max_waiting": "max_waiting"}
+# [classes] keys renamed in place (old -> new): the old name still works, in TOML and as its
+# MOONCAKE_ variable, with a warning (a request class is never called a tier: a tier is a store's)
+RENAMED_CLASS_KEYS = {"api_key_tiers": "api_key_classes"}
+RENAMED_KEYS = {("classes", old): ("classes", new) for old, new in RENAMED_CLASS_KEYS.items()}  # as config paths
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,11 @@ class KeyTerms:
 
 
 def key_terms(entry: str) -> tuple[str, KeyTerms]:
-    """``KEY=TIER[;min_priority=N][;weight=W]`` as (key, terms); ValueError where it is not that."""
+    """``KEY=CLASS[;min_priority=N][;weight=W]`` as (key, terms); ValueError where it is not that."""
     head, *options = entry.split(";")
     key, sep, request_class = head.rpartition("=")
     if not sep or not key or request_class not in ("default", "priority", "flex"):
-        raise ValueError("api_key_tiers: each entry is KEY=TIER with TIER default, priority or flex, "
+        raise ValueError("api_key_classes: each entry is KEY=CLASS with CLASS default, priority or flex, "
                          "then ;min_priority=N and ;weight=W if wanted")
     fields: dict[str, Any] = {"request_class": request_class}
     for option in options:
@@ -64,7 +68,7 @@ def key_terms(entry: str) -> tuple[str, KeyTerms]:
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"api_key_tiers: {option!r} is not min_priority=N (an integer) or weight=W "
+            raise ValueError(f"api_key_classes: {option!r} is not min_priority=N (an integer) or weight=W "
                              "(a number above 0)") from None
     return key, KeyTerms(**fields)
 
@@ -78,7 +82,7 @@ class ClassesConfig(Section):
     default: ClassLimits = ClassLimits()
     flex: ClassLimits = FLEX_DEFAULTS
     flex_chunk_tokens: int = Field(256, ge=0, description="Tokens per prefill forward of flex work (the [engine] prefill_chunk_tokens of interactive work): an interactive prompt that arrives while one computes waits for it to end, so shorter lets it in sooner, at some cost to flex throughput (the weights are read once per forward); 0: [engine] prefill_chunk_tokens.")
-    api_key_tiers: list[str] = Field(default_factory=list, description="KEY=TIER entries (comma-separated in MOONCAKE_CLASSES_API_KEY_TIERS), each optionally followed by ;min_priority=N and ;weight=W: a request authenticated by KEY is served at TIER when it names no service_tier and at most at TIER when it names a higher one (a batch job's key: flex; only keys bound to priority may use priority); its integer priority is raised to N (default 0: no key cuts ahead of another's requests of its class); W weighs its share in the fair order among keys within a class (default 1). A key without an entry: default, 0 and 1. No API keys: no tenants, every class and priority open.")
+    api_key_classes: list[str] = Field(default_factory=list, description="KEY=CLASS entries (comma-separated in MOONCAKE_CLASSES_API_KEY_CLASSES), each optionally followed by ;min_priority=N and ;weight=W: a request authenticated by KEY is served in CLASS when it names no service_tier and at most in CLASS when it names a higher one (a batch job's key: flex; only keys bound to priority may use priority); its integer priority is raised to N (default 0: no key cuts ahead of another's requests of its class); W weighs its share in the fair order among keys within a class (default 1). A key without an entry: default, 0 and 1. No API keys: no tenants, every class and priority open. Its old name api_key_tiers (MOONCAKE_CLASSES_API_KEY_TIERS) still works, with a warning.")
     session_ttl_s: float = Field(600.0, ge=0, le=7 * 86400, description="A request naming a session (the extension field session_id, or OpenAI's user where session_from_user is on; a flex request only by session_id) has its prefix's KV blocks kept this long after its turn: evicted only after every block no session keeps, in the prefill's cache and in the stores, so that the session's next turn hits under pressure (a store's restart forgets it); 0: off.")
     fair_token_ms: float = Field(10.0, gt=0, le=1000, description="The tenants' fair order within a class (README \"Request classes\"): each prompt token a tenant sends moves its clock this much, so a tenant sending up to 1000/fair_token_ms tokens a second has its requests taken in arrival order among others', and one sending more has its later ones ordered after those of tenants that sent less. Above the machine's real cost per token (about 1 ms on a small CPU, far less on a GPU), so that a burst is pushed back behind the requests that arrive while it is served.")
     session_from_user: bool = Field(False, description="OpenAI's user field names a session too (for clients that send no session_id); off: only session_id does, since many clients send user on every request.")
@@ -90,10 +94,18 @@ class ClassesConfig(Section):
     @classmethod
     def _moved_keys(cls, raw: object) -> object:
         """[classes] flex_ttft_slo_ms, flex_request_timeout_s and flex_max_waiting still work, with a
-        warning, as [classes.flex] keys ([classes.flex] wins where both set one)."""
-        if not isinstance(raw, dict) or not MOVED_TO_FLEX.keys() & raw.keys():
+        warning, as [classes.flex] keys ([classes.flex] wins where both set one); a renamed key
+        (``RENAMED_CLASS_KEYS``) under its old name too (the new name wins where both are set)."""
+        if not isinstance(raw, dict) or not (MOVED_TO_FLEX.keys() | RENAMED_CLASS_KEYS.keys()) & raw.keys():
             return raw
         raw = dict(raw)
+        for old in RENAMED_CLASS_KEYS.keys() & raw.keys():
+            new, value = RENAMED_CLASS_KEYS[old], raw.pop(old)
+            log.warning("[classes] %s (MOONCAKE_CLASSES_%s) is deprecated: use %s (MOONCAKE_CLASSES_%s); read "
+                        "under its old name this time", old, old.upper(), new, new.upper())
+            raw.setdefault(new, value)
+        if not MOVED_TO_FLEX.keys() & raw.keys():
+            return raw
         moved = {MOVED_TO_FLEX[k]: raw.pop(k) for k in list(raw) if k in MOVED_TO_FLEX}
         log.warning("[classes] %s moved to [classes.flex] (%s)", ", ".join(f"flex_{k}" for k in sorted(moved)),
                     ", ".join(sorted(moved)))
@@ -111,26 +123,26 @@ class ClassesConfig(Section):
             return {**defaults.model_dump(exclude_unset=info.field_name == "priority"), **v}
         return v
 
-    @field_validator("api_key_tiers", mode="before")
+    @field_validator("api_key_classes", mode="before")
     @classmethod
     def _split_pairs(cls, v: object) -> object:
-        return split_list(v, "api_key_tiers")
+        return split_list(v, "api_key_classes")
 
-    @field_validator("api_key_tiers")
+    @field_validator("api_key_classes")
     @classmethod
     def _check_pairs(cls, v: list[str]) -> list[str]:
         for entry in v:
             key_terms(entry)
         return v
 
-    def limit(self, tier: str, key: str, conductor: Any) -> Any:
-        """``key`` of class ``tier``: its [classes.<tier>] value, else ``conductor``'s ([conductor])."""
-        value = getattr(getattr(self, tier), key)
+    def limit(self, request_class: str, key: str, conductor: Any) -> Any:
+        """``key`` of class ``request_class``: its [classes.<class>] value, else ``conductor``'s ([conductor])."""
+        value = getattr(getattr(self, request_class), key)
         return getattr(conductor, key) if value is None else value
 
     def terms_of_key(self, api_key: str) -> KeyTerms:
         """What ``api_key``'s requests may ask for (``KeyTerms()`` for a key without an entry)."""
-        for entry in self.api_key_tiers:
+        for entry in self.api_key_classes:
             key, terms = key_terms(entry)
             if key == api_key:
                 return terms

@@ -11,8 +11,8 @@ from mooncake.config_section import Section
 
 def _masked(value: object, key: str = "") -> object:
     """A secret's value as printed: MASK where set, so that whether it is set still shows (and
-    for ``api_key_tiers``, each key's terms)."""
-    if key == "api_key_tiers":
+    for ``api_key_classes``, each key's terms)."""
+    if key == "api_key_classes":
         return [MASK + entry[len(entry.split(";")[0].rpartition("=")[0]):] for entry in map(str, value)]  # type: ignore[arg-type]
     if isinstance(value, list):
         return [MASK] * len(value)

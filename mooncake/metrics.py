@@ -19,6 +19,21 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 0.01)
 
 
+# the by-class series' names of the last release (label service_tier), kept one release: attribute -> old name
+DEPRECATED_CLASS_SERIES = {"class_ttft": "mooncake:class_time_to_first_token_seconds",
+                           "class_itl": "mooncake:class_inter_token_latency_seconds",
+                           "class_queue_time": "mooncake:class_request_queue_time_seconds",
+                           "class_requests": "mooncake:class_requests", "class_preemptions": "mooncake:class_preemptions"}
+
+
+def _renamed(metric: MetricWrapperBase, old_name: str, registry: CollectorRegistry) -> MetricWrapperBase:
+    """``metric`` under its deprecated name ``old_name``, its ``request_class`` label called ``service_tier``."""
+    labels = ["service_tier" if n == "request_class" else n for n in metric._labelnames]
+    doc = f"Deprecated: use {metric._name} (label request_class); removed in the next release. {metric._documentation}"
+    extra = {"buckets": metric._upper_bounds} if isinstance(metric, Histogram) else {}
+    return type(metric)(old_name, doc, labels, registry=registry, **extra)
+
+
 class Metrics:
     def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
@@ -53,18 +68,21 @@ class Metrics:
                        self.prefix_hits):
             metric.labels(model_name)  # exported at 0 from start-up
 
-        # the same, by request class (``service_tier``: default, priority, flex)
+        # the same, by request class (label ``request_class``: default, priority, flex; the API's ``service_tier``)
         def by_class(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc + " By request class.", ["model_name", "service_tier"],
+            return Histogram(name, doc + " By request class.", ["model_name", "request_class"],
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-        self.class_ttft = by_class("mooncake:class_time_to_first_token_seconds", "Time to first token.")
-        self.class_itl = by_class("mooncake:class_inter_token_latency_seconds", "Time between output tokens.")
-        self.class_queue_time = by_class("mooncake:class_request_queue_time_seconds", "Arrival to prefill start.")
-        self.class_requests = Counter("mooncake:class_requests", "Finished requests by request class and outcome.",
-                                      ["service_tier", "outcome"], registry=r)
-        self.class_preemptions = Counter("mooncake:class_preemptions", "Requests a decode instance gave back for "
-                                         "lack of KV blocks, by request class.", ["service_tier"], registry=r)
+        self.class_ttft = by_class("mooncake:request_class_time_to_first_token_seconds", "Time to first token.")
+        self.class_itl = by_class("mooncake:request_class_inter_token_latency_seconds", "Time between output tokens.")
+        self.class_queue_time = by_class("mooncake:request_class_queue_time_seconds", "Arrival to prefill start.")
+        self.class_requests = Counter("mooncake:request_class_requests", "Finished requests by request class and "
+                                      "outcome.", ["request_class", "outcome"], registry=r)
+        self.class_preemptions = Counter("mooncake:request_class_preemptions", "Requests a decode instance gave back "
+                                         "for lack of KV blocks, by request class.", ["request_class"], registry=r)
+        # the same series under the last release's names, whose label called a request class a tier
+        # (``service_tier``): deprecated, emitted beside the ones above for one release, then removed
+        self.old_class_series = {attr: _renamed(getattr(self, attr), old, r) for attr, old in DEPRECATED_CLASS_SERIES.items()}
         # by tenant (an API key's id, never the key; "" without keys), as a frontend sees them
         self.tenant_requests = Counter("mooncake:tenant_requests", "Requests by tenant and outcome (refused: with "
                                        "the reason).", ["tenant", "outcome"], registry=r)

@@ -128,19 +128,19 @@ def test_each_class_has_its_own_queue_cap_share_and_ttft_slo():
     adm.classes.flex.max_waiting = 3
     adm.classes.priority.max_waiting = 2
     facts = SimpleNamespace(max_model_len=4096, block_tokens=16)
-    # each class's queue against its cap: [conductor] max_waiting (256) unless [classes.<tier>] sets one
+    # each class's queue against its cap: [conductor] max_waiting (256) unless [classes.<class>] sets one
     assert adm.check_request(40, Sampling(), facts, 0, 0, waiting=255) is None
-    refused = adm.check_request(40, Sampling(tier="flex"), facts, 0, 0, waiting=3)
+    refused = adm.check_request(40, Sampling(request_class="flex"), facts, 0, 0, waiting=3)
     assert isinstance(refused, Rejection) and refused.status == 503 and "3 requests are queued" in refused.message
-    assert isinstance(adm.check_request(40, Sampling(tier="priority"), facts, 0, 0, waiting=2), Rejection)
+    assert isinstance(adm.check_request(40, Sampling(request_class="priority"), facts, 0, 0, waiting=2), Rejection)
     # a class holds at most its share of max_requests (1024) in flight: flex half by default
-    assert adm.check_request(40, Sampling(tier="flex"), facts, 0, 600, waiting=0, class_in_flight=511) is None
-    full = adm.check_request(40, Sampling(tier="flex"), facts, 0, 600, waiting=0, class_in_flight=512)
+    assert adm.check_request(40, Sampling(request_class="flex"), facts, 0, 600, waiting=0, class_in_flight=511) is None
+    full = adm.check_request(40, Sampling(request_class="flex"), facts, 0, 600, waiting=0, class_in_flight=512)
     assert isinstance(full, Rejection) and full.status == 503 and "[classes.flex] max_share" in full.message
     assert adm.check_request(40, Sampling(), facts, 0, 600, waiting=0, class_in_flight=88) is None
     # priority at most 0.8 by default: the classes below it always make progress
-    assert adm.check_request(40, Sampling(tier="priority"), facts, 0, 900, waiting=0, class_in_flight=818) is None
-    full = adm.check_request(40, Sampling(tier="priority"), facts, 0, 900, waiting=0, class_in_flight=819)
+    assert adm.check_request(40, Sampling(request_class="priority"), facts, 0, 900, waiting=0, class_in_flight=818) is None
+    full = adm.check_request(40, Sampling(request_class="priority"), facts, 0, 900, waiting=0, class_in_flight=819)
     assert isinstance(full, Rejection) and "[classes.priority] max_share" in full.message
     sched = one_prefill()
     sched.queues["p0"] = q = PrefillQueue()

@@ -94,19 +94,19 @@ def test_bad_environment_values_name_the_variable(env, words):
         assert w in str(e.value)
 
 
-def test_api_keys_bound_to_a_tier_are_checked_and_never_printed():
-    cfg = load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-batch=flex, sk=vip=priority;min_priority=-5;weight=2"})
+def test_api_keys_bound_to_a_class_are_checked_and_never_printed():
+    cfg = load_config(env={"MOONCAKE_CLASSES_API_KEY_CLASSES": "sk-batch=flex, sk=vip=priority;min_priority=-5;weight=2"})
     assert cfg.classes.terms_of_key("sk-batch") == KeyTerms("flex")
     assert cfg.classes.terms_of_key("sk=vip") == KeyTerms("priority", min_priority=-5, weight=2.0)
     assert cfg.classes.terms_of_key("sk-other") == KeyTerms("default", min_priority=0, weight=1.0)
-    assert 'api_key_tiers = ["***=flex", "***=priority;min_priority=-5;weight=2"]' in dump_toml(cfg, mask_secrets=True)
+    assert 'api_key_classes = ["***=flex", "***=priority;min_priority=-5;weight=2"]' in dump_toml(cfg, mask_secrets=True)
     for bad in ("sk-secret=default;weight=0", "sk-secret=flex;min_priority=high", "sk-secret=flex;share=2"):
         with pytest.raises(ConfigError) as e:
-            load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": bad})
+            load_config(env={"MOONCAKE_CLASSES_API_KEY_CLASSES": bad})
         assert "min_priority=N" in str(e.value) and "sk-secret" not in str(e.value)
     with pytest.raises(ConfigError) as e:
-        load_config(env={"MOONCAKE_CLASSES_API_KEY_TIERS": "sk-secret=gold"})
-    assert "MOONCAKE_CLASSES_API_KEY_TIERS" in str(e.value) and "KEY=TIER" in str(e.value)
+        load_config(env={"MOONCAKE_CLASSES_API_KEY_CLASSES": "sk-secret=gold"})
+    assert "MOONCAKE_CLASSES_API_KEY_CLASSES" in str(e.value) and "KEY=CLASS" in str(e.value)
     assert "sk-secret" not in str(e.value)
 
 

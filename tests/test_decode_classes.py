@@ -18,9 +18,9 @@ def decode_worker():
     yield from small_decode_worker()
 
 
-def request(rid: str, blocks: int, tier: str, block_tokens: int, beside: bool = False) -> P.DecodeRequest:
+def request(rid: str, blocks: int, cls_name: str, block_tokens: int, beside: bool = False) -> P.DecodeRequest:
     tokens = list(range(100, 100 + blocks * block_tokens))
-    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, tier=tier), kv_token=b"k" * 16,
+    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, request_class=cls_name), kv_token=b"k" * 16,
                            prefill_beside=beside)
 
 

@@ -17,10 +17,10 @@ from mooncake.security import generate_keys
 SECRETS = {
     ("frontend", "api_key"): "sk-main-3f9a61",
     ("frontend", "api_keys"): ["sk-tenant-77c1e0", "sk-scraper-9e02b4"],
-    ("classes", "api_key_tiers"): ["sk-tenant-77c1e0=flex;weight=2", "sk-tiers-only-51d4aa=priority;min_priority=1"],
+    ("classes", "api_key_classes"): ["sk-tenant-77c1e0=flex;weight=2", "sk-classes-only-51d4aa=priority;min_priority=1"],
 }
-# The raw keys inside those values (an api_key_tiers entry is KEY=TIER;options).
-RAW_KEYS = ["sk-main-3f9a61", "sk-tenant-77c1e0", "sk-scraper-9e02b4", "sk-tiers-only-51d4aa"]
+# The raw keys inside those values (an api_key_classes entry is KEY=CLASS;options).
+RAW_KEYS = ["sk-main-3f9a61", "sk-tenant-77c1e0", "sk-scraper-9e02b4", "sk-classes-only-51d4aa"]
 # Config fields whose names sound secret but hold none: paths to key files (the CURVE keys travel in
 # their own Secret, checked below), ports, counts, switches.
 NOT_SECRET = {("security", "curve_keys_dir"), ("node", "p2p_key_file"), ("frontend", "token_port"),
@@ -72,7 +72,7 @@ def test_no_secret_of_the_config_reaches_an_object_other_than_a_secret(rendered)
         for value in RAW_KEYS + curve_texts:
             assert value not in text, (obj["kind"], obj["metadata"]["name"], value)
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
-    assert "api_key_tiers = []" in configmap["data"]["cluster.toml"]
+    assert "api_key_classes = []" in configmap["data"]["cluster.toml"]
 
 
 def test_the_frontends_still_get_every_secret_and_each_pod_its_curve_key_from_secrets(rendered):
@@ -81,10 +81,10 @@ def test_the_frontends_still_get_every_secret_and_each_pod_its_curve_key_from_se
     front = k8s.effective(objects, specs["frontend"]["containers"][0])
     for (section, key), value in SECRETS.items():
         assert getattr(getattr(front, section), key) == value, key
-    assert front.classes.terms_of_key("sk-tiers-only-51d4aa").request_class == "priority"
+    assert front.classes.terms_of_key("sk-classes-only-51d4aa").request_class == "priority"
     secrets = {o["metadata"]["name"]: o["stringData"] for o in objects if o["kind"] == "Secret"}
     for env in specs["frontend"]["containers"][0]["env"]:  # every secret env variable comes from a Secret
-        if env["name"].endswith(("API_KEY", "API_KEYS", "API_KEY_TIERS")):
+        if env["name"].endswith(("API_KEY", "API_KEYS", "API_KEY_CLASSES")):
             assert "secretKeyRef" in env["valueFrom"], env["name"]
     for role, spec in specs.items():
         mounted = {path for _, _, path in k8s.curve_items(spec)}
@@ -102,9 +102,9 @@ def test_the_frontends_still_get_every_secret_and_each_pod_its_curve_key_from_se
     assert secrets[bearer["name"]][bearer["key"]] in RAW_KEYS
 
 
-def test_api_key_tiers_alone_still_stay_out_of_the_configmap(tmp_path):
-    """Tiers without any accepted key serve no one, yet their raw keys are still secrets."""
-    cfg = load_config(None, env={}, overrides={"classes": {"api_key_tiers": SECRETS[("classes", "api_key_tiers")]},
+def test_api_key_classes_alone_still_stay_out_of_the_configmap(tmp_path):
+    """Key classes without any accepted key serve no one, yet their raw keys are still secrets."""
+    cfg = load_config(None, env={}, overrides={"classes": {"api_key_classes": SECRETS[("classes", "api_key_classes")]},
                                                "security": {"allow_insecure_network": True}})
     write_manifests(cfg, Topology(), tmp_path / "out")
     k8s.validate(tmp_path / "out")
@@ -112,7 +112,7 @@ def test_api_key_tiers_alone_still_stay_out_of_the_configmap(tmp_path):
     for obj in (o for o in objects if o["kind"] != "Secret"):
         assert not any(key in yaml.safe_dump(obj) for key in RAW_KEYS), obj["metadata"]["name"]
     front = k8s.effective(objects, k8s.pod_specs(objects)["frontend"]["containers"][0])
-    assert front.classes.api_key_tiers == SECRETS[("classes", "api_key_tiers")]
+    assert front.classes.api_key_classes == SECRETS[("classes", "api_key_classes")]
     monitor = next(o for o in objects if o["kind"] == "ServiceMonitor" and "frontend" in o["metadata"]["name"])
     assert "bearerTokenSecret" not in monitor["spec"]["endpoints"][0]  # no key to scrape with
 

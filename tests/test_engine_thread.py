@@ -105,8 +105,8 @@ async def test_an_interactive_prompt_never_waits_for_a_place_flex_work_holds():
     w._prefill = prefill
     loops = [asyncio.create_task(w._work_loop(flex)) for flex in (False, True)]
     try:
-        for rid, tier in (("flex1", "flex"), ("flex2", "flex"), ("chat", "default")):
-            await w.handle(P.PrefillRequest(rid, [1, 2, 3], [], b"root", P.Sampling(tier=tier), "tcp://x"), [])
+        for rid, cls_name in (("flex1", "flex"), ("flex2", "flex"), ("chat", "default")):
+            await w.handle(P.PrefillRequest(rid, [1, 2, 3], [], b"root", P.Sampling(request_class=cls_name), "tcp://x"), [])
         await until(lambda: len(started) == 2)
         assert sorted(started) == ["chat", "flex1"]  # flex1 holds flex work's one place; chat has its own
         assert w.load().waiting == 1 and w.busy()

@@ -1,6 +1,6 @@
 """Request classes in a worker: its queue and its batched prefill chunks serve ``priority``
 before ``default`` before ``flex``, then lower ``priority``, then the tenants' fair order, then
-arrival; an API key's tier is the highest it gets."""
+arrival; an API key's class is the highest it gets."""
 
 from __future__ import annotations
 
@@ -16,28 +16,28 @@ from mooncake import protocol as P
 from mooncake.frontend.tenant_clock import TenantClock, tenant_id
 from mooncake.roles.class_queue import ClassQueue
 from mooncake.roles.prefill_batcher import PrefillBatcher, shared_budget
-from mooncake.sched.request_class import served_tier, urgency
+from mooncake.sched.request_class import served_class, urgency
 
 
-def order(name: str, tier: str = "default", priority: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(name=name, sampling=P.Sampling(tier=tier, priority=priority))
+def order(name: str, cls_name: str = "default", priority: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(name=name, sampling=P.Sampling(request_class=cls_name, priority=priority))
 
 
-def test_the_served_tier_and_the_order_of_classes():
-    assert [served_tier(t) for t in (None, "auto", "default", "flex", "priority")] == \
+def test_the_served_class_and_the_order_of_classes():
+    assert [served_class(t) for t in (None, "auto", "default", "flex", "priority")] == \
         ["default", "default", "default", "flex", "priority"]
-    assert [served_tier(t, "flex") for t in (None, "auto", "default", "priority")] == \
-        ["flex", "flex", "flex", "flex"]  # the key's tier is its ceiling: a higher one is served at it
-    assert [served_tier(t, "default") for t in (None, "flex", "priority")] == ["default", "flex", "default"]
-    assert [served_tier(t, "priority") for t in (None, "flex", "priority")] == ["priority", "flex", "priority"]
-    keys = [urgency(P.Sampling(tier=t, priority=p)) for t, p in
+    assert [served_class(t, "flex") for t in (None, "auto", "default", "priority")] == \
+        ["flex", "flex", "flex", "flex"]  # the key's class is its ceiling: a higher one is served at it
+    assert [served_class(t, "default") for t in (None, "flex", "priority")] == ["default", "flex", "default"]
+    assert [served_class(t, "priority") for t in (None, "flex", "priority")] == ["priority", "flex", "priority"]
+    keys = [urgency(P.Sampling(request_class=t, priority=p)) for t, p in
             (("priority", 9), ("default", -1), ("default", 0), ("flex", -100))]
     assert keys == sorted(keys)
-    assert urgency(P.Sampling()) == urgency(P.Sampling(tier="default"))
+    assert urgency(P.Sampling()) == urgency(P.Sampling(request_class="default"))
     # the class travels with the sampling options; the default class costs no bytes on the wire
-    assert msgspec.msgpack.encode(P.Sampling(tier="default")) == msgspec.msgpack.encode(P.Sampling())
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(P.Sampling(tier="flex", priority=-2)), type=P.Sampling)
-    assert (wire.tier, wire.priority) == ("flex", -2)
+    assert msgspec.msgpack.encode(P.Sampling(request_class="default")) == msgspec.msgpack.encode(P.Sampling())
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(P.Sampling(request_class="flex", priority=-2)), type=P.Sampling)
+    assert (wire.request_class, wire.priority) == ("flex", -2)
 
 
 async def test_a_queue_serves_by_class_then_priority_then_arrival():
@@ -94,8 +94,8 @@ async def test_a_prefill_lane_full_of_one_tenants_burst_still_starts_another_ten
 def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_on_a_colocated_instance():
     from mooncake.roles.colocated import ColocatedWorker
 
-    def slot(tag: float, tier: str = "default") -> SimpleNamespace:
-        return SimpleNamespace(seq=SimpleNamespace(prefilled=False, sampling=P.Sampling(tier=tier, fair_tag=tag)))
+    def slot(tag: float, cls_name: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(prefilled=False, sampling=P.Sampling(request_class=cls_name, fair_tag=tag)))
 
     worker = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_prefill_batch=4)),
                              incoming={f"a{i}": slot(10.0 + i) for i in range(4)})  # tenant A's burst holds its room
@@ -105,14 +105,14 @@ def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_o
 
     assert may(fair_tag=5.0)  # tenant B, ahead of A's burst in the fair order
     assert not may(fair_tag=20.0)  # A's next waits for its own burst
-    assert may(tier="priority", fair_tag=20.0) and not may(tier="flex", fair_tag=0.0)
+    assert may(request_class="priority", fair_tag=20.0) and not may(request_class="flex", fair_tag=0.0)
 
 
 def test_who_gives_its_kv_room_to_whom():
     from mooncake.sched.request_class import yields_to
 
-    def sp(tier: str = "default", tenant: str = "", tag: float = 0.0, priority: int = 0) -> P.Sampling:
-        return P.Sampling(tier=tier, tenant=tenant, fair_tag=tag, priority=priority)
+    def sp(cls_name: str = "default", tenant: str = "", tag: float = 0.0, priority: int = 0) -> P.Sampling:
+        return P.Sampling(request_class=cls_name, tenant=tenant, fair_tag=tag, priority=priority)
 
     assert yields_to(sp("flex"), sp()) and not yields_to(sp("flex", tag=9), sp("flex", tag=1))  # flex to interactive only
     assert yields_to(sp(tenant="a", tag=30), sp(tenant="b", tag=7))  # a burst's later work to another tenant
@@ -144,7 +144,7 @@ def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
     from mooncake.config import Config
 
     cfg = Config()
-    cfg.classes.api_key_tiers = ["sk-a=default", "sk-vip=priority;min_priority=-5;weight=2"]
+    cfg.classes.api_key_classes = ["sk-a=default", "sk-vip=priority;min_priority=-5;weight=2"]
     frontend = SimpleNamespace(cfg=cfg, tenants=TenantClock(0.001, clock=lambda: 0.0))
 
     def classing(key: str, **asked: object) -> dict:
@@ -152,8 +152,8 @@ def test_an_api_keys_terms_bound_the_class_and_priority_its_requests_get():
         return _classing(frontend, SimpleNamespace(scope={"state": {"api_key": key}}), body, 1000)
 
     worst = {"service_tier": "priority", "priority": -2**31}
-    assert [classing(k, **worst)["tier"] for k in ("sk-a", "sk-other", "sk-vip", "")] == \
-        ["default", "default", "priority", "priority"]  # no key: no tenants, every tier open
+    assert [classing(k, **worst)["request_class"] for k in ("sk-a", "sk-other", "sk-vip", "")] == \
+        ["default", "default", "priority", "priority"]  # no key: no tenants, every class open
     assert [classing(k, **worst)["priority"] for k in ("sk-a", "sk-vip", "")] == [0, -5, -2**31]
     assert classing("sk-a", priority=7)["priority"] == 7  # later than its own is always allowed
     frontend.tenants = TenantClock(0.001, clock=lambda: 0.0)
@@ -233,13 +233,13 @@ def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
     from mooncake.roles.decode import DecodeWorker, preemption_victim
 
     w = SimpleNamespace(pending=deque())
-    for rid, tier, priority in (("f1", "flex", 0), ("d1", "default", 0), ("f2", "flex", -1), ("d2", "default", 0),
+    for rid, cls_name, priority in (("f1", "flex", 0), ("d1", "default", 0), ("f2", "flex", -1), ("d2", "default", 0),
                                 ("p1", "priority", 0), ("d0", "default", -1)):
-        DecodeWorker._enqueue(w, P.DecodeRequest(rid, [1], [], b"r", P.Sampling(tier=tier, priority=priority)))
+        DecodeWorker._enqueue(w, P.DecodeRequest(rid, [1], [], b"r", P.Sampling(request_class=cls_name, priority=priority)))
     assert [m.req_id for m in w.pending] == ["p1", "d0", "d1", "d2", "f2", "f1"]
 
-    def slot(uid: int, tier: str = "default") -> SimpleNamespace:
-        return SimpleNamespace(seq=SimpleNamespace(uid=uid, sampling=P.Sampling(tier=tier)))
+    def slot(uid: int, cls_name: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(uid=uid, sampling=P.Sampling(request_class=cls_name)))
 
     old_flex, chat, new_chat, vip = slot(1, "flex"), slot(2), slot(3), slot(4, "priority")
     assert preemption_victim([old_flex, chat, new_chat, vip]) is old_flex
@@ -255,8 +255,8 @@ def test_each_class_is_held_to_its_own_ttft_slo():
     cfg = Config()
     cfg.conductor.ttft_slo_ms = 2000.0
 
-    def due(tier: str) -> float:
-        req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(tier=tier))
+    def due(cls_name: str) -> float:
+        req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(request_class=cls_name))
         return Request.first_token_due(req, limit(req.sampling, "ttft_slo_ms", cfg))
 
     assert due("default") == due("priority") == 12.0 and due("flex") == float("inf")
@@ -269,8 +269,8 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     from mooncake.config import Config
     from mooncake.roles.decode import YIELD_AT_MOST_S, DecodeWorker
 
-    def slot(uid: int, tier: str = "default") -> SimpleNamespace:
-        return SimpleNamespace(seq=SimpleNamespace(uid=uid, num_tokens=1000, sampling=P.Sampling(tier=tier)))
+    def slot(uid: int, cls_name: str = "default") -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(uid=uid, num_tokens=1000, sampling=P.Sampling(request_class=cls_name)))
 
     running = {str(i): slot(i, "flex" if i % 2 else "default") for i in range(6)}  # 3 of each, interleaved
     cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
@@ -307,8 +307,8 @@ def test_flex_work_waits_past_the_interactive_no_progress_timeout():
     cfg.conductor.request_timeout_s, cfg.classes.flex.request_timeout_s = 10.0, 100.0
     moved: list[str] = []
 
-    def req(name: str, tier: str) -> SimpleNamespace:
-        return SimpleNamespace(name=name, sampling=P.Sampling(tier=tier), status=RequestStatus.PLACED,
+    def req(name: str, cls_name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, sampling=P.Sampling(request_class=cls_name), status=RequestStatus.PLACED,
                                last_progress=0.0)
 
     fe = SimpleNamespace(cfg=cfg, requests={"a": req("chat", "default"), "b": req("batch", "flex")},

@@ -43,7 +43,7 @@ def store_blocks(url: str) -> int:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
     cfg = small_config(tmp_path / "data", api_key=KEY_A, api_keys=[KEY_B], drain_timeout_s=20.0)  # salts: the default
-    cfg.classes.api_key_tiers = [f"{KEY_B}=flex"]  # B's requests are flex; A's, without an entry, default at most
+    cfg.classes.api_key_classes = [f"{KEY_B}=flex"]  # B's requests are flex; A's, without an entry, default at most
     with running_cluster(cfg=cfg, **SHAPES[shape]) as c:
         for path in ("/cluster", "/metrics"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401
@@ -59,7 +59,7 @@ def test_keys_salts_and_a_graceful_restart_keeps_the_cache(tmp_path, shape):
         b_again = ask(c.url, KEY_B)
         assert cached(b_again) >= len(PREFIX)
         assert first["service_tier"] == "default" and b_again["service_tier"] == "flex"
-        for key, ceiling in ((KEY_B, "flex"), (KEY_A, "default")):  # a key's tier is the most it gets
+        for key, ceiling in ((KEY_B, "flex"), (KEY_A, "default")):  # a key's class is the most it gets
             named = httpx.post(c.url + "/v1/completions", headers=bearer(key), timeout=120, json={
                 "model": MODEL, "prompt": "Hi", "max_tokens": 2, "service_tier": "priority", "priority": -2**31})
             assert named.status_code == 200 and named.json()["service_tier"] == ceiling, named.text

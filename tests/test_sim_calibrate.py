@@ -75,10 +75,10 @@ def test_richer_fields_are_used_when_present(server) -> None:
     assert hw.prefill_s(100, 0) == pytest.approx(0.1 + 0.04 + 100 * 50 * 1e-8)
     assert hw.fetch_block_s("dram", False) == pytest.approx(0.004)  # 4 engine blocks per simulated block
     assert hw.caps.prefill_cache_blocks == 1024
-    assert (hw.caps.store_dram_blocks, hw.caps.store_ssd_blocks) == (16, 80)
+    assert (hw.caps.store_dram_blocks, hw.caps.store_lmdb_blocks) == (16, 80)
     body["nodes"][0]["kv_block_bytes"] = 500  # blocks stored encoded ([model] kv_codec): twice as many fit
     hw = calibrated_hardware(fetch_cluster(server["url"]), block_tokens=64)
-    assert (hw.caps.store_dram_blocks, hw.caps.store_ssd_blocks) == (32, 160)
+    assert (hw.caps.store_dram_blocks, hw.caps.store_lmdb_blocks) == (32, 160)
     assert hw.caps.prefill_cache_blocks == 1024  # the pool's blocks are not encoded
 
 

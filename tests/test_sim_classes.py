@@ -31,10 +31,10 @@ def _run(trace: Path, out: Path, *extra: str) -> dict:
 def test_the_flex_share_is_drawn_by_seed():
     records = chat_trace(ChatTraceSpec(conversations=60, rate_per_s=4.0, seed=5))
     a = requests_from_records(records, flex_share=0.3, seed=1)
-    assert [r.tier for r in a] == [r.tier for r in requests_from_records(records, flex_share=0.3, seed=1)]
-    assert [r.tier for r in a] != [r.tier for r in requests_from_records(records, flex_share=0.3, seed=2)]
-    assert 0.15 < sum(r.tier == "flex" for r in a) / len(a) < 0.45
-    assert {r.tier for r in requests_from_records(records)} == {"default"}
+    assert [r.request_class for r in a] == [r.request_class for r in requests_from_records(records, flex_share=0.3, seed=1)]
+    assert [r.request_class for r in a] != [r.request_class for r in requests_from_records(records, flex_share=0.3, seed=2)]
+    assert 0.15 < sum(r.request_class == "flex" for r in a) / len(a) < 0.45
+    assert {r.request_class for r in requests_from_records(records)} == {"default"}
     with pytest.raises(ValueError):
         requests_from_records(records, flex_share=1.5)
 
@@ -46,8 +46,8 @@ def test_a_trace_line_may_name_its_class(tmp_path: Path):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     records = load_trace(path)
-    assert [r.tier for r in requests_from_records(records)] == ["priority", "default", "flex"]
-    assert [r.tier for r in requests_from_records(records, flex_share=1.0)] == ["priority", "flex", "flex"]
+    assert [r.request_class for r in requests_from_records(records)] == ["priority", "default", "flex"]
+    assert [r.request_class for r in requests_from_records(records, flex_share=1.0)] == ["priority", "flex", "flex"]
     path.write_text(json.dumps({**lines[0], "service_tier": "gold"}) + "\n")
     with pytest.raises(TraceError, match=":1: .service_tier"):
         load_trace(path)

@@ -55,31 +55,31 @@ def test_lru_evicts_least_recently_used_and_counts_leading_runs() -> None:
         LRUBlocks(-1)
 
 
-def test_store_demotes_to_ssd_drops_past_it_and_promotes_on_read() -> None:
+def test_store_demotes_to_lmdb_drops_past_it_and_promotes_on_read() -> None:
     index = KVIndex()
-    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=2, ssd_blocks=1)
+    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=2, lmdb_blocks=1)
     store.put([h(1), h(2)])
     assert index.holders(h(1)) == {"store-0": "dram"}
-    store.put([h(3)])  # h1 -> ssd
-    assert store.tier_of(h(1)) == "ssd" and index.holders(h(1)) == {"store-0": "ssd"}
-    store.put([h(4)])  # h2 -> ssd, h1 dropped
+    store.put([h(3)])  # h1 -> lmdb
+    assert store.tier_of(h(1)) == "lmdb" and index.holders(h(1)) == {"store-0": "lmdb"}
+    store.put([h(4)])  # h2 -> lmdb, h1 dropped
     assert store.tier_of(h(1)) is None and index.holders(h(1)) == {}
     store.read(h(2))  # promoted; h3 demoted, taking the one SSD slot
-    assert store.tier_of(h(2)) == "dram" and store.tier_of(h(3)) == "ssd"
-    assert index.holders(h(2)) == {"store-0": "dram"} and index.holders(h(3)) == {"store-0": "ssd"}
+    assert store.tier_of(h(2)) == "dram" and store.tier_of(h(3)) == "lmdb"
+    assert index.holders(h(2)) == {"store-0": "dram"} and index.holders(h(3)) == {"store-0": "lmdb"}
     assert index.blocks_of("store-0") == 3
 
 
 def test_flex_blocks_displace_only_flex_blocks_and_the_index_follows() -> None:
     index = KVIndex()
-    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=2, ssd_blocks=2)
+    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=2, lmdb_blocks=2)
     store.put([h(1)], flex=True)
     store.put([h(2), h(3)])  # the flex block goes first, to SSD
-    assert store.tier_of(h(1)) == "ssd" and store.tier_of(h(2)) == store.tier_of(h(3)) == "dram"
+    assert store.tier_of(h(1)) == "lmdb" and store.tier_of(h(2)) == store.tier_of(h(3)) == "dram"
     store.put([h(4)], flex=True)  # no flex block in DRAM to displace: not held
     assert store.tier_of(h(4)) is None and index.holders(h(4)) == {}
     store.read(h(1), flex=True)  # a flex read cannot promote it past interactive blocks: it stays
-    assert store.tier_of(h(1)) == "ssd" and index.holders(h(1)) == {"store-0": "ssd"}
+    assert store.tier_of(h(1)) == "lmdb" and index.holders(h(1)) == {"store-0": "lmdb"}
     store.read(h(1))  # an interactive read promotes it (no longer flex)
     assert store.tier_of(h(1)) == "dram" and index.holders(h(1)) == {"store-0": "dram"}
     lru = LRUBlocks(2)
@@ -87,9 +87,9 @@ def test_flex_blocks_displace_only_flex_blocks_and_the_index_follows() -> None:
     assert lru.is_flex(h(5)) and lru.leading_run([h(5)]) == 1 and not lru.is_flex(h(5))  # used by another
 
 
-def test_store_without_ssd_forgets_what_dram_evicts() -> None:
+def test_store_without_lmdb_forgets_what_dram_evicts() -> None:
     index = KVIndex()
-    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=1, ssd_blocks=0)
+    store = StoreInstance(virtual_node("store-0", "store", "p0"), index, dram_blocks=1, lmdb_blocks=0)
     store.put([h(1), h(2)])
     assert index.holders(h(1)) == {} and index.holders(h(2)) == {"store-0": "dram"}
 
@@ -148,9 +148,9 @@ def test_analytic_profile_costs_grow_with_work() -> None:
     hw = hardware_for("a800x8-llama2-70b", 512)
     assert hw.prefill_s(8192, 0) < hw.prefill_s(8192, 32768) < hw.prefill_s(16384, 32768)
     assert hw.decode_step_s(1, 1000) < hw.decode_step_s(64, 64 * 8000)
-    assert hw.fetch_block_s("dram", True) < hw.fetch_block_s("ssd", True)
+    assert hw.fetch_block_s("dram", True) < hw.fetch_block_s("lmdb", True)
     assert hw.fetch_block_s("dram", True) * 20 < hw.prefill_s(512, 0)  # a cached block beats recomputing it
-    assert hw.caps.prefill_cache_blocks > 0 and hw.caps.store_ssd_blocks > hw.caps.store_dram_blocks
+    assert hw.caps.prefill_cache_blocks > 0 and hw.caps.store_lmdb_blocks > hw.caps.store_dram_blocks
     tps, fixed = hw.prefill_prior()
     assert 1000 < tps < 100000 and fixed > 0
     with pytest.raises(ValueError, match="unknown profile"):

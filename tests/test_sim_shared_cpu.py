@@ -14,7 +14,7 @@ from mooncake.sim.workload import SimRequest
 
 UNBOUNDED = 1 << 40
 CAPS = Capacities(prefill_cache_blocks=UNBOUNDED, decode_kv_tokens=UNBOUNDED, decode_max_batch=32,
-                  colocated_kv_tokens=UNBOUNDED, store_dram_blocks=UNBOUNDED, store_ssd_blocks=UNBOUNDED)
+                  colocated_kv_tokens=UNBOUNDED, store_dram_blocks=UNBOUNDED, store_lmdb_blocks=UNBOUNDED)
 # 1 ms per prompt token, 10 ms per decode step, nothing else.
 COSTS = LinearCosts(prefill_fixed_s=0.0, prefill_per_token_s=0.001, prefill_per_pair_s=0.0, decode_step_s=0.01,
                     decode_per_seq_s=0.0, fetch_block_s=0.0, transfer_token_s=0.0)

@@ -71,12 +71,12 @@ def test_a_step_that_overran_shrinks_the_next_budget_at_once_and_it_grows_back_g
 def test_targets_by_class_and_the_default_target():
     cfg = Config()
     assert tbt_target_ms(P.Sampling(), cfg, 200) == 200  # no SLO: the default
-    assert tbt_target_ms(P.Sampling(tier="flex"), cfg, 200) == 0  # flex work has none
+    assert tbt_target_ms(P.Sampling(request_class="flex"), cfg, 200) == 0  # flex work has none
     cfg.conductor.tbt_slo_ms = 300
     cfg.classes.priority.tbt_slo_ms = 80
     assert tbt_target_ms(P.Sampling(), cfg, 200) == 300
-    assert tightest_target_ms([P.Sampling(), P.Sampling(tier="priority"), P.Sampling(tier="flex")], cfg, 200) == 80
-    assert tightest_target_ms([P.Sampling(tier="flex")], cfg, 200) == 0
+    assert tightest_target_ms([P.Sampling(), P.Sampling(request_class="priority"), P.Sampling(request_class="flex")], cfg, 200) == 80
+    assert tightest_target_ms([P.Sampling(request_class="flex")], cfg, 200) == 0
     assert reachable_target_ms(None, BLOCK) == DEFAULT_TBT_TARGET_MS
     fast = EngineProfile(prefill=[(16, 0, 0.002), (512, 0, 0.02), (512, 1024, 0.03)],
                          decode=[(1, 128, 0.003), (8, 8192, 0.01), (32, 32768, 0.03)])
@@ -91,9 +91,9 @@ def colocated_worker():
     yield from small_decode_worker(colocated=True)
 
 
-def _request(rid: str, tier: str, block_tokens: int) -> P.DecodeRequest:
+def _request(rid: str, cls_name: str, block_tokens: int) -> P.DecodeRequest:
     tokens = list(range(100 + len(rid), 100 + len(rid) + block_tokens + 3))
-    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, tier=tier), kv_token=b"k" * 16)
+    return P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=4, request_class=cls_name), kv_token=b"k" * 16)
 
 
 async def test_flex_prompts_never_keep_an_interactive_one_from_reserving(colocated_worker):
@@ -108,8 +108,8 @@ async def test_flex_prompts_never_keep_an_interactive_one_from_reserving(colocat
     await w.close()
 
 
-def _slot(tier: str, num_tokens: int = 1000, prefilled: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(seq=SimpleNamespace(sampling=P.Sampling(tier=tier), num_tokens=num_tokens,
+def _slot(cls_name: str, num_tokens: int = 1000, prefilled: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(seq=SimpleNamespace(sampling=P.Sampling(request_class=cls_name), num_tokens=num_tokens,
                                                num_computed=0, prefilled=prefilled))
 
 

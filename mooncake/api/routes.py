@@ -34,7 +34,7 @@ from mooncake.api.text_stream import TextStream
 from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestError, Tokens
 from mooncake.frontend.tenant_clock import tenant_id
 from mooncake.sched.admission import context_rejection
-from mooncake.sched.request_class import served_tier
+from mooncake.sched.request_class import served_class
 
 DISCONNECT_POLL_S = 0.5
 
@@ -137,15 +137,15 @@ def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None, 
 
 def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: int) -> dict:
     """Where the request is served among others: its class, within the ceiling of its API key's
-    tier, its priority no more urgent than the key allows, its place in the fair order among keys
-    (no keys: every tier and priority open, one tenant), and whether its prefix is kept."""
+    class, its priority no more urgent than the key allows, its place in the fair order among keys
+    (no keys: every class and priority open, one tenant), and whether its prefix is kept."""
     classes = frontend.cfg.classes
     api_key = http.scope.get("state", {}).get("api_key", "")
     terms, tenant = (classes.terms_of_key(api_key) if api_key else None), tenant_id(api_key)
-    tier = served_tier(body.service_tier, terms.request_class if terms else None)
+    request_class = served_class(body.service_tier, terms.request_class if terms else None)
     # a session's prefix is kept for its next turn (by user where the operator says so; flex work's only by session_id)
-    session = body.session_id or (classes.session_from_user and body.user and tier != "flex")
-    return {"tier": tier, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
+    session = body.session_id or (classes.session_from_user and body.user and request_class != "flex")
+    return {"request_class": request_class, "priority": max(body.priority, terms.min_priority) if terms else body.priority,
             "fair_tag": frontend.tenants.tag(tenant, n_tokens, terms.weight if terms else 1.0),
             "keep_s": classes.session_ttl_s if session else 0.0, "tenant": tenant}
 
@@ -174,7 +174,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     text_of = TokenText(frontend.codec)
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named", tier=sampling.tier,
+        fmt = StreamFormat(n=body.n, echo=shape.echo, calls_finish=shape.tool_mode != "named", request_class=sampling.request_class,
                            tools=shape.tools if chat and shape.tool_mode != "none" else None,
                            logprobs=None if body.logprobs_wanted() < 0 else (
                                (lambda p, off: chat_logprobs(list(p.logprobs), text_of)) if chat else
@@ -245,7 +245,7 @@ def _usage(reqs: list[Request]) -> dict:
 def _response(frontend: Frontend, reqs: list[Request], rid: str, shape: Shape, outs: list[ChoiceOutput],
               logprobs: bool, text_of: TokenText) -> dict:
     base = {"id": rid, "created": int(time.time()), "model": frontend.model_name, "usage": _usage(reqs),
-            "service_tier": reqs[0].sampling.tier}
+            "service_tier": reqs[0].sampling.request_class}
     choices = []
     for i, out in enumerate(outs):
         text, reason = "".join(out.text), out.finish or "stop"

@@ -81,7 +81,7 @@ class StreamFormat:
     tools: Callable[[str], tuple[str | None, list[dict]]] | None = None  # chat: text -> (content, tool_calls)
     echo: str = ""  # completions: the prompt, before each choice's text
     calls_finish: bool = True  # tool calls end with finish_reason "tool_calls" (not for a named tool_choice)
-    tier: str = ""  # the class the request is served in: every chunk's ``service_tier``
+    request_class: str = ""  # the class the request is served in: every chunk's ``service_tier``
 
 
 def _event(body: Any) -> bytes:
@@ -95,8 +95,8 @@ async def sse_stream(pieces: AsyncIterator[Piece | None], rid: str, model: str, 
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model}
-    if fmt.tier:
-        head["service_tier"] = fmt.tier
+    if fmt.request_class:
+        head["service_tier"] = fmt.request_class
 
     def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
               delta: dict | None = None) -> bytes:

@@ -49,7 +49,7 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
-    tier: str = ""  # an optional ``service_tier`` field (an extension of the format): its request class
+    request_class: str = ""  # an optional ``service_tier`` field (an extension of the format): its request class
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,10 @@ def parse_trace_line(text: str, path: str, line_no: int) -> TraceRecord:
             path, line_no,
             f"input_length {input_length} is inconsistent with {n} hash_ids "
             f"(expected {max(0, (n - 1) * TRACE_BLOCK_TOKENS) + 1}..{n * TRACE_BLOCK_TOKENS})")
-    tier = obj.get("service_tier", "")
-    if tier not in ("", "default", "priority", "flex"):
-        raise TraceError(path, line_no, f"'service_tier' must be default, priority or flex, got {tier!r}")
-    return TraceRecord(line_no, float(ts), input_length, output_length, tuple(hash_ids), tier)
+    request_class = obj.get("service_tier", "")
+    if request_class not in ("", "default", "priority", "flex"):
+        raise TraceError(path, line_no, f"'service_tier' must be default, priority or flex, got {request_class!r}")
+    return TraceRecord(line_no, float(ts), input_length, output_length, tuple(hash_ids), request_class)
 
 
 def load_trace(path: str | Path) -> list[TraceRecord]:

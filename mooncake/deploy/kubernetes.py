@@ -5,7 +5,7 @@ from the environment (``MOONCAKE_<SECTION>_<KEY>``): the pod IP as
 ``MOONCAKE_NODE_HOST`` (downward API), the Kubernetes node name as the mooncake
 node name (so that a prefill pod's local store is the one on its machine), the
 pod name as the node id. Secrets (every key of ``SECRET_KEYS``: the API keys and ``[classes]
-api_key_tiers``; the CURVE keys) live in Secrets, never in the ConfigMap (the frontends read the
+api_key_classes``; the CURVE keys) live in Secrets, never in the ConfigMap (the frontends read the
 former as ``MOONCAKE_`` variables from the API-key Secret): every pod is off loopback, so it gets
 CURVE keys (``deploy/keys.py``: the configured ones, or new ones) unless the config allows an
 insecure network. Each frontend has a key of its own, in a Secret of its own

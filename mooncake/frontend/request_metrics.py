@@ -2,11 +2,12 @@
 first tokens (time to first token, queueing, prefix hits), tokens and the gaps between them,
 ends, the waiting/running gauges read from its live requests before a scrape, and the
 pipeline stages' reports of the attempts it drives; time to first token, queueing, gaps,
-preemptions and ends by request class (``service_tier``) too; requests and tokens by tenant."""
+preemptions and ends by request class (label ``request_class``; the series of the last release,
+label ``service_tier``, beside them for one release) too; requests and tokens by tenant."""
 
 from __future__ import annotations
 
-from typing import Collection
+from typing import Any, Collection
 
 from mooncake import protocol as P
 from mooncake.frontend.request import Request, RequestStatus
@@ -26,7 +27,7 @@ class RequestMetrics:
         self.metrics = metrics
         outcome = {reason: {Reason.ABORT: "aborted", Reason.ERROR: "error"}.get(reason, "ok") for reason in Reason}
         self.ended = {reason: m.requests.labels(outcome[reason]) for reason in Reason}
-        self.by_class = {tier: _ClassSeries(m, n, tier, outcome) for tier in ("default", "priority", "flex")}
+        self.by_class = {c: _ClassSeries(m, n, c, outcome) for c in ("default", "priority", "flex")}
         self._outcome = outcome
         self._by_tenant: dict[str, _TenantSeries] = {}  # tenants are API keys: as many as configured
 
@@ -74,7 +75,7 @@ class RequestMetrics:
         self._tenant(req.sampling).ended[reason].inc()
 
     def _class(self, req: Request) -> "_ClassSeries":
-        return self.by_class.get(req.sampling.tier) or self.by_class["default"]
+        return self.by_class.get(req.sampling.request_class) or self.by_class["default"]
 
     def _tenant(self, sampling: P.Sampling) -> "_TenantSeries":
         series = self._by_tenant.get(sampling.tenant)
@@ -98,14 +99,35 @@ class RequestMetrics:
 
 
 class _ClassSeries:
-    """One request class's children of the by-class series (looked up once)."""
+    """One request class's children of the by-class series (looked up once), each with its child of
+    the deprecated series of the same meaning (``Metrics.old_class_series``)."""
 
-    def __init__(self, m: Metrics, model_name: str, tier: str, outcome: dict[P.FinishReason, str]) -> None:
-        self.ttft = m.class_ttft.labels(model_name, tier)
-        self.itl = m.class_itl.labels(model_name, tier)
-        self.queue_time = m.class_queue_time.labels(model_name, tier)
-        self.preemptions = m.class_preemptions.labels(tier)
-        self.ended = {reason: m.class_requests.labels(tier, outcome[reason]) for reason in Reason}
+    def __init__(self, m: Metrics, model_name: str, request_class: str, outcome: dict[P.FinishReason, str]) -> None:
+        def both(attr: str, *labels: str) -> _Both:
+            return _Both(getattr(m, attr).labels(*labels), m.old_class_series[attr].labels(*labels))
+
+        self.ttft = both("class_ttft", model_name, request_class)
+        self.itl = both("class_itl", model_name, request_class)
+        self.queue_time = both("class_queue_time", model_name, request_class)
+        self.preemptions = both("class_preemptions", request_class)
+        self.ended = {reason: both("class_requests", request_class, outcome[reason]) for reason in Reason}
+
+
+class _Both:
+    """A series' child and its deprecated twin's: what one gets, the other gets."""
+
+    __slots__ = ("new", "old")
+
+    def __init__(self, new: Any, old: Any) -> None:
+        self.new, self.old = new, old
+
+    def observe(self, value: float) -> None:
+        self.new.observe(value)
+        self.old.observe(value)
+
+    def inc(self, amount: float = 1) -> None:
+        self.new.inc(amount)
+        self.old.inc(amount)
 
 
 class _TenantSeries:

@@ -44,9 +44,9 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the k most likely
     grammar: str = ""  # an llguidance grammar (JSON) the output must match: a token mask on every step
     # the request's class (``sched/request_class.py``): which queued work a worker serves first
-    tier: str = "default"  # default | priority | flex
-    priority: int = 0  # within a tier, lower first
-    fair_tag: float = 0.0  # within a tier and priority, lower first: the tenants' fair order (frontend/tenant_clock.py)
+    request_class: str = "default"  # default | priority | flex (the API's ``service_tier``; never a store tier)
+    priority: int = 0  # within a class, lower first
+    fair_tag: float = 0.0  # within a class and priority, lower first: the tenants' fair order (frontend/tenant_clock.py)
     keep_s: float = 0.0  # a session's request: its KV blocks are kept this long after it ([classes] session_ttl_s)
     tenant: str = ""  # who sent it: its API key's id (``frontend/tenant_clock.tenant_id``, never the key); "" without keys
 

@@ -22,7 +22,7 @@ from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
 from mooncake.sched.plan import Plan
-from mooncake.sched.request_class import TIERS, rank
+from mooncake.sched.request_class import CLASSES, rank
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ class Admission:
         cluster-wide, ``class_in_flight`` of them of its class (against the class's
         ``max_share`` of ``max_requests``); ``waiting``: the requests of its class's queue,
         against the class's ``max_waiting``."""
-        tier = TIERS[rank(sampling)]
-        max_waiting = self.classes.limit(tier, "max_waiting", self.cfg)
-        share = max(1, int(self.classes.limit(tier, "max_share", self.cfg) * self.cfg.max_requests))
+        cls_name = CLASSES[rank(sampling)]
+        max_waiting = self.classes.limit(cls_name, "max_waiting", self.cfg)
+        share = max(1, int(self.classes.limit(cls_name, "max_share", self.cfg) * self.cfg.max_requests))
         if facts is None:
             return Rejection(503, "no_workers", "no worker has registered yet", retry_after_s=1)
         if not n_tokens:
@@ -88,8 +88,8 @@ class Admission:
         if in_flight + choices > self.cfg.max_requests:
             return Rejection(503, "overloaded", f"{in_flight} requests in flight; try again later", retry_after_s=1)
         if class_in_flight + choices > share:
-            return Rejection(503, "overloaded", f"{class_in_flight} {tier} requests in flight, the most this class "
-                             f"takes ([classes.{tier}] max_share); try again later", retry_after_s=1)
+            return Rejection(503, "overloaded", f"{class_in_flight} {cls_name} requests in flight, the most this class "
+                             f"takes ([classes.{cls_name}] max_share); try again later", retry_after_s=1)
         if waiting + choices > max_waiting:
             return Rejection(503, "overloaded", f"{waiting} requests are queued; try again later", retry_after_s=1)
         return None

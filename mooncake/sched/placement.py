@@ -11,7 +11,7 @@ from mooncake.sched.admission import JUDGED_LIMITS, Admission, Evidence, Rejecti
 from mooncake.sched.booking import Booking
 from mooncake.sched.pipeline import PipelineShape
 from mooncake.sched.plan import Plan
-from mooncake.sched.request_class import DEFAULT_RANK, TIERS
+from mooncake.sched.request_class import CLASSES, DEFAULT_RANK
 from mooncake.sched.write_admission import WriteAdmission
 
 
@@ -37,11 +37,11 @@ def place(scheduler: Planner, admission: Admission, booking_id: str, hashes: Seq
     ``judge``: False for an attempt of a request admitted already (another choice of it, or its
     retry elsewhere): placed wherever the plan says, never refused for the SLOs halfway. ``rank``:
     the request's class's (``request_class.py``): it waits only for the work served before it,
-    and is judged against its class's SLOs and queue bound (``[classes.<tier>]``) alone: flex work is never
+    and is judged against its class's SLOs and queue bound (``[classes.<class>]``) alone: flex work is never
     refused for the interactive ones (it waits behind the rest instead). ``session``: the request
     names one (its blocks are written to the store whatever the write admission says)."""
     plan = scheduler.plan(hashes, n_tokens, max_tokens, block_tokens, now, pipeline, rank)
-    limits = tuple(admission.classes.limit(TIERS[rank], key, admission.cfg) for key in JUDGED_LIMITS)
+    limits = tuple(admission.classes.limit(CLASSES[rank], key, admission.cfg) for key in JUDGED_LIMITS)
     judged = judge and any(limits)  # a class with no SLO nor queue bound is never refused for one (nor counts as admitted)
     rejection = admission.check_plan(plan, now, evidence, limits) if judged or plan is None else None
     if rejection is not None:

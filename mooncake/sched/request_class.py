@@ -2,7 +2,7 @@
 cluster (issue 32).
 
 A request names its class with OpenAI's ``service_tier``: ``default`` (what ``auto`` and no
-tier get) is interactive traffic; ``priority`` goes ahead of it; ``flex`` (batch jobs,
+class get) is interactive traffic; ``priority`` goes ahead of it; ``flex`` (batch jobs,
 evaluations: no tight SLO) goes behind both. vLLM's integer ``priority`` orders requests
 within a class, lower first; among requests of one class and priority, API keys (tenants)
 take turns by a fair order (``fair_tag``). All ride on a request's ``Sampling``, so every order
@@ -18,18 +18,18 @@ if TYPE_CHECKING:
 
 _RANK = {"priority": 0, "default": 1, "flex": 2}  # served first to last
 RANKS = len(_RANK)
-TIERS = tuple(_RANK)  # by rank
+CLASSES = tuple(_RANK)  # by rank
 DEFAULT_RANK = _RANK["default"]
 FLEX_RANK = _RANK["flex"]
 
 
-def served_tier(requested: str | None, key_tier: str | None = None) -> str:
+def served_class(requested: str | None, key_class: str | None = None) -> str:
     """The class a request asking for ``requested`` is served in (what its response says):
-    ``auto`` or none leave it to the server, which serves the tier bound to the caller's API key
-    (``key_tier``), else ``default``. The key's tier is also the highest it may ask for: a higher
-    one is served at it. No key (None): every tier is open."""
-    tier = requested if requested not in (None, "auto") else key_tier or "default"
-    return key_tier if key_tier is not None and _RANK[tier] < _RANK[key_tier] else tier
+    ``auto`` or none leave it to the server, which serves the class bound to the caller's API key
+    (``key_class``), else ``default``. The key's class is also the highest it may ask for: a higher
+    one is served at it. No key (None): every class is open."""
+    cls_name = requested if requested not in (None, "auto") else key_class or "default"
+    return key_class if key_class is not None and _RANK[cls_name] < _RANK[key_class] else cls_name
 
 
 def urgency(sampling: Any) -> tuple[int, int, float]:
@@ -56,7 +56,7 @@ def yields_to(holder: Any, asker: Any) -> bool:
 
 def rank(sampling: Any) -> int:
     """Where a request's class is served: 0 first, ``FLEX_RANK`` last."""
-    return _RANK.get(sampling.tier, DEFAULT_RANK)
+    return _RANK.get(sampling.request_class, DEFAULT_RANK)
 
 
 # Flex work in a step that decodes interactive rows (flex rows joining it, flex prompts' chunks) may
@@ -102,7 +102,7 @@ def tightest_target_ms(samplings: Iterable[Any], cfg: Config, default_ms: float)
 
 
 def limit(sampling: Any, key: str, cfg: Config) -> Any:
-    """A request's class's ``key`` (``[classes.<tier>]``, else ``[conductor]``'s): ``ttft_slo_ms``,
+    """A request's class's ``key`` (``[classes.<class>]``, else ``[conductor]``'s): ``ttft_slo_ms``,
     ``tbt_slo_ms`` (0: none), ``request_timeout_s`` (how long it may make no progress before it
     moves: flex work may wait behind the rest), ``max_waiting``."""
-    return cfg.classes.limit(TIERS[rank(sampling)], key, cfg.conductor)
+    return cfg.classes.limit(CLASSES[rank(sampling)], key, cfg.conductor)

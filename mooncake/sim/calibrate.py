@@ -94,7 +94,7 @@ def _capacities(nodes: list, default_batch: int, ratio: float) -> Capacities:
 
     return Capacities(prefill_cache_blocks=blocks("prefill", "colocated"), decode_kv_tokens=_UNBOUNDED,
                       decode_max_batch=default_batch, colocated_kv_tokens=_UNBOUNDED, store_dram_blocks=tier_blocks("device", "dram"),
-                      store_ssd_blocks=tier_blocks("lmdb", "ssd"))
+                      store_lmdb_blocks=tier_blocks("lmdb"))
 
 
 def _colocation(nodes: list) -> Colocation | None:

@@ -53,7 +53,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="fraction of the requests, drawn with --seed, sent as service_tier flex (default: 0); a "
                         "trace line with a service_tier field keeps its own")
     p.add_argument("--no-classes", dest="classes", action="store_false",
-                   help="serve every request as default, whatever its tier (the baseline for --flex-share)")
+                   help="serve every request as default, whatever its class (the baseline for --flex-share)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result as JSON")
 
@@ -99,8 +99,8 @@ def _print_result(r) -> None:
     for k in _FIELDS:
         v = getattr(r, k)
         print(f"  {k:16s} {v:.4g}" if isinstance(v, float) else f"  {k:16s} {v}")
-    for tier, c in r.by_class.items():
-        print(f"  {tier}: {c['completed']}/{c['requests']} served, attainment {c['slo_attainment']:.3f}, "
+    for cls_name, c in r.by_class.items():
+        print(f"  {cls_name}: {c['completed']}/{c['requests']} served, attainment {c['slo_attainment']:.3f}, "
               f"TTFT p90 {c['ttft_p90_s']:.3g} s, {c['output_tokens']} output tokens, the last at {c['last_finished_s']:.4g} s")
 
 

@@ -20,7 +20,7 @@ class Capacities:
     decode_max_batch: int
     colocated_kv_tokens: int  # KV a colocated instance holds for its requests (its prefix cache: prefill_cache_blocks)
     store_dram_blocks: int  # per store (one store per prefill machine)
-    store_ssd_blocks: int
+    store_lmdb_blocks: int  # per store: its LMDB tier (on SSD)
 
 
 class Hardware(ABC):
@@ -46,7 +46,7 @@ class Hardware(ABC):
 
     @abstractmethod
     def fetch_block_s(self, tier: str, local: bool) -> float:
-        """Reading one block into a prefill instance from a store tier ("dram"/"ssd"),
+        """Reading one block into a prefill instance from a store tier ("dram"/"lmdb"),
         on the same machine (``local``) or across the network."""
         raise NotImplementedError
 

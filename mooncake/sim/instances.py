@@ -33,43 +33,43 @@ def queue_by_rank(queue: deque, item: Any, rank_of: Callable[[Any], int]) -> Non
 
 
 class StoreInstance:
-    """A store node: a DRAM tier over an SSD tier, LRU each; eviction from DRAM demotes,
-    a read from SSD promotes; tiers are exclusive."""
+    """A store node: a DRAM tier over an LMDB tier (on SSD), LRU each; eviction from DRAM demotes,
+    a read from LMDB promotes; tiers are exclusive (the tier names are the live store's)."""
 
-    def __init__(self, node: Node, index: KVIndex, dram_blocks: int, ssd_blocks: int) -> None:
+    def __init__(self, node: Node, index: KVIndex, dram_blocks: int, lmdb_blocks: int) -> None:
         self.node = node
         self.index = index
         self.dram = LRUBlocks(dram_blocks)
-        self.ssd = LRUBlocks(ssd_blocks)
+        self.lmdb = LRUBlocks(lmdb_blocks)
 
     def tier_of(self, h: bytes) -> str | None:
         if h in self.dram:
             return "dram"
-        if h in self.ssd:
-            return "ssd"
+        if h in self.lmdb:
+            return "lmdb"
         return None
 
     def put(self, hashes: Sequence[bytes], flex: bool = False) -> None:
         """Write blocks to DRAM (touching those held there), demoting what falls out; ``flex``:
         for a flex request (its blocks displace only other flex blocks)."""
         ins = self.dram.insert(hashes, flex)
-        if len(self.ssd):
+        if len(self.lmdb):
             for h in ins.added:  # a block written again moves up: tiers are exclusive
-                self.ssd.discard(h)
+                self.lmdb.discard(h)
         if ins.added:
             self.index.add(self.node.node_id, "dram", ins.added)
         self._demote(ins)
 
     def read(self, h: bytes, flex: bool = False) -> None:
         """A prefill instance read ``h`` (for a flex request or another): touch it, promoting it
-        from SSD to DRAM."""
+        from LMDB to DRAM."""
         if self.dram.touch(h, flex):
             return
-        if h in self.ssd:
-            self.put([h], flex and self.ssd.is_flex(h))
+        if h in self.lmdb:
+            self.put([h], flex and self.lmdb.is_flex(h))
 
     def _demote(self, ins: Inserted) -> None:
-        """DRAM's evictions go to SSD (flex ones as flex); what neither tier holds leaves the index."""
+        """DRAM's evictions go to LMDB (flex ones as flex); what neither tier holds leaves the index."""
         if not ins.evicted:
             return
         node_id = self.node.node_id
@@ -77,11 +77,11 @@ class StoreInstance:
         gone: list[bytes] = []
         for group, is_flex in ((ins.evicted_flex, True), ([h for h in ins.evicted if h not in flex], False)):
             if group:
-                moved = self.ssd.insert(group, is_flex)
+                moved = self.lmdb.insert(group, is_flex)
                 if moved.added:
-                    self.index.add(node_id, "ssd", moved.added)
+                    self.index.add(node_id, "lmdb", moved.added)
                 gone += moved.evicted + group
-        gone = [h for h in dict.fromkeys(gone) if h not in self.ssd and h not in self.dram]
+        gone = [h for h in dict.fromkeys(gone) if h not in self.lmdb and h not in self.dram]
         if gone:
             self.index.remove(node_id, gone)
 

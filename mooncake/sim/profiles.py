@@ -42,9 +42,9 @@ class Profile:
     prefill_chunk_tokens: int
     local_bw: float  # bytes/s, host DRAM -> this instance's accelerators
     network_bw: float  # bytes/s per machine (RDMA)
-    ssd_bw: float  # bytes/s per machine
+    lmdb_bw: float  # bytes/s per machine: the store's LMDB tier (its SSD)
     dram_bytes: float  # store DRAM per machine given to the KV pool
-    ssd_bytes: float  # store SSD per machine given to the KV pool
+    lmdb_bytes: float  # store SSD per machine given to the KV pool (the LMDB tier)
     prefill_cache_fraction: float  # of the HBM left after weights, kept as prefix cache
     decode_max_batch: int
 
@@ -55,17 +55,17 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             params=69e9, layers=80, hidden=8192, kv_heads=8, head_dim=128, dtype_bytes=2,
             gpus=8, peak_flops=312e12, hbm_bw=2.0 * TB, hbm_bytes=80 * GB, prefill_mfu=0.45, decode_mbu=0.6,
             step_overhead_s=0.01, prefill_chunk_tokens=8192, local_bw=8 * 20 * GB, network_bw=8 * 25 * GB,
-            ssd_bw=8 * GB, dram_bytes=1.5 * TB, ssd_bytes=12 * TB, prefill_cache_fraction=0.5, decode_max_batch=256),
+            lmdb_bw=8 * GB, dram_bytes=1.5 * TB, lmdb_bytes=12 * TB, prefill_cache_fraction=0.5, decode_max_batch=256),
     Profile("h100x8-llama3-70b", "Llama-3-70B on a node of 8 H100-80GB SXM, TP 8, 8x400 Gbps RDMA",
             params=70.6e9, layers=80, hidden=8192, kv_heads=8, head_dim=128, dtype_bytes=2,
             gpus=8, peak_flops=989e12, hbm_bw=3.35 * TB, hbm_bytes=80 * GB, prefill_mfu=0.4, decode_mbu=0.6,
             step_overhead_s=0.008, prefill_chunk_tokens=8192, local_bw=8 * 40 * GB, network_bw=8 * 50 * GB,
-            ssd_bw=12 * GB, dram_bytes=1.5 * TB, ssd_bytes=24 * TB, prefill_cache_fraction=0.5, decode_max_batch=256),
+            lmdb_bw=12 * GB, dram_bytes=1.5 * TB, lmdb_bytes=24 * TB, prefill_cache_fraction=0.5, decode_max_batch=256),
     Profile("l4-llama3-8b", "Llama-3-8B on one L4-24GB, 25 Gbps Ethernet",
             params=8.0e9, layers=32, hidden=4096, kv_heads=8, head_dim=128, dtype_bytes=2,
             gpus=1, peak_flops=121e12, hbm_bw=0.3 * TB, hbm_bytes=24 * GB, prefill_mfu=0.5, decode_mbu=0.6,
             step_overhead_s=0.005, prefill_chunk_tokens=2048, local_bw=20 * GB, network_bw=3 * GB,
-            ssd_bw=2 * GB, dram_bytes=64 * GB, ssd_bytes=1 * TB, prefill_cache_fraction=0.5, decode_max_batch=64),
+            lmdb_bw=2 * GB, dram_bytes=64 * GB, lmdb_bytes=1 * TB, prefill_cache_fraction=0.5, decode_max_batch=64),
 )}
 
 
@@ -94,7 +94,7 @@ class AnalyticHardware(Hardware):
             decode_max_batch=p.decode_max_batch,
             colocated_kv_tokens=int((free_hbm - cache_bytes) // self.kv_bytes_per_token),
             store_dram_blocks=int(p.dram_bytes // wire_block),
-            store_ssd_blocks=int(p.ssd_bytes // wire_block))
+            store_lmdb_blocks=int(p.lmdb_bytes // wire_block))
 
     def _chunk_s(self, n: int, ctx: int) -> float:
         p = self.profile
@@ -133,8 +133,8 @@ class AnalyticHardware(Hardware):
     def fetch_block_s(self, tier: str, local: bool) -> float:
         p = self.profile
         bw = p.local_bw if local else min(p.local_bw, p.network_bw)
-        if tier == "ssd":
-            bw = min(bw, p.ssd_bw)
+        if tier == "lmdb":
+            bw = min(bw, p.lmdb_bw)
         return self.wire_bytes_per_token * self.block_tokens / bw
 
     def kv_transfer_s(self, tokens: int) -> float:

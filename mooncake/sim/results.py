@@ -140,16 +140,16 @@ def _by_class(setup: SimSetup, outcomes: Iterable[Outcome], span: float) -> dict
     The class is the request's own, also where the run serves every request as default."""
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
-        groups.setdefault(o.req.tier, []).append(o)
+        groups.setdefault(o.req.request_class, []).append(o)
     if set(groups) <= {"default"}:
         return {}
     out = {}
-    for tier, outs in sorted(groups.items()):
+    for cls_name, outs in sorted(groups.items()):
         served = [o for o in outs if o.rejected is None and o.finished_s >= 0]
         ttft = np.fromiter((o.ttft_s for o in served), float, len(served))
         tbt = np.fromiter((o.tbt_s for o in served), float, len(served))
-        met = int(_met(ttft, tbt, setup.ttft_slo_ms, setup.tbt_slo_ms).sum()) if tier != "flex" else len(served)
-        out[tier] = {"requests": len(outs), "completed": len(served), "slo_attainment": met / len(outs),
+        met = int(_met(ttft, tbt, setup.ttft_slo_ms, setup.tbt_slo_ms).sum()) if cls_name != "flex" else len(served)
+        out[cls_name] = {"requests": len(outs), "completed": len(served), "slo_attainment": met / len(outs),
                      "goodput_rps": met / span, "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90),
                      "tbt_p90_s": _pct(tbt, 90), "output_tokens": sum(o.req.output_tokens for o in served),
                      "last_finished_s": max((o.finished_s for o in served), default=0.0)}

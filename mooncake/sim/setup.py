@@ -17,7 +17,7 @@ class SimSetup:
     ttft_slo_ms: float = 0.0
     tbt_slo_ms: float = 0.0
     seed: int = 0
-    classes: bool = True  # False: every request is served as default, whatever its tier (the baseline)
+    classes: bool = True  # False: every request is served as default, whatever its class (the baseline)
     store_writes: str = "reused"  # which blocks go to the stores ([conductor] store_writes)
     colocated: int = 0  # instances that prefill and decode in one engine (``colocated_steps.py``)
     step_tokens: int = 0  # a colocated instance's tokens per step; 0: as the live role picks it (``step_budget``)

@@ -95,7 +95,7 @@ class Simulation:
         node = virtual_node(node_id, "store", machine)
         self.cluster.upsert(node)
         store = self.stores[node_id] = StoreInstance(node, self.index, self.hw.caps.store_dram_blocks,
-                                                     self.hw.caps.store_ssd_blocks)
+                                                     self.hw.caps.store_lmdb_blocks)
         return store
 
     # ------------------------------------------------------------ run

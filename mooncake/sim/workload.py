@@ -33,7 +33,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     hashes: tuple[bytes, ...]  # full blocks only
-    tier: str = "default"  # its request class (``sched/request_class.py``): "default", "priority" or "flex"
+    request_class: str = "default"  # its request class (``sched/request_class.py``): "default", "priority" or "flex"
 
 
 def _key(block_id: int) -> bytes:
@@ -76,9 +76,9 @@ def requests_from_records(records: list[TraceRecord], block_tokens: int = 512, r
         n_tokens = scaled_input_length(rec, block_tokens)
         full = n_tokens // block_tokens
         drawn = "flex" if draw.random() < flex_share else "default"  # drawn for every line: the same seed, the same draws
-        tier = rec.tier or drawn
+        request_class = rec.request_class or drawn
         out.append(SimRequest(f"r{i}-{rec.line_no}", (rec.timestamp_ms - t0) / 1000.0 * time_scale / rate_scale,
-                              n_tokens, max(1, round(rec.output_length * output_scale)), tuple(_key(h) for h in ids[:full]), tier))
+                              n_tokens, max(1, round(rec.output_length * output_scale)), tuple(_key(h) for h in ids[:full]), request_class))
     return out
 
 
