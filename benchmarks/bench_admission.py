@@ -3,7 +3,7 @@
 The shared-prefix workload (conversations sharing a long system prefix) at two Poisson
 arrival rates, one the cluster keeps up with and one well above what it can serve, against
 the same dev cluster configuration (1 prefill + 1 decode + 1 store, one torch thread each)
-with ``[conductor] ttft_slo_ms`` unset and set. Goodput counts requests that meet TTFT <=
+with ``[admission] ttft_slo_ms`` unset and set. Goodput counts requests that meet TTFT <=
 SLO and TPOT <= 300 ms; with the SLO set, requests refused early (429) count as not served.
 The point of early rejection: above capacity, goodput should stay near capacity instead of
 collapsing under queueing. Also reported: the relative error of the conductor's TTFT

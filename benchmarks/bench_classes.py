@@ -224,19 +224,19 @@ def main() -> None:
     ap.add_argument("--every-s", type=float, default=1.5)
     ap.add_argument("--flood-class", "--flood-tier", choices=["flex", "default"], default="flex",
                     help="the flood's request class (--flood-tier: its old name, deprecated)")
-    ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[conductor] tbt_slo_ms (0: none)")
+    ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="[admission] tbt_slo_ms (0: none)")
     ap.add_argument("--shape", choices=["colocated", "pair"], default="colocated",
                     help="mooncake serve's default (one colocated instance) or --disaggregated (prefill + decode)")
     ap.add_argument("--tenants", action="store_true", help="key A floods as a client that does not behave, key B interactive")
     ap.add_argument("--max-queue-wait-s", type=float, default=None,
-                    help="[conductor] max_queue_wait_s (default: the config's; 0: every request queues, none refused for its wait)")
+                    help="[admission] max_queue_wait_s (default: the config's; 0: every request queues, none refused for its wait)")
     args = ap.parse_args()
     if any(a.startswith("--flood-tier") for a in sys.argv[1:]):
         print("--flood-tier is deprecated: use --flood-class", file=sys.stderr)
     cfg = pressed_config("bench-classes-")
-    cfg.conductor.tbt_slo_ms = args.tbt_slo_ms
+    cfg.admission.tbt_slo_ms = args.tbt_slo_ms
     if args.max_queue_wait_s is not None:
-        cfg.conductor.max_queue_wait_s = args.max_queue_wait_s
+        cfg.admission.max_queue_wait_s = args.max_queue_wait_s
     if args.tenants:
         cfg.frontend.api_key, cfg.frontend.api_keys = KEY_A, [KEY_B]
         cfg.classes.api_key_classes = [f"{KEY_A}=default"]
@@ -247,7 +247,7 @@ def main() -> None:
                   asyncio.run(run_phase(c.url, f"with {args.flood} {args.flood_class} requests", args, 2, True, cfg)),
                   asyncio.run(run_phase(c.url, "alone again", args, 3, False))]
     flooding = "key A (default) asking for priority" if args.tenants else f"flood class {args.flood_class}"
-    print(f"{args.shape}, {flooding}, tbt_slo_ms {args.tbt_slo_ms:g}, max_queue_wait_s {cfg.conductor.max_queue_wait_s:g}\n")
+    print(f"{args.shape}, {flooding}, tbt_slo_ms {args.tbt_slo_ms:g}, max_queue_wait_s {cfg.admission.max_queue_wait_s:g}\n")
     report(phases)
 
 

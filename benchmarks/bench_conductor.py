@@ -69,7 +69,7 @@ def bench_config(tmp: Path, frontend: str) -> Path:
     cfg.frontend.port = free_port()
     cfg.conductor.endpoint = f"tcp://127.0.0.1:{free_port()}"
     cfg.conductor.frontend = frontend  # type: ignore[assignment]
-    cfg.conductor.dead_after_s = 30.0  # a saturated stand-in's late heartbeat is not a death
+    cfg.liveness.dead_after_s = 30.0  # a saturated stand-in's late heartbeat is not a death
     path = tmp / "cluster.toml"
     path.write_text(dump_toml(cfg))
     return path

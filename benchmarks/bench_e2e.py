@@ -81,7 +81,7 @@ def start_mooncake(system: str, dtype: str = "auto", quantization: str = "auto")
         cfg.model.dtype, cfg.model.quantization, cfg.frontend.port = dtype, quantization, free_port()
         cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-e2e-")
         if system.endswith("_slo"):  # the benchmark's SLOs set on the conductor
-            cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
+            cfg.admission.ttft_slo_ms, cfg.admission.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
         colocated = system.startswith("colocated")
         return start_local(cfg, **({"prefill": 0, "decode": 0, "colocated": 1} if colocated else {"prefill": 1}))
     cfg = small_config(Path(tempfile.mkdtemp(prefix="mooncake-e2e-")))
@@ -94,7 +94,7 @@ def start_mooncake(system: str, dtype: str = "auto", quantization: str = "auto")
     if system == "round_robin":
         cfg.conductor.policy = "round_robin"
     if system == "cache_aware_slo":
-        cfg.conductor.ttft_slo_ms, cfg.conductor.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
+        cfg.admission.ttft_slo_ms, cfg.admission.tbt_slo_ms = SLOS["ttft"], SLOS["tpot"]
     return start_local(cfg)
 
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mooncake.config_classes import RENAMED_KEYS, ClassesConfig
+from mooncake.config_conductor import AdmissionConfig, ConductorConfig, LivenessConfig, ReplicationConfig
 from mooncake.config_section import Section, split_list
 
 log = logging.getLogger(__name__)
@@ -108,36 +109,6 @@ class FrontendConfig(Section):
         return len(set(self.accepted_keys())) > 1
 
 
-class ConductorConfig(Section):
-    endpoint: str = Field("tcp://127.0.0.1:5550", description="ZeroMQ endpoint the roles connect to.")
-    frontend: Literal["auto", "on", "off"] = Field("auto", description="Serve the OpenAI API ([frontend]) from the conductor's process too (the same code as mooncake serve --role frontend). off: only frontends of their own serve it, and the conductor answers health probes and /metrics on [node] health_port. auto: on, except under [coordination] (conductors that fail over for each other run no frontend: two on one host would want the same port).")
-
-    def serves_frontend(self, coordinated: bool) -> bool:
-        return self.frontend == "on" or (self.frontend == "auto" and not coordinated)
-    policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = Field(
-        "cache_aware", description="Prefill selection policy (random: a uniform draw; a baseline).")
-    use_store: bool = Field(True, description="Read prefixes from store nodes and write new blocks to them.")
-    store_writes: Literal["reused", "all"] = Field("reused", description="Which blocks go to the stores: reused, a block once its prefix recurs (a prompt mostly made of a recurring prefix, or a session's, whole, with its decode's blocks; a prompt new from its first block while the workload reuses), so that a workload with no reuse writes nothing (README \"What goes to the stores\"); all: every block a prefill computes and every block a decode completes.")
-    ttft_slo_ms: float = Field(0.0, ge=0, description="Time-to-first-token SLO; 0: no early rejection on TTFT.")
-    tbt_slo_ms: float = Field(0.0, ge=0, description="Time-between-tokens SLO; 0: no early rejection on TBT.")
-    max_queue_wait_s: float = Field(2.0, ge=0, description="A request predicted to wait longer than this before its prompt computes (behind the prompts queued on the instance that would serve it, or for KV room to decode in) is refused at once with 429 and a Retry-After, rather than queued: past its capacity the cluster keeps serving what it admits in time instead of letting every queue grow (goodput plateaus rather than collapses). The longer a request's own prefill, the less of it it may wait (this squared over this plus its prefill time): the requests that cost most are refused first. Applies to the classes with no ttft_slo_ms (that SLO judges the wait itself); [classes.flex] waits without it by default. 0: queue up to max_waiting.")
-    max_retry_after_s: float = Field(60.0, ge=1, description="Upper bound of the Retry-After a rejection carries.")
-    probe_after_s: float = Field(5.0, gt=0, description="After rejecting every request on SLO predictions for this long, admit one to re-measure.")
-    max_waiting: int = Field(256, ge=1, description="Requests queued for prefill cluster-wide before new ones get 503 (a request with n choices counts n).")
-    max_requests: int = Field(1024, ge=1, description="Requests in flight cluster-wide before new ones get 503 (a request with n choices counts n).")
-    heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval the roles are told to use.")
-    dead_after_s: float = Field(3.0, gt=0, description="A node silent this long is dead.")
-    request_timeout_s: float = Field(300.0, gt=0, description="A request with no progress this long moves to other instances (a migration), then fails.")
-    stall_after_s: float = Field(60.0, gt=0, description="An engine instance with work but no engine progress this long is unhealthy: its requests move elsewhere.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, a role lets its in-flight requests finish for up to this long.")
-    max_migrations: int = Field(2, ge=0, description="Times a request may move after its worker fails, dies or stalls.")
-    cpp_group_size: int = Field(1, ge=1, le=16, description="Chunked pipeline parallelism: prefill instances form pipeline groups of this many stages (each a range of layers; a long prompt's chunks, 1/stages of [engine] prefill_chunk_tokens each, flow through them). 1: off, every prefill alone.")
-    cpp_min_tokens: int = Field(2048, ge=1, description="Prompts with at least this many tokens to compute may use a pipeline group (when its predicted TTFT beats the best single instance); shorter ones never do.")
-    hot_block_hits: int = Field(4, ge=1, description="Hits in the window that make a block hot.")
-    hot_window_s: float = Field(60.0, gt=0, description="Sliding window for hot-block counting.")
-    replicas: int = Field(1, ge=1, description="Store copies wanted of a hot block.")
-
-
 class CoordinationConfig(Section):
     etcd_endpoints: list[str] = Field(default_factory=list, description="etcd client URLs (http://host:2379, as etcd prints them); set: conductors campaign for the lead through etcd, one leads and the others stand by, and frontends and workers follow the leader. Empty: one conductor, at [conductor] endpoint.")
     lease_ttl_s: int = Field(5, ge=2, le=300, description="The leader's etcd lease: a conductor that cannot refresh it this long steps down, and a standby leads once it lapses.")
@@ -194,6 +165,9 @@ class Config(Section):
     engine: EngineConfig = EngineConfig()
     store: StoreConfig = StoreConfig()
     conductor: ConductorConfig = ConductorConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    liveness: LivenessConfig = LivenessConfig()
+    replication: ReplicationConfig = ReplicationConfig()
     frontend: FrontendConfig = FrontendConfig()
     coordination: CoordinationConfig = CoordinationConfig()
     classes: ClassesConfig = ClassesConfig()
@@ -202,23 +176,32 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, raw: object) -> object:
-        """Keys that moved from [conductor] to [frontend] still work from [conductor], with a warning
-        ([frontend] wins where both set one)."""
+        """Keys that moved from [conductor] to another section (``MOVED_FROM_CONDUCTOR``) still work
+        from [conductor] (and as MOONCAKE_CONDUCTOR_<KEY>), with a warning (the new section wins
+        where both set one)."""
         if not isinstance(raw, dict) or not isinstance(raw.get("conductor"), dict):
             return raw
         conductor = dict(raw["conductor"])
-        moved = {k: conductor.pop(k) for k in MOVED_TO_FRONTEND if k in conductor}
+        moved = {k: conductor.pop(k) for k in list(conductor) if k in MOVED_FROM_CONDUCTOR}
         if not moved:
             return raw
-        log.warning("[conductor] %s moved to [frontend]: read from [conductor] this time; set them in "
-                    "[frontend] (MOONCAKE_FRONTEND_<KEY>)", ", ".join(sorted(moved)))
-        frontend = raw.get("frontend") if isinstance(raw.get("frontend"), dict) else {}
-        return {**raw, "conductor": conductor, "frontend": {**moved, **frontend}}
+        out = {**raw, "conductor": conductor}
+        for key, value in moved.items():
+            section = MOVED_FROM_CONDUCTOR[key]
+            log.warning("[conductor] %s moved to [%s]: read from [conductor] this time; set it in [%s] (%s)",
+                        key, section, section, env_name(section, key))
+            table = out.get(section) if isinstance(out.get(section), dict) else {}
+            out[section] = {key: value, **table}
+        return out
     security: SecurityConfig = SecurityConfig()
 
 
 MOVED_TO_FRONTEND = ("host", "port", "api_key", "api_keys", "salt_per_api_key", "max_body_bytes",
                      "sse_keepalive_s", "access_log")
+# [conductor] keys now in another section -> that section (the old place still works, warned)
+MOVED_FROM_CONDUCTOR = {**dict.fromkeys(MOVED_TO_FRONTEND, "frontend"),
+                        **{k: s for s, c in (("admission", AdmissionConfig), ("liveness", LivenessConfig),
+                                             ("replication", ReplicationConfig)) for k in c.model_fields}}
 
 
 class ConfigError(ValueError):
@@ -257,7 +240,7 @@ def _config_keys() -> dict[str, tuple[str, ...]]:
                 known.update({env_name(section, f"{key}_{k}"): (section, key, k) for k in sub.annotation.model_fields})
             else:
                 known[env_name(section, key)] = (section, key)
-    known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_TO_FRONTEND})
+    known.update({env_name("conductor", key): ("conductor", key) for key in MOVED_FROM_CONDUCTOR})
     known.update({env_name(*old): old for old in RENAMED_KEYS})  # warned aliases
     return known
 
@@ -330,8 +313,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None,
             loc = tuple(str(x) for x in err["loc"])
             at = ".".join(loc)
             key = next((loc[:n] for n in (3, 2) if loc[:n] in origin), loc[:2])
-            if key not in origin and key[:1] == ("frontend",) and ("conductor", *key[1:]) in origin:
-                key = ("conductor", *key[1:])  # a moved key, set under its old name
+            if key not in origin and len(key) == 2 and MOVED_FROM_CONDUCTOR.get(key[1]) == key[0] \
+                    and ("conductor", key[1]) in origin:
+                key = ("conductor", key[1])  # a moved key, set under its old name
             key = next((old for old, new in RENAMED_KEYS.items() if new == key and key not in origin and old in origin), key)
             if key in origin and _at(overrides or {}, key) is None:
                 secret = RENAMED_KEYS.get(key, key) in SECRET_KEYS or ("frontend", key[-1]) in SECRET_KEYS

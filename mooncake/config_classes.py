@@ -16,14 +16,14 @@ log = logging.getLogger(__name__)
 
 class ClassLimits(Section):
     """One class's SLOs and limits (``[classes.priority]``, ``[classes.default]``, ``[classes.flex]``).
-    A key left unset takes [conductor]'s; [classes.flex] has its own defaults (``FLEX_DEFAULTS``)."""
+    A key left unset takes [admission]'s; [classes.flex] has its own defaults (``FLEX_DEFAULTS``)."""
 
-    ttft_slo_ms: float | None = Field(None, ge=0, description="Time-to-first-token SLO of the class's requests (early rejection against it, counting the work queued ahead of them); 0: none; unset: [conductor] ttft_slo_ms.")
-    tbt_slo_ms: float | None = Field(None, ge=0, description="Time-between-tokens SLO of the class's requests (early rejection; a decode lets flex sequences into a step only while it holds for the interactive ones it runs); 0: none; unset: [conductor] tbt_slo_ms.")
-    max_waiting: int | None = Field(None, ge=1, description="Requests of the class queued for prefill cluster-wide before new ones of it get 503; unset: [conductor] max_waiting.")
-    max_queue_wait_s: float | None = Field(None, ge=0, description="A request of the class predicted to wait longer than this before its prompt computes is refused with 429 and a Retry-After; 0: never; unset: [conductor] max_queue_wait_s.")
-    request_timeout_s: float | None = Field(None, gt=0, description="A request of the class with no progress this long moves, then fails (flex work may wait behind the rest that long; workers that die or stall are found apart from it); unset: [conductor] request_timeout_s.")
-    max_share: float = Field(1.0, gt=0, le=1, description="Share of [conductor] max_requests the class's requests may hold in flight; past it new ones of the class get 503, so that the other classes keep room.")
+    ttft_slo_ms: float | None = Field(None, ge=0, description="Time-to-first-token SLO of the class's requests (early rejection against it, counting the work queued ahead of them); 0: none; unset: [admission] ttft_slo_ms.")
+    tbt_slo_ms: float | None = Field(None, ge=0, description="Time-between-tokens SLO of the class's requests (early rejection; a decode lets flex sequences into a step only while it holds for the interactive ones it runs); 0: none; unset: [admission] tbt_slo_ms.")
+    max_waiting: int | None = Field(None, ge=1, description="Requests of the class queued for prefill cluster-wide before new ones of it get 503; unset: [admission] max_waiting.")
+    max_queue_wait_s: float | None = Field(None, ge=0, description="A request of the class predicted to wait longer than this before its prompt computes is refused with 429 and a Retry-After; 0: never; unset: [admission] max_queue_wait_s.")
+    request_timeout_s: float | None = Field(None, gt=0, description="A request of the class with no progress this long moves, then fails (flex work may wait behind the rest that long; workers that die or stall are found apart from it); unset: [admission] request_timeout_s.")
+    max_share: float = Field(1.0, gt=0, le=1, description="Share of [admission] max_requests the class's requests may hold in flight; past it new ones of the class get 503, so that the other classes keep room.")
 
 
 PRIORITY_DEFAULTS = ClassLimits(max_share=0.8)  # the classes below always keep room
@@ -135,10 +135,10 @@ class ClassesConfig(Section):
             key_terms(entry)
         return v
 
-    def limit(self, request_class: str, key: str, conductor: Any) -> Any:
-        """``key`` of class ``request_class``: its [classes.<class>] value, else ``conductor``'s ([conductor])."""
+    def limit(self, request_class: str, key: str, admission: Any) -> Any:
+        """``key`` of class ``request_class``: its [classes.<class>] value, else ``admission``'s ([admission])."""
         value = getattr(getattr(self, request_class), key)
-        return getattr(conductor, key) if value is None else value
+        return getattr(admission, key) if value is None else value
 
     def terms_of_key(self, api_key: str) -> KeyTerms:
         """What ``api_key``'s requests may ask for (``KeyTerms()`` for a key without an entry)."""

@@ -26,8 +26,8 @@ class P2PNodes:
         base = Config()
         base.frontend.port = free_port()
         base.conductor.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, 3.0
-        base.conductor.drain_timeout_s = 2.0
+        base.liveness.heartbeat_s, base.liveness.dead_after_s = 0.5, 3.0
+        base.liveness.drain_timeout_s = 2.0
         base.store.dram_bytes, base.store.lmdb_bytes = 16 << 20, 0
         base.store.p2p_chunk_bytes, base.store.p2p_stall_timeout_s = chunk_bytes, stall_timeout_s
         base.node.p2p_root = str(self.workdir.parent)  # the tests' trees lie beside the work dir

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mooncake.config import ConductorConfig
+from mooncake.config import AdmissionConfig, ConductorConfig
 from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import Sampling
@@ -36,7 +36,7 @@ def one_prefill(**cfg: object) -> Scheduler:
 
 
 def admission(slo_ms: float, metrics: Metrics | None = None) -> Admission:
-    a = Admission(ConductorConfig(ttft_slo_ms=slo_ms, probe_after_s=1e9), metrics or Metrics())
+    a = Admission(AdmissionConfig(ttft_slo_ms=slo_ms, probe_after_s=1e9), metrics or Metrics())
     a.last_admitted = 0.0  # no probe is due
     return a
 
@@ -128,7 +128,7 @@ def test_each_class_has_its_own_queue_cap_share_and_ttft_slo():
     adm.classes.flex.max_waiting = 3
     adm.classes.priority.max_waiting = 2
     facts = SimpleNamespace(max_model_len=4096, block_tokens=16)
-    # each class's queue against its cap: [conductor] max_waiting (256) unless [classes.<class>] sets one
+    # each class's queue against its cap: [admission] max_waiting (256) unless [classes.<class>] sets one
     assert adm.check_request(40, Sampling(), facts, 0, 0, waiting=255) is None
     refused = adm.check_request(40, Sampling(request_class="flex"), facts, 0, 0, waiting=3)
     assert isinstance(refused, Rejection) and refused.status == 503 and "3 requests are queued" in refused.message

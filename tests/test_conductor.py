@@ -48,7 +48,7 @@ def register(c: Conductor, node_id: str, role: str, **endpoints: str) -> Node:
 @pytest.fixture
 async def conductor():
     cfg = Config()
-    cfg.conductor.max_requests = 2
+    cfg.admission.max_requests = 2
     c = Conductor(cfg, model_name="m")
     c.router = Sent()
     register(c, "p0", "prefill", orders="tcp://127.0.0.1:3")
@@ -282,7 +282,7 @@ async def test_a_lost_worker_ends_its_attempts_and_a_lost_frontend_has_its_attem
 
 
 async def test_a_stalled_node_loses_its_attempts_and_recovers_when_it_progresses(conductor):
-    conductor.cfg.conductor.stall_after_s = 5
+    conductor.cfg.liveness.stall_after_s = 5
     register(conductor, "d1", "decode", kv="tcp://127.0.0.1:2", orders="tcp://127.0.0.1:5")
     a = submit(conductor, [1, 2, 3])
     node = conductor.cluster.get(a.plan.decode.node_id)
@@ -376,7 +376,7 @@ async def test_a_request_with_n_choices_counts_n_against_the_caps(conductor):
 async def test_only_a_new_request_is_judged_against_the_slos(conductor, monkeypatch):
     """Another choice of an admitted request (a fork) or its retry elsewhere is placed, never
     refused for the SLOs halfway; a new request is judged."""
-    conductor.cfg.conductor.ttft_slo_ms = 0.001  # every prediction misses it
+    conductor.cfg.admission.ttft_slo_ms = 0.001  # every prediction misses it
     monkeypatch.setattr(conductor.costs, "evidence", lambda: (True, True))
     conductor.admission.last_admitted = time.monotonic()  # no probe due
     r = submit(conductor, [1, 2, 3])

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_environment_sets_every_key_over_the_file(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[node]\nhost = "10.0.0.5"\nname = "a"\n[conductor]\nport = 9000\n')
-    cfg = load_config(f, env={"MOONCAKE_NODE_HOST": "10.0.0.7", "MOONCAKE_CONDUCTOR_DEAD_AFTER_S": "4.5",
+    cfg = load_config(f, env={"MOONCAKE_NODE_HOST": "10.0.0.7", "MOONCAKE_LIVENESS_DEAD_AFTER_S": "4.5",
                               "MOONCAKE_ENGINE_PREFIX_CACHING": "false", "PATH": "/bin"})
     assert cfg.node.host == "10.0.0.7" and cfg.node.name == "a"  # env over file; file over default
-    assert cfg.frontend.port == 9000 and cfg.conductor.dead_after_s == 4.5
+    assert cfg.frontend.port == 9000 and cfg.liveness.dead_after_s == 4.5
     assert cfg.engine.prefix_caching is False
 
 
@@ -47,14 +47,14 @@ def test_every_key_has_a_variable_parsed_as_its_type():
     assert load_config(env=env) == defaults  # strings in, typed values out
 
 
-def test_a_class_table_takes_the_conductors_values_where_it_sets_none(tmp_path, caplog):
+def test_a_class_table_takes_the_admission_values_where_it_sets_none(tmp_path, caplog):
     f = tmp_path / "c.toml"
-    f.write_text("[conductor]\nttft_slo_ms = 900\n[classes]\nflex_max_waiting = 9\n"
+    f.write_text("[admission]\nttft_slo_ms = 900\n[classes]\nflex_max_waiting = 9\n"
                  "[classes.priority]\nttft_slo_ms = 300\n[classes.flex]\ntbt_slo_ms = 80\n")
     cfg = load_config(f, env={"MOONCAKE_CLASSES_DEFAULT_MAX_WAITING": "7"})
     c = cfg.classes
-    assert [c.limit(t, "ttft_slo_ms", cfg.conductor) for t in ("priority", "default", "flex")] == [300, 900, 0]
-    assert [c.limit(t, "max_waiting", cfg.conductor) for t in ("priority", "default", "flex")] == [256, 7, 9]
+    assert [c.limit(t, "ttft_slo_ms", cfg.admission) for t in ("priority", "default", "flex")] == [300, 900, 0]
+    assert [c.limit(t, "max_waiting", cfg.admission) for t in ("priority", "default", "flex")] == [256, 7, 9]
     assert c.flex.tbt_slo_ms == 80 and c.flex.request_timeout_s == 3600  # flex keeps its own defaults
     assert "moved to [classes.flex]" in caplog.text  # an earlier layout's key still works
     text = dump_toml(cfg, comments=True)
@@ -75,10 +75,29 @@ def test_keys_moved_to_frontend_still_work_from_conductor_with_a_warning(tmp_pat
     f.write_text('[conductor]\nport = 9000\napi_key = "k"\ndead_after_s = 4.0\n')
     cfg = load_config(f, env={"MOONCAKE_CONDUCTOR_SSE_KEEPALIVE_S": "3"})
     assert (cfg.frontend.port, cfg.frontend.api_key, cfg.frontend.sse_keepalive_s) == (9000, "k", 3.0)
-    assert cfg.conductor.dead_after_s == 4.0
+    assert cfg.liveness.dead_after_s == 4.0
     assert "moved to [frontend]" in caplog.text and "port" in caplog.text
     both = load_config(f, env={"MOONCAKE_FRONTEND_PORT": "9100"})  # the new name wins
     assert both.frontend.port == 9100
+
+
+def test_conductor_keys_split_by_concern_still_work_from_conductor_with_a_warning(tmp_path, caplog):
+    """[conductor] held SLOs, liveness and replication keys: each now lives in its own section
+    ([admission], [liveness], [replication]); the old place works in TOML and as MOONCAKE_CONDUCTOR_<KEY>."""
+    f = tmp_path / "old.toml"
+    f.write_text('[conductor]\npolicy = "least_loaded"\nttft_slo_ms = 900.0\nmax_requests = 64\nreplicas = 2\n')
+    cfg = load_config(f, env={"MOONCAKE_CONDUCTOR_HEARTBEAT_S": "0.5"})
+    assert cfg.conductor.policy == "least_loaded"  # still the conductor's
+    assert (cfg.admission.ttft_slo_ms, cfg.admission.max_requests) == (900.0, 64)
+    assert (cfg.replication.replicas, cfg.liveness.heartbeat_s) == (2, 0.5)
+    for key, section in (("ttft_slo_ms", "admission"), ("replicas", "replication"), ("heartbeat_s", "liveness")):
+        assert f"[conductor] {key} moved to [{section}]" in caplog.text
+    assert "MOONCAKE_ADMISSION_TTFT_SLO_MS" in caplog.text  # the new variable is named
+    newer = load_config(f, env={"MOONCAKE_ADMISSION_TTFT_SLO_MS": "500"})  # the new place wins
+    assert newer.admission.ttft_slo_ms == 500.0
+    with pytest.raises(ConfigError, match=r"liveness.dead_after_s .*MOONCAKE_CONDUCTOR_DEAD_AFTER_S"):
+        load_config(env={"MOONCAKE_CONDUCTOR_DEAD_AFTER_S": "-1"})
+    assert not hasattr(cfg.conductor, "ttft_slo_ms")
 
 
 @pytest.mark.parametrize("env, words", [

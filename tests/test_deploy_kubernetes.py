@@ -80,7 +80,7 @@ def test_every_bound_port_is_the_port_its_service_and_probes_use(tmp_path, gpu_c
         ready = "/health/live" if role == "conductor" else "/health/ready"  # a standby conductor is healthy
         assert container["readinessProbe"]["httpGet"]["path"] == ready
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
-        assert pod["terminationGracePeriodSeconds"] > effective.conductor.drain_timeout_s
+        assert pod["terminationGracePeriodSeconds"] > effective.liveness.drain_timeout_s
         assert effective.node.host == k8s.POD["status.podIP"] and effective.node.node_id == k8s.POD["metadata.name"]
         assert effective.node.name == k8s.POD["spec.nodeName"]
         assert effective.security.curve_keys_dir == "/etc/mooncake/curve"

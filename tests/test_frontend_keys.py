@@ -172,7 +172,7 @@ async def test_a_worker_key_cannot_take_over_a_live_worker_s_id_but_a_restart_ge
     # killed: refused while the old one counts as alive, taken once it is declared dead
     third = peer("prefill", "p0-3")
     assert code(await third.register("prefill", "p0")) == "node_id_taken"
-    c.membership.check(time.monotonic() + c.cfg.conductor.dead_after_s + 1)
+    c.membership.check(time.monotonic() + c.cfg.liveness.dead_after_s + 1)
     assert c.cluster.get("p0") is None
     assert code(await third.register("prefill", "p0")) == "registered"
 

@@ -161,7 +161,7 @@ async def test_fatal_failures_end_the_request_with_a_client_error(frontend):
 
 
 async def test_retries_are_bounded_and_preemptions_do_not_count(frontend):
-    frontend.cfg.conductor.max_migrations = 1
+    frontend.cfg.admission.max_migrations = 1
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
     for _ in range(3):
         frontend._handle(P.AttemptEnded(req.wire_id, "preempted", "pool full"))
@@ -189,8 +189,8 @@ async def test_a_moved_request_resumes_with_its_tokens_and_their_hashes(frontend
 
 
 async def test_a_request_without_progress_moves_then_fails(frontend):
-    frontend.cfg.conductor.request_timeout_s = 10
-    frontend.cfg.conductor.max_migrations = 1
+    frontend.cfg.admission.request_timeout_s = 10
+    frontend.cfg.admission.max_migrations = 1
     req = await frontend.submit([1, 2, 3], P.Sampling(max_tokens=8))
     t0 = req.last_progress
     frontend.check_progress(t0 + 5)

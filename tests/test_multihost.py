@@ -55,8 +55,8 @@ def cluster(tmp_path_factory):
     base.engine.kv_cache_bytes, base.engine.threads = 160 * MiB, 1  # test-sized, as mooncake/testing/cluster.py
     base.model.dtype = "float32"  # compared with transformers token for token
     base.store.dram_bytes, base.store.lmdb_bytes = 128 * MiB, 256 * MiB
-    base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, DEAD_AFTER_S
-    base.conductor.request_timeout_s = 60.0
+    base.liveness.heartbeat_s, base.liveness.dead_after_s = 0.5, DEAD_AFTER_S
+    base.admission.request_timeout_s = 60.0
     resolve_model_dir(base.model)  # convert once, before the roles race for it
     work = tmp_path_factory.mktemp("hosts")
     generate_keys(work / "keys")

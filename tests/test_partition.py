@@ -80,7 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     base.engine.kv_cache_bytes, base.engine.threads = 160 * MiB, 1
     base.model.dtype = "float32"  # compared with transformers token for token
     base.store.dram_bytes, base.store.lmdb_bytes = 128 * MiB, 256 * MiB
-    base.conductor.heartbeat_s, base.conductor.dead_after_s = 0.5, 4.0
+    base.liveness.heartbeat_s, base.liveness.dead_after_s = 0.5, 4.0
     resolve_model_dir(base.model)
     work = tmp_path_factory.mktemp("partition")
     generate_keys(work / "keys")

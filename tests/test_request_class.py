@@ -253,7 +253,7 @@ def test_each_class_is_held_to_its_own_ttft_slo():
     from mooncake.sched.request_class import limit
 
     cfg = Config()
-    cfg.conductor.ttft_slo_ms = 2000.0
+    cfg.admission.ttft_slo_ms = 2000.0
 
     def due(cls_name: str) -> float:
         req = SimpleNamespace(arrived=10.0, generated=[], sampling=P.Sampling(request_class=cls_name))
@@ -276,14 +276,14 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     cost = SimpleNamespace(predict=lambda batch, kv: 0.010 * batch)
     w = SimpleNamespace(running=running, step_cost=cost, incoming={}, tbt_default_ms=200.0,
                         cfg=Config())
-    w.cfg.conductor.tbt_slo_ms = 45
+    w.cfg.admission.tbt_slo_ms = 45
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
     w.cfg.classes.default.tbt_slo_ms = 55  # the default class's own SLO: one more flex joins
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1, 3]
     running["0"] = slot(0, "priority")
     w.cfg.classes.priority.tbt_slo_ms = 35  # the tightest class running holds them all to it
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
-    w.cfg.conductor.tbt_slo_ms = w.cfg.classes.default.tbt_slo_ms = w.cfg.classes.priority.tbt_slo_ms = 0
+    w.cfg.admission.tbt_slo_ms = w.cfg.classes.default.tbt_slo_ms = w.cfg.classes.priority.tbt_slo_ms = 0
     assert len(DecodeWorker._batch(w)) == 6  # no SLO: the default target (200 ms) holds with all six
     w.tbt_default_ms = 45  # a slower machine's default target: flex work joins only within it
     assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]
@@ -304,7 +304,7 @@ def test_flex_work_waits_past_the_interactive_no_progress_timeout():
     from mooncake.frontend.request import RequestStatus
 
     cfg = Config()
-    cfg.conductor.request_timeout_s, cfg.classes.flex.request_timeout_s = 10.0, 100.0
+    cfg.admission.request_timeout_s, cfg.classes.flex.request_timeout_s = 10.0, 100.0
     moved: list[str] = []
 
     def req(name: str, cls_name: str) -> SimpleNamespace:

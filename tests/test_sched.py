@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mooncake.config import ConductorConfig
+from mooncake.config import AdmissionConfig, ConductorConfig
 from mooncake.sched.admission import Admission, Rejection
 from mooncake.metrics import Metrics
 from mooncake.protocol import NodeInfo
@@ -166,7 +166,7 @@ def test_round_robin_alternates_whatever_the_cache():
 
 def test_ttft_slo_rejects_when_the_queues_are_too_long():
     sched, cluster, _ = make()
-    admission = Admission(ConductorConfig(ttft_slo_ms=1000), Metrics())
+    admission = Admission(AdmissionConfig(ttft_slo_ms=1000), Metrics())
     assert admission.check_plan(sched.plan(H[:2], 40, 4, 16, now=0), now=0.0) is None
     for p in cluster.of_role("prefill"):
         sched.book(f"queued-{p.node_id}", sched.plan(H[:2], 40, 4, 16, now=0))
@@ -177,7 +177,7 @@ def test_ttft_slo_rejects_when_the_queues_are_too_long():
 
 def test_tbt_slo_uses_the_batch_expected_when_prefill_finishes():
     sched, cluster, _ = make()  # prior: 30 ms + 2 ms per sequence -> 5 sequences fit in 40 ms
-    admission = Admission(ConductorConfig(tbt_slo_ms=40), Metrics())
+    admission = Admission(AdmissionConfig(tbt_slo_ms=40), Metrics())
     admission.last_admitted = 0.0  # something was admitted just now: no probe is due
     plan = sched.plan(H[:2], 40, 4, 16, now=0)
     for i in range(6):  # all still running at first-token time
@@ -221,14 +221,14 @@ def test_an_interactive_plan_counts_no_flex_booking_on_decode_nor_blocks_flex_wo
 def test_no_workers_and_overload_are_503():
     sched, cluster, _ = make()
     cluster.remove("d0")
-    r = Admission(ConductorConfig(), Metrics()).check_plan(sched.plan(H[:1], 20, 4, 16, now=0), now=0.0)
+    r = Admission(AdmissionConfig(), Metrics()).check_plan(sched.plan(H[:1], 20, 4, 16, now=0), now=0.0)
     assert isinstance(r, Rejection) and r.status == 503 and r.reason == "no_workers"
 
 
 def test_admission_needs_evidence_probes_after_a_while_and_bounds_retry_after():
     sched, cluster, _ = make()
     metrics = Metrics()
-    admission = Admission(ConductorConfig(ttft_slo_ms=1000, probe_after_s=5, max_retry_after_s=30), metrics)
+    admission = Admission(AdmissionConfig(ttft_slo_ms=1000, probe_after_s=5, max_retry_after_s=30), metrics)
     plan = sched.plan(H[:2], 40, 4, 16, now=0)
     assert admission.check_plan(plan, now=0.0) is None
     sched.book("long", plan)
@@ -253,7 +253,7 @@ def test_tbt_rejection_tracks_the_predicted_decode_load_under_steady_arrivals():
     only when that prediction crosses the SLO."""
     sched, _, _ = make()
     metrics = Metrics()
-    admission = Admission(ConductorConfig(tbt_slo_ms=41, probe_after_s=1e9), metrics)
+    admission = Admission(AdmissionConfig(tbt_slo_ms=41, probe_after_s=1e9), metrics)
     admission.last_admitted = 0.0
     verdicts = []
     for i in range(60):
@@ -320,7 +320,7 @@ def test_a_request_that_would_push_queued_ones_past_their_slo_is_refused():
     sched, cluster, _ = make()
     cluster.get("p1").draining = True
     cluster.reindex()
-    admission = Admission(ConductorConfig(ttft_slo_ms=10_000), Metrics())
+    admission = Admission(AdmissionConfig(ttft_slo_ms=10_000), Metrics())
     admission.last_admitted = 0.0
     first = sched.plan(H[:2], 40, 4, 16, now=0)
     assert admission.check_plan(first, now=0.0) is None

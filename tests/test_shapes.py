@@ -24,14 +24,14 @@ from tests.oracle import greedy
 
 pytestmark = pytest.mark.timeout(900)
 
-QUEUE_WAIT_S = 0.5  # the cluster's [conductor] max_queue_wait_s: a burst of long prompts passes it
+QUEUE_WAIT_S = 0.5  # the cluster's [admission] max_queue_wait_s: a burst of long prompts passes it
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def cluster(request, tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp(request.param))
     cfg.engine.profile_at_start = True  # the predictions behind early refusals rest on this machine's numbers
-    cfg.conductor.max_queue_wait_s = QUEUE_WAIT_S
+    cfg.admission.max_queue_wait_s = QUEUE_WAIT_S
     c = start_cluster(cfg=cfg, store=1, **SHAPES[request.param])
     c.shape = request.param
     yield c

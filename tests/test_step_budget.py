@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake import protocol as P
-from mooncake.config import Config, ConductorConfig
+from mooncake.config import AdmissionConfig, Config
 from mooncake.metrics import Metrics
 from mooncake.protocol.engine_profile import EngineProfile
 from mooncake.sched.admission import Admission, Rejection
@@ -72,7 +72,7 @@ def test_targets_by_class_and_the_default_target():
     cfg = Config()
     assert tbt_target_ms(P.Sampling(), cfg, 200) == 200  # no SLO: the default
     assert tbt_target_ms(P.Sampling(request_class="flex"), cfg, 200) == 0  # flex work has none
-    cfg.conductor.tbt_slo_ms = 300
+    cfg.admission.tbt_slo_ms = 300
     cfg.classes.priority.tbt_slo_ms = 80
     assert tbt_target_ms(P.Sampling(), cfg, 200) == 300
     assert tightest_target_ms([P.Sampling(), P.Sampling(request_class="priority"), P.Sampling(request_class="flex")], cfg, 200) == 80
@@ -143,7 +143,7 @@ async def test_the_role_sizes_each_step_by_the_classes_it_decodes(colocated_work
 def test_past_capacity_a_request_that_would_queue_too_long_is_refused_with_retry_after():
     plan = SimpleNamespace(queue_s=5.0, reserve_wait_s=0.5, best_ttft_s=6.0, est_ttft_s=6.0, est_prefill_s=0.0,
                            queue_slack_s=float("inf"), est_tbt_s=0.01, decode_batch=1, decode_drain_s=0.0)
-    admission = Admission(ConductorConfig(), Metrics())  # no SLOs: the default bound, 2 s
+    admission = Admission(AdmissionConfig(), Metrics())  # no SLOs: the default bound, 2 s
     admission.last_admitted = 0.0
     r = admission.check_plan(plan, now=0.0)
     assert isinstance(r, Rejection) and r.status == 429 and r.reason == "queue_wait"

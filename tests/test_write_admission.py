@@ -14,7 +14,7 @@ from mooncake import protocol as P
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Admission
-from mooncake.config import ConductorConfig
+from mooncake.config import AdmissionConfig
 from mooncake.sched.placement import place
 from mooncake.sched.sightings import Sightings
 from mooncake.testing.api import complete, metric, metrics
@@ -47,7 +47,7 @@ def test_a_chain_reads_as_sighted_up_to_where_it_first_differs_for_a_generation_
 
 def test_a_block_is_written_once_its_prefix_recurs_and_a_new_chain_while_the_workload_reuses():
     sched, cluster, idx = make()
-    adm, metrics = Admission(ConductorConfig(), Metrics()), Metrics()
+    adm, metrics = Admission(AdmissionConfig(), Metrics()), Metrics()
     adm.metrics = metrics
 
     def plan_of(req: str, hashes: list[bytes], session: bool = False, first: bool = True):

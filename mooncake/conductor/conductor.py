@@ -71,17 +71,17 @@ class Conductor:
         self.metrics.before_render += self._refresh  # taken back at close (a leader that leads again makes a new one)
         self.costs = CostModels(self.metrics)
         self.scheduler = Scheduler(cfg.conductor, self.cluster, self.index, self.costs.prefill, self.costs.decode)
-        self.admission = Admission(cfg.conductor, self.metrics, cfg.classes)
+        self.admission = Admission(cfg.admission, self.metrics, cfg.classes)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, "conductor")
         self.attempts: dict[str, Attempt] = {}  # wire id -> a live attempt
-        c = cfg.conductor
-        self.adoption = Adoption(c.dead_after_s + 2 * c.heartbeat_s)  # frontends and workers find this one
-        self.membership = Membership(c, self.cluster, self.index, self.metrics, self.on_node_lost,
+        live = cfg.liveness
+        self.adoption = Adoption(live.dead_after_s + 2 * live.heartbeat_s)  # frontends and workers find this one
+        self.membership = Membership(live, self.cluster, self.index, self.metrics, self.on_node_lost,
                                      self.attempts, self.adoption, expected, keys_required=self.curve is not None)
         self.router: Router | None = None
         self.p2p = P2PIndex(self.cluster, self._send,  # who holds which chunks of the P2P objects
                             lambda node_id, peer: self.curve is None or self.membership.peers.get(node_id) == peer)
-        self.replicator = Replicator(cfg.conductor, self.cluster, self.index, self.metrics, self.curve, lambda: self.leader_term)
+        self.replicator = Replicator(cfg.replication, self.cluster, self.index, self.metrics, self.curve, lambda: self.leader_term)
         self.sessions = SessionKeeper(self.cluster, self.index, self.replicator.client)
         self.requests_in_flight: dict[str, int] = {}  # frontend -> requests it holds (admission counts them)
         self.views = FrontendViews(self)
@@ -314,8 +314,8 @@ class Conductor:
                 self._end(a, abort=True, why=why)
 
     async def _liveness_loop(self) -> None:
-        cfg = self.cfg.conductor
-        period_s = min(0.5, cfg.dead_after_s / 4, cfg.stall_after_s / 4)
+        live = self.cfg.liveness
+        period_s = min(0.5, live.dead_after_s / 4, live.stall_after_s / 4)
         while True:  # on the ticks the nodes' heartbeats go on (``ticks.py``): the same wake-up, often
             await asyncio.sleep(until_tick(period_s, period_s / 2))
             try:

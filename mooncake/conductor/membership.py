@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from mooncake import protocol as P
 from mooncake.conductor.expected_model import ExpectedModel
-from mooncake.config import ConductorConfig
+from mooncake.config import LivenessConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.kv_index import KVIndex
@@ -62,7 +62,7 @@ def registration_problem(msg: P.Register, facts: P.ModelFacts | None,
 
 
 class Membership:
-    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
+    def __init__(self, cfg: LivenessConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
                  on_lost: Callable[[Node, str], None], attempts: Mapping[str, Attempt], adoption: Adoption,
                  expected: ExpectedModel | None = None, keys_required: bool = False) -> None:
         """``on_lost(node, why)``: the node's requests must move (it died, stalled or restarted).

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Callable
 
-from mooncake.config import ConductorConfig
+from mooncake.config import ReplicationConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.hot_blocks import HotBlocks
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Replicator:
-    def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
+    def __init__(self, cfg: ReplicationConfig, cluster: Cluster, index: KVIndex, metrics: Metrics,
                  curve: Curve | None, term: Callable[[], int] = lambda: 0) -> None:
         """``term()``: the leader's term, which its store orders carry (``term_fence.py``)."""
         self.cfg = cfg

@@ -168,7 +168,7 @@ def render(cfg: Config, topology: Topology) -> dict[str, list[dict]]:
     ns = topology.namespace
     conductor_host = f"{APP}-conductor.{ns}.svc.cluster.local"
     gpu = cfg.model.device == "cuda"
-    grace = math.ceil(cfg.conductor.drain_timeout_s) + 15
+    grace = math.ceil(cfg.liveness.drain_timeout_s) + 15
     common_env = {env_name("conductor", "endpoint"): f"tcp://{conductor_host}:{ports.zmq}"}
     etcd_urls = cfg.coordination.etcd_endpoints or (
         [f"http://{APP}-etcd.{ns}.svc.cluster.local:2379"] if topology.conductor > 1 else [])

@@ -108,7 +108,7 @@ class ConductorClient:
                 answer = future.result()
                 now = time.monotonic()
                 if not (isinstance(answer, P.Refused) and answer.reason == "no_workers" and now + RETRY_NO_WORKERS_S
-                        < min(deadline, self.registered_at + self.cfg.conductor.dead_after_s)):
+                        < min(deadline, self.registered_at + self.cfg.liveness.dead_after_s)):
                     return answer
                 await asyncio.sleep(RETRY_NO_WORKERS_S)
             return None

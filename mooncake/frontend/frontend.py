@@ -260,7 +260,7 @@ class Frontend:
     def _move(self, req: Request, why: str, preempted: bool = False, abort: bool = False) -> None:
         """Give the request a new attempt (prompt + tokens so far) elsewhere or later."""
         self._end_attempt(req, abort)
-        if not preempted and req.migrations >= self.cfg.conductor.max_migrations:
+        if not preempted and req.migrations >= self.cfg.admission.max_migrations:
             self._finish(req, Reason.ERROR, RequestError(f"request failed: {why}"))
             return
         req.requeued(time.monotonic(), counts_as_migration=not preempted)
@@ -269,7 +269,7 @@ class Frontend:
 
     async def _liveness_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(0.5, self.cfg.conductor.request_timeout_s / 4))
+            await asyncio.sleep(min(0.5, self.cfg.admission.request_timeout_s / 4))
             self.check_progress(time.monotonic())
 
     def check_progress(self, now: float) -> None:

@@ -147,7 +147,7 @@ class LocalCluster:
         responses, workers their sequences and their writes to the stores) — the stores last, once
         the rest have exited, so that no write-back finds its store gone — then SIGKILL what is
         still running after the drain timeout (plus a margin)."""
-        grace_s = self.cfg.conductor.drain_timeout_s + 10 if grace_s is None else grace_s
+        grace_s = self.cfg.liveness.drain_timeout_s + 10 if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
         stores = [n for n in self.children if n.startswith("store")]
         for wave in ([n for n in self.children if n not in stores], stores):

@@ -35,7 +35,7 @@ async def serve_http(cfg: Config, frontend: Frontend) -> None:
     f = cfg.frontend
     server = uvicorn.Server(uvicorn.Config(build_app(frontend), host=f.host, port=f.port, log_level="warning",
                                            lifespan="off",
-                                           timeout_graceful_shutdown=int(cfg.conductor.drain_timeout_s)))
+                                           timeout_graceful_shutdown=int(cfg.liveness.drain_timeout_s)))
     # We own SIGTERM/SIGINT (uvicorn would re-raise them after shutting down): exit 0.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()

@@ -8,7 +8,7 @@ asks it to register again. Its directory (``data_dir/<node id>``) is locked: a
 second store with the same node id exits at start with a message that says so.
 
 On SIGTERM (or SIGINT) the store stops serving, then moves its DRAM (and device)
-blocks into LMDB for up to ``[conductor] drain_timeout_s``, so that a restart on
+blocks into LMDB for up to ``[liveness] drain_timeout_s``, so that a restart on
 the same data dir hits; with ``[store] ssd_admission = "write_through"`` they are
 mostly there already, and a crash loses at most the last write-through batch.
 """
@@ -132,7 +132,7 @@ async def run_store(cfg: Config) -> None:
     await server.close()  # no new operations; those in flight have finished
     store.on_event = None
     t0 = time.monotonic()
-    moved, left = await loop.run_in_executor(None, store.persist, t0 + cfg.conductor.drain_timeout_s)
+    moved, left = await loop.run_in_executor(None, store.persist, t0 + cfg.liveness.drain_timeout_s)
     log.info("store %s persisted %d blocks to LMDB in %.2fs (%d left in memory)", node_id, moved,
              time.monotonic() - t0, left)
     link.close()

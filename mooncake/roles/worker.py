@@ -219,7 +219,7 @@ class EngineWorker(ABC):
         """Tell the conductor we are leaving, then let in-flight work finish (bounded)."""
         await self.send(P.Leave(self.node_id))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.conductor.drain_timeout_s
+        deadline = loop.time() + self.cfg.liveness.drain_timeout_s
         while self.busy() and loop.time() < deadline:
             await asyncio.sleep(0.1)
         if self.busy():

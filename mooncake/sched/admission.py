@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake.config import ConductorConfig
+from mooncake.config import AdmissionConfig
 from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.protocol import ModelFacts, Sampling
@@ -49,7 +49,7 @@ def context_rejection(n_tokens: int, max_model_len: int) -> Rejection | None:
 
 
 class Admission:
-    def __init__(self, cfg: ConductorConfig, metrics: Metrics, classes: ClassesConfig | None = None) -> None:
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics, classes: ClassesConfig | None = None) -> None:
         """``classes``: each class's own limits (``request_class.py``)."""
         self.cfg = cfg
         self.metrics = metrics
@@ -150,7 +150,7 @@ class Admission:
             return None
         return Rejection(429, "queue_wait", f"the cluster is past its capacity: this request would wait "
                          f"{wait_s:.1f} s before its prompt computes, more than the {allowed_s:.1f} s allowed "
-                         f"for its {plan.est_prefill_s:.1f} s of prefill ([conductor] max_queue_wait_s "
+                         f"for its {plan.est_prefill_s:.1f} s of prefill ([admission] max_queue_wait_s "
                          f"{max_wait_s:g} s)", retry_after_s=self._retry_after(wait_s - allowed_s))
 
     def _retry_after(self, seconds: float) -> float:

@@ -102,7 +102,7 @@ def tightest_target_ms(samplings: Iterable[Any], cfg: Config, default_ms: float)
 
 
 def limit(sampling: Any, key: str, cfg: Config) -> Any:
-    """A request's class's ``key`` (``[classes.<class>]``, else ``[conductor]``'s): ``ttft_slo_ms``,
+    """A request's class's ``key`` (``[classes.<class>]``, else ``[admission]``'s): ``ttft_slo_ms``,
     ``tbt_slo_ms`` (0: none), ``request_timeout_s`` (how long it may make no progress before it
     moves: flex work may wait behind the rest), ``max_waiting``."""
-    return cfg.classes.limit(CLASSES[rank(sampling)], key, cfg.conductor)
+    return cfg.classes.limit(CLASSES[rank(sampling)], key, cfg.admission)

@@ -21,7 +21,7 @@ class SimSetup:
     store_writes: str = "reused"  # which blocks go to the stores ([conductor] store_writes)
     colocated: int = 0  # instances that prefill and decode in one engine (``colocated_steps.py``)
     step_tokens: int = 0  # a colocated instance's tokens per step; 0: as the live role picks it (``step_budget``)
-    max_queue_wait_s: float = 0.0  # [conductor] max_queue_wait_s; 0 (the simulator's default): sizing judges the SLOs alone
+    max_queue_wait_s: float = 0.0  # [admission] max_queue_wait_s; 0 (the simulator's default): sizing judges the SLOs alone
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated, self.step_tokens) < 0:

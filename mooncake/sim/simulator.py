@@ -16,7 +16,7 @@ import math
 import random
 import time
 
-from mooncake.config import ConductorConfig
+from mooncake.config import AdmissionConfig, ConductorConfig, ReplicationConfig
 from mooncake.config_classes import ClassesConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.admission import Admission, Rejection
@@ -46,9 +46,10 @@ class Simulation:
         self.hw = hw
         self.requests = requests
         self.B = hw.block_tokens
-        self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store, store_writes=setup.store_writes,
-                                   ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms,
-                                   max_queue_wait_s=setup.max_queue_wait_s)
+        self.cfg = ConductorConfig(policy=setup.policy, use_store=setup.use_store, store_writes=setup.store_writes)
+        limits = AdmissionConfig(ttft_slo_ms=setup.ttft_slo_ms, tbt_slo_ms=setup.tbt_slo_ms,
+                                 max_queue_wait_s=setup.max_queue_wait_s)
+        replication = ReplicationConfig()  # the conductor's defaults
         self.loop = EventLoop()
         self.index = KVIndex()
         self.cluster = Cluster()
@@ -59,8 +60,9 @@ class Simulation:
         self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq, per_1k_kv_s=per_1k_kv)
         self.sched = Scheduler(self.cfg, self.cluster, self.index, self.prefill_cost, self.decode_cost,
                                rng=random.Random(setup.seed))
-        self.admission = Admission(self.cfg, Metrics(), ClassesConfig())  # the metrics of a simulation go unread
-        self.hot = HotBlocks(self.cfg.hot_block_hits, self.cfg.hot_window_s)
+        self.admission = Admission(limits, Metrics(), ClassesConfig())  # the metrics of a simulation go unread
+        self.replicas = replication.replicas
+        self.hot = HotBlocks(replication.hot_block_hits, replication.hot_window_s)
         caps = hw.caps
         self.stores: dict[str, StoreInstance] = {}
         self.prefills: dict[str, PrefillInstance] = {}
@@ -147,7 +149,7 @@ class Simulation:
     def _note_hits(self, hashes: list[bytes], now: float) -> None:
         """Hot blocks get copies in more stores, up to ``replicas`` (as the conductor's replicator)."""
         hot = self.hot.hit(hashes, now)
-        want = min(self.cfg.replicas, len(self.stores))
+        want = min(self.replicas, len(self.stores))
         if not hot or want < 2:
             return
         for h in hot:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from mooncake.config import MOVED_TO_FRONTEND, Config, MiB
+from mooncake.config import MOVED_FROM_CONDUCTOR, Config, MiB
 from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.ports import free_port
 
@@ -33,12 +33,12 @@ def small_config(data_dir: Path, **conductor: object) -> Config:
     cfg.model.dtype = "float32"
     cfg.frontend.port = free_port()
     cfg.conductor.store_writes = "all"
-    for k, v in conductor.items():  # the keys that moved to [frontend] are taken here too
-        setattr(cfg.frontend if k in MOVED_TO_FRONTEND else cfg.conductor, k, v)
+    for k, v in conductor.items():  # the keys that moved out of [conductor] are taken here too
+        setattr(getattr(cfg, MOVED_FROM_CONDUCTOR.get(k, "conductor")), k, v)
     cfg.engine.kv_cache_bytes = 160 * MiB
     cfg.engine.threads = 1
     cfg.engine.profile_at_start = False  # a few seconds per role; the admission tests turn it on
-    cfg.conductor.max_queue_wait_s = 0.0  # tests that burst expect every request served; tested on its own
+    cfg.admission.max_queue_wait_s = 0.0  # tests that burst expect every request served; tested on its own
     cfg.store.dram_bytes = 128 * MiB
     cfg.store.lmdb_bytes = 256 * MiB
     cfg.store.data_dir = str(data_dir)

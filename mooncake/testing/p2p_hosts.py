@@ -32,7 +32,7 @@ class P2PHosts:
         base.node.p2p_root = str(self.workdir.parent)  # the tests' trees lie beside the work dir
         if in_flight_per_peer is not None:
             base.store.p2p_in_flight_per_peer = in_flight_per_peer
-        base.conductor.heartbeat_s, base.conductor.dead_after_s, base.conductor.drain_timeout_s = 0.5, 4.0, 2.0
+        base.liveness.heartbeat_s, base.liveness.dead_after_s, base.liveness.drain_timeout_s = 0.5, 4.0, 2.0
         resolve_model_dir(base.model)  # the conductor's tokenizer: converted once, before it starts
         if curve:
             generate_keys(self.workdir / "keys")
