@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mooncake.config_classes import RENAMED_KEYS, ClassesConfig
 from mooncake.config_conductor import AdmissionConfig, ConductorConfig, LivenessConfig, ReplicationConfig
+from mooncake.config_observability import ObservabilityConfig
 from mooncake.config_section import Section, split_list
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class Config(Section):
             out[section] = {key: value, **table}
         return out
     security: SecurityConfig = SecurityConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
 
 MOVED_TO_FRONTEND = ("host", "port", "api_key", "api_keys", "salt_per_api_key", "max_body_bytes",

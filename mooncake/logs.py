@@ -29,6 +29,7 @@ class JSONFormatter(logging.Formatter):
         rid = current_request_id.get()
         if rid:
             out["request_id"] = rid
+        out.update(getattr(record, "fields", None) or {})  # a line's structured fields (the access log's timeline)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out)

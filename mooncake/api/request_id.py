@@ -25,9 +25,12 @@ def clean_request_id(value: str) -> str:
 
 
 class RequestId:
-    def __init__(self, app: Any, log_access: bool = False) -> None:
+    def __init__(self, app: Any, log_access: bool = False, recent: Any = None) -> None:
+        """``recent``: the frontend's finished requests (``RecentRequests``): a completion's line
+        carries its timeline (``frontend/timeline.py``), which it gets its HTTP time added to."""
         self.app = app
         self.log_access = log_access
+        self.recent = recent
         if log_access:
             access_log.setLevel(logging.INFO)
 
@@ -39,7 +42,7 @@ class RequestId:
         rid = clean_request_id(given) or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         token = current_request_id.set(rid)
-        t0, status = time.perf_counter(), [0]
+        t0, status, started = time.perf_counter(), [0], time.monotonic()
 
         async def tagged(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -51,6 +54,21 @@ class RequestId:
             await self.app(scope, receive, tagged)
         finally:
             current_request_id.reset(token)
+            fields = self._timeline(scope, rid, started)
             if self.log_access:
-                access_log.info("%s %s %d %.3fs request_id=%s", scope.get("method"), scope.get("path"), status[0],
-                                time.perf_counter() - t0, rid)
+                timeline = "".join(f" {k}={v}" for k, v in fields.items())
+                access_log.info("%s %s %d %.3fs request_id=%s%s", scope.get("method"), scope.get("path"), status[0],
+                                time.perf_counter() - t0, rid, timeline, extra={"fields": fields})
+
+    def _timeline(self, scope: dict, rid: str, started: float) -> dict:
+        """The breakdown of the completion request this HTTP request served ({} for any other)."""
+        req = scope.get("state", {}).get("mooncake_request")
+        if req is None or not req.timeline.finished:
+            return {}
+        fields = req.timeline.around(started, time.monotonic())
+        if self.recent is not None:
+            kept = self.recent.get(req.req_id)
+            if kept is not None:
+                kept.update(fields)
+                self.recent.alias(rid, req.req_id)
+        return fields

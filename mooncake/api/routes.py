@@ -24,6 +24,7 @@ from mooncake.api.errors import APIError, install_error_handlers
 from mooncake.api.guard import Guard, request_salt
 from mooncake.api.prompts import Prompts
 from mooncake.api.request_id import RequestId
+from mooncake.api.trace_requests import trace_requests
 from mooncake.api.health import add_health_routes
 from mooncake.api.choices import ChoiceOutput, TokenText, chat_logprobs, completion_logprobs, merged
 from mooncake.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling, check_response_size
@@ -35,6 +36,7 @@ from mooncake.frontend import Finished, Frontend, Rejection, Request, RequestErr
 from mooncake.frontend.tenant_clock import tenant_id
 from mooncake.sched.admission import context_rejection
 from mooncake.sched.request_class import served_class
+from mooncake.tracing import span
 
 DISCONNECT_POLL_S = 0.5
 
@@ -44,7 +46,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     install_error_handlers(app)
     cfg = frontend.cfg.frontend
     app.add_middleware(Guard, api_keys=cfg.accepted_keys(), limit=cfg.max_body_bytes)
-    app.add_middleware(RequestId, log_access=cfg.access_log)
+    app.add_middleware(RequestId, log_access=cfg.access_log, recent=frontend.stats.recent)
+    app.add_middleware(trace_requests, tracer=frontend.stats.tracer)
     prompts = Prompts(frontend.tokenizer, frontend.codec)
 
     add_health_routes(app, frontend)
@@ -76,7 +79,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         _check(frontend, body)
         prompt = body.prompt_input()
-        tokens = await prompts.completion(prompt)
+        with span(frontend.stats.tracer, "frontend.tokenize"):
+            tokens = await prompts.completion(prompt)
         too_long = context_rejection(len(tokens), frontend.max_model_len)
         if too_long is not None:  # before the echo's decoding: refused at the cost of its length
             raise _error(too_long, chat=False)
@@ -87,10 +91,21 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         _check(frontend, body)
-        tokens = await prompts.chat(body.messages, tools_for_template(body))
+        with span(frontend.stats.tracer, "frontend.template_tokenize", attrs={"mooncake.messages": len(body.messages)}):
+            tokens = await prompts.chat(body.messages, tools_for_template(body))
         limit = body.limit() or max(1, frontend.max_model_len - len(tokens))
         shape = Shape(chat=True, grammar=await compile_grammar(body, frontend.cfg.frontend), tool_mode=body.tool_mode(), body=body)
         return await _serve(frontend, request, body, tokens, shape, max_tokens=limit)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_timeline(request_id: str) -> dict:
+        """Where a request finished here in the last few minutes spent its time (``frontend/timeline.py``),
+        by its id or the X-Request-Id it was sent with."""
+        kept = frontend.stats.recent.get(request_id)
+        if kept is None:
+            raise APIError(404, f"no request {request_id!r} finished on this frontend in the last few minutes",
+                           param="request_id", code="request_not_found")
+        return {"object": "request.timeline", **kept}
 
     add_token_routes(app, frontend, prompts)
     return app
@@ -163,6 +178,7 @@ async def _serve(frontend: Frontend, http: HTTPRequest, body: _Sampling, tokens:
     if isinstance(submitted, Rejection):
         frontend.tenants.refund(sampling.tenant, len(tokens))  # a refused request takes no turn from its tenant
         raise _error(submitted, chat)
+    http.scope.setdefault("state", {})["mooncake_request"] = submitted  # its timeline: the access log's, its trace's
     # the other choices share the prompt's KV: they start once the first one's prefill is done
     reqs = [submitted] + [frontend.fork(submitted, _sampling(body, submitted.sampling.max_tokens, shape.grammar,
                                                                None if body.seed is None else (body.seed + i) % 2**64,

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from mooncake import protocol as P
 from mooncake.conductor.attempt import Attempt
+from mooncake.conductor.attempt_trace import AttemptTraces
+from mooncake.config_observability import ObservabilityConfig
 from mooncake.metrics import Metrics
 from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.predictions import Predictions
+from mooncake.tracing import role_tracer
 
 
 class AttemptMetrics:
-    def __init__(self, metrics: Metrics, model_name: str, predictions: Predictions) -> None:
+    def __init__(self, metrics: Metrics, model_name: str, predictions: Predictions,
+                 observability: ObservabilityConfig | None = None) -> None:
         self.metrics = metrics
+        self.traces = AttemptTraces(role_tracer(observability, "conductor") if observability else None)
         self.name = model_name
         self.predictions = predictions
         self.store_to_prefill, self.prefill_to_decode = (metrics.kv_bytes.labels(way) for way in
@@ -22,6 +27,7 @@ class AttemptMetrics:
     def prefilled(self, a: Attempt, msg: P.PrefillDone, node: Node, seconds: float) -> None:
         """An attempt's prefill is done on ``node``, ``seconds`` after it was placed."""
         self.predictions.ttft(node.node_id, a.plan.est_ttft_s, seconds)
+        self.traces.prefilled(a.wire_id, a.plan.est_ttft_s, seconds)
         if msg.fetched_blocks:
             self.store_to_prefill.inc(msg.fetched_blocks * node.info.moved_block_bytes)  # encoded, as they travel
 
@@ -33,6 +39,7 @@ class AttemptMetrics:
 
     def ended(self, a: Attempt, decoded: int, decode_s: float, now: float) -> None:
         """An attempt its frontend released after ``decoded`` tokens from decode in ``decode_s``."""
+        self.traces.ended(a.wire_id)
         if decoded > 0 and decode_s > 0:
             self.predictions.tbt(a.plan.decode.node_id, a.plan.est_tbt_s, decode_s / decoded)
 

@@ -64,7 +64,7 @@ class Conductor:
         self.leader_term = 0  # etcd's revision of its campaign key (roles/conductor.py), on all it orders; 0: no election
         self.metrics = metrics or Metrics(model_name)
         self.predictions = Predictions(self.metrics)
-        self.stats = AttemptMetrics(self.metrics, model_name, self.predictions)
+        self.stats = AttemptMetrics(self.metrics, model_name, self.predictions, cfg.observability)
         self.cluster = Cluster()
         self.index = KVIndex()
         self._refresh = [lambda: self.stats.kv_usage(self.cluster), lambda: self.metrics.index_blocks.set(len(self.index))]
@@ -93,7 +93,7 @@ class Conductor:
         r = self.router = Router(self.cfg.conductor.endpoint, self.cluster, self.curve, self._on_register,
                                  self.cfg.security.max_message_bytes or DEFAULT_MAX_MSG_BYTES, self.metrics, self.replicator.term)
         for msg_type, on in {P.Heartbeat: self._on_heartbeat, P.Leave: lambda n, m: self.membership.leave(n),
-                             P.BlockEvent: self.membership.block_event, P.Submit: self._on_submit,
+                             P.BlockEvent: self.membership.block_event, P.Submit: self.stats.traces.wrap(self._on_submit, self.attempts, self.cluster),
                              P.Release: self._on_release, P.Claims: self._on_claims}.items():
             r.on(msg_type, on)
         for msg_type, handler in self.p2p.handlers().items():

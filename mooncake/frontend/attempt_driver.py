@@ -79,7 +79,8 @@ class AttemptDriver:
         s, r, fallback = submit, route, not route.planned
         prefill = P.PrefillRequest(s.wire_id, s.tokens, s.hashes, s.root, s.sampling, r.decode.kv,
                                    num_generated=s.num_generated, fetch=r.fetch, store_endpoint=r.store_endpoint,
-                                   kv_token=r.kv_token, fallback=fallback, store_range=r.store_range)
+                                   kv_token=r.kv_token, fallback=fallback, store_range=r.store_range,
+                                   trace=s.trace)
         a = self.attempts[s.wire_id] = DrivenAttempt(s, r, time.monotonic())
         a.prefills = [(w.node_id, msgspec.structs.replace(prefill, stage=stage) if r.stages else prefill)
                       for w, stage in zip(r.prefills, r.stages or [None] * len(r.prefills))]
@@ -88,7 +89,7 @@ class AttemptDriver:
                                              store_endpoint=r.store_endpoint if r.decode_writes else "",
                                              kv_token=r.kv_token, store_from_block=r.store_from_block,
                                              reply_to=self.reply_to, fallback=fallback,
-                                             prefill_beside=r.prefill_beside))
+                                             prefill_beside=r.prefill_beside, trace=s.trace))
         return a
 
     def end(self, wire_id: str, abort: bool) -> DrivenAttempt | None:

@@ -28,6 +28,7 @@ from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, until_tick
+from mooncake.tracing import current_traceparent, role_tracer, span
 
 log = logging.getLogger(__name__)
 RETRY_NO_WORKERS_S = 0.25
@@ -58,6 +59,7 @@ class ConductorClient:
         self._released_at = 0.0  # when the last Release went (wall clock: its ticks)
         self._reported = asyncio.Event()  # set by a report: the release loop sleeps while there is none
         self.registered_at = -float("inf")  # when this frontend last registered with a conductor again
+        self.tracer = role_tracer(cfg.observability, "frontend")
         self.heard_at = time.monotonic()  # when the conductor last said anything
         self._tasks: list[asyncio.Task] = []
 
@@ -90,6 +92,15 @@ class ConductorClient:
         return time.monotonic() - self.heard_at > silent_s
 
     async def ask(self, msg: P.Submit) -> P.Admitted | P.Refused | None:
+        """``_ask``, in a ``frontend.plan`` span when the request is traced (the conductor's spans are its children)."""
+        if self.tracer is None or not msg.trace:
+            return await self._ask(msg)
+        with span(self.tracer, "frontend.plan", msg.trace, {"mooncake.request_id": msg.wire_id}) as s:
+            answer = await self._ask(msgspec.structs.replace(msg, trace=current_traceparent()))
+            s.set_attribute("mooncake.admitted", isinstance(answer, P.Admitted))
+            return answer
+
+    async def _ask(self, msg: P.Submit) -> P.Admitted | P.Refused | None:
         """The conductor's answer to ``msg`` (None: none within ``place_timeout_s``, or no
         conductor leads). A conductor this frontend has just registered with (a new leader, or a
         restart) that has no workers yet is asked again for up to ``dead_after_s`` after the

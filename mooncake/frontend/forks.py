@@ -21,7 +21,7 @@ class Forks:
         """Another choice of ``leader``'s prompt with its own ``sampling``."""
         leader.forks += 1
         req = Request(f"{leader.req_id}.{leader.forks}", list(leader.tokens), list(leader.hashes), leader.root,
-                      sampling, time.monotonic())
+                      sampling, time.monotonic(), trace=leader.trace)
         self.waiting[req.req_id] = req
         if leader.done or leader.first_token_at:
             self._start([req])

@@ -55,7 +55,7 @@ class Frontend:
         self.model_name = model_name
         self.node_id = node_id or cfg.node.node_id or f"{cfg.node.name}-frontend-{os.getpid()}"
         self.metrics = metrics or Metrics(model_name)
-        self.stats = RequestMetrics(self.metrics, model_name)
+        self.stats = RequestMetrics(self.metrics, model_name, cfg.observability)
         self.metrics.before_render.append(lambda: self.stats.gauges(self.requests.values(), len(self.forks.waiting)))
         self.requests: dict[str, Request] = {}
         self.attempts: dict[str, Request] = {}  # wire id -> the request whose current attempt it is
@@ -176,7 +176,7 @@ class Frontend:
         self.requests[req.req_id] = req
         msg = P.Submit(wire_id, self.node_id, req.all_tokens, req.all_hashes(self.facts.block_tokens), req.root,
                        req.sampling, len(req.generated), max(1e-3, due - time.monotonic()) if due < float("inf") else 0.0,
-                       choices > 1, in_flight, new_request=first and not admitted, choices=choices)
+                       choices > 1, in_flight, new_request=first and not admitted, choices=choices, trace=req.trace)
         answer = await self.conductor.ask(msg)
         if answer is None and self.conductor.leaderless and self.driver is not None and \
                 self.fallback.can_place(self.conductor.view.workers):
@@ -321,7 +321,7 @@ class Frontend:
         if req is None or req.status is not RequestStatus.PLACED:
             return
         first = req.prefilled(msg.first_token, msg.cached_tokens, now, msg.logprob)
-        self.stats.started(req, msg, now, first)
+        self.stats.started(req, msg, now, first, a.reserved_at)
         if first:  # its tenant's clock charged the whole prompt: what came from a cache cost little
             self.tenants.refund(req.sampling.tenant, msg.cached_tokens)
         self.forks.release(req)  # its prompt's blocks are on the prefill now

@@ -26,7 +26,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from mooncake.blocks import extend_chain, hash_blocks, root_hash
+from mooncake.frontend.timeline import Timeline
 from mooncake.protocol import FinishReason, Logprob, ModelFacts, Sampling
+from mooncake.tracing.context import current_traceparent
 
 
 class RequestStatus(enum.Enum):
@@ -117,6 +119,11 @@ class Request:
     finish_reason: FinishReason | None = None
     error: RequestError | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    trace: str | None = None  # the traceparent of its frontend span (``mooncake/tracing``): its attempts carry it
+    timeline: Timeline = field(init=False)  # where its time went (``timeline.py``)
+
+    def __post_init__(self) -> None:
+        self.timeline = Timeline(self.arrived)
 
     @classmethod
     def new(cls, tokens: list[int], sampling: Sampling, facts: ModelFacts, now: float, cache_salt: str = "",
@@ -125,7 +132,7 @@ class Request:
         ``client_id`` (the client's X-Request-Id) leads its id."""
         salt = cache_salt or None
         return cls(request_id(client_id), list(tokens), hash_blocks(tokens, facts.block_tokens, facts.model_id, salt),
-                   root_hash(facts.model_id, salt), sampling, now)
+                   root_hash(facts.model_id, salt), sampling, now, trace=current_traceparent())
 
     @property
     def wire_id(self) -> str:

@@ -10,14 +10,19 @@ from __future__ import annotations
 from typing import Any, Collection
 
 from mooncake import protocol as P
+from mooncake.config_observability import ObservabilityConfig
+from mooncake.frontend.recent_requests import RecentRequests
 from mooncake.frontend.request import Request, RequestStatus
 from mooncake.metrics import Metrics
+from mooncake.tracing import record_span, role_tracer
 
 Reason = P.FinishReason
 
 
 class RequestMetrics:
-    def __init__(self, metrics: Metrics, model_name: str) -> None:
+    def __init__(self, metrics: Metrics, model_name: str, observability: ObservabilityConfig | None = None) -> None:
+        self.recent = RecentRequests()  # finished requests' timelines (``GET /v1/requests/{id}``)
+        self.tracer = role_tracer(observability, "frontend") if observability else None
         # each series' child for the model, looked up once (a label lookup per token cost more than the count)
         m, n = metrics, model_name
         self.prompt_tokens, self.prefix_queries = m.prompt_tokens.labels(n), m.prefix_queries.labels(n)
@@ -40,8 +45,12 @@ class RequestMetrics:
         """A new request of ``sampling``'s tenant refused for ``reason`` (a Rejection's)."""
         self.metrics.tenant_requests.labels(sampling.tenant, f"refused_{reason}").inc()
 
-    def started(self, req: Request, msg: P.PrefillDone, now: float, first: bool) -> None:
-        """An attempt's first token (``first``: the request's first token)."""
+    def started(self, req: Request, msg: P.PrefillDone, now: float, first: bool, reserved_at: float = 0.0) -> None:
+        """An attempt's first token (``first``: the request's first token; ``reserved_at``: when its
+        decode had reserved)."""
+        placed = req.attempt.started if req.attempt else now
+        req.timeline.prefilled(placed, reserved_at or placed, now, msg.prefill_s, msg.fetch_s, msg.cached_tokens,
+                               msg.fetched_blocks, first)
         if first:
             self.prefix_hits.inc(msg.cached_tokens)
             queued = max(0.0, now - req.arrived - msg.prefill_s - msg.fetch_s)
@@ -55,6 +64,7 @@ class RequestMetrics:
     def tokens(self, req: Request, emitted: int, seconds: float) -> None:
         """``emitted`` tokens of ``req`` ``seconds`` after the last ones."""
         if emitted:
+            req.timeline.tokens(emitted, req.last_token_at)
             self.itl.observe(seconds / emitted)
             self._class(req).itl.observe(seconds / emitted)
             self.generation_tokens.inc(emitted)
@@ -62,6 +72,7 @@ class RequestMetrics:
 
     def moved(self, req: Request, preempted: bool) -> None:
         """A new attempt of ``req``: after a preemption, or a migration (its worker failed)."""
+        req.timeline.moved(preempted, req.last_progress)
         if preempted:
             self.metrics.preemptions.inc()
             self._class(req).preemptions.inc()
@@ -70,6 +81,14 @@ class RequestMetrics:
 
     def finished(self, req: Request, reason: P.FinishReason, now: float) -> None:
         self.e2e.observe(now - req.arrived)
+        req.timeline.finish(now)
+        self.recent.put(req.req_id, {"id": req.req_id, "finish_reason": reason.value,
+                                     "request_class": req.sampling.request_class, "prompt_tokens": len(req.tokens),
+                                     "completion_tokens": len(req.generated), **req.timeline.breakdown()})
+        if self.tracer is not None and req.trace and req.first_token_at:  # the SSE stream, from the first token
+            record_span(self.tracer, "frontend.stream", req.first_token_at, now, req.trace,
+                        {"mooncake.request_id": req.req_id, "mooncake.completion_tokens": len(req.generated),
+                         "mooncake.decode_steps": req.timeline.decode_steps, "mooncake.finish_reason": reason.value})
         self.ended[reason].inc()
         self._class(req).ended[reason].inc()
         self._tenant(req.sampling).ended[reason].inc()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -59,6 +60,8 @@ class Slot:
     next_index: int = 0  # index of the next token among the request's generated tokens
     stored: int = -1  # a pipeline group's prompt: blocks before this are written to the store (-1: not ours)
     reserved_at: float = 0.0  # time.monotonic() when its blocks were reserved
+    started_at: float = 0.0  # ... and when its decoding began (its KV in, its first token known)
+    preempted: bool = False  # given back for a later attempt (its KV pool was full)
     kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its KV messages land one batch at a time, in order
     # its KV messages received and waiting to land (with the next batch of its messages)
     inbox: list[tuple[P.KVTransfer | P.KVLayer, list[torch.Tensor]]] = field(default_factory=list)
@@ -204,6 +207,8 @@ class KVIngress:
         begin = (min(layers_in) >= len(slot.seq.block_table) and slot.first_token is not None
                  and not slot.started)
         slot.started |= begin
+        if begin:
+            slot.started_at = time.monotonic()
         self.landing += 1
         row = len(self.running) if len(self.running) < eng.max_batch else None  # its row at its first step
         try:

@@ -42,6 +42,7 @@ class Submit(Msg, tag="submit"):
     new_request: bool = False  # a request's first attempt: admission checks it against the cluster's limits
     n_tokens: int = 0  # len(tokens), what the conductor is told of them (set from ``tokens`` when 0)
     choices: int = 1  # a new request's choices (``n``): its forks are admitted with it, counted against the caps
+    trace: str | None = None  # the W3C traceparent of the span this work continues (``mooncake/tracing``); None: untraced
 
     def __post_init__(self) -> None:
         if not self.n_tokens:

@@ -85,6 +85,7 @@ class DecodeRequest(Msg, tag="decode_req"):
     reply_to: str = ""  # the owning frontend's token endpoint: tokens go there, not to the conductor ("")
     fallback: bool = False  # placed by its frontend while no conductor led: reconciliation leaves it alone
     prefill_beside: bool = False  # its prefill shares this decode's machine: flex work yields the cores to it
+    trace: str | None = None  # the W3C traceparent of the span this work continues (``mooncake/tracing``); None: untraced
 
 
 class Reserved(Msg, tag="reserved"):
@@ -123,6 +124,7 @@ class PrefillRequest(Msg, tag="prefill_req"):
     stage: StagePlan | None = None  # set when the request runs on a pipeline group
     fallback: bool = False  # as DecodeRequest's
     store_range: list[int] = []  # [lo, hi): the chain's blocks to write to the store (empty: those it computes)
+    trace: str | None = None  # the W3C traceparent of the span this work continues (``mooncake/tracing``); None: untraced
 
 
 class PrefillDone(Msg, tag="prefill_done"):

@@ -20,6 +20,7 @@ class Put(Msg, tag="put"):
     flex: bool = False  # a flex request's blocks (``sched/request_class.py``): evicted first
     keep_s: float = 0.0  # a session's request's blocks: kept this long (evicted last until then)
     tenant: str = ""  # who keeps them (``Sampling.tenant``): its kept blocks count against its quota
+    trace: str | None = None  # the W3C traceparent of the span this work continues (``mooncake/tracing``); None: untraced
 
 
 class Get(Msg, tag="get"):
@@ -27,6 +28,7 @@ class Get(Msg, tag="get"):
 
     hashes: list[bytes]
     prefix: bool = False
+    trace: str | None = None  # as Put's
 
 
 class GetLayers(Msg, tag="get_layers"):
@@ -36,6 +38,7 @@ class GetLayers(Msg, tag="get_layers"):
 
     hashes: list[bytes]
     layers_per_frame: int = 1
+    trace: str | None = None  # as Put's
 
 
 class LayerSlices(Msg, tag="layer_slices"):
@@ -132,6 +135,7 @@ class ShmPut(Msg, tag="shm_put"):
     flex: bool = False  # as Put's
     keep_s: float = 0.0  # as Put's
     tenant: str = ""  # as Put's
+    trace: str | None = None  # as Put's
 
 
 class ShmGet(Msg, tag="shm_get"):
@@ -141,6 +145,7 @@ class ShmGet(Msg, tag="shm_get"):
     segment: str
     size: int
     prefix: bool = False
+    trace: str | None = None  # as Put's
 
 
 class ShmBlocks(Msg, tag="shm_blocks"):

@@ -48,6 +48,7 @@ from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.sched.colocated_budget import StepBudget
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
 from mooncake.sched.request_class import FLEX_RANK, flex_allowance_s, rank, tbt_target_ms, tightest_target_ms, urgency
+from mooncake.tracing import span
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class ColocatedWorker(DecodeWorker):
     async def _maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.seq.prefilled or slot.started:
             return
-        slot.started = True  # its first token is in the sequence already (the prefill sampled it)
+        slot.started, slot.started_at = True, time.monotonic()  # its first token is in the sequence (the prefill sampled it)
         self._join(slot)
 
     # ------------------------------------------------------------ prefill, one chunk per step
@@ -134,7 +135,9 @@ class ColocatedWorker(DecodeWorker):
             return  # dropped meanwhile, or a duplicate order
         self.prefilling.add(req.req_id)
         try:
-            await self._compute(req, slot)
+            with span(self.tracer if req.trace else None, "colocated.prefill", req.trace, {
+                    "mooncake.request_id": req.req_id, "mooncake.prompt_tokens": len(req.tokens)}):
+                await self._compute(req, slot)
         except _Gone:
             log.debug("prefill of %s stopped: the request left", req.req_id)
         except Exception as e:  # report, never die

@@ -33,6 +33,7 @@ from mooncake.engine import Sequence
 from mooncake.engine.errors import InvalidRequestError
 from mooncake.engine.sequence import StepOutput
 from mooncake.kv.ingress import KVIngress, Slot
+from mooncake.roles.slot_trace import trace_slot
 from mooncake.roles.token_outlets import TokenOutlets
 from mooncake.roles.worker import EngineWorker
 from mooncake.sched.cost_model import DecodeCostModel
@@ -152,9 +153,8 @@ class DecodeWorker(EngineWorker):
                         continue
                     return
                 self._unqueue(msg)  # a more urgent one may have been queued ahead of it meanwhile
-                self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0],
-                                                 next_index=msg.num_generated + 1, stored=msg.store_from_block,
-                                                 reserved_at=time.monotonic())
+                self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0], next_index=msg.num_generated + 1,
+                                                 stored=msg.store_from_block, reserved_at=time.monotonic())
                 await self.send(P.Reserved(msg.req_id, self.node_id))
 
     def _may_reserve(self, msg: P.DecodeRequest) -> bool:
@@ -181,7 +181,7 @@ class DecodeWorker(EngineWorker):
     async def _maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.kv_complete or slot.started:
             return
-        slot.started = True
+        slot.started, slot.started_at = True, time.monotonic()
         await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
         self._join(slot)
 
@@ -317,9 +317,9 @@ class DecodeWorker(EngineWorker):
         return True
 
     async def _preempt(self, victim: Slot) -> None:
-        """Give a sequence back to its frontend for a later attempt: what it generated goes to
-        the store (it resumes from there), its blocks are freed."""
+        """Give a sequence back to its frontend for a later attempt (it resumes from what it wrote to the store)."""
         log.info("KV pool full: preempting %s", victim.msg.req_id)
+        victim.preempted = True
         if victim.msg.req_id in self.running:
             self.running.pop(victim.msg.req_id)
             await self._retire(victim, write=True)
@@ -331,6 +331,7 @@ class DecodeWorker(EngineWorker):
     async def _retire(self, slot: Slot, write: bool) -> None:
         """Free a sequence; with ``write`` its blocks holding generated tokens go to the store."""
         seq = slot.seq
+        trace_slot(self.tracer, self.role, slot, slot.preempted)  # its spans, if its request is traced
         first_new = len(slot.msg.tokens) // self.engine.block_tokens
         hashes = list(seq.block_hashes)
         if write and slot.msg.store_endpoint and len(hashes) > first_new:

@@ -42,6 +42,7 @@ from mooncake.roles.prefill_stage import ActivationInbox, run_stage
 from mooncake.sched.request_class import FLEX_RANK, rank, tenant_urgency
 from mooncake.sockets import recv_multipart
 from mooncake.roles.worker import EngineWorker
+from mooncake.tracing import record_span, span
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class PrefillWorker(EngineWorker):
                                    self.rejections, self.chunks.chunk)
         self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
         self._act_sock: zmq.asyncio.Socket | None = None
+        self._arrived: dict[str, float] = {}  # traced requests queued: when they came (their span's queue wait)
 
     async def start(self) -> None:
         if self.engine.prefix_caching:
@@ -104,6 +106,8 @@ class PrefillWorker(EngineWorker):
         if isinstance(msg, P.PrefillRequest):
             self.aborted.discard(msg.req_id)
             self.queued.add(msg.req_id)
+            if msg.trace and self.tracer is not None and len(self._arrived) < 4096:
+                self._arrived[msg.req_id] = time.monotonic()
             self.queues[rank(msg.sampling) == FLEX_RANK].put_nowait(msg)
         elif isinstance(msg, P.Abort):
             if msg.req_id in self.running or msg.req_id in self.queued:
@@ -134,7 +138,12 @@ class PrefillWorker(EngineWorker):
         key = tenant_urgency(req.sampling)
         ENGINE_URGENCY.set(key)  # this task's engine calls (and its tasks') go by its class, priority, fair order
         try:
-            with self._pool.expecting(key):  # its calls come first, one after another
+            arrived = self._arrived.pop(req.req_id, None)
+            with self._pool.expecting(key), span(self.tracer if arrived else None, "prefill.request", req.trace, {
+                    "mooncake.request_id": req.req_id, "mooncake.request_class": req.sampling.request_class,
+                    "mooncake.prompt_tokens": len(req.tokens)}):
+                if arrived:
+                    record_span(self.tracer, "prefill.queue_wait", arrived, time.monotonic())
                 await self._prefill(req)
         except Exception as e:  # report, never die
             if req.req_id in self.aborted:
@@ -176,7 +185,10 @@ class PrefillWorker(EngineWorker):
         eng = self.engine
         kv = PrefillKV(req, hashes, eng, self.loader, self.egress.ship, self.stores, self.layer_frame_blocks(),
                        self.cfg.engine.kv_load == "layer")
-        fetched, fetch_s = await kv.start_load(have)
+        with span(self.tracer if req.trace else None, "prefill.prefix_load", attrs={"mooncake.device_blocks": have}) as s:
+            fetched, fetch_s = await kv.start_load(have)
+            if s is not None:
+                s.set_attribute("mooncake.store_blocks", fetched)
         try:
             while True:
                 releases = self._releases
@@ -234,7 +246,11 @@ class PrefillWorker(EngineWorker):
                 sent += loading
                 loading = 0
             else:
+                t_chunk = time.monotonic()
                 step = await self.chunks.chunk(seq, on_layer)
+                if req.trace and self.tracer is not None:
+                    record_span(self.tracer, "prefill.chunk", t_chunk, time.monotonic(),
+                                attrs={"mooncake.computed_tokens": seq.num_computed, "mooncake.compute_s": step.compute_s})
             compute_s += step.compute_s
             self.progress += 1
             if req.req_id in self.aborted:
@@ -262,7 +278,7 @@ class PrefillWorker(EngineWorker):
                 await kv.save_blocks(sent, None)
         await kv.save_to_store(written, len(kv.hashes))
         if finished is None:
-            with self._pool.waiting_on_others():
+            with self._pool.waiting_on_others(), span(self.tracer if req.trace else None, "prefill.kv_ship"):
                 await kv.wait_for_save()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)

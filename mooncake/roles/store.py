@@ -36,6 +36,7 @@ from mooncake.p2p.service import P2PService
 from mooncake.security import Curve, check_network, role_endpoints
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.tiers.dir_lock import DirLocked
+from mooncake.tracing import role_tracer
 from mooncake.tiers.server import StoreServer
 from mooncake.tiers.tiered import TieredStore
 from mooncake.tiers.write_budget import WriteBudget
@@ -68,6 +69,7 @@ async def run_store(cfg: Config) -> None:
                          node_id=node_id, curve=curve, max_message_bytes=max_message_bytes)
     budget = int(cfg.classes.store_write_share_per_key * store.placement.capacity_bytes)
     server.requests.budget = WriteBudget(budget)  # bytes one API key may write per minute
+    server.requests.tracer = role_tracer(cfg.observability, "store")  # None: no tracing
     endpoint = await server.start()
     p2p_port = cfg.node.p2p_port
     root = p2p_root(cfg)

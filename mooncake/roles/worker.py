@@ -33,6 +33,7 @@ from mooncake.roles.orders import Orders
 from mooncake.roles.torch_threads import build_on_engine_thread
 from mooncake.p2p.client import fetch_model
 from mooncake.security import Curve, check_network, role_endpoints
+from mooncake.tracing import role_tracer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,6 +88,7 @@ class EngineWorker(ABC):
         self.link: ConductorLink | None = None
         self.orders: Orders | None = None
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
+        self.tracer = role_tracer(cfg.observability, self.role)  # None: no tracing (``mooncake/tracing``)
         stall = os.environ.get(STALL_ENV, "")
         self._stall_after = int(stall) if stall.isdigit() else -1
 

@@ -35,6 +35,7 @@ import zmq.asyncio
 from mooncake.security import Curve
 from mooncake.kv.integrity import verified_prefix
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart
+from mooncake.tracing.context import current_traceparent
 
 from ..blocks import BlockHash
 from ..protocol import (Blocks, Error, Exists, Get, GetLayers, Keep, LayerSlices, Msg, Ok, ProtocolError, Put, Remove,
@@ -180,7 +181,8 @@ class StoreClient:
         try:
             refs = seg.write_blocks(blocks)
             try:
-                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s, tenant))).count
+                return (await self._ok(ShmPut(hashes, seg.name, refs, model_id, sums, flex, keep_s, tenant,
+                                                          current_traceparent()))).count
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -197,7 +199,7 @@ class StoreClient:
             return None
         try:
             try:
-                reply, frames = await self._call(ShmGet(hashes, seg.name, seg.size, prefix))
+                reply, frames = await self._call(ShmGet(hashes, seg.name, seg.size, prefix, current_traceparent()))
             except StoreError as e:
                 if self._shm_failed(e):
                     return None
@@ -249,7 +251,7 @@ class StoreClient:
             n = await self._shm_put(hs, ts, model_id, list(checksums), flex, keep_s, tenant)
             if n is not None:
                 return n
-        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s, tenant),
+        return (await self._ok(Put(hs, [], model_id, list(checksums), flex, keep_s, tenant, current_traceparent()),
                                [t.detach() for t in ts], lane="puts")).count
 
     async def get(self, hashes: Sequence[BlockHash], prefix: bool = True) -> tuple[list[BlockHash], list[torch.Tensor]]:
@@ -261,7 +263,7 @@ class StoreClient:
             got = await self._shm_get(hs, prefix)
             if got is not None:
                 return got
-        reply, tensors = await self._call(Get(hs, prefix))
+        reply, tensors = await self._call(Get(hs, prefix, current_traceparent()))
         if not isinstance(reply, Blocks):
             raise StoreError(f"unexpected reply {type(reply).__name__}", "bad_reply")
         return self._verified(reply.hashes, tensors, reply.checksums)
@@ -277,7 +279,7 @@ class StoreClient:
         replies: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = replies
         try:
-            await sock.send_multipart([rid, *encode(GetLayers([bytes(h) for h in hashes], layers_per_frame))],
+            await sock.send_multipart([rid, *encode(GetLayers([bytes(h) for h in hashes], layers_per_frame, current_traceparent()))],
                                       copy=False)
             while True:
                 try:

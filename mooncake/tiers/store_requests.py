@@ -24,6 +24,7 @@ from ..security import Curve
 from .base import StoredBlock
 from .client import StoreClient, StoreError
 from .shm import SegmentCache, aligned
+from .store_trace import traced_request
 from .tiered import TieredStore
 from .write_budget import WriteBudget
 
@@ -48,6 +49,7 @@ class StoreRequests:
         self._peers: dict[str, StoreClient] = {}
         self._stream_fault = os.environ.get(STREAM_FAULT_ENV, "")
         self.budget = WriteBudget(0)  # what each tenant may write per minute (the store role sets it)
+        self.tracer: Any = None  # the store role's tracer ([observability]): traced requests get a span
 
     def close(self) -> None:
         """Close the replication clients, wait for the worker threads, unmap the segments."""
@@ -61,7 +63,13 @@ class StoreRequests:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def handle(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
-        """The reply (encoded frames) to one request."""
+        """The reply (encoded frames) to one request (in a span when it carries a trace: ``store_trace.py``)."""
+        trace = getattr(msg, "trace", None) if self.tracer is not None else None
+        if trace:
+            return await traced_request(self.tracer, self.store, msg, tensors, trace, self._handle)
+        return await self._handle(msg, tensors)
+
+    async def _handle(self, msg: Msg, tensors: list[torch.Tensor]) -> list:
         s = self.store
         if isinstance(msg, Put):
             if len(msg.hashes) != len(tensors):
