@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_e2e import TRACE
+from bench_e2e import TRACE, start_local
 from one_request import fresh_prompt, stream_one
 from mooncake.bench import BenchConfig, TraceScaling, run_benchmark
 from mooncake.config import Config
@@ -42,13 +42,7 @@ def start(traced_to: str) -> LocalCluster:
     cfg.frontend.port = free_port()
     cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-tracing-")
     cfg.observability.otlp_endpoint = traced_to
-    cluster = LocalCluster(cfg, prefill=0, decode=0, store=1, colocated=1)
-    try:
-        cluster.start(timeout_s=300)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    return start_local(cfg, prefill=0, decode=0, colocated=1)
 
 
 async def batch1(url: str, reps: int, tokens: int, prompt_tokens: int, seed: int) -> dict:
