@@ -124,6 +124,10 @@ class Metrics:
             "mooncake:prediction_ratio", "Realized over predicted time (kind: ttft per prefill instance, tbt per "
             "decode instance).", ["kind", "instance"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4),
             registry=r)
+        self.ttft_prediction_ratio = Histogram(
+            "mooncake:ttft_prediction_ratio", "Measured over predicted time to first token of each admitted attempt "
+            "(from its placement to its prefill's report), cluster-wide.",
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4), registry=r)
         self.admission_probes = Counter("mooncake:admission_probes", "Requests admitted against an SLO prediction "
                                         "to re-measure, after rejecting all for a while.", registry=r)
         self.admission_flips = Counter("mooncake:admission_flips", "Admission decisions that differ from the one "

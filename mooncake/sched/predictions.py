@@ -9,8 +9,6 @@ import statistics
 from collections import deque
 from typing import Any
 
-from prometheus_client import Histogram
-
 from mooncake.metrics import Metrics
 
 WINDOW = 1000  # recent predictions kept for the summary
@@ -22,9 +20,7 @@ class Predictions:
         self.errors: dict[str, deque[float]] = {"ttft": deque(maxlen=WINDOW), "tbt": deque(maxlen=WINDOW)}
         self._ratios: dict[tuple[str, str], Any] = {}  # (kind, instance) -> its histogram (looked up once)
         # every admitted attempt's measured over predicted TTFT, cluster-wide (the cost models' drift at a glance)
-        self.ttft_ratio = Histogram("mooncake:ttft_prediction_ratio", "Measured over predicted time to first token of "
-                                    "each admitted attempt (from its placement to its prefill's report).",
-                                    buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4), registry=metrics.registry)
+        self.ttft_ratio = metrics.ttft_prediction_ratio
 
     def ttft(self, instance: str, predicted_s: float, actual_s: float) -> None:
         self._record("ttft", instance, predicted_s, actual_s)
