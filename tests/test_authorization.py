@@ -28,7 +28,7 @@ EXPECTED = ExpectedModel("m@0123456789abcdef", None, 16, SHAPE)
 
 
 def membership(keys_required: bool = True) -> Membership:
-    return Membership(Config().conductor, Cluster(), KVIndex(), Metrics(), lambda n, why: None, {},
+    return Membership(Config().liveness, Cluster(), KVIndex(), Metrics(), lambda n, why: None, {},
                       Adoption(0.0), EXPECTED, keys_required)
 
 
