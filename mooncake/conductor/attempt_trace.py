@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mooncake import protocol as P
 from mooncake.tracing import record_span
 from mooncake.tracing.context import context_of
+from mooncake.tracing.spans import mono_ns
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -54,8 +55,6 @@ class AttemptTraces:
                           "mooncake.predicted_tbt_s": plan.est_tbt_s, "mooncake.predicted_queue_s": plan.queue_s,
                           "mooncake.predicted_reserve_wait_s": plan.reserve_wait_s,
                           "mooncake.reusable_blocks": plan.reusable_blocks, "mooncake.decode_batch": plan.decode_batch})
-        from mooncake.tracing.spans import mono_ns
-
         root = self.tracer.start_span("conductor.attempt", context=context_of(msg.trace), attributes=attrs,
                                       start_time=mono_ns(t0))
         record_span(self.tracer, "conductor.admit_place", t0, t1, root, {"mooncake.admitted": a is not None})

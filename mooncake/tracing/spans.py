@@ -9,6 +9,8 @@ import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, ContextManager, Mapping
 
+from opentelemetry import trace
+
 from mooncake.tracing.context import context_of
 
 if TYPE_CHECKING:
@@ -39,8 +41,6 @@ def record_span(tracer: "Tracer | None", name: str, start: float, end: float, pa
     traceparent or a span; None: of the current span); ``events``: (name, instant) pairs."""
     if tracer is None:
         return None
-    from opentelemetry import trace
-
     ctx = trace.set_span_in_context(parent) if parent is not None and not isinstance(parent, str) else \
         context_of(parent)
     s = tracer.start_span(name, context=ctx, attributes=attrs, start_time=mono_ns(start))
