@@ -56,10 +56,21 @@ class EngineConfig(Section):
     threads: int = Field(0, ge=0, description="torch CPU threads; 0: torch's default.")
     native_kernels: bool = Field(True, description="The engine's own C kernels, built when the package is installed (else with the system C compiler on first use), used where the CPU has AVX-512 VNNI: int8 and int4 decode at small batch (quantization = \"int8\" or \"int4\", or \"auto\" where it picks one), and for Llama-style models every decode step's attention (with rotary and KV write), RMSNorm + residual add and SiLU gate; off, or where they cannot be built: torch's ops.")
     int4_activations: Literal["int8", "float"] = Field("float", description="How int4 weights (quantization = \"int4\", or \"auto\" on a Q4_1 or Q4_0 GGUF) meet the activations at small batch in the engine's kernels: float (each group unpacked to float32 and summed in float32: the float reference's results to float32 accuracy) or int8 (experimental: the activations rounded to int8 per block of 32 with a scale each and multiplied with the weights' nibbles by integer dot products, AVX-512 VNNI, as llama.cpp does; a projection's outputs within 1% (relative norm) of the float reference's, each row the same in any batch; 1.4-2.5x faster per projection, not yet faster per decode step on the bundled model).")
+    speculative: Literal["off", "ngram"] = Field("off", description="Speculative decoding on decode and colocated instances: ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the output's last few tokens, in the prompt or the output, are verified in the decode step's one forward; each step outputs every draft the model would have chosen, and one more) or off. Output is identical to decoding without it (greedy and seeded alike). Only decode batches whose sequences and drafts fit in 7 rows (one forward on the engine's int8/int4 kernels) speculate, and only where each row's result cannot depend on the row count (the engine's decode kernels and quantized projections; elsewhere it stays off, with a warning). Per request: \"speculative\": false opts out.")
+    num_speculative_tokens: int = Field(6, ge=1, le=16, description="Draft tokens a sequence feeds per decode step at most (speculative = \"ngram\"); each sequence drafts one more than its last step accepted, up to this, and the batch shares the rows of one forward.")
+    speculative_ngram_min: int = Field(2, ge=1, le=16, description="The shortest suffix of a sequence that is looked up for drafts (speculative = \"ngram\").")
+    speculative_ngram_max: int = Field(4, ge=1, le=16, description="The longest suffix looked up first (speculative = \"ngram\"); at least speculative_ngram_min.")
     prefix_caching: bool = Field(True, description="Reuse cached KV of a prompt's prefix (off: every prompt is computed in full; a baseline).")
     profile_at_start: bool = Field(True, description="Time a few prefill sizes / decode batches at start-up and register them: the conductor's cost models start from this machine's numbers.")
     kv_load: Literal["layer", "block"] = Field("layer", description="How a prefill loads a cached prefix from a store: layer (the store streams it layer by layer and the forward of the new tokens starts at once, each layer waiting only for its own past KV; checksums verified over the streamed slices) or block (fetch every block whole, then compute). Pipeline stages always load block-wise.")
     kv_transfer: Literal["layer", "block"] = Field("block", description="How a prefill ships new KV to decode: block (a chunk's blocks leave after all its layers; concurrent requests' chunks are packed into one forward) or layer (each layer's KV of a chunk leaves as soon as that layer is computed, so little is in flight when prefill ends; chunks are then computed one sequence at a time).")
+
+    @model_validator(mode="after")
+    def _ngram_sizes(self) -> "EngineConfig":
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(f"[engine] speculative_ngram_max ({self.speculative_ngram_max}) is below "
+                             f"speculative_ngram_min ({self.speculative_ngram_min})")
+        return self
 
 
 class StoreConfig(Section):

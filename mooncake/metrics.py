@@ -178,6 +178,13 @@ class Metrics:
         self.stale_term_refused = Counter("mooncake:stale_term_refused", "Conductor messages a node refused for "
                                           "a leadership term older than the newest it saw (a stale leader's), per "
                                           "node and message type.", ["node", "message"], registry=r)
+        self.speculative = {name: Counter(f"mooncake:spec_decode_{name}", text, ["node"], registry=r) for name, text in (
+            ("verify_steps", "Decode steps that verified speculative drafts ([engine] speculative), per node."),
+            ("draft_tokens", "Draft tokens fed to verify steps, per node."),
+            ("accepted_tokens", "Draft tokens accepted (the model picked them too), per node: over draft_tokens, "
+                                "the acceptance rate."),
+            ("emitted_tokens", "Tokens verify steps output (accepted drafts and one more per sequence), per node: "
+                               "over verify_steps, the tokens per step."))}
         # by tenant, as the nodes report them (an API key's id, never the key; "" without keys)
         self.tenant_kept_blocks = Gauge("mooncake:tenant_kept_blocks", "Blocks a tenant's sessions keep, per node "
                                         "(an engine's prefix cache, a store's tiers).", ["node", "tenant"], registry=r)

@@ -165,3 +165,23 @@ def test_silu_mul_matches_torch(dtype):
     assert torch.equal(KERNELS.silu_mul(gu[1:2].clone())[0], KERNELS.silu_mul(gu)[1])
     with pytest.raises(ValueError, match="cannot take"):
         KERNELS.silu_mul(gu[:, :100].contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_sharing_a_workspace_row_match_one_token_steps_bitwise(dtype):
+    """A speculative verify: a sequence's tokens at consecutive positions, each on its sequence's
+    workspace row (``ws_rows``), beside another sequence's one token, give bitwise what one-token
+    steps give one after another: every key stored before any row attends, each up to its own position."""
+    H, Hkv, D = 9, 3, 64
+    qkv, kv, cos, sin = case(dtype, 5, H, Hkv, D, 64, seed=3)
+    pos = torch.tensor([20, 21, 22, 40, 23], dtype=torch.int64)
+    rows = torch.tensor([0, 0, 0, 1, 0], dtype=torch.int64)
+    steps, want = kv.clone(), []
+    for b in range(5):
+        r = int(rows[b])
+        one = steps[:, r:r + 1]  # a view: the step writes its key into the row
+        want.append(KERNELS.attention(qkv[b:b + 1], cos, sin, one, pos[b:b + 1], H, None, D ** -0.5))
+    got = KERNELS.attention(qkv, cos, sin, kv, pos, H, None, D ** -0.5, ws_rows=rows)
+    assert torch.equal(got, torch.cat(want)) and torch.equal(kv, steps)
+    with pytest.raises(ValueError, match="workspace rows"):
+        KERNELS.attention(qkv, cos, sin, kv, pos, H, None, D ** -0.5, ws_rows=torch.tensor([0, 0, 0, 9, 0]))

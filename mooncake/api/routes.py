@@ -147,7 +147,7 @@ def _sampling(body: _Sampling, max_tokens: int, grammar: str, seed: int | None, 
                       min_tokens=body.min_tokens, min_p=body.min_p, presence_penalty=body.presence_penalty,
                       frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                       logit_bias=dict(body.logit_bias or {}), logprobs=body.logprobs_wanted(), grammar=grammar,
-                      **classing)
+                      speculative=body.speculative, **classing)
 
 
 def _classing(frontend: Frontend, http: HTTPRequest, body: _Sampling, n_tokens: int) -> dict:

@@ -6,7 +6,7 @@ import json
 from typing import Any, ClassVar, Literal, Union
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from mooncake.api.errors import APIError
 
@@ -94,6 +94,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # extension (vLLM)
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
     min_tokens: int = Field(0, ge=0, le=1_000_000)  # extension (vLLM)
+    speculative: StrictBool = True  # extension: false never decodes this request speculatively
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # the request's class

@@ -148,6 +148,9 @@ class Membership:
             m.of_node(m.running, node.node_id).set(load.running)
             m.of_node(m.waiting, node.node_id).set(load.waiting)
             m.report(m.writes_dropped, node.node_id, (), load.writes_dropped)
+        for name, total in load.speculative.items():
+            if name in m.speculative:
+                m.report(m.speculative[name], node.node_id, (), total)
         for segment, count in load.evicted.items():
             m.report(m.device_evictions, node.node_id, (segment,), count)
         for reason, count in load.kv_rejected.items():

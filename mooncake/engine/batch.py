@@ -27,3 +27,5 @@ class Batch:
     col0: int = 0  # B == 1: key position of the first new token
     rows: list[tuple[int, int, list[int]]] | None = None  # decode: (seq uid, past length, past blocks)
     packed: bool = False  # B == 1 holding several sequences' chunks side by side (block-diagonal mask)
+    ws_rows: torch.Tensor | None = None  # speculative verify: [B] the decode workspace row of each new token
+    row_tokens: list[int] | None = None  # speculative verify: new tokens per workspace row (``rows``)

@@ -1,4 +1,4 @@
-"""Forward-call descriptions (``Batch``) for a prefill chunk and a batched decode step."""
+"""Forward-call descriptions (``Batch``) for a prefill chunk, a batched decode step and a speculative verify."""
 
 from __future__ import annotations
 
@@ -88,3 +88,27 @@ def decode_batch(seqs: list[Sequence], T: int, device: torch.device) -> Batch:
         slot_offset=tensor([c % T for c in ctx]),
         mask=mask, causal=False, logit_rows=torch.arange(B, device=device), col0=ctx[0],
         rows=[(s.uid, c, r) for s, c, r in zip(seqs, ctx, rows)])
+
+
+def verify_batch(seqs: list[Sequence], drafts: list[list[int]], T: int, device: torch.device) -> Batch:
+    """A decode step whose sequences also feed their draft tokens (``drafts[i]`` after ``seqs[i]``'s
+    last token, at the next positions; their blocks are allocated): one row per new token, each on
+    its sequence's decode workspace row, with logits for every row (``speculative.py``)."""
+    tensor = _tensorizer(device)
+    ids: list[int] = []
+    pos: list[int] = []
+    ws_rows: list[int] = []
+    for r, (s, d) in enumerate(zip(seqs, drafts)):
+        ids += [s.tokens[-1], *d]
+        pos += range(s.num_computed, s.num_computed + 1 + len(d))
+        ws_rows += [r] * (1 + len(d))
+    cols = tensor(pos)
+    N = len(ids)
+    return Batch(
+        ids=tensor(ids), positions=cols, B=N, S=1, past_table=None, key_len=max(pos) + 1,
+        row=tensor(ws_rows), col=cols,
+        slot_block=tensor([s.block_table[p // T] for s, p in zip((seqs[r] for r in ws_rows), pos)]),
+        slot_offset=tensor([p % T for p in pos]), mask=None, causal=False,
+        logit_rows=torch.arange(N, device=device), col0=pos[0],
+        rows=[(s.uid, s.num_computed, s.block_table[: -(-s.num_computed // T)]) for s in seqs],
+        ws_rows=tensor(ws_rows), row_tokens=[1 + len(d) for d in drafts])

@@ -26,6 +26,7 @@ from mooncake.engine.loading.loader import LoadedModel
 from mooncake.engine.request_checks import check_request
 from mooncake.engine.sampler import sequence_seed
 from mooncake.engine.sequence import PrefillStep, Sequence, StepOutput
+from mooncake.engine.speculative import speculation_for
 from mooncake.engine.token_picker import TokenPicker
 from mooncake.kv.codec import KVCodec
 from mooncake.kv.layers import ChunkLayers, LayerFn, LayerHooks
@@ -70,6 +71,8 @@ class Engine:
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.prefix_caching = cfg.prefix_caching
         self.max_batch = cfg.max_batch
+        self.speculation = speculation_for(cfg, self.model, self.pool, self.blocks, self.picker, self.register_full,
+                                           self.max_model_len)  # None: off
         self._num_seqs = 0
         self._uids = itertools.count(1)
 
@@ -292,6 +295,9 @@ class Engine:
                     continue
                 s.block_table.extend(got)
             ready.append(s)
+        verified = self.speculation.step(seqs, ready, out) if self.speculation is not None and ready else None
+        if verified is not None:
+            return verified
         for i in range(0, len(ready), self.max_batch):
             part = ready[i: i + self.max_batch]
             logits = self.model.forward(self.pool, decode_batch(part, self.block_tokens, self.device))
@@ -322,7 +328,8 @@ class Engine:
         """cached_blocks: unreferenced, evictable cached blocks (flex_cached_blocks of them held only
         by flex requests, session_cached_blocks kept for a session now); used_blocks: referenced ones (free + cached + used == num_blocks);
         prefix_blocks: all keyed blocks; evicted_blocks: cached blocks evicted, by segment; kept_by_tenant: blocks
-        kept per tenant (those in use that a session keeps once released too). Read-only: it
+        kept per tenant (those in use that a session keeps once released too); speculative: speculative decoding's
+        totals (``speculative.SpeculativeCounts``; empty when off). Read-only: it
         runs on the event loop while the engine thread changes the blocks (sessions expire on the
         engine thread, as blocks are allocated)."""
         return {"num_blocks": self.num_blocks, "free_blocks": len(self.blocks.free),
@@ -330,4 +337,5 @@ class Engine:
                 "session_cached_blocks": len(self.blocks.session_lru),
                 "used_blocks": self.blocks.num_referenced(), "prefix_blocks": len(self.blocks.cached),
                 "sequences": self._num_seqs, "evicted_blocks": dict(self.blocks.evicted),
-                "kept_by_tenant": self.blocks.keepers.counts()}
+                "kept_by_tenant": self.blocks.keepers.counts(),
+                "speculative": self.speculation.drafter.counts.as_dict() if self.speculation is not None else {}}

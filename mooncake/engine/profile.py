@@ -147,7 +147,7 @@ def profile_engine(engine: Engine, prefill_sizes: tuple[int, ...] = PREFILL_SIZE
     t_start = time.perf_counter()
     T = engine.block_tokens
     salt = "mooncake-profile-" + uuid.uuid4().hex
-    sampling = Sampling(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
+    sampling = Sampling(max_tokens=1 << 30, temperature=0.0, ignore_eos=True, speculative=False)  # plain steps
     free = len(engine.blocks.free)  # every measurement gives back what it took: each may use all
     limit = min(engine.max_model_len - 1, free * T)
     sizes = sorted({min(n, limit) for n in prefill_sizes if n > 0} - {0})

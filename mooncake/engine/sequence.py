@@ -38,6 +38,7 @@ class Sequence:
     uid: int = 0  # unique per engine: identifies the sequence in the decode workspace
     freed: bool = False
     matcher: Any = None  # the grammar's matcher when the output is constrained
+    ngrams: Any = None  # speculative decoding's index of its n-grams (``speculative.NgramIndex``), once it drafts
 
     @property
     def num_tokens(self) -> int:
@@ -61,3 +62,15 @@ class StepOutput:
     token: int | None  # None: no block for this step (sequence intact) or already finished
     finished: str = ""
     logprob: Logprob | None = None  # the token's, when asked for
+    more: list[int] = field(default_factory=list)  # speculative decoding: the tokens accepted after ``token``
+    more_logprobs: list[Logprob | None] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token this step output for the sequence, in order."""
+        return [] if self.token is None else [self.token, *self.more]
+
+    @property
+    def logprobs(self) -> list[Logprob]:
+        """Their logprobs, when asked for."""
+        return [lp for lp in (self.logprob, *self.more_logprobs) if lp is not None]

@@ -42,14 +42,18 @@ class TokenPicker:
             return None
         return self.grammars.matcher(sampling.grammar, tokens[len(tokens) - num_generated:])
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-        """One token per row of ``logits`` (row i: ``seqs[i]``)."""
-        rows = []
-        for s in seqs:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Sampled:
+        """One token per row of ``logits`` (row i: ``seqs[i]``). With ``drafts`` (a speculative verify),
+        ``seqs[i]`` has a row after its last token, then one after each of its drafts in turn: each
+        row as the sequence would be sampled with the drafts before it appended (none constrained)."""
+        rows, matchers = [], []
+        for i, s in enumerate(seqs):
             sp = s.sampling
-            banned = (list(self.eos_token_ids) + sp.stop_token_ids) if s.num_generated < sp.min_tokens else ()
-            rows.append(Row(sp, s.seed, s.tokens, s.num_generated, banned))
-        matchers = [s.matcher for s in seqs]
+            for j in range(1 + (len(drafts[i]) if drafts else 0)):
+                n = s.num_generated + j
+                banned = (list(self.eos_token_ids) + sp.stop_token_ids) if n < sp.min_tokens else ()
+                rows.append(Row(sp, s.seed, s.tokens + drafts[i][:j] if j else s.tokens, n, banned))
+                matchers.append(s.matcher if j == 0 else None)
         mask = self.grammars.mask(matchers) if any(m is not None for m in matchers) else None
         return sample(logits, rows, mask)
 

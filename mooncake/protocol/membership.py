@@ -86,6 +86,7 @@ class Load(msgspec.Struct):
     writes_dropped: int = 0  # worker: write-backs dropped since start (too many in flight)
     evicted: dict[str, int] = {}  # engine: device-cache blocks evicted since start, by class ("flex", "other", "session")
     kept_blocks: int = 0  # engine: of its cached blocks, those a session keeps
+    speculative: dict[str, int] = {}  # engine: speculative decoding's totals since start (``SpeculativeCounts``)
     kept_by_tenant: dict[str, int] = {}  # engine, store: blocks kept per tenant (its id; "" without API keys), at most [classes] session_blocks_per_key each
     stale_terms: dict[str, int] = {}  # conductor messages refused since start for a stale term, by type (``term_fence.py``)
     written_by_tenant: dict[str, int] = {}  # store: bytes stored per tenant since start

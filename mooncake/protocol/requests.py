@@ -49,6 +49,7 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     fair_tag: float = 0.0  # within a class and priority, lower first: the tenants' fair order (frontend/tenant_clock.py)
     keep_s: float = 0.0  # a session's request: its KV blocks are kept this long after it ([classes] session_ttl_s)
     tenant: str = ""  # who sent it: its API key's id (``frontend/tenant_clock.tenant_id``, never the key); "" without keys
+    speculative: bool = True  # False: never speculatively decoded (when the instance speculates)
 
 
 class Logprob(msgspec.Struct, array_like=True):

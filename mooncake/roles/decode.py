@@ -252,10 +252,10 @@ class DecodeWorker(EngineWorker):
             if out.token is None or self.running.get(rid) is not slot:
                 continue
             finished = P.FinishReason(out.finished) if out.finished else None
-            lps = [out.logprob] if out.logprob is not None else []
-            events.setdefault(slot.msg.reply_to, []).append(P.TokenEvent(rid, slot.next_index, [int(out.token)],
-                                                                         finished, lps))
-            slot.next_index += 1
+            tokens = out.tokens  # several where a speculative step accepted drafts
+            events.setdefault(slot.msg.reply_to, []).append(P.TokenEvent(rid, slot.next_index, tokens, finished,
+                                                                         out.logprobs))
+            slot.next_index += len(tokens)
             if finished is not None:
                 done.append(slot)
         if events:  # the step's tokens in one message per frontend; a request's last token before its retirement

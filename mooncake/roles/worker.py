@@ -139,7 +139,7 @@ class EngineWorker(ABC):
                       sequences=st["sequences"], progress=self.progress, pending=self.busy(),
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped,
                       evicted=st["evicted_blocks"], kept_blocks=st["session_cached_blocks"],
-                      kept_by_tenant=st["kept_by_tenant"])
+                      kept_by_tenant=st["kept_by_tenant"], speculative=st["speculative"])
 
     async def send(self, msg: P.Msg) -> None:
         """An attempt's report to the frontend that ordered it; anything else to the conductor."""

@@ -123,7 +123,18 @@ __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) static void scor
     }
 }
 
-/* One (sequence, kv head): rotate and store k, store v at position pos, attend keys [lo, pos].
+/* One (sequence, kv head)'s new token: k rotated and stored, v stored, at position pos of its workspace row. */
+static void store_kv(const char *qkv, int H, int Hkv, int D, int kvh, int bf16, const char *cs, const char *sn,
+                     char *kc, char *vc, int64_t pos) {
+    int es = bf16 ? 2 : 4;
+    size_t row = (size_t)D * es;
+    __m512 kr[MAX_D / 16];
+    rotate(qkv + (size_t)(H + kvh) * row, cs, sn, D, bf16, kr);
+    for (int c = 0; c < D / 16; c++) store16(kc + (size_t)pos * row + (size_t)c * 16 * es, kr[c], bf16);
+    memcpy(vc + (size_t)pos * row, qkv + (size_t)(H + Hkv + kvh) * row, row);
+}
+
+/* One (sequence, kv head): attend keys [lo, pos] (its k and v at pos already stored).
  * Inlined with C = D / 16 a constant (see attend_row), so its loops unroll and the accumulators of
  * the value pass stay in registers. */
 static inline __attribute__((always_inline)) void attend_one(
@@ -132,10 +143,7 @@ static inline __attribute__((always_inline)) void attend_one(
     const int D = C * 16, GB = C <= 4 ? 4 : C <= 8 ? 2 : 1;  /* query heads per value pass: GB * C registers */
     int es = bf16 ? 2 : 4, G = H / Hkv;
     size_t row = (size_t)D * es;
-    __m512 kr[MAX_D / 16], q[MAX_G][MAX_D / 16];
-    rotate(qkv + (size_t)(H + kvh) * row, cs, sn, D, bf16, kr);
-    for (int c = 0; c < C; c++) store16(kc + (size_t)pos * row + (size_t)c * 16 * es, kr[c], bf16);
-    memcpy(vc + (size_t)pos * row, qkv + (size_t)(H + Hkv + kvh) * row, row);
+    __m512 q[MAX_G][MAX_D / 16];
     for (int g = 0; g < G; g++) {
         rotate(qkv + (size_t)(kvh * G + g) * row, cs, sn, D, bf16, q[g]);
         for (int c = 0; c < C; c++) q[g][c] = round_to(q[g][c], bf16);
@@ -230,12 +238,14 @@ static void attend_row(const char *qkv, int H, int Hkv, int D, int kvh, int bf16
  * a position outside [0, limit), -3 when out of memory. pool (or NULL): the layer of the paged KV pool
  * [blocks, 2, Hkv, T, D] with element strides pool_strides[4]; each row's new k and v are copied to its
  * block slot_block[b], offset slot_offset[b] there too; pool_strides[4], [5]: its blocks and T (-4: a slot
- * outside them). */
+ * outside them). ws_rows (or NULL: row b is workspace row b): [B] the workspace row of each new token; several
+ * tokens of one sequence (a speculative verify: consecutive positions) share its row, and each attends the
+ * others' keys up to its own position. Every new token's k and v are stored before any attends. */
 int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, const void *cos, const void *sin,
                               void *kc, void *vc, int64_t ws_row, int64_t ws_head, const int64_t *pos, int B, int H,
                               int Hkv, int D, int64_t window, float scale, void *out, int64_t limit, void *pool,
                               const int64_t *pool_strides, const int64_t *slot_block, const int64_t *slot_offset,
-                              int threads) {
+                              const int64_t *ws_rows, int64_t num_ws_rows, int threads) {
     if (B < 1 || D % 32 || D > MAX_D || Hkv < 1 || H % Hkv || H / Hkv > MAX_G) return -1;
     int es = bf16 ? 2 : 4, G = H / Hkv;
     int64_t maxn = 1;
@@ -245,10 +255,26 @@ int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, con
         if (pool && (slot_block[b] < 0 || slot_block[b] >= pool_strides[4] || slot_offset[b] < 0 ||
                      slot_offset[b] >= pool_strides[5]))
             return -4;
+        if (ws_rows ? ws_rows[b] < 0 || ws_rows[b] >= num_ws_rows : b >= num_ws_rows) return -5;
     }
     int err = 0;
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (int t = 0; t < B * Hkv; t++) {  /* every new k and v first: a verify row reads the earlier ones' */
+            int b = t / Hkv, h = t % Hkv;
+            int64_t p = pos[b], r = ws_rows ? ws_rows[b] : b;
+            char *k = (char *)kc + ((size_t)r * ws_row + (size_t)h * ws_head) * es;
+            char *v = (char *)vc + ((size_t)r * ws_row + (size_t)h * ws_head) * es;
+            store_kv((const char *)qkv + (size_t)b * qkv_stride * es, H, Hkv, D, h, bf16,
+                     (const char *)cos + (size_t)p * D * es, (const char *)sin + (size_t)p * D * es, k, v, p);
+            if (pool) {
+                const int64_t *ps = pool_strides;
+                char *dst = (char *)pool + (size_t)(slot_block[b] * ps[0] + h * ps[2] + slot_offset[b] * ps[3]) * es;
+                memcpy(dst, k + (size_t)p * D * es, (size_t)D * es);
+                memcpy(dst + (size_t)ps[1] * es, v + (size_t)p * D * es, (size_t)D * es);
+            }
+        }
         float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)((maxn + 7) & ~7));
         if (!scores) {
 #pragma omp atomic write
@@ -258,19 +284,12 @@ int mooncake_decode_attention(const void *qkv, int64_t qkv_stride, int bf16, con
         for (int t = 0; t < B * Hkv; t++) {
             if (!scores) continue;
             int b = t / Hkv, h = t % Hkv;
-            int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            int64_t p = pos[b], r = ws_rows ? ws_rows[b] : b, lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             attend_row((const char *)qkv + (size_t)b * qkv_stride * es, H, Hkv, D, h, bf16,
                        (const char *)cos + (size_t)p * D * es, (const char *)sin + (size_t)p * D * es,
-                       (char *)kc + ((size_t)b * ws_row + (size_t)h * ws_head) * es,
-                       (char *)vc + ((size_t)b * ws_row + (size_t)h * ws_head) * es, p, lo, scale,
+                       (char *)kc + ((size_t)r * ws_row + (size_t)h * ws_head) * es,
+                       (char *)vc + ((size_t)r * ws_row + (size_t)h * ws_head) * es, p, lo, scale,
                        (char *)out + (size_t)b * H * D * es, scores);
-            if (pool) {
-                const int64_t *ps = pool_strides;
-                char *dst = (char *)pool + (size_t)(slot_block[b] * ps[0] + h * ps[2] + slot_offset[b] * ps[3]) * es;
-                const char *src = (const char *)kc + ((size_t)b * ws_row + (size_t)h * ws_head + (size_t)p * D) * es;
-                memcpy(dst, src, (size_t)D * es);
-                memcpy(dst + (size_t)ps[1] * es, (const char *)vc + (src - (const char *)kc), (size_t)D * es);
-            }
         }
         free(scores);
     }

@@ -114,11 +114,11 @@ class FastDecode:
         return self.k.add_rmsnorm(x, a, norm.weight, norm.eps)
 
     def layers(self, x: torch.Tensor, ws: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor,
-               slot_block: torch.Tensor, slot_offset: torch.Tensor) -> torch.Tensor:
+               slot_block: torch.Tensor, slot_offset: torch.Tensor, ws_rows: torch.Tensor | None = None) -> torch.Tensor:
         """All layers for ``x [B, hidden]`` (one new token per row, at positions ``pos [B]``, int64),
         each layer's new K/V written into the decode workspace ``ws [L, 2, >=B, Hkv, Kcap, D]`` and
         into the paged ``pool`` (``[blocks, L, 2, Hkv, T, D]``, at ``slot_block``/``slot_offset``);
-        returns the final-normed hidden states (``x`` holds the residual stream)."""
+        ``ws_rows``: each row's workspace row when several share one (a speculative verify); returns the final-normed hidden states (``x`` holds the residual stream)."""
         spec, k = self.spec, self.k
         layers = spec.layers
         H = spec.num_heads
@@ -126,7 +126,8 @@ class FastDecode:
         for li, layer in enumerate(layers):
             cos, sin = self.rope[layer.rope]
             qkv = layer.qkv.joint(h)
-            o = k.attention(qkv, cos, sin, ws[li], pos, H, layer.window, self.scale, (pool[:, li], slot_block, slot_offset))
+            o = k.attention(qkv, cos, sin, ws[li], pos, H, layer.window, self.scale, (pool[:, li], slot_block, slot_offset),
+                            ws_rows)
             h = self._norm(x, layer.o(o), layer.mlp_norm)
             if self.silu:
                 m = layer.down(k.silu_mul(layer.gate_up.joint(h)))

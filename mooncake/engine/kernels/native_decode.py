@@ -30,7 +30,7 @@ class DecodeKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         attn = lib.mooncake_decode_attention
         p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        attn.argtypes = [p, i64, i, p, p, p, p, i64, i64, p, i, i, i, i, i64, f, p, i64, p, p, p, p, i]
+        attn.argtypes = [p, i64, i, p, p, p, p, i64, i64, p, i, i, i, i, i64, f, p, i64, p, p, p, p, p, i64, i]
         attn.restype = i
         norm = lib.mooncake_add_rmsnorm
         norm.argtypes = [p, p, p, p, i, i, f, i]
@@ -42,14 +42,18 @@ class DecodeKernels:
 
     def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                   pos: torch.Tensor, num_heads: int, window: int | None, scale: float,
-                  pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  ws_rows: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of a decode step. ``qkv [B, (H + 2 Hkv) * D]``: the fused projection's output
         (q, k, v unrotated); ``cos``, ``sin``: the rotary tables ``[max_len, D]`` (``rope.tables_of``);
         ``kv``: the layer's workspace ``[2, >=B, Hkv, Kcap, D]`` (contiguous in its last two
         dimensions), where each row's rotated k and v go at its position ``pos [B]`` (int64);
         returns the attention output ``[B, H * D]`` over keys ``[0, pos]`` (or the ``window``
         last ones). ``pool = (layer, slot_block, slot_offset)``: the new k and v also go to
-        ``layer[slot_block[b], :, :, slot_offset[b]]`` (a layer of the paged pool ``[blocks, 2, Hkv, T, D]``)."""
+        ``layer[slot_block[b], :, :, slot_offset[b]]`` (a layer of the paged pool ``[blocks, 2, Hkv, T, D]``).
+        ``ws_rows [B]`` (int64; None: row b is workspace row b): each new token's workspace row, where several
+        tokens of one sequence at consecutive positions (a speculative verify) share one: each attends the
+        others' keys up to its own position, every row still computed alone."""
         B = qkv.shape[0]
         _, rows, Hkv, kcap, D = kv.shape
         H = num_heads
@@ -58,7 +62,8 @@ class DecodeKernels:
                 or qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1
                 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D
                 or not (cos.is_contiguous() and sin.is_contiguous()) or kv.stride(4) != 1 or kv.stride(3) != D
-                or rows < B or pos.dtype != torch.int64 or pos.shape != (B,) or not pos.is_contiguous()
+                or (rows < B if ws_rows is None else ws_rows.dtype != torch.int64 or ws_rows.shape != (B,)
+                                                     or not ws_rows.is_contiguous()) or pos.dtype != torch.int64 or pos.shape != (B,) or not pos.is_contiguous()
                 or H % Hkv or H // Hkv > MAX_GROUP or D % 32 or D > MAX_HEAD_DIM):
             raise ValueError(f"decode attention cannot take qkv {dtype} {tuple(qkv.shape)}, kv {kv.dtype} "
                              f"{tuple(kv.shape)}, rotary {tuple(cos.shape)}, pos {pos.dtype} {tuple(pos.shape)}, "
@@ -81,11 +86,14 @@ class DecodeKernels:
                         kv[0].data_ptr(), kv[1].data_ptr(), kv.stride(1), kv.stride(2), pos.data_ptr(), B, H, Hkv, D,
                         window or 0, scale, out.data_ptr(), limit, pool_ptr, strides,
                         blocks.data_ptr() if blocks is not None else None,
-                        offsets.data_ptr() if offsets is not None else None, torch.get_num_threads())
+                        offsets.data_ptr() if offsets is not None else None,
+                        ws_rows.data_ptr() if ws_rows is not None else None, rows, torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"decode positions must be in [0, {limit})")
         if rc == -4:
             raise ValueError("decode attention's pool slots are out of range")
+        if rc == -5:
+            raise ValueError(f"decode attention's workspace rows must be in [0, {rows})")
         if rc != 0:
             raise MemoryError("decode attention could not allocate its score buffer")
         return out

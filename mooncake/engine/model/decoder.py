@@ -28,6 +28,7 @@ from mooncake.engine.model.attention import attend, layer_masks
 from mooncake.engine.batch import Batch
 from mooncake.engine.model.families import model_spec
 from mooncake.engine.kernels.fast_decode import FastDecode
+from mooncake.engine.model.int8 import QuantizedProjection
 from mooncake.engine.model.quantize import quantize_spec
 from mooncake.engine.model.rope import tables_of
 
@@ -223,9 +224,12 @@ class DecoderForward:
         if b.rows is not None:
             ws = self._decode_workspace(pool, b)
             if self.fast is not None and layers is None and on_layer is None and hidden is None:
-                x = self.fast.layers(F.embedding(b.ids, self.embed), ws, b.col, pool, b.slot_block, b.slot_offset)
+                x = self.fast.layers(F.embedding(b.ids, self.embed), ws, b.col, pool, b.slot_block, b.slot_offset,
+                                     b.ws_rows)
                 self._rows_advanced(b)  # the kernels wrote the new K/V into the pool too
                 return self._logits(x)  # x: final-normed
+            if b.ws_rows is not None:
+                raise ValueError("a speculative verify runs on the engine's decode kernels only")
         else:
             ws = self._workspace(B, max(b.key_len, mb * T))
         per_layer = past_ready is not None and b.rows is None
@@ -292,7 +296,28 @@ class DecoderForward:
     def _rows_advanced(self, b: Batch) -> None:
         if b.rows is not None:
             for r, (uid, ctx, _) in enumerate(b.rows):
-                self._rows[r] = (uid, ctx + 1)
+                self._rows[r] = (uid, ctx + (b.row_tokens[r] if b.row_tokens is not None else 1))
+
+    def rows_kept(self, kept: dict[int, int]) -> None:
+        """After a speculative verify: the workspace row of sequence ``uid`` holds its past up to
+        ``kept[uid]`` positions (the rejected drafts' keys past that are stale, masked by length)."""
+        for r, held in enumerate(self._rows):
+            if held is not None and held[0] in kept:
+                self._rows[r] = (held[0], min(held[1], kept[held[0]]))
+
+    @property
+    def verify_rows(self) -> int:
+        """The most new tokens one forward may compute while each gets bitwise what a one-token
+        decode step of its sequence gets (0: speculative decoding cannot keep that here): the decode
+        kernels compute each token alone, and every projection must too -- the engine's quantized
+        kernels below their ``max_rows`` (torch's matmuls change a row's result with the row count)."""
+        if self.fast is None:
+            return 0
+        spec = self.spec
+        projections = [spec.head] + [p for layer in spec.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not all(isinstance(p, QuantizedProjection) and p.kernel is not None for p in projections):
+            return 0
+        return min(p.max_rows for p in projections) - 1
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden states."""
