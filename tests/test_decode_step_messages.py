@@ -23,7 +23,7 @@ async def decoding(w, rid: str, max_tokens: int) -> None:
     await w.handle(P.DecodeRequest(rid, list(range(40, 60)), [], b"root", P.Sampling(max_tokens=max_tokens)), [])
     slot = w.incoming[rid]
     await w.run_engine(w.engine.begin_decoding, slot.seq, 7)
-    w._join(slot)
+    w.join(slot)
 
 
 async def test_a_step_sends_its_batch_in_one_message_and_retires_a_finished_request_after(decode_worker):

@@ -17,9 +17,10 @@ together, in one engine call (a layer-wise prefix is one message per layer), and
 that completes a request's KV also begins its decoding when the first token is known, so
 that the sequence joins the next decode step instead of waiting for one more engine call.
 
-A ``DecodeWorker`` holds one ``KVIngress`` (``worker.kv``): it shares the worker's reserved and
-running requests (``incoming``, ``running``: each a ``Slot``) and hands a slot back through the
-worker's callbacks (give up, maybe start, join).
+A decode instance holds one ``KVIngress`` (``worker.kv``) and is, to it, its ``DecodeSlots``: the
+declared interface of the decode side of KV movement (as ``KVConnector`` is the prefill side's):
+the reserved and running requests (``incoming``, ``running``: each a ``Slot``), the engine thread,
+the store clients, and what becomes of a slot (given up, started, joined to the batch).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import zmq.asyncio
@@ -40,6 +41,7 @@ from mooncake.engine import Engine, Sequence
 from mooncake.kv.codec import KVCodec
 from mooncake.kv.integrity import Rejections, first_corrupt, first_nonfinite, shape_problem
 from mooncake.kv.link import bind_kv_ingress
+from mooncake.kv.store_clients import StoreClients
 from mooncake.security import Curve, allowed
 from mooncake.sockets import recv_multipart
 
@@ -76,23 +78,32 @@ class Slot:
         return self.next_block >= len(self.seq.block_table)
 
 
-RunEngine = Callable[..., Awaitable[Any]]
-SaveBlocks = Callable[[str, Sequence, list[bytes], int, int], Awaitable[None]]
+class DecodeSlots(Protocol):
+    """The decode side of KV movement, as the ingress sees the instance that holds it."""
+
+    engine: Engine
+    incoming: dict[str, Slot]  # reserved, KV arriving
+    running: dict[str, Slot]  # decoding
+    stores: StoreClients  # a pipeline group's prompt blocks go to a store through them
+
+    async def run_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread (between decode steps)."""
+
+    async def give_up(self, slot: Slot, why: str) -> None:
+        """Free a reserved or running request and report it to its frontend."""
+
+    async def maybe_start(self, slot: Slot) -> None:
+        """Begin decoding ``slot`` if its KV is in and its first token known."""
+
+    def join(self, slot: Slot) -> None:
+        """A sequence whose decoding began joins the batch at the next step."""
 
 
 class KVIngress:
     """Decode's handling of KV messages (see the module docstring)."""
 
-    def __init__(self, engine: Engine, curve: Curve | None, rejections: Rejections, incoming: dict[str, Slot],
-                 running: dict[str, Slot], run_engine: RunEngine, save_blocks: SaveBlocks,
-                 give_up: Callable[[Slot, str], Awaitable[None]], maybe_start: Callable[[Slot], Awaitable[None]],
-                 join: Callable[[Slot], None]) -> None:
-        """``incoming``/``running``: the worker's maps (shared, not copied); ``save_blocks``: a pipeline
-        group's prompt blocks to a store (``StoreClients.save_blocks``)."""
-        self.engine, self.curve, self.rejections = engine, curve, rejections
-        self.incoming, self.running = incoming, running
-        self._run_engine, self._save_blocks = run_engine, save_blocks
-        self._give_up, self._maybe_start, self._join = give_up, maybe_start, join
+    def __init__(self, slots: DecodeSlots, curve: Curve | None, rejections: Rejections) -> None:
+        self.slots, self.engine, self.curve, self.rejections = slots, slots.engine, curve, rejections
         self.sock: zmq.asyncio.Socket | None = None  # bound by ``bind``
         self.landing = 0  # KV writes on the engine thread now (engine work: a hang there is a stall)
         self.writes = 0  # KV writes done (engine progress: layer-wise, one write per layer and chunk)
@@ -146,7 +157,7 @@ class KVIngress:
         except P.ProtocolError as e:
             log.warning("dropping malformed KV message: %s", e)
             return
-        slot = self.incoming.get(msg.req_id)
+        slot = self.slots.incoming.get(msg.req_id)
         if slot is None:
             log.debug("KV of %s, which is not reserved here: dropped", msg.req_id)
             return
@@ -159,7 +170,7 @@ class KVIngress:
             batch, slot.inbox = slot.inbox, []
             if not batch:  # landed with an earlier message of its request
                 return
-            if self.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
+            if self.slots.incoming.get(msg.req_id) is not slot:  # given up, aborted or failed meanwhile
                 log.debug("KV of %s, no longer reserved here: dropped", msg.req_id)
                 return
             await self.land_kv(slot, batch)
@@ -175,12 +186,12 @@ class KVIngress:
                                     wire if layer is None else wire[1:], eng.kv.wire_dtype)
             if problem:
                 self.rejections.add("shape", len(tensors))
-                await self._give_up(slot, f"its KV is corrupt ({problem}): recomputed elsewhere")
+                await self.slots.give_up(slot, f"its KV is corrupt ({problem}): recomputed elsewhere")
                 return
         bad = await asyncio.to_thread(_first_corrupt_of, batch, eng.kv.codec)
         if bad is not None:
             self.rejections.add("checksum", len(batch[bad[0]][1]))
-            await self._give_up(slot, f"its KV is corrupt (transfer {bad[1]} fails its checksum or decodes "
+            await self.slots.give_up(slot, f"its KV is corrupt (transfer {bad[1]} fails its checksum or decodes "
                                       "non-finite): recomputed elsewhere")
             return
         layers_in = list(slot.layers_in)
@@ -196,7 +207,7 @@ class KVIngress:
                 log.warning("KV of %s (layer %s): blocks %d..%d do not continue the %d received of %d: request failed",
                             msg.req_id, layer, msg.first_block, msg.first_block + n, expected,
                             len(slot.seq.block_table))
-                await self._give_up(slot, "KV arrived out of order or oversized")
+                await self.slots.give_up(slot, "KV arrived out of order or oversized")
                 return
             if layer is not None:
                 layers_in[layer] += n
@@ -210,12 +221,12 @@ class KVIngress:
         if begin:
             slot.started_at = time.monotonic()
         self.landing += 1
-        row = len(self.running) if len(self.running) < eng.max_batch else None  # its row at its first step
+        row = len(self.slots.running) if len(self.slots.running) < eng.max_batch else None  # its row at its first step
         try:
-            await self._run_engine(_write_landed, eng, slot.seq, writes, row, slot.first_token if begin else None)
+            await self.slots.run_engine(_write_landed, eng, slot.seq, writes, row, slot.first_token if begin else None)
         except Exception as e:  # this request's KV is unusable; the ingress goes on
             log.exception("writing KV of %s failed", slot.msg.req_id)
-            await self._give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
+            await self.slots.give_up(slot, f"writing its KV failed: {type(e).__name__}: {e}")
             return
         finally:
             self.landing -= 1
@@ -223,9 +234,9 @@ class KVIngress:
         slot.layers_in = layers_in
         await self._store_whole_blocks(slot)
         if begin:
-            self._join(slot)
+            self.slots.join(slot)
         else:
-            await self._maybe_start(slot)
+            await self.slots.maybe_start(slot)
 
     async def _store_whole_blocks(self, slot: Slot) -> None:
         """A pipeline group's prompt (no stage holds whole blocks): write its full blocks to the store
@@ -235,7 +246,7 @@ class KVIngress:
                 1 if slot.kv_complete else STORE_RUN_BLOCKS):
             return
         hashes = [BlockHash(h) for h in slot.msg.hashes[slot.stored:full]]
-        await self._save_blocks(slot.msg.store_endpoint, slot.seq, hashes, slot.stored, full)
+        await self.slots.stores.save_blocks(slot.msg.store_endpoint, slot.seq, hashes, slot.stored, full)
         slot.stored = full
 
 

@@ -121,11 +121,11 @@ class ColocatedWorker(DecodeWorker):
         ahead = sum(not s.seq.prefilled and urgency(s.seq.sampling) <= key for s in self.incoming.values())
         return ahead < self.cfg.engine.max_prefill_batch
 
-    async def _maybe_start(self, slot: Slot) -> None:
+    async def maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.seq.prefilled or slot.started:
             return
         slot.started, slot.started_at = True, time.monotonic()  # its first token is in the sequence (the prefill sampled it)
-        self._join(slot)
+        self.join(slot)
 
     # ------------------------------------------------------------ prefill, one chunk per step
 
@@ -143,7 +143,7 @@ class ColocatedWorker(DecodeWorker):
         except Exception as e:  # report, never die
             if self.incoming.get(req.req_id) is slot:
                 log.exception("prefill of %s failed", req.req_id)
-                await self._give_up(slot, f"prefill failed: {type(e).__name__}: {e}")
+                await self.give_up(slot, f"prefill failed: {type(e).__name__}: {e}")
         finally:
             self.prefilling.discard(req.req_id)
 
@@ -179,7 +179,7 @@ class ColocatedWorker(DecodeWorker):
                                       fetched_blocks=fetched, fetch_s=fetch_s, finished=finished,
                                       logprob=step.logprob))
         await kv.save_to_store(kv.store_start(cached // T), len(kv.hashes))  # nothing moves to a decode: all at once
-        await self._maybe_start(slot)  # if its FirstToken came already
+        await self.maybe_start(slot)  # if its FirstToken came already
 
     async def _attach_again(self, slot: Slot) -> None:
         """``slot``'s sequence again, attaching the blocks imported or computed for it meanwhile

@@ -13,8 +13,9 @@ needs blocks the pool no longer has, sequences are preempted (flex work first, t
 newest), as flex work is for an interactive request waiting for room: their full blocks go to
 the store and their frontend gives them a new attempt, which resumes where they were.
 
-KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``): only the
-attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.
+KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``; this worker is its
+``DecodeSlots``): only the attempt's, checked, straight into the reserved blocks, as whole blocks or one
+layer at a time.
 """
 
 from __future__ import annotations
@@ -66,9 +67,7 @@ class DecodeWorker(EngineWorker):
         self._wake = asyncio.Event()
         self._reserving = asyncio.Lock()
         self.outlets = TokenOutlets(self.ctx, self.node_id, self.curve)
-        self.kv = KVIngress(self.engine, self.curve, self.rejections, self.incoming, self.running,
-                            lambda fn, *args: self.run_engine(fn, *args), self.stores.save_blocks,
-                            self._give_up, self._maybe_start, self._join)
+        self.kv = KVIngress(self, self.curve, self.rejections)  # it is the ingress's DecodeSlots
 
     async def start(self) -> None:
         endpoint = self.kv.bind(self.ctx, self.cfg.node.host, self.cfg.node.kv_port, self.max_message_bytes)
@@ -102,7 +101,7 @@ class DecodeWorker(EngineWorker):
             slot = self.incoming.get(msg.req_id)
             if slot is not None:
                 slot.first_token = msg.token
-                await self._maybe_start(slot)
+                await self.maybe_start(slot)
         elif isinstance(msg, P.Abort):
             await self._drop(msg.req_id)
         else:
@@ -178,21 +177,21 @@ class DecodeWorker(EngineWorker):
         """Take ``msg`` itself out of the queue (wherever it is now)."""
         self.pending = deque(m for m in self.pending if m is not msg)
 
-    async def _maybe_start(self, slot: Slot) -> None:
+    async def maybe_start(self, slot: Slot) -> None:
         if slot.first_token is None or not slot.kv_complete or slot.started:
             return
         slot.started, slot.started_at = True, time.monotonic()
         await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
-        self._join(slot)
+        self.join(slot)
 
-    def _join(self, slot: Slot) -> None:
+    def join(self, slot: Slot) -> None:
         """A sequence whose decoding began joins the batch at the next step (unless dropped meanwhile)."""
         rid = slot.msg.req_id
         if self.incoming.pop(rid, None) is slot:
             self.running[rid] = slot
             self._wake.set()
 
-    async def _give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
+    async def give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
         """Free a reserved or running request and report it to its frontend."""
         rid = slot.msg.req_id
         self.incoming.pop(rid, None)
@@ -212,7 +211,7 @@ class DecodeWorker(EngineWorker):
             except Exception as e:  # a step that fails fails its batch, never the role
                 log.exception("decode step failed")
                 for slot in list(self.running.values()):
-                    await self._give_up(slot, f"decode step failed: {type(e).__name__}: {e}")
+                    await self.give_up(slot, f"decode step failed: {type(e).__name__}: {e}")
 
     async def _step(self) -> bool:
         """One decode step of the batch; False when there is nothing to run."""
@@ -302,7 +301,7 @@ class DecodeWorker(EngineWorker):
             holders = list(self.running.values()) + list(self.incoming.values())
             victim = preemption_victim(holders)
             if len(holders) == 1:
-                await self._give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
+                await self.give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
                 return
             await self._preempt(victim)
 
