@@ -55,21 +55,21 @@ class Hardware(ABC):
         """Shipping a prompt's KV from prefill to decode over the network."""
         raise NotImplementedError
 
+    @abstractmethod
     def mixed_step_s(self, batch: int, ctx_tokens: float, chunks: Sequence[tuple[int, int]]) -> float:
         """A colocated instance's step: a decode step of ``batch`` sequences (``ctx_tokens`` KV in
-        all) and prompt chunks, each ``(tokens, cached context)``. Here, as the live role runs it
-        (``roles/colocated.py``): the decode forward, then the chunks' forward (each chunk costing
-        what it would alone)."""
-        decode = self.decode_step_s(batch, ctx_tokens) if batch else 0.0
-        return decode + sum(self.prefill_s(n, ctx) for n, ctx in chunks)
+        all) and prompt chunks, each ``(tokens, cached context)``."""
+        raise NotImplementedError
 
+    @abstractmethod
     def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
-        """From the end of prefill until decode holds the whole KV (no overlap by default)."""
-        return self.kv_transfer_s(tokens)
+        """From the end of prefill (``compute_s`` of it) until decode holds the whole KV."""
+        raise NotImplementedError
 
+    @abstractmethod
     def transit_s(self) -> float:
         """Per request, messages between the roles beyond the work itself (0: negligible)."""
-        return 0.0
+        raise NotImplementedError
 
     # Priors for the scheduler's cost models (they then learn from what the simulation observes).
     def prefill_prior(self) -> tuple[float, float]:
@@ -129,6 +129,16 @@ class FittedHardware(Hardware):
 
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.costs.transfer_token_s
+
+    def mixed_step_s(self, batch: int, ctx_tokens: float, chunks: Sequence[tuple[int, int]]) -> float:
+        """As the live role runs it (``roles/colocated.py``): the decode forward, then the chunks'
+        forward (each chunk costing what it would alone)."""
+        decode = self.decode_step_s(batch, ctx_tokens) if batch else 0.0
+        return decode + sum(self.prefill_s(n, ctx) for n, ctx in chunks)
+
+    def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
+        """The whole transfer after prefill (what a fitted cluster measured does not overlap it)."""
+        return self.kv_transfer_s(tokens)
 
     def transit_s(self) -> float:
         return self.costs.transit_s

@@ -140,6 +140,10 @@ class AnalyticHardware(Hardware):
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.wire_bytes_per_token / self.profile.network_bw
 
+    def transit_s(self) -> float:
+        """The roofline leaves the messages between roles out."""
+        return 0.0
+
     def kv_handoff_s(self, tokens: int, compute_s: float) -> float:
         """Layer-wise: each layer's KV leaves as soon as it is computed, so only what the
         link has not caught up with by the end of prefill (at least the last layer) remains."""
