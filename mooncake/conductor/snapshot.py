@@ -92,7 +92,8 @@ def cluster_snapshot(c: ConductorState) -> dict:
                           "prefill_fixed_s": pw[0], "prefill_per_token_s": pw[1] / 1000,
                           "prefill_per_pair_s": pw[2] / 1e6, "decode_step_s": dw[0], "decode_per_seq_s": dw[1],
                           "decode_per_kv_token_s": dw[2] / 1000,
-                          "fetch_block_s": costs.prefill.fetch_block_s,
+                          "fetch_block_s": costs.prefill.fetch_block_s,  # measured: the DRAM and default figure
+                          "fetch_block_s_by_tier": s.fetch_costs.per_block_s(costs.prefill.fetch_block_s),
                           "dispatch_s": costs.prefill.dispatch.value, "transit_s": costs.prefill.transit.value,
                           "profiled": sorted(costs.profiled)},
             "predictions": c.predictions.summary(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from itertools import chain, islice, repeat, takewhile
-from typing import Collection, Iterable, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 from mooncake.sched.fingerprint_table import FingerprintTable
 
@@ -29,6 +29,7 @@ class KVIndex:
         self._bit_of: dict[str, int] = {}  # node -> its bit, from its first add to drop_node
         self._node_at: list[str] = []  # bit -> node
         self._free_bits: list[int] = []  # a heap: the lowest free bit is reused first
+        self.tiers_seen: set[str] = set()  # every tier a block was ever added in
 
     @property
     def native(self) -> bool:
@@ -62,6 +63,7 @@ class KVIndex:
         mine = self._by_node.setdefault(node_id, {})
         hashes = list(hashes)
         mine.update(zip(hashes, repeat(tier)))
+        self.tiers_seen.add(tier)
         if self._table is not None and hashes:
             self._table.add(bit, hashes)
 
@@ -126,7 +128,7 @@ class KVIndex:
             return 0
         return len(list(takewhile(held.__contains__, islice(hashes, start, None) if start else hashes)))
 
-    def covering_run(self, hashes: Sequence[bytes], start: int, nodes: set[str],
+    def covering_run(self, hashes: Sequence[bytes], start: int, nodes: Collection[str],
                      prefer: Sequence[str] = (), runs: dict[str, int] | None = None) -> list[tuple[int, int, str]]:
         """Segments ``(start, end, node)`` covering blocks ``start..`` from ``nodes``,
         as long a leading run as they hold together; stays on one node while it can,
@@ -150,3 +152,12 @@ class KVIndex:
             segments.append((i, i + run, node))
             i += run
         return segments
+
+    def run_tiers(self, hashes: Sequence[bytes], nodes: Collection[str],
+                  runs: dict[str, int] | None = None) -> Iterator[str]:
+        """The tier of each block of ``hashes`` from block 0, on the node ``covering_run`` reads it
+        from, as far as the ``nodes`` cover the chain: looked up in C as it is consumed (at once:
+        the index may change)."""
+        by_node = self._by_node
+        return chain.from_iterable(map(by_node[node].__getitem__, hashes[start:end])
+                                   for start, end, node in self.covering_run(hashes, 0, nodes, (), runs))

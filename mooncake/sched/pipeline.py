@@ -23,6 +23,7 @@ from mooncake.config import Config
 from mooncake.protocol import ModelFacts
 from mooncake.sched.node_registry import Cluster, Node
 from mooncake.sched.cost_model import PrefillCostModel
+from mooncake.sched.ttft_estimate import TTFTEstimate
 
 DEFAULT_LINK_BYTES_S = 1e9  # activation hand-over rate when no store fetch has been measured
 
@@ -81,13 +82,13 @@ class PipelineShape:
                                   stage_layers(self.num_layers, self.group_size), hand_over)
 
 
-def best_group(shape: PipelineShape, prefills: list[Node], prefill_cost: PrefillCostModel,
+def best_group(shape: PipelineShape, prefills: list[Node], prefill_cost: PrefillCostModel, estimate: TTFTEstimate,
                resident: Callable[[Node], int], queue_s: Callable[[Node], float], store_end: int, n_tokens: int,
                block_tokens: int) -> tuple[float, float, int, int, list[Node]] | None:
     """(est TTFT, prefill s, device blocks, reusable blocks, stages) of the group predicted
     fastest for this prompt; None when no group may serve it (too few tokens to compute).
-    ``resident``: a node's leading run of the prompt's blocks; ``queue_s``: the prefill queued ahead
-    of the prompt on a node."""
+    ``estimate``: the prompt's, as the scheduler's for single instances; ``resident``: a node's
+    leading run of the prompt's blocks; ``queue_s``: the prefill queued ahead of the prompt on a node."""
     best = None
     for group in pipeline_groups(prefills, shape.group_size):
         dev = min(resident(p) for p in group)
@@ -96,8 +97,7 @@ def best_group(shape: PipelineShape, prefills: list[Node], prefill_cost: Prefill
         if n_tokens - cached < shape.min_tokens:
             continue
         prefill_s = shape.prefill_s(prefill_cost.predict(n_tokens - cached, cached), n_tokens - cached)
-        est = (prefill_cost.dispatch.value + max(queue_s(p) for p in group)
-               + (reusable - dev) * prefill_cost.fetch_block_s + prefill_s)
+        est = estimate.ttft_s(max(queue_s(p) for p in group), dev, reusable, prefill_s)
         if best is None or est < best[0]:
             best = (est, prefill_s, dev, reusable, group)
     return best

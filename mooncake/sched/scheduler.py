@@ -1,8 +1,8 @@
 """Mooncake's conductor policy: pick a prefill/decode pair per request, and book its load.
 
-For each prefill instance the estimated TTFT is its queue wait + the time to
-fetch the prefix blocks it lacks from the stores + the prefill time of the
-tokens still uncached; blocks that requests booked ahead of it on the same
+For each prefill instance the estimated TTFT (``ttft_estimate.py``) is its queue
+wait + the time to fetch the prefix blocks it lacks from the stores, each at its
+store tier's cost + the prefill time of the tokens still uncached; blocks that requests booked ahead of it on the same
 instance will compute count as cached. The decode instance is chosen by the
 batch it is expected to run when this request's prefill finishes, preferring
 one whose KV pool has room now: the prefill starts only once the decode
@@ -40,6 +40,7 @@ from mooncake.sched.colocated_budget import mixed_prefill_s, mixed_tbt_s
 from mooncake.sched.pipeline import PipelineShape, best_group
 from mooncake.sched.plan import Plan
 from mooncake.sched.request_class import DEFAULT_RANK, FLEX_RANK, RANKS
+from mooncake.sched.ttft_estimate import FetchCosts, TTFTEstimate
 from mooncake.sched.write_admission import WriteAdmission
 
 
@@ -49,13 +50,15 @@ _NO_SLOTS = DecodeSlots()  # a decode instance nothing is booked on (read, never
 class Scheduler:
     def __init__(self, cfg: ConductorConfig, cluster: Cluster, index: KVIndex,
                  prefill_cost: PrefillCostModel, decode_cost: DecodeCostModel,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, fetch_costs: FetchCosts | None = None) -> None:
+        """``fetch_costs``: the store tiers' fetch costs relative to the measured one (None: the defaults)."""
         self.cfg = cfg
         self._rng = rng if rng is not None else random.Random(0)  # the ``random`` policy's draws
         self.cluster = cluster
         self.index = index
         self.prefill_cost = prefill_cost
         self.decode_cost = decode_cost
+        self.fetch_costs = fetch_costs if fetch_costs is not None else FetchCosts()
         self._rr = itertools.count()
         self.queues: dict[str, PrefillQueue] = {}
         self.slots: dict[str, DecodeSlots] = {}  # every booking on each decode instance
@@ -95,8 +98,9 @@ class Scheduler:
         usable = min(len(hashes), (n_tokens - 1) // block_tokens)
         # One walk: each node's leading run (at most ``usable``), and how far the stores together cover the chain.
         runs, store_end = self.index.prefix_runs(hashes[:usable], stores)
-        fetch_s = self.prefill_cost.fetch_block_s
-        dispatch_s = self.prefill_cost.dispatch.value
+        estimate = TTFTEstimate.of_prompt(self.prefill_cost, self.fetch_costs, self.index, hashes, stores, runs,
+                                          store_end)
+        ttft_s = estimate.ttft_s  # looked up once for the loop
         prefill_time: dict[int, float] = {}  # by reusable blocks: most instances share one value
 
         queues = self.queues
@@ -119,7 +123,7 @@ class Scheduler:
             if p.role == "colocated":  # its chunks share steps with its decoding batch
                 prefill_s = mixed_prefill_s(self.prefill_cost, self.decode_cost, self.slots.get(nid), p, prefill_s,
                                             n_tokens - reusable * block_tokens, block_tokens)
-            candidates.append((dispatch_s + q + (reusable - dev) * fetch_s + prefill_s, prefill_s, dev, reusable, p, q))
+            candidates.append((ttft_s(q, dev, reusable, prefill_s), prefill_s, dev, reusable, p, q))
 
         if self.cfg.policy == "random":
             chosen = [candidates[self._rng.randrange(len(candidates))]]
@@ -130,7 +134,7 @@ class Scheduler:
         else:  # the fastest prefill, and the fastest colocated instance
             chosen = [min(c, key=itemgetter(0)) for c in (candidates[:len(prefills)], candidates[len(prefills):]) if c]
         if prefills and pipeline is not None and pipeline.group_size > 1 and chosen[0][4].role == "prefill":
-            group = best_group(pipeline, prefills, self.prefill_cost,
+            group = best_group(pipeline, prefills, self.prefill_cost, estimate,
                                lambda n: self.resident_run(pending_blocks, n.node_id, hashes, runs.get(n.node_id, 0), usable),
                                lambda n: self.queue_s(n.node_id, rank), store_end, n_tokens, block_tokens)
             if group is not None and group[0] < min(c[0] for c in candidates):

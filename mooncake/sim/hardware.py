@@ -10,7 +10,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from mooncake.sched.ttft_estimate import FetchCosts
 from mooncake.sim.shared_cpu import Colocation
+
+STORE_TIERS = ("dram", "lmdb")  # a simulated store's tiers
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ class Hardware(ABC):
         """Reading one block into a prefill instance from a store tier ("dram"/"lmdb"),
         on the same machine (``local``) or across the network."""
         raise NotImplementedError
+
+    def fetch_costs(self) -> FetchCosts:
+        """The scheduler's per-tier fetch costs: each store tier's local read relative to DRAM's
+        (the figure its prefill cost model starts from)."""
+        dram = self.fetch_block_s("dram", True)
+        return FetchCosts({t: self.fetch_block_s(t, True) / dram if dram > 0 else 1.0 for t in STORE_TIERS})
 
     @abstractmethod
     def kv_transfer_s(self, tokens: int) -> float:

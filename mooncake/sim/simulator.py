@@ -3,8 +3,9 @@ scheduler's plan, admission, booking) -> virtual prefill queues -> KV handoff ->
 decode batches; or, where the plan names a colocated instance, its own steps (``colocated_steps.py``).
 
 Each arrival goes through ``sched.placement.place``, as on the conductor: its ``Scheduler``
-(with its booking, the ``KVIndex`` fed by the virtual caches and stores, and the online cost
-models fed with what the simulation measures) plans, ``Admission.check_plan`` rejects early;
+(with its booking, the ``KVIndex`` fed by the virtual caches and stores, the online cost models
+fed with what the simulation measures, and the store tiers' relative fetch costs of the hardware:
+``reuse`` charges the hardware's actual ones) plans, ``Admission.check_plan`` rejects early;
 ``HotBlocks`` finds blocks to replicate. Request classes as the roles serve them: a prefill
 queue and a decode instance's waiting requests go by class, then arrival; a flex sequence
 joins a decode batch only while the step stays within the TBT SLO (or the batch is empty).
@@ -59,7 +60,7 @@ class Simulation:
                                              fetch_block_s=hw.fetch_block_s("dram", True))
         self.decode_cost = DecodeCostModel(step_s=step, per_seq_s=per_seq, per_1k_kv_s=per_1k_kv)
         self.sched = Scheduler(self.cfg, self.cluster, self.index, self.prefill_cost, self.decode_cost,
-                               rng=random.Random(setup.seed))
+                               rng=random.Random(setup.seed), fetch_costs=hw.fetch_costs())
         self.admission = Admission(limits, Metrics(), ClassesConfig())  # the metrics of a simulation go unread
         self.replicas = replication.replicas
         self.hot = HotBlocks(replication.hot_block_hits, replication.hot_window_s)
