@@ -26,7 +26,8 @@ RAW_KEYS = ["sk-main-3f9a61", "sk-tenant-77c1e0", "sk-scraper-9e02b4", "sk-class
 NOT_SECRET = {("security", "curve_keys_dir"), ("node", "p2p_key_file"), ("frontend", "token_port"),
               ("frontend", "salt_per_api_key"), ("classes", "session_blocks_per_key"), ("classes", "session_share_per_key"), ("classes", "store_write_share_per_key"),
               ("engine", "prefill_chunk_tokens"), ("engine", "step_tokens"), ("conductor", "cpp_min_tokens"),
-              ("classes", "flex_chunk_tokens"), ("classes", "fair_token_ms"), ("engine", "block_tokens")}
+              ("classes", "flex_chunk_tokens"), ("classes", "fair_token_ms"), ("engine", "block_tokens"),
+              ("engine", "num_speculative_tokens")}
 SECRET_WORDS = ("key", "secret", "password", "token", "credential")
 
 

@@ -144,7 +144,7 @@ def test_a_failed_acquire_takes_no_reference_and_stats_change_no_block():
     bm = BlockManager(4, clock=clock)
     cache(bm, [h(1), h(2)], keep_s=60)
     clock.now += 61
-    engine = SimpleNamespace(blocks=bm, num_blocks=4, _num_seqs=0)
+    engine = SimpleNamespace(blocks=bm, num_blocks=4, _num_seqs=0, speculation=None)
     Engine.stats(engine)  # type: ignore[arg-type]
     assert len(bm.session_lru) == 2  # not expired off the engine thread
     segment = bm._segment
