@@ -70,6 +70,16 @@ def generate(eng: Engine, prompts: list[list[int]], samplings: list[Sampling]) -
     return outs, steps, lps
 
 
+def plain_and_prefilled(loaded, ids: list[int], sampling: Sampling):
+    """The output without speculation, and a speculating engine holding the prompt, prefilled."""
+    (plain,), _, _ = generate(engine(loaded, "off"), [ids], [sampling])
+    eng = engine(loaded)
+    seq = eng.add_sequence("r", ids, sampling)
+    while not seq.prefilled:
+        eng.prefill(seq)
+    return plain, eng, seq
+
+
 def test_ngram_index_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     index = NgramIndex(range(1, 4), 3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
@@ -117,11 +127,7 @@ def test_a_preempted_sequence_resumes_with_the_same_output(served_model):
     tokens so far, it drafts from an index rebuilt from them and ends as it would have."""
     ids = chat_ids(served_model, QUOTE)
     sampling = Sampling(max_tokens=60, temperature=0.0)
-    (plain,), _, _ = generate(engine(served_model, "off"), [ids], [sampling])
-    eng = engine(served_model)
-    seq = eng.add_sequence("r", ids, sampling)
-    while not seq.prefilled:
-        eng.prefill(seq)
+    plain, eng, seq = plain_and_prefilled(served_model, ids, sampling)
     for _ in range(4):
         eng.decode_step([seq])
     assert eng.speculation.drafter.counts.accepted_tokens > 0
@@ -136,11 +142,7 @@ def test_with_no_free_block_drafts_stay_in_the_blocks_held(served_model):
     a cached block, never failing the step); the output is the same."""
     ids = chat_ids(served_model, QUOTE)
     sampling = Sampling(max_tokens=40, temperature=0.0)
-    (plain,), _, _ = generate(engine(served_model, "off"), [ids], [sampling])
-    eng = engine(served_model)
-    seq = eng.add_sequence("r", ids, sampling)
-    while not seq.prefilled:
-        eng.prefill(seq)
+    plain, eng, seq = plain_and_prefilled(served_model, ids, sampling)
     hog = eng.blocks.allocate(len(eng.blocks.free))  # every free block taken
     while not seq.finished:
         held = len(seq.block_table)
