@@ -25,9 +25,9 @@ import zmq.asyncio
 from mooncake import protocol as P
 from mooncake.security import Curve
 from mooncake.sockets import PlainSocket, connect_client
+from mooncake.frontend.timing import CLOSE_LINGER_MS
 
 log = logging.getLogger(__name__)
-CLOSE_LINGER_MS = 200
 
 
 @dataclass(eq=False)

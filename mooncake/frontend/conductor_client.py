@@ -29,11 +29,10 @@ from mooncake.sockets import DEFAULT_MAX_MSG_BYTES
 from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, until_tick
 from mooncake.tracing import current_traceparent, role_tracer, span
+from mooncake.frontend.timing import RETRY_NO_WORKERS_S, LEADERLESS_AFTER_S
 
 log = logging.getLogger(__name__)
-RETRY_NO_WORKERS_S = 0.25
 CLAIMS_PER_MESSAGE = 256  # attempts per Claims message (each carries its prompt's block hashes)
-LEADERLESS_AFTER_S = 3.0  # of silence from the conductor (it answers each heartbeat and Submit): none leads
 
 
 class ConductorClient:

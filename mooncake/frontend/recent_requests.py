@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-KEEP_S = 300.0
+from mooncake.frontend.timing import RECENT_KEEP_S
+
 MAX_KEPT = 4096
 
 
 class RecentRequests:
-    def __init__(self, keep_s: float = KEEP_S, max_kept: int = MAX_KEPT) -> None:
+    def __init__(self, keep_s: float = RECENT_KEEP_S, max_kept: int = MAX_KEPT) -> None:
         self.keep_s, self.max_kept = keep_s, max_kept
         self._ring: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # request id -> (when, record)
         self._alias: dict[str, str] = {}  # X-Request-Id -> request id

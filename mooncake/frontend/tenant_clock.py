@@ -21,12 +21,13 @@ import hashlib
 import time
 from typing import Callable
 
-TOKEN_S = 0.010  # a prompt token moves its tenant's clock by 10 ms ([classes] fair_token_ms)
+from mooncake.frontend.timing import FAIR_TOKEN_S
+
 MAX_TENANTS = 4096  # clocks kept; those already behind the wall clock are forgotten first (they equal a new one)
 
 
 class TenantClock:
-    def __init__(self, token_s: float = TOKEN_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, token_s: float = FAIR_TOKEN_S, clock: Callable[[], float] = time.time) -> None:
         self.token_s = token_s
         self._clock = clock
         self._last: dict[str, float] = {}  # each tenant's last tag

@@ -19,8 +19,7 @@ from mooncake.kv.integrity import checksums
 from mooncake.kv.link import connect_kv_egress
 from mooncake.security import Curve
 from mooncake.sockets import send_multipart
-
-SEND_TIMEOUT_S = 10.0
+from mooncake.kv.timing import SEND_TIMEOUT_S
 
 
 class KVEgress:

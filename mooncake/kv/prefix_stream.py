@@ -34,9 +34,9 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.kv.integrity import leading_match
 from mooncake.kv.layers import LayerFn
+from mooncake.kv.timing import GATE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-GATE_TIMEOUT_S = 120.0  # a forward never waits longer for a layer (the stream's own timeouts come first)
 
 
 class PrefixLoadFailed(RuntimeError):

@@ -36,12 +36,11 @@ from concurrent.futures import Executor
 from typing import Iterator
 
 from mooncake.p2p.objects import WRITE_SLICE, LocalObject
+from mooncake.p2p.timing import CONNECT_TIMEOUT_S, IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 TOKEN_BYTES = 16
 HEADER = struct.Struct("!Q")  # the chunk's length, then its bytes
-CONNECT_TIMEOUT_S = 5.0  # a bulk port silent this long is taken as firewalled (a LAN connects in ms)
-IDLE_TIMEOUT_S = 10.0  # a holder closes a connection that brings no whole token this long after connecting or a chunk
 
 
 class BulkLost(Exception):

@@ -37,9 +37,9 @@ from typing import Callable
 
 from mooncake.p2p.bulk import HEADER, IDLE_TIMEOUT_S, TOKEN_BYTES, set_timeouts
 from mooncake.p2p.objects import LocalObject, NotHeld
+from mooncake.p2p.timing import GRANT_TTL_S
 
 log = logging.getLogger(__name__)
-GRANT_TTL_S = 30.0
 MAX_GRANTS = 4096  # tokens outstanding at a holder; the oldest go first
 MAX_CONNECTIONS = 1024  # bulk connections a holder has open (the default of ``max_connections``)
 MAX_CONNECTIONS_PER_PEER = 128  # bulk connections a holder accepts from one address (2 x the most in flight)

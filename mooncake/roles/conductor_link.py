@@ -37,12 +37,12 @@ from mooncake.security import Curve
 from mooncake.sockets import DEFAULT_MAX_MSG_BYTES, limit_message_size, recv_multipart, send_multipart
 from mooncake.term_fence import TermFence
 from mooncake.ticks import REPORT_EVERY_S, SLACK_S, last_tick, until_tick
+from mooncake.roles.timing import TAKEN_RETRY_S
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-TAKEN_RETRY_S = 1.0  # a registration refused as ``node_id_taken`` (the process it replaces not gone yet) is retried
 
 
 class HandshakeError(RuntimeError):

@@ -41,12 +41,10 @@ from mooncake.sched.cost_model import DecodeCostModel
 from mooncake.sched.colocated_budget import reachable_target_ms
 from mooncake.sched.request_class import (FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency,
                                           yields_to)
+from mooncake.roles.timing import YIELD_AT_MOST_S
 
 log = logging.getLogger(__name__)
 STEPS_PER_S = 32  # decode steps a second the conductor's cost model learns from (a refit reads 256)
-# Flex work yields the cores to an interactive prefill on this machine for at most this long per
-# reservation (a prefill that takes longer is queued or stuck, and flex work goes on meanwhile).
-YIELD_AT_MOST_S = 10.0
 
 
 class DecodeWorker(EngineWorker):

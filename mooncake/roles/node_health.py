@@ -17,9 +17,9 @@ import urllib.request
 from typing import Callable
 
 from mooncake.config import Config
+from mooncake.roles.timing import READ_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-READ_TIMEOUT_S = 5.0
 
 
 class NodeHealth:

@@ -33,9 +33,9 @@ from mooncake.kv.prefill_kv import PrefillKV, ShipTo
 from mooncake.kv.sender import KVSender
 from mooncake.sched.pipeline import group_chunk_tokens
 from mooncake.security import allowed
+from mooncake.roles.timing import ACTIVATION_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-ACTIVATION_TIMEOUT_S = 60.0  # a stage that hears nothing from the one before for this long gives up
 
 
 class StageError(RuntimeError):

@@ -44,6 +44,7 @@ from .dram import DramTier
 from .durability import Durability
 from .lmdb_tier import LmdbTier
 from .block_placement import EventSink, Placement
+from .timing import MAX_KEEP_S
 from .write_through import WriteThrough
 
 
@@ -273,9 +274,6 @@ class TieredStore:
         with self.placement.lock:
             for t in self.tiers:
                 t.close()
-
-
-MAX_KEEP_S = 7 * 86400.0  # a session's blocks are kept at most this long, whatever a request asks
 
 
 def _until(keep_s: float) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-WINDOW_S = 60.0  # the budget is per this many seconds
+from mooncake.tiers.timing import WINDOW_S
 
 
 class WriteBudget:
