@@ -1,5 +1,6 @@
-"""Speculative decoding (issue 54): `mooncake serve`'s default shape (one colocated instance) with
-``[engine] speculative`` off and ``"ngram"``, one cluster after the other, in one run.
+"""Speculative decoding (issue 54): `mooncake serve`'s default shape (one colocated instance; ``--shape pair``:
+a prefill/decode pair, as ``--disaggregated``) with ``[engine] speculative`` off and ``"ngram"``, one cluster
+after the other, in one run.
 
 * **Quoting, batch 1**: chat requests whose answers quote their prompt (a paragraph repeated with one
   word changed, a function with a variable renamed; ``PROMPTS``), greedy, streamed one at a time after a
@@ -15,8 +16,8 @@
 Modes alternate ``--rounds`` times (off, on, off, on, ...) so that a shared machine's drift falls on both.
 
     flock /tmp/mooncake-cpu.lock env PYTHONPATH=benchmarks .venv/bin/python benchmarks/bench_speculative.py \\
-        [--reps 3] [--max-tokens 256] [--trace-requests 69] [--rate-scale 1] [--full-output] [--rounds 1]
-        [--json PATH]
+        [--shape colocated|pair] [--reps 3] [--max-tokens 256] [--trace-requests 69] [--rate-scale 1]
+        [--full-output] [--rounds 1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mooncake.bench.client import RequestRecord, stream_request
 from mooncake.config import Config
 from mooncake.local.machine_cluster import LocalCluster
 from mooncake.testing.api import metric
+from mooncake.testing.cluster import SHAPES
 from mooncake.testing.ports import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -64,12 +66,12 @@ PROMPTS = [
 WARM = "Repeat this sentence exactly: the cat sat on the mat."
 
 
-def start(speculative: str) -> LocalCluster:
+def start(speculative: str, shape: str) -> LocalCluster:
     cfg = Config()
     cfg.frontend.port = free_port()
     cfg.store.data_dir = tempfile.mkdtemp(prefix="mooncake-speculative-")
     cfg.engine.speculative = speculative  # type: ignore[assignment]
-    return start_local(cfg, prefill=0, decode=0, colocated=1)
+    return start_local(cfg, **SHAPES[shape])
 
 
 async def quote(url: str, text: str, max_tokens: int) -> tuple[str, RequestRecord]:
@@ -118,6 +120,7 @@ async def replay(url: str, n: int, rate_scale: float, full_output: bool, salt: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="colocated")
     ap.add_argument("--reps", type=int, default=3, help="passes over the quoting prompts per mode")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--trace-requests", type=int, default=69, help="0: no trace replay")
@@ -129,7 +132,7 @@ def main() -> None:
     runs: list[dict] = []
     for rnd in range(args.rounds):
         for mode in ("off", "ngram"):
-            cluster = start(mode)
+            cluster = start(mode, args.shape)
             try:
                 run: dict = {"mode": mode, "round": rnd,
                              "quoting": asyncio.run(quoting(cluster.url, args.reps, args.max_tokens))}
