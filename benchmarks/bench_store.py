@@ -23,8 +23,7 @@ from mooncake.kv.integrity import checksums
 from mooncake.testing.store_process import start_store_process
 from mooncake.tiers.base import StoredBlock
 from mooncake.tiers.client import StoreClient
-from mooncake.tiers.device import DeviceTier
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DeviceTier, DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -29,7 +29,7 @@ from mooncake.bench.publish import publish
 from mooncake.kv.integrity import checksums
 from mooncake.testing.store_process import start_store_process
 from mooncake.tiers.client import StoreClient
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 from mooncake.tiers.tiered import TieredStore
 

@@ -41,7 +41,7 @@ from mooncake.roles.block_events import BlockEvents
 from mooncake.roles.conductor_link import ConductorLink
 from mooncake.roles.orders import Orders
 from mooncake.roles.token_outlets import TokenOutlets
-from mooncake.roles.worker import machine_id
+from mooncake.roles.engine_host import machine_id
 
 FIRST_OUTPUT_ID = 1000  # output token ids cycle from here: ordinary words, no special tokens
 

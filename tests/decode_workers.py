@@ -27,8 +27,8 @@ def small_decode_worker(colocated: bool = False) -> Iterator:
     cfg.engine.profile_at_start = False
     w = (ColocatedWorker if colocated else DecodeWorker)(cfg)
     yield w
-    w._pool.shutdown(wait=False)
-    w.ctx.term()
+    w.host.pool.shutdown(wait=False)
+    w.host.ctx.term()
 
 
 async def until(condition, timeout_s: float = 30.0) -> None:

@@ -129,27 +129,27 @@ def decode_worker():
     cfg.model.device, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", 16 * MiB, 1
     w = DecodeWorker(cfg)
     yield w
-    w._pool.shutdown(wait=False)
-    w.ctx.term()
+    w.host.pool.shutdown(wait=False)
+    w.host.ctx.term()
 
 
 async def test_decode_admits_only_kv_with_the_attempts_token_and_checksums(decode_worker):
     w = decode_worker
-    w.send = Recorder()
-    T = w.engine.block_tokens
+    w.host.send = Recorder()
+    T = w.host.engine.block_tokens
     tokens = list(range(100, 100 + 2 * T))
     token = b"k" * 16
     await w.handle(P.DecodeRequest("r1", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
-    assert [type(m) for m in w.send.sent] == [P.Reserved]
-    slot = w.incoming["r1"]
-    kv = torch.randn(2, *w.engine.block_shape, dtype=w.engine.dtype)
+    assert [type(m) for m in w.host.send.sent] == [P.Reserved]
+    slot = w.batch.incoming["r1"]
+    kv = torch.randn(2, *w.host.engine.block_shape, dtype=w.host.engine.dtype)
 
     def frames(tok: bytes, sums: list[int], blocks: torch.Tensor = kv) -> list:
         return P.encode(P.KVTransfer("r1", 0, token=tok, checksums=sums), list(blocks.unbind(0)))
 
     await w.kv.on_kv(frames(b"x" * 16, checksums(kv)))  # forged: another token
     await w.kv.on_kv(frames(b"", checksums(kv)))
-    assert slot.next_block == 0 and w.rejections.snapshot()["token"] == 4 and "r1" in w.incoming
+    assert slot.next_block == 0 and w.host.rejections.snapshot()["token"] == 4 and "r1" in w.batch.incoming
     await w.kv.on_kv(frames(token, checksums(kv)))  # the real one still lands
     assert slot.next_block == 2
 
@@ -157,10 +157,10 @@ async def test_decode_admits_only_kv_with_the_attempts_token_and_checksums(decod
     bad = checksums(kv)
     bad[1] ^= 1
     await w.kv.on_kv(P.encode(P.KVTransfer("r2", 0, token=token, checksums=bad), list(kv.unbind(0))))
-    failed = [m for m in w.send.sent if isinstance(m, P.Failed)]
+    failed = [m for m in w.host.send.sent if isinstance(m, P.Failed)]
     assert [f.req_id for f in failed] == ["r2"] and failed[0].kind is P.FailureKind.RETRY  # recomputed elsewhere
-    assert "r2" not in w.incoming and w.rejections.snapshot()["checksum"] == 2
-    await w._drop("r1")
+    assert "r2" not in w.batch.incoming and w.host.rejections.snapshot()["checksum"] == 2
+    await w.batch.drop("r1")
 
 
 @pytest.mark.parametrize("shm", [False, True])
@@ -192,19 +192,19 @@ async def test_a_store_block_that_changed_since_its_put_is_a_miss(tmp_path, shm)
 
 async def test_write_backs_in_flight_are_bounded(decode_worker):
     w = decode_worker
-    w.cfg.security.max_pending_writes = 2
-    kv = torch.zeros(1, *w.engine.block_shape, dtype=w.engine.dtype)
+    w.host.cfg.security.max_pending_writes = 2
+    kv = torch.zeros(1, *w.host.engine.block_shape, dtype=w.host.engine.dtype)
     endpoint = "tcp://127.0.0.1:9"  # nothing answers: each put stays in flight until its timeout
     try:
         for i in range(5):
-            w.stores.write_back(endpoint, [bytes([i]) * 32], kv)
-        assert len(w.stores.writes) == 2 and w.stores.writes_dropped == 3
+            w.host.stores.write_back(endpoint, [bytes([i]) * 32], kv)
+        assert len(w.host.stores.writes) == 2 and w.host.stores.writes_dropped == 3
         assert w.load().writes_dropped == 3  # reported to the conductor (mooncake:kv_writes_dropped)
     finally:
-        for task in list(w.stores.writes):
+        for task in list(w.host.stores.writes):
             task.cancel()
-        await asyncio.gather(*w.stores.writes, return_exceptions=True)
-        w.stores.forget(endpoint, StoreUnavailable("test over"))
+        await asyncio.gather(*w.host.stores.writes, return_exceptions=True)
+        w.host.stores.forget(endpoint, StoreUnavailable("test over"))
 
 
 def test_mooncake_keys_writes_a_keypair_per_role_kind(tmp_path, capsys):

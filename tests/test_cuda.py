@@ -10,8 +10,7 @@ import torch
 from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, load_model
 from mooncake.protocol import Sampling
-from mooncake.tiers.device import DeviceTier
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DeviceTier, DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 from mooncake.tiers.tiered import TieredStore
 

@@ -29,8 +29,8 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
     import mooncake.kv.ingress as decode_kv
 
     w = decode_worker
-    w.send = Recorder()
-    eng = w.engine
+    w.host.send = Recorder()
+    eng = w.host.engine
     T, token = eng.block_tokens, b"k" * 16
     kv = {"r1": torch.full((2, *eng.block_shape), 1.0, dtype=eng.dtype),
           "r2": torch.full((2, *eng.block_shape), 2.0, dtype=eng.dtype)}
@@ -48,8 +48,8 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
         tokens = list(range(first, first + 2 * T))
         await w.handle(P.DecodeRequest(rid, tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
         await w.handle(P.FirstToken(rid, 7), [])
-    endpoint = w.kv.bind(w.ctx, "127.0.0.1", 0, w.max_message_bytes)
-    out = connect_kv_egress(w.ctx, None, endpoint)
+    endpoint = w.kv.bind(w.host.ctx, "127.0.0.1", 0, w.host.max_message_bytes)
+    out = connect_kv_egress(w.host.ctx, None, endpoint)
     loop = asyncio.create_task(w.kv.receive_loop())
     try:
         def block(rid: str, first: int) -> list:
@@ -58,13 +58,13 @@ async def test_a_request_held_at_its_check_does_not_hold_up_another(decode_worke
 
         for frames in (block("r1", 0), block("r1", 1), block("r2", 0), block("r2", 1)):
             await send_multipart(out, frames)
-        await until(lambda: "r2" in w.running)  # r2 landed whole and started while r1 is held
-        assert held.is_set() and w.incoming["r1"].next_block == 0  # r1's second block waits behind its first
+        await until(lambda: "r2" in w.batch.running)  # r2 landed whole and started while r1 is held
+        assert held.is_set() and w.batch.incoming["r1"].next_block == 0  # r1's second block waits behind its first
         release.set()
-        await until(lambda: "r1" in w.running)
-        assert not [m for m in w.send.sent if isinstance(m, P.Failed)]  # r1's blocks landed in order
+        await until(lambda: "r1" in w.batch.running)
+        assert not [m for m in w.host.send.sent if isinstance(m, P.Failed)]  # r1's blocks landed in order
         for rid in ("r1", "r2"):
-            assert torch.equal(eng.kv.export_sequence(w.running[rid].seq, 0, 2), kv[rid])
+            assert torch.equal(eng.kv.export_sequence(w.batch.running[rid].seq, 0, 2), kv[rid])
     finally:
         release.set()
         loop.cancel()

@@ -115,8 +115,8 @@ async def test_an_interactive_prompt_never_waits_for_a_place_flex_work_holds():
     finally:
         for t in loops:
             t.cancel()
-        w._pool.shutdown(wait=False)
-        w.ctx.term()
+        w.host.pool.shutdown(wait=False)
+        w.host.ctx.term()
 
 
 def test_calls_of_one_class_go_by_the_tenants_fair_order_and_never_wait_for_each_other():

@@ -228,7 +228,7 @@ def test_serve_restarts_a_role_killed_9_and_gives_up_on_one_that_keeps_dying(tmp
 
 def test_the_start_up_profile_is_logged_in_words():
     from mooncake.protocol.engine_profile import EngineProfile
-    from mooncake.roles.worker import describe_profile
+    from mooncake.roles.engine_host import describe_profile
 
     p = EngineProfile(prefill=[(128, 0, 0.5094), (128, 1024, 3.2)], decode=[(8, 1024, 0.285)], seconds=5.5)
     assert describe_profile(p) == ("prefill 128 tokens 509 ms, 128 tokens after 1024 cached 3200 ms; "

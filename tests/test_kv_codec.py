@@ -341,8 +341,8 @@ def int8_decode_worker():
     cfg.model.device, cfg.model.kv_codec, cfg.engine.kv_cache_bytes, cfg.engine.threads = "cpu", "int8", 16 << 20, 1
     w = DecodeWorker(cfg)
     yield w
-    w._pool.shutdown(wait=False)
-    w.ctx.term()
+    w.host.pool.shutdown(wait=False)
+    w.host.ctx.term()
 
 
 @pytest.mark.parametrize("layer", [None, 1])
@@ -356,13 +356,13 @@ async def test_a_decode_refuses_kv_with_a_non_finite_scale_as_corrupt(int8_decod
     async def send(msg: P.Msg) -> None:
         sent.append(msg)
 
-    w.send = send
-    T, token, req = w.engine.block_tokens, b"k" * 16, f"poisoned-{layer}"
-    before = w.rejections.snapshot().get("checksum", 0)
+    w.host.send = send
+    T, token, req = w.host.engine.block_tokens, b"k" * 16, f"poisoned-{layer}"
+    before = w.host.rejections.snapshot().get("checksum", 0)
     await w.handle(P.DecodeRequest(req, list(range(100, 100 + 2 * T)), [], b"root", P.Sampling(max_tokens=2),
                                    kv_token=token), [])
-    assert req in w.incoming
-    kv = poisoned(w.engine.kv.codec.encode(torch.randn(2, *w.engine.block_shape, dtype=w.engine.dtype)), 1,
+    assert req in w.batch.incoming
+    kv = poisoned(w.host.engine.kv.codec.encode(torch.randn(2, *w.host.engine.block_shape, dtype=w.host.engine.dtype)), 1,
                   float("inf"))
     if layer is None:
         frames = P.encode(P.KVTransfer(req, 0, token=token, checksums=checksums(kv)), list(kv.unbind(0)))
@@ -372,4 +372,4 @@ async def test_a_decode_refuses_kv_with_a_non_finite_scale_as_corrupt(int8_decod
     await w.kv.on_kv(frames)
     failed = [m for m in sent if isinstance(m, P.Failed)]
     assert [f.req_id for f in failed] == [req] and failed[0].kind is P.FailureKind.RETRY
-    assert req not in w.incoming and w.rejections.snapshot()["checksum"] > before
+    assert req not in w.batch.incoming and w.host.rejections.snapshot()["checksum"] > before

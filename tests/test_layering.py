@@ -165,7 +165,9 @@ def test_no_function_takes_an_orchestrating_object():
 
 def test_no_class_inherits_a_mixin_from_another_module():
     """A base class from another module of the package is an interface (ABC, Protocol), a message,
-    a config section or an exception: never half of a class split across files."""
+    a config section or an exception: never half of a class split across files. An interface
+    from another module holds no state (no ``__init__``) and its concrete methods are not
+    overridden: a role built on another role, or a tier on another tier's storage, composes them."""
     import abc
     import enum
     import importlib
@@ -173,6 +175,12 @@ def test_no_class_inherits_a_mixin_from_another_module():
 
     import msgspec
     import pydantic
+
+    def interface_misuse(cls: type, base: type) -> list[str]:
+        found = ["__init__"] if "__init__" in vars(base) else []
+        abstract = getattr(base, "__abstractmethods__", frozenset())
+        return found + [f"overrides {n}" for n, v in vars(base).items()
+                        if not n.startswith("__") and callable(v) and n not in abstract and n in vars(cls)]
 
     mixins = []
     for path in modules():
@@ -183,13 +191,16 @@ def test_no_class_inherits_a_mixin_from_another_module():
         for cls in vars(module).values():
             if not inspect.isclass(cls) or cls.__module__ != name:
                 continue
-            for base in cls.__bases__:
+            for base in cls.__mro__[1:]:
                 if not base.__module__.startswith("mooncake.") or base.__module__ == name:
                     continue
-                if isinstance(base, abc.ABCMeta) or getattr(base, "_is_protocol", False) or issubclass(
-                        base, (BaseException, msgspec.Struct, pydantic.BaseModel, enum.Enum)):
+                if issubclass(base, (BaseException, msgspec.Struct, pydantic.BaseModel, enum.Enum)):
                     continue
-                mixins.append(f"{name}.{cls.__name__}({base.__module__}.{base.__name__})")
+                where = f"{name}.{cls.__name__}({base.__module__}.{base.__name__})"
+                if isinstance(base, abc.ABCMeta) or getattr(base, "_is_protocol", False):
+                    mixins += [f"{where}: {why}" for why in interface_misuse(cls, base)]
+                elif base in cls.__bases__:
+                    mixins.append(where)
     assert not mixins, "\n".join(mixins)
 
 
@@ -211,7 +222,7 @@ def test_the_persistent_tier_is_used_through_its_interface():
     import pytest
 
     from mooncake.tiers.base import Tier
-    from mooncake.tiers.dram import DramTier
+    from mooncake.tiers.memory import DramTier
     from mooncake.tiers.lmdb_tier import LmdbTier
     from mooncake.tiers.persistent import PersistentTier, persistent_index
 
@@ -226,6 +237,6 @@ def test_the_persistent_tier_is_used_through_its_interface():
     lmdb_like = type("Durable", (PersistentTier,), {n: lambda *a: None for n in PersistentTier.__abstractmethods__})
     lmdb_like.name = "durable"
     with pytest.raises(ValueError, match="last"):
-        persistent_index([lmdb_like(1), dram])
+        persistent_index([lmdb_like(), dram])
     with pytest.raises(ValueError, match="at most one"):
-        persistent_index([dram, lmdb_like(1), lmdb_like(1)])
+        persistent_index([dram, lmdb_like(), lmdb_like()])

@@ -139,8 +139,8 @@ async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_w
     from mooncake.kv.integrity import checksums
 
     w = decode_worker
-    w.send = Recorder()
-    eng = w.engine
+    w.host.send = Recorder()
+    eng = w.host.engine
     L, T = eng.block_shape[0], eng.block_tokens
     tokens = list(range(100, 100 + 3 * T))
     token = b"k" * 16
@@ -154,7 +154,7 @@ async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_w
         return P.encode(P.KVLayer(rid, first, layer, token=token, checksums=sums), [part])
 
     await w.handle(P.DecodeRequest("r1", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
-    slot = w.incoming["r1"]
+    slot = w.batch.incoming["r1"]
     await w.kv.on_kv(P.encode(P.KVTransfer("r1", 0, token=token, checksums=checksums(kv[:1])), [kv[0]]))
     assert slot.next_block == 1  # a whole block counts for every layer
     for layer in range(L):
@@ -162,10 +162,10 @@ async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_w
         assert slot.next_block == (2 if layer == L - 1 else 1)  # block 1 is used only once whole
     for layer in reversed(range(L)):  # layers may arrive in any order; blocks per layer in order
         await w.kv.on_kv(layer_msg("r1", 2, 1, layer))
-    assert slot.kv_complete and not [m for m in w.send.sent if isinstance(m, P.Failed)]
+    assert slot.kv_complete and not [m for m in w.host.send.sent if isinstance(m, P.Failed)]
     landed = eng.kv.export_sequence(slot.seq, 0, 3)
     assert torch.equal(landed, kv)
-    await w._drop("r1")
+    await w.batch.drop("r1")
 
     await w.handle(P.DecodeRequest("r2", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     await w.kv.on_kv(layer_msg("r2", 1, 1, 0))  # skips block 0 of layer 0: out of order
@@ -173,11 +173,11 @@ async def test_decode_assembles_layers_and_uses_a_block_only_when_whole(decode_w
     await w.kv.on_kv(layer_msg("r3", 0, 2, 5, corrupt=True))
     await w.handle(P.DecodeRequest("r4", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     await w.kv.on_kv(layer_msg("r4", 0, 1, L))  # no such layer
-    failed = {m.req_id: m.message for m in w.send.sent if isinstance(m, P.Failed)}
+    failed = {m.req_id: m.message for m in w.host.send.sent if isinstance(m, P.Failed)}
     assert set(failed) == {"r2", "r3", "r4"}
     assert "checksum" in failed["r3"] and "out of order" in failed["r2"] and "out of order" in failed["r4"]
     await w.handle(P.DecodeRequest("r5", tokens, [], b"root", P.Sampling(max_tokens=2), kv_token=token), [])
     empty = P.encode(P.KVLayer("r5", 0, 0, token=token, checksums=[0]), [torch.zeros(0, *eng.block_shape[1:])])
     await w.kv.on_kv(empty)  # malformed: dropped, the request still waits for its KV
-    assert "r5" in w.incoming and w.incoming["r5"].next_block == 0
-    await w._drop("r5")
+    assert "r5" in w.batch.incoming and w.batch.incoming["r5"].next_block == 0
+    await w.batch.drop("r5")

@@ -22,7 +22,7 @@ from mooncake.testing.api import MODEL, complete, metric, metrics, stream, strea
 from mooncake.testing.cluster import running_cluster, small_config
 from mooncake.testing.ports import free_port
 from mooncake.testing.wait import wait_for
-from mooncake.roles.worker import STALL_ENV
+from mooncake.roles.engine_host import STALL_ENV
 
 from oracle import greedy
 

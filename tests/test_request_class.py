@@ -98,10 +98,10 @@ def test_a_tenants_burst_of_prompts_never_keeps_another_tenants_from_reserving_o
         return SimpleNamespace(seq=SimpleNamespace(prefilled=False, sampling=P.Sampling(request_class=cls_name, fair_tag=tag)))
 
     worker = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_prefill_batch=4)),
-                             incoming={f"a{i}": slot(10.0 + i) for i in range(4)})  # tenant A's burst holds its room
+                             batch=SimpleNamespace(incoming={f"a{i}": slot(10.0 + i) for i in range(4)}))  # tenant A's burst holds its room
 
     def may(**sampling: object) -> bool:
-        return ColocatedWorker._may_reserve(worker, SimpleNamespace(sampling=P.Sampling(**sampling)))  # type: ignore[arg-type]
+        return ColocatedWorker.may_reserve(worker, SimpleNamespace(sampling=P.Sampling(**sampling)))  # type: ignore[arg-type]
 
     assert may(fair_tag=5.0)  # tenant B, ahead of A's burst in the fair order
     assert not may(fair_tag=20.0)  # A's next waits for its own burst
@@ -230,12 +230,12 @@ def test_a_forward_shared_by_tenants_is_as_long_as_twice_the_first_tenants_chunk
 
 
 def test_a_decode_instance_reserves_by_class_and_preempts_flex_work_first():
-    from mooncake.roles.decode import DecodeWorker, preemption_victim
+    from mooncake.roles.decode_batch import DecodeBatch, preemption_victim
 
     w = SimpleNamespace(pending=deque())
     for rid, cls_name, priority in (("f1", "flex", 0), ("d1", "default", 0), ("f2", "flex", -1), ("d2", "default", 0),
                                 ("p1", "priority", 0), ("d0", "default", -1)):
-        DecodeWorker._enqueue(w, P.DecodeRequest(rid, [1], [], b"r", P.Sampling(request_class=cls_name, priority=priority)))
+        DecodeBatch._enqueue(w, P.DecodeRequest(rid, [1], [], b"r", P.Sampling(request_class=cls_name, priority=priority)))
     assert [m.req_id for m in w.pending] == ["p1", "d0", "d1", "d2", "f2", "f1"]
 
     def slot(uid: int, cls_name: str = "default") -> SimpleNamespace:
@@ -267,7 +267,7 @@ def test_each_class_is_held_to_its_own_ttft_slo():
 
 def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     from mooncake.config import Config
-    from mooncake.roles.decode import YIELD_AT_MOST_S, DecodeWorker
+    from mooncake.roles.decode_batch import YIELD_AT_MOST_S, DecodeBatch
 
     def slot(uid: int, cls_name: str = "default") -> SimpleNamespace:
         return SimpleNamespace(seq=SimpleNamespace(uid=uid, num_tokens=1000, sampling=P.Sampling(request_class=cls_name)))
@@ -277,25 +277,25 @@ def test_a_decode_step_leaves_out_the_flex_work_past_the_slo():
     w = SimpleNamespace(running=running, step_cost=cost, incoming={}, tbt_default_ms=200.0,
                         cfg=Config())
     w.cfg.admission.tbt_slo_ms = 45
-    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
+    assert [s.seq.uid for s in DecodeBatch.batch(w)] == [0, 2, 4, 1]  # the oldest flex one joins
     w.cfg.classes.default.tbt_slo_ms = 55  # the default class's own SLO: one more flex joins
-    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1, 3]
+    assert [s.seq.uid for s in DecodeBatch.batch(w)] == [0, 2, 4, 1, 3]
     running["0"] = slot(0, "priority")
     w.cfg.classes.priority.tbt_slo_ms = 35  # the tightest class running holds them all to it
-    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
+    assert [s.seq.uid for s in DecodeBatch.batch(w)] == [0, 2, 4]
     w.cfg.admission.tbt_slo_ms = w.cfg.classes.default.tbt_slo_ms = w.cfg.classes.priority.tbt_slo_ms = 0
-    assert len(DecodeWorker._batch(w)) == 6  # no SLO: the default target (200 ms) holds with all six
+    assert len(DecodeBatch.batch(w)) == 6  # no SLO: the default target (200 ms) holds with all six
     w.tbt_default_ms = 45  # a slower machine's default target: flex work joins only within it
-    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4, 1]
+    assert [s.seq.uid for s in DecodeBatch.batch(w)] == [0, 2, 4, 1]
     w.tbt_default_ms = 200.0
     reserved = slot(9)  # an interactive request's prefill runs on this machine: no flex work steps
     w.incoming["9"] = SimpleNamespace(seq=reserved.seq, msg=SimpleNamespace(prefill_beside=True),
                                       reserved_at=time.monotonic())
-    assert [s.seq.uid for s in DecodeWorker._batch(w)] == [0, 2, 4]
+    assert [s.seq.uid for s in DecodeBatch.batch(w)] == [0, 2, 4]
     w.incoming["9"].reserved_at -= YIELD_AT_MOST_S + 1  # a prefill that slow gets no more of it
-    assert len(DecodeWorker._batch(w)) == 6
+    assert len(DecodeBatch.batch(w)) == 6
     w.incoming["9"].reserved_at, w.incoming["9"].msg.prefill_beside = time.monotonic(), False
-    assert len(DecodeWorker._batch(w)) == 6  # on another machine: it takes nothing from flex work here
+    assert len(DecodeBatch.batch(w)) == 6  # on another machine: it takes nothing from flex work here
 
 
 def test_flex_work_waits_past_the_interactive_no_progress_timeout():

@@ -17,8 +17,7 @@ from mooncake.conductor.session_keeper import SessionKeeper
 from mooncake.engine.kv_cache import BlockManager
 from mooncake.kv.integrity import Rejections, checksums
 from mooncake.tenant_quota import TenantQuota
-from mooncake.tiers.device import DeviceTier
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DeviceTier, DramTier
 from mooncake.tiers.lru import LRU
 from mooncake.tiers.block_placement import OTHER
 from mooncake.tiers.store_requests import StoreRequests

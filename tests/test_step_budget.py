@@ -98,13 +98,13 @@ def _request(rid: str, cls_name: str, block_tokens: int) -> P.DecodeRequest:
 
 async def test_flex_prompts_never_keep_an_interactive_one_from_reserving(colocated_worker):
     w = colocated_worker
-    w.send = Recorder()
-    T, cap = w.engine.block_tokens, w.cfg.engine.max_prefill_batch
+    w.host.send = Recorder()
+    T, cap = w.host.engine.block_tokens, w.host.cfg.engine.max_prefill_batch
     for i in range(cap + 1):
         await w.handle(_request(f"flex{i}", "flex", T), [])
-    assert len(w.incoming) == cap and [m.req_id for m in w.pending] == [f"flex{cap}"]  # flex waits its turn
+    assert len(w.batch.incoming) == cap and [m.req_id for m in w.batch.pending] == [f"flex{cap}"]  # flex waits its turn
     await w.handle(_request("chat", "default", T), [])
-    assert "chat" in w.incoming  # beside the flex prompts holding theirs
+    assert "chat" in w.batch.incoming  # beside the flex prompts holding theirs
     await w.close()
 
 
@@ -115,25 +115,25 @@ def _slot(cls_name: str, num_tokens: int = 1000, prefilled: bool = True) -> Simp
 
 async def test_the_role_sizes_each_step_by_the_classes_it_decodes(colocated_worker):
     w = colocated_worker
-    chunk = w.cfg.engine.prefill_chunk_tokens
+    chunk = w.host.cfg.engine.prefill_chunk_tokens
     chat_prompt, flex_prompt = _slot("default", 600, prefilled=False).seq, _slot("flex", 600, prefilled=False).seq
     chat_prompt.tokens = flex_prompt.tokens = list(range(600))
     assert w.step_target_ms == DEFAULT_TBT_TARGET_MS and w.step_tokens == 0
     assert w._prompt_budget([], 0, [chat_prompt]) == chunk  # nothing decodes: a whole chunk
     chat = [_slot("default") for _ in range(8)]
     eight = w._prompt_budget(chat, 8000, [chat_prompt])
-    assert w.engine.block_tokens <= eight < chunk  # interactive rows: what keeps the step within 200 ms
+    assert w.host.engine.block_tokens <= eight < chunk  # interactive rows: what keeps the step within 200 ms
     assert w._prompt_budget(chat * 3, 24000, [chat_prompt]) < eight  # more rows, smaller chunks
     assert w._prompt_budget([_slot("flex") for _ in range(8)], 8000, [chat_prompt]) == chunk  # flex rows: no target
     # a flex prompt beside interactive rows: only the flex allowance (half their step + 20 ms), a block at least
     flex_only = w._prompt_budget(chat, 8000, [flex_prompt])
-    assert w.engine.block_tokens <= flex_only < eight
+    assert w.host.engine.block_tokens <= flex_only < eight
     assert w._prompt_budget(chat, 8000, [chat_prompt, flex_prompt]) == eight  # interactive chunks take the room
-    assert w._prompt_budget([], 0, [flex_prompt]) == w.cfg.classes.flex_chunk_tokens  # flex work alone
+    assert w._prompt_budget([], 0, [flex_prompt]) == w.host.cfg.classes.flex_chunk_tokens  # flex work alone
     short = _slot("default", 600, prefilled=False).seq  # an interactive prompt with 24 tokens left to compute
     short.tokens, short.num_computed = list(range(600)), 576
-    assert 24 <= w._prompt_budget([], 0, [short, flex_prompt]) < w.cfg.classes.flex_chunk_tokens
-    w.cfg.classes.default.tbt_slo_ms = 400  # a class's own SLO is its target
+    assert 24 <= w._prompt_budget([], 0, [short, flex_prompt]) < w.host.cfg.classes.flex_chunk_tokens
+    w.host.cfg.classes.default.tbt_slo_ms = 400  # a class's own SLO is its target
     assert w._prompt_budget(chat, 8000, [chat_prompt]) > eight
     w.step_tokens = 128  # [engine] step_tokens fixes it, less a token per row
     assert w._prompt_budget(chat, 8000, [chat_prompt]) == 120

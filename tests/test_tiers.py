@@ -6,8 +6,7 @@ import torch
 import pytest
 
 from mooncake.tiers.base import StoredBlock
-from mooncake.tiers.device import DeviceTier
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DeviceTier, DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 from mooncake.tiers.lru import LRU
 from mooncake.tiers.tiered import TieredStore

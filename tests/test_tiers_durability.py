@@ -20,7 +20,7 @@ from mooncake.testing.store_process import start_store_process
 from mooncake.testing.wait import wait_for
 from mooncake.tiers.client import StoreClient
 from mooncake.tiers.dir_lock import DirLocked
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 from mooncake.tiers.tiered import TieredStore
 

@@ -7,8 +7,7 @@ import tempfile
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mooncake.tiers.device import DeviceTier
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DeviceTier, DramTier
 from mooncake.tiers.lmdb_tier import LmdbTier
 from mooncake.tiers.tiered import TieredStore
 

@@ -8,7 +8,7 @@ import torch
 
 from mooncake import protocol as P
 from mooncake.kv.integrity import Rejections, checksums
-from mooncake.tiers.dram import DramTier
+from mooncake.tiers.memory import DramTier
 from mooncake.tiers.store_requests import StoreRequests
 from mooncake.tiers.tiered import TieredStore
 from mooncake.tiers.write_budget import WINDOW_S, WriteBudget

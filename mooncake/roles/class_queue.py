@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from mooncake.sched.request_class import urgency
 

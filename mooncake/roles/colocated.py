@@ -22,8 +22,9 @@ twice costing a fraction of that. A prompt that fails in its half fails alone. W
 decoding, prompts take whole ``prefill_chunk_tokens`` chunks; ``[engine] step_tokens`` fixes the
 step's tokens instead. At most ``max_prefill_batch`` prompts of a class hold blocks before they are
 computed. Everything else (reservations, the batch, preemption, retiring, tokens
-straight to the frontends) is the decode role's; the store reads and writes are the prefill
-role's (``kv/prefill_kv.py``), without a KV hand-off.
+straight to the frontends) is the decode role's ``DecodeBatch`` (``decode_batch.py``), to which this
+role is the ``Admission``; the store reads and writes are the prefill role's (``kv/prefill_kv.py``),
+without a KV hand-off.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from mooncake.kv.ingress import Slot
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.protocol.engine_profile import EngineProfile
-from mooncake.roles.decode import DecodeWorker
+from mooncake.roles.decode_batch import DecodeBatch
+from mooncake.roles.engine_host import EngineHost
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.sched.colocated_budget import StepBudget
 from mooncake.sched.cost_model import DecodeCostModel, PrefillCostModel
@@ -65,20 +67,26 @@ class _Gone(Exception):
     """The request left while its prompt waited for a step (aborted or preempted)."""
 
 
-class ColocatedWorker(DecodeWorker):
+class ColocatedWorker:
+    """The colocated role (an ``EngineRole``): an ``EngineHost``, its ``DecodeBatch`` (this role is
+    its ``Admission``) and the prompts computed a chunk a step."""
+
     role = "colocated"
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg)
-        self.step_tokens = min(cfg.engine.step_tokens, cfg.engine.prefill_chunk_tokens)  # fixed, if configured
-        self.budget = step_budget(cfg, self._profile, self.step_cost)
+        self.cfg = cfg
+        host = self.host = EngineHost(cfg, self.role)
+        self.engine, self.run_engine, self.tracer, self.node_id = host.engine, host.run_engine, host.tracer, host.node_id
+        self.batch = DecodeBatch(host, self)
+        self.step_tokens = host.step_tokens = min(cfg.engine.step_tokens, cfg.engine.prefill_chunk_tokens)  # fixed, if configured
+        self.budget = step_budget(cfg, host.profile, self.batch.step_cost)
         # what the conductor predicts this instance's steps by: the default class's target
-        self.step_target_ms = tbt_target_ms(P.Sampling(), cfg, self.tbt_default_ms)
+        self.step_target_ms = host.step_target_ms = tbt_target_ms(P.Sampling(), cfg, self.batch.tbt_default_ms)
         self.prompts: dict[str, tuple[Slot, asyncio.Future[PrefillStep]]] = {}  # waiting for their next chunk
         self.inflight = InflightBlocks()  # prompt blocks the prompts here are computing
         self.prefilling: set[str] = set()  # requests whose prompt is being prefilled here
-        self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
-                                   self.rejections, self._chunk)
+        self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), host.stores,
+                                   host.rejections, self._chunk)
         if self.step_tokens:
             log.info("colocated: %d tokens per step while decoding ([engine] step_tokens)", self.step_tokens)
         else:
@@ -86,31 +94,43 @@ class ColocatedWorker(DecodeWorker):
 
     async def start(self) -> None:
         if self.engine.prefix_caching:
-            self.publish_device_cache()
-        self._tasks.append(asyncio.create_task(self._step_loop()))
-        await self.serve({})
+            self.host.publish_device_cache()
+        self.host.tasks.append(asyncio.create_task(self.batch.run(self._step)))
+        await self.host.serve(self, {})
+
+    # ------------------------------------------------------------ EngineRole
 
     def busy(self) -> bool:
-        return super().busy() or bool(self.prompts)
+        return self.batch.busy() or bool(self.prompts)
+
+    def held_requests(self) -> list[str]:
+        return self.batch.held_requests()
 
     def load(self) -> P.Load:
-        load = super().load()
-        load.pending = load.pending or bool(self.prompts)
+        load = self.host.load(pending=bool(self.batch.batch()) or bool(self.prompts))
+        self.batch.report(load)
         return load
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
         if isinstance(msg, P.PrefillRequest):
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.create_task(self._prefill(msg)))
+            tasks = self.host.tasks
+            tasks[:] = [t for t in tasks if not t.done()]
+            tasks.append(asyncio.create_task(self._prefill(msg)))
         else:
-            await super().handle(msg, tensors)
+            await self.batch.handle(msg)
 
-    async def _hold(self, msg: P.DecodeRequest) -> Sequence | None:
+    async def close(self) -> None:
+        self.batch.outlets.close()
+        await self.host.close()
+
+    # ------------------------------------------------------------ Admission
+
+    async def hold(self, msg: P.DecodeRequest) -> Sequence | None:
         """The longest cached prefix attached and blocks for the rest, which this instance computes."""
         return await self.run_engine(self.engine.add_sequence, msg.req_id, msg.tokens, msg.sampling, None,
                                      msg.num_generated, [BlockHash(h) for h in msg.hashes], BlockHash(msg.root))
 
-    def _may_reserve(self, msg: P.DecodeRequest) -> bool:
+    def may_reserve(self, msg: P.DecodeRequest) -> bool:
         """At most ``max_prefill_batch`` prompts at least as urgent as ``msg`` (``urgency``: class,
         priority, the tenants' fair order) hold their blocks before they are computed: the others
         wait unreserved, leaving the pool to the running batch and the prefix cache (a burst
@@ -118,19 +138,19 @@ class ColocatedWorker(DecodeWorker):
         leave no room to import those the stores hold). Less urgent prompts never keep one from
         reserving: flex ones an interactive one, a tenant's burst another tenant's request."""
         key = urgency(msg.sampling)
-        ahead = sum(not s.seq.prefilled and urgency(s.seq.sampling) <= key for s in self.incoming.values())
+        ahead = sum(not s.seq.prefilled and urgency(s.seq.sampling) <= key for s in self.batch.incoming.values())
         return ahead < self.cfg.engine.max_prefill_batch
 
-    async def maybe_start(self, slot: Slot) -> None:
-        if slot.first_token is None or not slot.seq.prefilled or slot.started:
-            return
-        slot.started, slot.started_at = True, time.monotonic()  # its first token is in the sequence (the prefill sampled it)
-        self.join(slot)
+    def ready(self, slot: Slot) -> bool:
+        return slot.seq.prefilled
+
+    async def begin(self, slot: Slot) -> None:
+        """Nothing to do: its first token is in the sequence (the prefill sampled it)."""
 
     # ------------------------------------------------------------ prefill, one chunk per step
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
-        slot = self.incoming.get(req.req_id)
+        slot = self.batch.incoming.get(req.req_id)
         if slot is None or slot.seq.prefilled or req.req_id in self.prefilling:
             return  # dropped meanwhile, or a duplicate order
         self.prefilling.add(req.req_id)
@@ -141,9 +161,9 @@ class ColocatedWorker(DecodeWorker):
         except _Gone:
             log.debug("prefill of %s stopped: the request left", req.req_id)
         except Exception as e:  # report, never die
-            if self.incoming.get(req.req_id) is slot:
+            if self.batch.incoming.get(req.req_id) is slot:
                 log.exception("prefill of %s failed", req.req_id)
-                await self.give_up(slot, f"prefill failed: {type(e).__name__}: {e}")
+                await self.batch.give_up(slot, f"prefill failed: {type(e).__name__}: {e}")
         finally:
             self.prefilling.discard(req.req_id)
 
@@ -151,7 +171,7 @@ class ColocatedWorker(DecodeWorker):
         """The store reads the plan names, the chunks (each in a step), the store writes, the first token."""
         eng, T = self.engine, self.engine.block_tokens
         hashes = [BlockHash(h) for h in req.hashes]
-        kv = PrefillKV(req, hashes, eng, self.loader, self._no_hand_off, self.stores, 1, layer_load=False)
+        kv = PrefillKV(req, hashes, eng, self.loader, self._no_hand_off, self.host.stores, 1, layer_load=False)
         fetched, fetch_s = await kv.start_load(slot.seq.num_cached_tokens // T)
         if fetched:  # the fetched blocks are in the device cache now: the sequence attaches them
             await self._attach_again(slot)
@@ -174,19 +194,19 @@ class ColocatedWorker(DecodeWorker):
         finally:
             self.inflight.finish(req.req_id)  # its blocks are cached: those waiting for them go on
         finished = P.FinishReason(step.finished) if step.finished else None
-        await self.send(P.PrefillDone(req.req_id, self.node_id, int(step.token), cached_tokens=cached,  # type: ignore[arg-type]
+        await self.host.send(P.PrefillDone(req.req_id, self.node_id, int(step.token), cached_tokens=cached,  # type: ignore[arg-type]
                                       computed_tokens=len(req.tokens) - cached, prefill_s=compute_s,
                                       fetched_blocks=fetched, fetch_s=fetch_s, finished=finished,
                                       logprob=step.logprob))
         await kv.save_to_store(kv.store_start(cached // T), len(kv.hashes))  # nothing moves to a decode: all at once
-        await self.maybe_start(slot)  # if its FirstToken came already
+        await self.batch.maybe_start(slot)  # if its FirstToken came already
 
     async def _attach_again(self, slot: Slot) -> None:
         """``slot``'s sequence again, attaching the blocks imported or computed for it meanwhile
         (``_reattach``); the new one is freed if the request left while it was made."""
         self._check(slot)
         again = await self.run_engine(self._reattach, slot.seq)
-        if self.incoming.get(slot.msg.req_id) is not slot:
+        if self.batch.incoming.get(slot.msg.req_id) is not slot:
             await self.run_engine(self.engine.free, again)
             raise _Gone()
         slot.seq = again
@@ -203,17 +223,17 @@ class ColocatedWorker(DecodeWorker):
         return again
 
     def _check(self, slot: Slot) -> None:
-        if self.incoming.get(slot.msg.req_id) is not slot:
+        if self.batch.incoming.get(slot.msg.req_id) is not slot:
             raise _Gone()
 
     async def _chunk(self, seq: Sequence, on_layer: object = None) -> PrefillStep:
         """The next chunk of ``seq``, computed in the next step."""
-        slot = self.incoming.get(seq.req_id)
+        slot = self.batch.incoming.get(seq.req_id)
         if slot is None or slot.seq is not seq:
             raise _Gone()
         fut: asyncio.Future[PrefillStep] = asyncio.get_running_loop().create_future()
         self.prompts[seq.req_id] = (slot, fut)
-        self._wake.set()
+        self.batch.wake.set()
         try:
             return await fut
         finally:
@@ -226,13 +246,13 @@ class ColocatedWorker(DecodeWorker):
     # ------------------------------------------------------------ the mixed step
 
     async def _step(self) -> bool:
-        slots = await self._prepare_step()
+        slots = await self.batch.prepare_step()
         await asyncio.sleep(0)  # the prompts whose chunk the last step computed ask for their next one
         prompts = []
         for rid, (slot, fut) in list(self.prompts.items()):
             if fut.done():
                 continue
-            if self.incoming.get(rid) is not slot or slot.seq.freed:
+            if self.batch.incoming.get(rid) is not slot or slot.seq.freed:
                 fut.set_exception(_Gone())
             else:
                 prompts.append((slot, fut))
@@ -268,10 +288,10 @@ class ColocatedWorker(DecodeWorker):
                 else:
                     fut.set_result(step)
         if slots:
-            self._observe_step(len(slots), kv_tokens, decode_s)
-            await self._emit(slots, outs)
+            self.batch.observe_step(len(slots), kv_tokens, decode_s)
+            await self.batch.emit(slots, outs)
         else:
-            self.progress += 1
+            self.host.progress += 1
         return True
 
     def _prefill_live(self, seqs: list[Sequence], budget: int) -> list[PrefillStep | BaseException]:
@@ -289,12 +309,12 @@ class ColocatedWorker(DecodeWorker):
         (``request_class.flex_allowance_s``; maybe nothing: they wait for a step interactive work does
         not need), and flex work alone ``[classes] flex_chunk_tokens`` (an interactive prompt that
         arrives waits behind that much at most). ``[engine] step_tokens``, where set, fixes it instead."""
-        joining = [s for s in self.incoming.values() if s.seq.prefilled]  # done, about to decode
+        joining = [s for s in self.batch.incoming.values() if s.seq.prefilled]  # done, about to decode
         rows, chunk = slots + joining, self.cfg.engine.prefill_chunk_tokens
         if self.step_tokens:
             return max(self.engine.block_tokens, self.step_tokens - len(rows)) if rows else chunk
         kv = kv_tokens + sum(s.seq.num_tokens for s in joining)
-        target_s = tightest_target_ms((s.seq.sampling for s in rows), self.cfg, self.tbt_default_ms) / 1000
+        target_s = tightest_target_ms((s.seq.sampling for s in rows), self.cfg, self.batch.tbt_default_ms) / 1000
         ctx = prompts[0].num_computed
         budget = self.budget.tokens(len(rows), kv, ctx, target_s) if rows else chunk
         if rank(prompts[-1].sampling) != FLEX_RANK:

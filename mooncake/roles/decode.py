@@ -4,26 +4,18 @@ A request arrives from the frontend that drives its attempt as a ``DecodeRequest
 decode reserves the blocks its KV needs (waiting, by request class, then in order, until
 the pool has room) and answers ``Reserved``; only then does the frontend send the prefill,
 whose KV lands straight in the reserved blocks. Memory on decode is therefore bounded by its
-pool, never by what prefill pushes. Once all KV is in and the frontend has
-passed on the first token (``FirstToken``), the sequence joins the batch (a flex one only
-while the others' predicted step stays within the TBT SLO, and not while an interactive
-request's prefill runs on this machine, whose cores they share); each step streams one token per
-sequence, straight to the frontend that owns the request (``token_outlets.py``). When a step
-needs blocks the pool no longer has, sequences are preempted (flex work first, then the
-newest), as flex work is for an interactive request waiting for room: their full blocks go to
-the store and their frontend gives them a new attempt, which resumes where they were.
+pool, never by what prefill pushes. Once all KV is in and the frontend has passed on the first
+token (``FirstToken``), the sequence joins the continuous batch.
 
-KV from prefill lands through the KV ingress (``mooncake/kv/ingress.py``, ``self.kv``; this worker is its
-``DecodeSlots``): only the attempt's, checked, straight into the reserved blocks, as whole blocks or one
-layer at a time.
+The reservations, the batch, its steps, preemption and retiring are ``DecodeBatch``'s
+(``decode_batch.py``, shared with the colocated role); this role adds the KV that lands from prefill,
+through the KV ingress (``mooncake/kv/ingress.py``; the batch is its ``DecodeSlots``): only the
+attempt's, checked, straight into the reserved blocks, as whole blocks or one layer at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections import deque
 
 import torch
 
@@ -31,317 +23,64 @@ from mooncake import protocol as P
 from mooncake.blocks import BlockHash
 from mooncake.config import Config
 from mooncake.engine import Sequence
-from mooncake.engine.errors import InvalidRequestError
-from mooncake.engine.sequence import StepOutput
 from mooncake.kv.ingress import KVIngress, Slot
-from mooncake.roles.slot_trace import trace_slot
-from mooncake.roles.token_outlets import TokenOutlets
-from mooncake.roles.worker import EngineWorker
-from mooncake.sched.cost_model import DecodeCostModel
-from mooncake.sched.colocated_budget import reachable_target_ms
-from mooncake.sched.request_class import (FLEX_RANK, flex_allowance_s, flex_joining, rank, tightest_target_ms, urgency,
-                                          yields_to)
-from mooncake.roles.timing import YIELD_AT_MOST_S
-
-log = logging.getLogger(__name__)
-STEPS_PER_S = 32  # decode steps a second the conductor's cost model learns from (a refit reads 256)
+from mooncake.roles.decode_batch import DecodeBatch
+from mooncake.roles.engine_host import EngineHost
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker:
+    """The decode role (an ``EngineRole``): an ``EngineHost``, its ``DecodeBatch`` and KV ingress."""
+
     role = "decode"
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg)
-        self.pending: deque[P.DecodeRequest] = deque()  # waiting for room to reserve
-        self.incoming: dict[str, Slot] = {}  # reserved, KV arriving
-        self.running: dict[str, Slot] = {}
-        self.aborted: set[str] = set()  # running requests to retire at the next step
-        self.steps: list[tuple[int, int, float]] = []  # (batch, KV tokens, seconds) since the last heartbeat
-        self._steps_at = time.monotonic()  # when the last heartbeat took them
-        # its own steps' cost, to keep flex work from slowing the others' past the TBT SLO
-        profile = self._profile.decode if self._profile is not None else ()
-        self.step_cost = DecodeCostModel.from_profile(profile) if profile else DecodeCostModel()
-        self.tbt_default_ms = reachable_target_ms(self._profile, self.engine.block_tokens)  # classes with no tbt_slo_ms
-        self._wake = asyncio.Event()
-        self._reserving = asyncio.Lock()
-        self.outlets = TokenOutlets(self.ctx, self.node_id, self.curve)
-        self.kv = KVIngress(self, self.curve, self.rejections)  # it is the ingress's DecodeSlots
+        self.host = EngineHost(cfg, self.role)
+        self.batch = DecodeBatch(self.host, self)  # this role is the batch's ``Admission``
+        self.kv = KVIngress(self.batch, self.host.curve, self.host.rejections)
 
     async def start(self) -> None:
-        endpoint = self.kv.bind(self.ctx, self.cfg.node.host, self.cfg.node.kv_port, self.max_message_bytes)
-        self._tasks += [asyncio.create_task(self.kv.receive_loop()), asyncio.create_task(self._step_loop())]
-        await self.serve({"kv": endpoint})
+        host = self.host
+        endpoint = self.kv.bind(host.ctx, host.cfg.node.host, host.cfg.node.kv_port, host.max_message_bytes)
+        host.tasks += [asyncio.create_task(self.kv.receive_loop()),
+                       asyncio.create_task(self.batch.run(self.batch.decode_step))]
+        await host.serve(self, {"kv": endpoint})
 
-    def busy(self) -> bool:
-        return bool(self.running or self.incoming or self.pending)
-
-    def load(self) -> P.Load:
-        steps, self.steps = self.steps, []
-        # STEPS_PER_S at most (a heartbeat that goes early, with blocks to report, carries its share)
-        now, last = time.monotonic(), self._steps_at
-        self._steps_at = now
-        steps = steps[-max(1, int(STEPS_PER_S * min(1.0, now - last))):]
-        self.outlets.prune({s.msg.reply_to for s in (*self.running.values(), *self.incoming.values())})
-        load = super().load()
-        load.running, load.waiting, load.steps = len(self.running), len(self.pending) + len(self.incoming), steps
-        load.progress += self.kv.writes  # landing KV is engine progress
-        # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
-        load.pending = bool(self._batch()) or self.kv.landing > 0
-        return load
-
-    # ------------------------------------------------------------ orders (frontends) and aborts (conductor)
+    # ------------------------------------------------------------ EngineRole
 
     async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
-        if isinstance(msg, P.DecodeRequest):
-            self._enqueue(msg)
-            await self._reserve_pending()
-        elif isinstance(msg, P.FirstToken):
-            slot = self.incoming.get(msg.req_id)
-            if slot is not None:
-                slot.first_token = msg.token
-                await self.maybe_start(slot)
-        elif isinstance(msg, P.Abort):
-            await self._drop(msg.req_id)
-        else:
-            log.warning("decode ignores %s", type(msg).__name__)
+        await self.batch.handle(msg)
 
     def held_requests(self) -> list[str]:
-        return [*(m.req_id for m in self.pending), *self.incoming, *self.running]
+        return self.batch.held_requests()
 
-    async def _drop(self, req_id: str) -> None:
-        """Forget a request wherever it is (aborted by its frontend or the conductor)."""
-        self.pending = deque(m for m in self.pending if m.req_id != req_id)
-        slot = self.incoming.pop(req_id, None)
-        if slot is not None:
-            self._wake.set()  # flex work may have been yielding to its prefill
-            await self.run_engine(self.engine.free, slot.seq)
-            await self._reserve_pending()
-        if req_id in self.running:
-            self.aborted.add(req_id)
-            self._wake.set()
+    def busy(self) -> bool:
+        return self.batch.busy()
 
-    async def _reserve_pending(self) -> None:
-        """Reserve blocks for waiting requests, in order, while the pool has room for them and
-        one more block per running sequence (so that reserving never starves the batch). One
-        caller at a time; a request dropped while its reservation was being made gives it back."""
-        async with self._reserving:
-            eng = self.engine
-            while self.pending and self._may_reserve(self.pending[0]):
-                msg = self.pending[0]
-                need = -(-len(msg.tokens) // eng.block_tokens)
-                seq = None
-                if eng.blocks.num_available() >= need + len(self.running):
-                    try:
-                        seq = await self._hold(msg)
-                    except InvalidRequestError as e:
-                        self._unqueue(msg)
-                        await self.fail(msg.req_id, e)
-                        continue
-                if not any(m is msg for m in self.pending):  # aborted meanwhile
-                    if seq is not None:
-                        await self.run_engine(eng.free, seq)
-                    continue
-                if seq is None:
-                    if await self._preempt_for(msg):  # it takes the room of work it goes before
-                        continue
-                    if not (self.running or self.incoming):  # nothing will free memory: it never fits here
-                        self._unqueue(msg)
-                        await self.fail(msg.req_id, f"its KV ({need} blocks) does not fit in this decode pool")
-                        continue
-                    return
-                self._unqueue(msg)  # a more urgent one may have been queued ahead of it meanwhile
-                self.incoming[msg.req_id] = Slot(msg, seq, [0] * eng.block_shape[0], next_index=msg.num_generated + 1,
-                                                 stored=msg.store_from_block, reserved_at=time.monotonic())
-                await self.send(P.Reserved(msg.req_id, self.node_id))
-
-    def _may_reserve(self, msg: P.DecodeRequest) -> bool:
-        """Whether ``msg``, next in line, may reserve now (room permitting)."""
-        return True
-
-    async def _hold(self, msg: P.DecodeRequest) -> Sequence | None:
-        """Blocks for ``msg``'s KV, which will be written in; None if the pool cannot hold them now."""
-        return await self.run_engine(self.engine.reserve, msg.req_id, msg.tokens, [BlockHash(h) for h in msg.hashes],
-                                     BlockHash(msg.root), msg.sampling, msg.num_generated)
-
-    def _enqueue(self, msg: P.DecodeRequest) -> None:
-        """Wait for room behind the requests of its class and those before it, ahead of the rest
-        (``sched/request_class.py``)."""
-        key, i = urgency(msg.sampling), len(self.pending)
-        while i and urgency(self.pending[i - 1].sampling) > key:
-            i -= 1
-        self.pending.insert(i, msg)
-
-    def _unqueue(self, msg: P.DecodeRequest) -> None:
-        """Take ``msg`` itself out of the queue (wherever it is now)."""
-        self.pending = deque(m for m in self.pending if m is not msg)
-
-    async def maybe_start(self, slot: Slot) -> None:
-        if slot.first_token is None or not slot.kv_complete or slot.started:
-            return
-        slot.started, slot.started_at = True, time.monotonic()
-        await self.run_engine(self.engine.begin_decoding, slot.seq, slot.first_token)
-        self.join(slot)
-
-    def join(self, slot: Slot) -> None:
-        """A sequence whose decoding began joins the batch at the next step (unless dropped meanwhile)."""
-        rid = slot.msg.req_id
-        if self.incoming.pop(rid, None) is slot:
-            self.running[rid] = slot
-            self._wake.set()
-
-    async def give_up(self, slot: Slot, why: str, kind: P.FailureKind = P.FailureKind.RETRY) -> None:
-        """Free a reserved or running request and report it to its frontend."""
-        rid = slot.msg.req_id
-        self.incoming.pop(rid, None)
-        self.running.pop(rid, None)
-        self._wake.set()  # flex work may have been yielding to its prefill
-        await self.run_engine(self.engine.free, slot.seq)
-        await self.fail(rid, why, kind)
-
-    # ------------------------------------------------------------ decoding
-
-    async def _step_loop(self) -> None:
-        while True:
-            try:
-                if not await self._step():
-                    self._wake.clear()
-                    await self._wake.wait()
-            except Exception as e:  # a step that fails fails its batch, never the role
-                log.exception("decode step failed")
-                for slot in list(self.running.values()):
-                    await self.give_up(slot, f"decode step failed: {type(e).__name__}: {e}")
-
-    async def _step(self) -> bool:
-        """One decode step of the batch; False when there is nothing to run."""
-        slots = await self._prepare_step()
-        if not slots:
-            return False
-        kv_tokens = sum(s.seq.num_tokens for s in slots)
-        t0 = time.perf_counter()
-        outs = await self.run_engine(self.engine.decode_step, [s.seq for s in slots])
-        self._observe_step(len(slots), kv_tokens, time.perf_counter() - t0)
-        await self._emit(slots, outs)
-        return True
-
-    async def _prepare_step(self) -> list[Slot]:
-        """Before a step: retire the aborted, reserve for the waiting, make room; the step's batch."""
-        for rid in [r for r in self.running if r in self.aborted]:
-            await self._retire(self.running.pop(rid), write=False)
-        self.aborted.clear()
-        await self._reserve_pending()
-        if not self.running:
-            return []
-        await self._make_room()
-        return self._batch()
-
-    def _observe_step(self, batch: int, kv_tokens: int, seconds: float) -> None:
-        step = (batch, kv_tokens, seconds)
-        self.steps.append(step)
-        self.step_cost.observe(*step)
-
-    async def _emit(self, slots: list[Slot], outs: list[StepOutput]) -> None:
-        """A step's tokens to their frontends; the finished retire."""
-        self.progress += 1
-        events: dict[str, list[P.TokenEvent]] = {}  # frontend token endpoint -> this step's events for it
-        done = []
-        for slot, out in zip(slots, outs):
-            rid = slot.msg.req_id
-            if out.token is None or self.running.get(rid) is not slot:
-                continue
-            finished = P.FinishReason(out.finished) if out.finished else None
-            tokens = out.tokens  # several where a speculative step accepted drafts
-            events.setdefault(slot.msg.reply_to, []).append(P.TokenEvent(rid, slot.next_index, tokens, finished,
-                                                                         out.logprobs))
-            slot.next_index += len(tokens)
-            if finished is not None:
-                done.append(slot)
-        if events:  # the step's tokens in one message per frontend; a request's last token before its retirement
-            await self._send_tokens(events)
-        for slot in done:  # still running if the send failed: the step's failure gives them up
-            if self.running.get(slot.msg.req_id) is slot:
-                await self._retire(self.running.pop(slot.msg.req_id), write=True)
-
-    def _batch(self) -> list[Slot]:
-        """The running sequences this step: every one, except flex work past what keeps the others'
-        predicted step within their tightest TBT target and the flex allowance (``request_class``),
-        and all flex work while an interactive request reserved here is being prefilled on this
-        machine: the prefill gets the cores they share, and its first token comes sooner."""
-        slots = list(self.running.values())
-        flex = sorted((s for s in slots if rank(s.seq.sampling) == FLEX_RANK),
-                      key=lambda s: (urgency(s.seq.sampling), s.seq.uid))
-        since = time.monotonic() - YIELD_AT_MOST_S  # a prefill slower than that gets no more
-        yielding = flex and any(s.msg.prefill_beside and rank(s.seq.sampling) != FLEX_RANK and s.reserved_at > since
-                                for s in self.incoming.values())  # reserved, its prefill beside us
-        if not flex or (len(flex) == len(slots) and not yielding):
-            return slots
-        others = [s for s in slots if rank(s.seq.sampling) != FLEX_RANK]
-        if yielding:
-            return others
-        target_s = tightest_target_ms((s.seq.sampling for s in others), self.cfg, self.tbt_default_ms) / 1000
-        kv = sum(s.seq.num_tokens for s in others)
-        allowance_s = flex_allowance_s(self.step_cost.predict(len(others), kv), target_s)
-        n = flex_joining(len(others), kv, [s.seq.num_tokens for s in flex], self.step_cost.predict, allowance_s)
-        return others + flex[:n]
-
-    async def _send_tokens(self, by_frontend: dict[str, list[P.TokenEvent]]) -> None:
-        for endpoint, batch in by_frontend.items():
-            if endpoint:
-                await self.outlets.send(endpoint, batch)
-            else:  # no token endpoint named (a bare DecodeRequest, as unit tests send): with the reports
-                await self.send(batch[0] if len(batch) == 1 else P.TokenStep(batch))
-
-    async def _make_room(self) -> None:
-        """Preempt sequences until the next step's new blocks fit in the pool: flex work first,
-        then by ``priority``, the newest of them first (``sched/request_class.py``). Only the
-        sequences that step next (``_batch``) count: flex work left out of it needs no block."""
-        eng = self.engine
-        while eng.blocks_needed([s.seq for s in self._batch()]) > eng.blocks.num_available():
-            holders = list(self.running.values()) + list(self.incoming.values())
-            victim = preemption_victim(holders)
-            if len(holders) == 1:
-                await self.give_up(victim, "the sequence outgrew this decode instance's whole KV pool")
-                return
-            await self._preempt(victim)
-
-    async def _preempt_for(self, msg: P.DecodeRequest) -> bool:
-        """Make room for ``msg`` by preempting one sequence that yields to it (``yields_to``: flex work
-        to interactive work, another tenant's later work in the fair order; the least urgent first)."""
-        ours = [s for s in (*self.running.values(), *self.incoming.values()) if yields_to(s.seq.sampling, msg.sampling)]
-        need = -(-len(msg.tokens) // self.engine.block_tokens) + len(self.running)
-        if not ours or self.engine.blocks.num_available() + sum(len(s.seq.block_table) for s in ours) < need:
-            return False  # none to take, or not enough even with all of it
-        await self._preempt(preemption_victim(ours))
-        return True
-
-    async def _preempt(self, victim: Slot) -> None:
-        """Give a sequence back to its frontend for a later attempt (it resumes from what it wrote to the store)."""
-        log.info("KV pool full: preempting %s", victim.msg.req_id)
-        victim.preempted = True
-        if victim.msg.req_id in self.running:
-            self.running.pop(victim.msg.req_id)
-            await self._retire(victim, write=True)
-        else:
-            self.incoming.pop(victim.msg.req_id)
-            await self.run_engine(self.engine.free, victim.seq)
-        await self.fail(victim.msg.req_id, "preempted: the decode KV pool is full", P.FailureKind.PREEMPTED)
-
-    async def _retire(self, slot: Slot, write: bool) -> None:
-        """Free a sequence; with ``write`` its blocks holding generated tokens go to the store."""
-        seq = slot.seq
-        trace_slot(self.tracer, self.role, slot, slot.preempted)  # its spans, if its request is traced
-        first_new = len(slot.msg.tokens) // self.engine.block_tokens
-        hashes = list(seq.block_hashes)
-        if write and slot.msg.store_endpoint and len(hashes) > first_new:
-            await self.stores.save_blocks(slot.msg.store_endpoint, seq, hashes[first_new:], first_new, len(hashes))
-        await self.run_engine(self.engine.free, seq)
+    def load(self) -> P.Load:
+        # the engine has work: steps to run, or KV being written (KV still to come waits on prefill)
+        load = self.host.load(pending=bool(self.batch.batch()) or self.kv.landing > 0)
+        self.batch.report(load)
+        load.progress += self.kv.writes  # landing KV is engine progress
+        return load
 
     async def close(self) -> None:
         self.kv.close()
-        self.outlets.close()
-        await super().close()
+        self.batch.outlets.close()
+        await self.host.close()
 
+    # ------------------------------------------------------------ Admission
 
-def preemption_victim(holders: list[Slot]) -> Slot:
-    """The sequence to preempt first: flex work before default before priority, a higher
-    ``priority`` number first, then the newest (``sched/request_class.py``)."""
-    return max(holders, key=lambda s: (urgency(s.seq.sampling), s.seq.uid))
+    def may_reserve(self, msg: P.DecodeRequest) -> bool:
+        return True
+
+    async def hold(self, msg: P.DecodeRequest) -> Sequence | None:
+        """Blocks for ``msg``'s KV, which prefill will write in."""
+        eng = self.host.engine
+        return await self.host.run_engine(eng.reserve, msg.req_id, msg.tokens, [BlockHash(h) for h in msg.hashes],
+                                          BlockHash(msg.root), msg.sampling, msg.num_generated)
+
+    def ready(self, slot: Slot) -> bool:
+        return slot.kv_complete
+
+    async def begin(self, slot: Slot) -> None:
+        await self.host.run_engine(self.host.engine.begin_decoding, slot.seq, slot.first_token)

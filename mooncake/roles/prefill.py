@@ -35,23 +35,27 @@ from mooncake.kv.link import bind_kv_ingress
 from mooncake.kv.prefill_kv import PrefillKV
 from mooncake.kv.prefix_load import PrefixLoader
 from mooncake.roles.class_queue import ClassQueue, TenantSlots, next_to_start
+from mooncake.roles.engine_host import EngineHost
 from mooncake.roles.engine_thread import ENGINE_URGENCY
 from mooncake.roles.prefill_batcher import PrefillBatcher
 from mooncake.roles.prefill_inflight import InflightBlocks
 from mooncake.roles.prefill_stage import ActivationInbox, run_stage
 from mooncake.sched.request_class import FLEX_RANK, rank, tenant_urgency
 from mooncake.sockets import recv_multipart
-from mooncake.roles.worker import EngineWorker
 from mooncake.tracing import record_span, span
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(EngineWorker):
+class PrefillWorker:
+    """The prefill role (an ``EngineRole``) on its ``EngineHost``."""
+
     role = "prefill"
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg)
+        self.cfg = cfg
+        host = self.host = EngineHost(cfg, self.role)
+        self.engine, self.run_engine, self.tracer, self.node_id = host.engine, host.run_engine, host.tracer, host.node_id
         # Interactive and flex work queue apart (each by class, then arrival), and each runs up to
         # max_prefill_batch prompts at once: an interactive request never waits for a place flex holds.
         self.queues: dict[bool, ClassQueue[P.PrefillRequest]] = {False: ClassQueue(), True: ClassQueue()}  # flex?
@@ -67,30 +71,31 @@ class PrefillWorker(EngineWorker):
             self.engine.prefill_many, seqs, hooks, budget, urgency=min(tenant_urgency(s.sampling) for s in seqs)),
             cfg.engine.prefill_chunk_tokens,
             min(cfg.classes.flex_chunk_tokens or cfg.engine.prefill_chunk_tokens, cfg.engine.prefill_chunk_tokens))
-        self.egress = KVEgress(self.ctx, self.curve, self.aborted)  # KV (and activations) to other instances
-        self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), self.stores,
-                                   self.rejections, self.chunks.chunk)
+        self.egress = KVEgress(host.ctx, host.curve, self.aborted)  # KV (and activations) to other instances
+        self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), host.stores,
+                                   host.rejections, self.chunks.chunk)
         self.inbox = ActivationInbox(lambda rid: rid in self.running or rid in self.queued)  # pipeline stages: hidden states from the previous stage
         self._act_sock: zmq.asyncio.Socket | None = None
         self._arrived: dict[str, float] = {}  # traced requests queued: when they came (their span's queue wait)
 
     async def start(self) -> None:
+        host = self.host
         if self.engine.prefix_caching:
-            self.publish_device_cache()
-        self._tasks += [asyncio.create_task(self._work_loop(flex)) for flex in self.queues]
+            host.publish_device_cache()
+        host.tasks += [asyncio.create_task(self._work_loop(flex)) for flex in self.queues]
         endpoints = {}
         if self.cfg.conductor.cpp_group_size > 1:  # this instance may be a pipeline stage
-            self._act_sock, endpoints["act"] = bind_kv_ingress(self.ctx, self.curve, self.cfg.node.host, 0,
-                                                               self.max_message_bytes)
-            self._tasks.append(asyncio.create_task(self._activation_loop()))
-        await self.serve(endpoints)
+            self._act_sock, endpoints["act"] = bind_kv_ingress(host.ctx, host.curve, self.cfg.node.host, 0,
+                                                               host.max_message_bytes)
+            host.tasks.append(asyncio.create_task(self._activation_loop()))
+        await host.serve(self, endpoints)
 
     async def _activation_loop(self) -> None:
         assert self._act_sock is not None
         while True:
             frames = await recv_multipart(self._act_sock)
             try:
-                self.inbox.on_frames(frames, self.curve)
+                self.inbox.on_frames(frames, self.host.curve)
             except Exception:  # one bad message never stops the ingress
                 log.exception("error handling activations")
 
@@ -98,7 +103,7 @@ class PrefillWorker(EngineWorker):
         return bool(self.running) or not all(q.empty() for q in self.queues.values())
 
     def load(self) -> P.Load:
-        load = super().load()
+        load = self.host.load(pending=self.busy())
         load.waiting, load.running = sum(q.qsize() for q in self.queues.values()), len(self.running)
         return load
 
@@ -131,15 +136,16 @@ class PrefillWorker(EngineWorker):
                 continue
             slots.take(req.sampling.tenant)
             self.running.add(req.req_id)
-            self._tasks.append(asyncio.create_task(self._run_one(req, slots)))
-            self._tasks = [t for t in self._tasks if not t.done()]
+            tasks = self.host.tasks
+            tasks.append(asyncio.create_task(self._run_one(req, slots)))
+            tasks[:] = [t for t in tasks if not t.done()]
 
     async def _run_one(self, req: P.PrefillRequest, slots: TenantSlots) -> None:
         key = tenant_urgency(req.sampling)
         ENGINE_URGENCY.set(key)  # this task's engine calls (and its tasks') go by its class, priority, fair order
         try:
             arrived = self._arrived.pop(req.req_id, None)
-            with self._pool.expecting(key), span(self.tracer if arrived else None, "prefill.request", req.trace, {
+            with self.host.pool.expecting(key), span(self.tracer if arrived else None, "prefill.request", req.trace, {
                     "mooncake.request_id": req.req_id, "mooncake.request_class": req.sampling.request_class,
                     "mooncake.prompt_tokens": len(req.tokens)}):
                 if arrived:
@@ -150,7 +156,7 @@ class PrefillWorker(EngineWorker):
                 log.info("prefill of %s stopped: aborted", req.req_id)
                 return
             log.exception("prefill of %s failed", req.req_id)
-            await self.fail(req.req_id, e)
+            await self.host.fail(req.req_id, e)
         finally:
             self.running.discard(req.req_id)
             self.aborted.discard(req.req_id)
@@ -159,10 +165,10 @@ class PrefillWorker(EngineWorker):
 
     def layer_frame_blocks(self) -> int:
         """Blocks of one layer per ``KVLayer`` frame: well under the receiver's message limit."""
-        return self.max_message_bytes // 2 // (self.engine.kv_block_bytes // self.engine.block_shape[0])
+        return self.host.max_message_bytes // 2 // (self.engine.kv_block_bytes // self.engine.block_shape[0])
 
     def _progressed(self) -> None:
-        self.progress += 1
+        self.host.progress += 1
 
     async def _prefill(self, req: P.PrefillRequest) -> None:
         eng = self.engine
@@ -171,7 +177,7 @@ class PrefillWorker(EngineWorker):
         have = await self.run_engine(eng.cached_prefix, hashes)
         if req.stage is None and eng.prefix_caching:  # blocks a running request computes: wait, compute once
             while (computing := self.inflight.computing(hashes, have)) is not None:
-                with self._pool.waiting_on_others():
+                with self.host.pool.waiting_on_others():
                     await computing.wait()
                 have = await self.run_engine(eng.cached_prefix, hashes)
             self.inflight.start(req.req_id, hashes, have)
@@ -183,7 +189,7 @@ class PrefillWorker(EngineWorker):
     async def _prefill_from(self, req: P.PrefillRequest, hashes: list[BlockHash], have: int, t_start: float) -> None:
         """The prefill of ``req`` once its first ``have`` blocks are in the device cache."""
         eng = self.engine
-        kv = PrefillKV(req, hashes, eng, self.loader, self.egress.ship, self.stores, self.layer_frame_blocks(),
+        kv = PrefillKV(req, hashes, eng, self.loader, self.egress.ship, self.host.stores, self.layer_frame_blocks(),
                        self.cfg.engine.kv_load == "layer")
         with span(self.tracer if req.trace else None, "prefill.prefix_load", attrs={"mooncake.device_blocks": have}) as s:
             fetched, fetch_s = await kv.start_load(have)
@@ -198,21 +204,21 @@ class PrefillWorker(EngineWorker):
                 if seq is not None or (not self._holding and releases == self._releases):
                     break
                 if releases == self._releases:  # the pool is full of others' prompts: wait for one to end
-                    with self._pool.waiting_on_others():
+                    with self.host.pool.waiting_on_others():
                         await self._released.wait()
         except BaseException:  # an invalid request, an abort: the stream goes too
             await kv.close()
             raise
         if seq is None:
             await kv.close()
-            await self.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
+            await self.host.fail(req.req_id, "the prompt does not fit in this instance's KV pool")
             return
         self._holding += 1
         try:
             if req.stage is not None:
                 await kv.attach(seq, have)
                 await run_stage(req, seq, kv, fetched, fetch_s, engine=eng, run_engine=self.run_engine,
-                                ship=self.egress.ship, inbox=self.inbox, aborted=self.aborted, report=self.send,
+                                ship=self.egress.ship, inbox=self.inbox, aborted=self.aborted, report=self.host.send,
                                 node_id=self.node_id, progressed=self._progressed)
             else:
                 await self._compute_and_ship(req, seq, kv, fetched, fetch_s, t_start, have)
@@ -252,7 +258,7 @@ class PrefillWorker(EngineWorker):
                     record_span(self.tracer, "prefill.chunk", t_chunk, time.monotonic(),
                                 attrs={"mooncake.computed_tokens": seq.num_computed, "mooncake.compute_s": step.compute_s})
             compute_s += step.compute_s
-            self.progress += 1
+            self.host.progress += 1
             if req.req_id in self.aborted:
                 return
             kv.check()
@@ -269,7 +275,7 @@ class PrefillWorker(EngineWorker):
         token = int(step.token)  # type: ignore[arg-type]
         finished = P.FinishReason(step.finished) if step.finished else None
         # The first token goes out now (time to first token); the KV tail follows to decode.
-        await self.send(P.PrefillDone(
+        await self.host.send(P.PrefillDone(
             req.req_id, self.node_id, token, cached_tokens=cached, computed_tokens=len(req.tokens) - cached,
             prefill_s=compute_s, fetched_blocks=fetched, fetch_s=fetch_s, finished=finished, logprob=step.logprob,
             kv_pending_bytes=kv.in_flight() + (len(seq.block_table) - sent) * eng.kv_block_bytes))
@@ -278,7 +284,7 @@ class PrefillWorker(EngineWorker):
                 await kv.save_blocks(sent, None)
         await kv.save_to_store(written, len(kv.hashes))
         if finished is None:
-            with self._pool.waiting_on_others(), span(self.tracer if req.trace else None, "prefill.kv_ship"):
+            with self.host.pool.waiting_on_others(), span(self.tracer if req.trace else None, "prefill.kv_ship"):
                 await kv.wait_for_save()
         log.debug("prefill %s: %d tokens, %d cached, %.3fs", req.req_id, len(req.tokens), cached,
                   time.perf_counter() - t_start)
@@ -287,4 +293,4 @@ class PrefillWorker(EngineWorker):
         self.egress.close()
         if self._act_sock is not None:
             self._act_sock.close(0)
-        await super().close()
+        await self.host.close()

@@ -31,16 +31,20 @@ def block_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def checked_capacity(capacity_bytes: int) -> int:
+    """A tier's capacity, refused if negative."""
+    if capacity_bytes < 0:
+        raise ValueError("capacity_bytes must be >= 0")
+    return capacity_bytes
+
+
 class Tier(ABC):
-    """A capacity-bounded block container. ``used_bytes`` counts tensor bytes exactly."""
+    """A capacity-bounded block container (an interface: each tier holds its own state).
+    ``used_bytes`` counts tensor bytes exactly."""
 
     name: str  # "device" | "dram" | "lmdb"
-
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError("capacity_bytes must be >= 0")
-        self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
+    capacity_bytes: int
+    used_bytes: int
 
     @abstractmethod
     def put(self, key: bytes, block: StoredBlock) -> bool:
@@ -65,15 +69,16 @@ class Tier(ABC):
     def keys(self) -> Iterator[bytes]:
         """Every stored key (recovery after a restart; order unspecified)."""
 
+    @abstractmethod
     def has_copy(self, key: bytes) -> bool:
         """A write-through copy of ``key`` is here (only a ``PersistentTier`` holds copies)."""
-        return False
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the medium (files, memory)."""
 
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
-
-    def close(self) -> None:
-        """Release the medium (files, memory)."""
 
     def __len__(self) -> int:
         return sum(1 for _ in self.keys())

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import lmdb
 
-from .base import StoredBlock
+from .base import StoredBlock, checked_capacity
 from .dir_lock import DirLock
 from .lmdb_record import CorruptRecord, decode_record, encode_record, parse_header
 from .persistent import PersistentTier
@@ -51,7 +51,7 @@ class LmdbTier(PersistentTier):
     def __init__(self, path: str | Path, capacity_bytes: int, headroom: float = 0.25,
                  map_bytes: int | None = None) -> None:
         """``map_bytes`` overrides the LMDB map size (tests of a full map)."""
-        super().__init__(capacity_bytes)
+        self.capacity_bytes, self.used_bytes = checked_capacity(capacity_bytes), 0
         self.path = Path(path).expanduser()
         self.map_size = map_bytes or int(capacity_bytes * (1 + headroom)) + 64 * MiB
         self.corrupt = 0  # records that failed their check (deleted)

@@ -1,4 +1,4 @@
-"""In-memory tier: one tensor per block, with freed block tensors recycled.
+"""In-memory tiers (device memory, host DRAM): one tensor per block, freed block tensors recycled.
 
 Measured (benchmarks/bench_store.py, "dram layout"): allocating a fresh tensor
 per put costs page faults (glibc hands big blocks back to the OS), which makes
@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .base import StoredBlock, Tier, block_nbytes
+from .base import StoredBlock, Tier, block_nbytes, checked_capacity
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -33,7 +33,7 @@ class MemoryTier(Tier):
 
     def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu", pin: bool = False,
                  recycle: bool = True) -> None:
-        super().__init__(capacity_bytes)
+        self.capacity_bytes, self.used_bytes = checked_capacity(capacity_bytes), 0
         self.device = torch.device(device)
         self.pin = bool(pin and self.device.type == "cpu" and torch.cuda.is_available())
         self.recycle = recycle
@@ -109,6 +109,9 @@ class MemoryTier(Tier):
     def keys(self) -> Iterator[bytes]:
         return iter(list(self._blocks))
 
+    def has_copy(self, key: bytes) -> bool:
+        return False  # copies are a persistent tier's
+
     def __len__(self) -> int:
         return len(self._blocks)
 
@@ -117,3 +120,25 @@ class MemoryTier(Tier):
         self._free.clear()
         self._free_bytes = 0
         self.used_bytes = 0
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceTier(MemoryTier):
+    """Blocks in accelerator memory (CUDA when present, else CPU tensors)."""
+
+    name = "device"
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str | None = None) -> None:
+        super().__init__(capacity_bytes, device=device or default_device(), pin=False)
+
+
+class DramTier(MemoryTier):
+    """Blocks in host memory, pinned when CUDA is present (fast H2D/D2H)."""
+
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int, recycle: bool = True) -> None:
+        super().__init__(capacity_bytes, device="cpu", pin=torch.cuda.is_available(), recycle=recycle)

@@ -40,9 +40,6 @@ class PersistentTier(Tier):
         """Settle reserved copies after ``write_records``: a failed write un-accounts them."""
 
     @abstractmethod
-    def has_copy(self, key: bytes) -> bool: ...
-
-    @abstractmethod
     def to_copy(self, key: bytes) -> None:
         """A resident block moving up (promotion) leaves its record here as its copy."""
 

@@ -39,8 +39,7 @@ import torch
 from ..config import StoreConfig
 from ..tenant_quota import TenantQuota
 from .base import StoredBlock, Tier
-from .device import DeviceTier
-from .dram import DramTier
+from .memory import DeviceTier, DramTier
 from .durability import Durability
 from .lmdb_tier import LmdbTier
 from .block_placement import EventSink, Placement

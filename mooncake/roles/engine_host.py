@@ -1,6 +1,8 @@
-"""What the prefill and decode roles share: an engine on its own thread, the conductor
-link, the orders socket (where the frontends drive their attempts: ``orders.py``), device-cache
-events, store clients (``kv.store_clients``), failure reports and the role's main loop."""
+"""What the prefill, decode and colocated roles share, held by each (composition, not a base
+class): an engine on its own thread, the conductor link, the orders socket (where the frontends
+drive their attempts: ``orders.py``), device-cache events, store clients (``kv.store_clients``),
+failure reports and the role's main loop. The role itself is an ``EngineRole``: what it handles,
+holds and reports."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import os
 import signal
 import socket
 import threading
-from abc import ABC, abstractmethod
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import zmq
@@ -56,24 +57,42 @@ def node_id_for(cfg: Config, role: str) -> str:
     return cfg.node.node_id or f"{cfg.node.name}-{role}-{os.getpid()}"
 
 
-class EngineWorker(ABC):
-    """Base of the prefill and decode roles. Engine calls go through ``run_engine``:
-    one thread owns the engine (the most urgent call first), the event loop never computes."""
+class EngineRole(Protocol):
+    """A role served by an ``EngineHost``: prefill, decode or colocated."""
 
-    role = ""
-    step_tokens = 0  # a colocated instance's fixed tokens per step (0: from its target)
-    step_target_ms = 0.0  # a colocated instance's step time target while interactive work decodes
+    async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
+        """An order from a frontend, or a message from the conductor."""
 
-    def __init__(self, cfg: Config) -> None:
+    def held_requests(self) -> list[str]:
+        """Wire ids of every request this role holds: queued, reserved or running."""
+
+    def busy(self) -> bool:
+        """Whether the role holds requests (drained on shutdown; a stall is judged on it)."""
+
+    def load(self) -> P.Load:
+        """The heartbeat's report (``EngineHost.load`` and the role's own figures)."""
+
+    async def close(self) -> None:
+        """The role's own sockets, then its host's (``EngineHost.close``)."""
+
+
+class EngineHost:
+    """One role's engine and links. Engine calls go through ``run_engine``: one thread owns the
+    engine (the most urgent call first), the event loop never computes."""
+
+    def __init__(self, cfg: Config, role: str) -> None:
         self.cfg = cfg
+        self.role = role
+        self.step_tokens = 0  # a colocated instance's fixed tokens per step (0: from its target)
+        self.step_target_ms = 0.0  # a colocated instance's step time target while interactive work decodes
         self.node_id = node_id_for(cfg, self.role)
         check_network(self.role, role_endpoints(cfg, self.role), cfg.security.curve_keys_dir,
                       cfg.security.allow_insecure_network)
         self.curve = Curve.from_dir(cfg.security.curve_keys_dir, self.role)
         fetch_model(cfg, self.role)  # [model] p2p_name: a missing model directory comes from peers first
-        self._pool = EngineThread(f"{self.role}-engine")
-        (self.loaded, self.engine, self._profile), self.threads = build_on_engine_thread(
-            self._pool, cfg.engine.threads, self._build_engine)
+        self.pool = EngineThread(f"{self.role}-engine")
+        (self.loaded, self.engine, self.profile), self.threads = build_on_engine_thread(
+            self.pool, cfg.engine.threads, self._build_engine)
         self.facts = P.ModelFacts(self.engine.model_id, self.engine.block_tokens, self.engine.max_model_len,
                                   self.engine.vocab_size, tuple(self.engine.block_shape),
                                   int(self.engine.model.embed.shape[1]))
@@ -84,8 +103,9 @@ class EngineWorker(ABC):
         self.stores = StoreClients(self.curve, self.max_message_bytes, self.rejections, cfg.security,
                                    self.engine.model_id, self.node_id, self._export_blocks)
         self.block_events = BlockEvents(self.node_id)
-        self._tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []  # the role's background tasks (cancelled on close)
         self.link: ConductorLink | None = None
+        self.served: EngineRole | None = None  # the role, once serving
         self.orders: Orders | None = None
         self.progress = 0  # engine steps completed (heartbeats carry it: a stuck engine shows)
         self.tracer = role_tracer(cfg.observability, self.role)  # None: no tracing (``mooncake/tracing``)
@@ -96,19 +116,19 @@ class EngineWorker(ABC):
         """``fn(*args)`` on the engine thread, after the more urgent calls (``engine_thread.py``;
         ``urgency``: a request class's rank, default the caller's context's)."""
         if self._stall_after == 0:
-            self._pool.submit(threading.Event().wait, urgency=-1)  # the engine thread never returns
+            self.pool.submit(threading.Event().wait, urgency=-1)  # the engine thread never returns
             log.error("fault injection: engine thread stalled")
         self._stall_after -= 1
-        return await asyncio.wrap_future(self._pool.submit(fn, *args, urgency=urgency))
+        return await asyncio.wrap_future(self.pool.submit(fn, *args, urgency=urgency))
 
     def _build_engine(self) -> tuple[LoadedModel, Engine, EngineProfile | None]:
         """The model, its engine and its start-up profile (on the engine thread: ``torch_threads.py``)."""
         loaded = load_model(self.cfg.model)
         classes = self.cfg.classes
         engine = Engine(loaded, self.cfg.engine, classes.session_blocks_per_key, classes.session_share_per_key)
-        return loaded, engine, self.profile(engine)
+        return loaded, engine, self._profile_engine(engine)
 
-    def profile(self, engine: Engine) -> EngineProfile | None:
+    def _profile_engine(self, engine: Engine) -> EngineProfile | None:
         """Time ``engine`` before serving (prefill sizes or decode batches, by role)."""
         if not self.cfg.engine.profile_at_start:
             return None
@@ -120,7 +140,7 @@ class EngineWorker(ABC):
 
     def register_msg(self, endpoints: dict[str, str]) -> P.Register:
         info = P.NodeInfo(self.cfg.node.name, os.getpid(), self.facts, self.engine.num_blocks,
-                          self.engine.block_bytes, self._profile, cpus=len(os.sched_getaffinity(0)),
+                          self.engine.block_bytes, self.profile, cpus=len(os.sched_getaffinity(0)),
                           threads=self.threads, machine=machine_id(), instance=P.process_instance(),
                           kv_block_bytes=self.engine.kv_block_bytes, step_tokens=self.step_tokens,
                           step_target_ms=self.step_target_ms)
@@ -133,10 +153,11 @@ class EngineWorker(ABC):
 
     # ---- reports
 
-    def load(self) -> P.Load:
+    def load(self, pending: bool) -> P.Load:
+        """What every role reports (``pending``: whether its engine has work)."""
         st = self.engine.stats()
         return P.Load(free_blocks=st["free_blocks"] + st["cached_blocks"], used_blocks=st["used_blocks"],
-                      sequences=st["sequences"], progress=self.progress, pending=self.busy(),
+                      sequences=st["sequences"], progress=self.progress, pending=pending,
                       kv_rejected=self.rejections.snapshot(), writes_dropped=self.stores.writes_dropped,
                       evicted=st["evicted_blocks"], kept_blocks=st["session_cached_blocks"],
                       kept_by_tenant=st["kept_by_tenant"], speculative=st["speculative"])
@@ -179,15 +200,16 @@ class EngineWorker(ABC):
 
     # ---- main loop
 
-    async def serve(self, endpoints: dict[str, str]) -> None:
-        """Register with the conductor, then handle its messages (and frontends' orders) until stopped."""
+    async def serve(self, role: EngineRole, endpoints: dict[str, str]) -> None:
+        """Register with the conductor, then hand ``role`` its messages (and frontends' orders) until stopped."""
+        self.served = role
         orders = self.orders = Orders(self.ctx, self.cfg.node.host, self.curve, self.max_message_bytes, self.node_id,
-                                      self.handle)
-        self._tasks.append(asyncio.create_task(orders.serve(self.held_requests)))
+                                      role.handle)
+        self.tasks.append(asyncio.create_task(orders.serve(role.held_requests)))
         self.link = ConductorLink(self.ctx, self.cfg.conductor.endpoint,
-                                  self.register_msg({**endpoints, "orders": orders.endpoint}), self.load,
+                                  self.register_msg({**endpoints, "orders": orders.endpoint}), role.load,
                                   curve=self.curve, max_message_bytes=self.max_message_bytes,
-                                  holding=self.held_requests, fallback=orders.placed_alone,
+                                  holding=role.held_requests, fallback=orders.placed_alone,
                                   on_orphans=self._drop_orphans,
                                   on_registered=self._announce_device_cache, coordination=self.cfg.coordination)
         health = await start_node_health(self.cfg, self.role, self.node_id)
@@ -200,32 +222,24 @@ class EngineWorker(ABC):
             loop.add_signal_handler(sig, stop.set)
         receiver = asyncio.create_task(self._receive())
         await stop.wait()
-        await self.drain()
+        await self.drain(role)
         receiver.cancel()
-        await self.close()
-
-    @abstractmethod
-    def held_requests(self) -> list[str]:
-        """Wire ids of every request this role holds: queued, reserved or running."""
+        await role.close()
 
     async def _drop_orphans(self, wire_ids: list[str]) -> None:
         """Reconciliation: what the conductor no longer knows here is dropped as if aborted."""
         for wire_id in wire_ids:
-            await self.handle(P.Abort(wire_id), [])
+            await self.served.handle(P.Abort(wire_id), [])
 
-    @abstractmethod
-    def busy(self) -> bool:
-        """Whether the role holds requests (drained on shutdown; a stall is judged on it)."""
-
-    async def drain(self) -> None:
-        """Tell the conductor we are leaving, then let in-flight work finish (bounded)."""
+    async def drain(self, role: EngineRole) -> None:
+        """Tell the conductor we are leaving, then let ``role``'s in-flight work finish (bounded)."""
         await self.send(P.Leave(self.node_id))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.liveness.drain_timeout_s
-        while self.busy() and loop.time() < deadline:
+        while role.busy() and loop.time() < deadline:
             await asyncio.sleep(0.1)
-        if self.busy():
-            log.warning("%s: drain timed out, dropping what is left: %s", self.node_id, self.load())
+        if role.busy():
+            log.warning("%s: drain timed out, dropping what is left: %s", self.node_id, role.load())
         if self.stores.writes:  # blocks on their way to a store
             await asyncio.wait(set(self.stores.writes), timeout=max(0.1, deadline - loop.time()))
 
@@ -235,28 +249,24 @@ class EngineWorker(ABC):
             msg, tensors = await self.link.recv()
             try:
                 if isinstance(msg, P.FrontendGone):
-                    await self._drop_orphans(self.orders.ordered_by_frontend(msg, self.held_requests()))
+                    await self._drop_orphans(self.orders.ordered_by_frontend(msg, self.served.held_requests()))
                     continue
-                await self.handle(msg, tensors)
+                await self.served.handle(msg, tensors)
             except Exception as e:  # a bad message never kills the role; its request is reported
                 req_id = getattr(msg, "req_id", "")
                 log.exception("error handling %s %s", type(msg).__name__, req_id)
                 if req_id and not isinstance(msg, P.Abort):
                     await self.fail(req_id, e)
 
-    @abstractmethod
-    async def handle(self, msg: P.Msg, tensors: list[torch.Tensor]) -> None:
-        """An order from a frontend, or a message from the conductor."""
-
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in self.tasks:
             t.cancel()
         self.stores.close()
         if self.link is not None:
             self.link.close()
         if self.orders is not None:
             self.orders.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         if self.curve is not None:
             self.curve.stop()
         self.ctx.term()
