@@ -13,7 +13,7 @@ from mooncake.config import EngineConfig, ModelConfig
 from mooncake.engine import Engine, ModelLoadError, load_model
 from mooncake.engine.kernels.native import load_int4_kernel
 from mooncake.engine.model.int4 import INT4_MAX_ROWS, Int4Projection, dequantize_groups, int4_groups, quantize_groups
-from mooncake.engine.model.int8 import Int8Projection
+from mooncake.engine.model.q8 import Q8Projection
 from mooncake.engine.model.quantize import quantize_spec
 from mooncake.protocol import ModelFacts
 
@@ -149,11 +149,11 @@ def test_projection_matches_its_dequantized_weight_at_every_row_count():
         torch.testing.assert_close(torch.cat([q, k, v], -1).float(), want, atol=0.05, rtol=0.02)
 
 
-def test_int4_keeps_the_bundled_q4_1_layers_in_int4_and_its_lm_head_in_int8():
-    """The GGUF stores the layers' projections in Q4_1 and its embedding (the tied lm_head) at
-    more bits: the layers come back exactly on int4 groups, the lm_head is rounded to int8 rows."""
+def test_int4_keeps_the_bundled_q4_1_layers_in_int4_and_its_q8_0_lm_head_as_stored():
+    """The GGUF stores the layers' projections in Q4_1 and its embedding (the tied lm_head) in Q8_0:
+    the layers come back exactly on int4 groups, the lm_head as the file stores it (``q8.py``)."""
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", quantization="int4"))
     spec = Engine(loaded, EngineConfig(kv_cache_bytes=32 << 20)).model.spec
     layers = [p for layer in spec.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(p, Int4Projection) for p in layers)
-    assert isinstance(spec.head, Int8Projection)
+    assert isinstance(spec.head, Q8Projection)

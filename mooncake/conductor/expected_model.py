@@ -33,7 +33,8 @@ class ExpectedModel:
             return f"it serves weights {weights_id!r}, the conductor's model is {self.weights_id!r}"
         bare = dtype.removesuffix(self.variant) if self.variant else dtype
         if self.any_quantization:  # at most one scheme's suffix
-            bare = next((bare.removesuffix(q) for q in ("-int8", "-int4") if bare.endswith(q)), bare)
+            bare = next((bare.removesuffix(q) for q in ("-int8+q8_0", "-int4+q8_0", "-int8", "-int4")
+                         if bare.endswith(q)), bare)
         if not dtype.endswith(self.variant) or "-" in bare or "+" in bare:
             return f"it serves {dtype!r}, the cluster {(self.dtype or '<dtype>') + self.variant!r} (quantization, KV codec, block hash)"
         dtype = bare

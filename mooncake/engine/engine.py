@@ -49,7 +49,7 @@ class Engine:
         model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.max_model_len, model_len) if cfg.max_model_len else model_len
         self.model = DecoderForward(loaded.hf_model, self.max_model_len, T, loaded.quantization, cfg.native_kernels,
-                                    cfg.int4_activations)
+                                    cfg.int4_activations, loaded.gguf)
         self.dtype, self.device = self.model.dtype, self.model.device
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse freed memory instead of faulting in fresh pages

@@ -10,7 +10,8 @@ the lm_head), with integer dot products on exact-enough int16 parts of the activ
 int4 unpacks each group of weights to float32 once for up to 4 rows and sums in float32; with
 ``[engine] int4_activations = "int8"`` int4 instead rounds the activations to int8 per block
 of 32 and multiplies them with the nibbles by AVX-512 VNNI ``vpdpbusd``, ``int4_vnni.c``):
-float32-accurate ``x @ (w8 * scale).T`` (int4: per group of 32, ``x @ (q * scale + zero).T``), the
+float32-accurate ``x @ (w8 * scale).T`` (int4: per group of 32, ``x @ (q * scale + zero).T``; a
+GGUF file's Q8_0 weights, int8 with a scale per group of 32, ``Q8Gemv``), the
 float reference's arithmetic, and each row
 independent of the others (a sequence computes the same in any batch of fewer than 8). It is
 compiled by ``mooncake/native_build.py`` (``KERNELS``: sources, flags and the CPU features
@@ -103,6 +104,39 @@ class Int4Gemv:
         return out
 
 
+class Q8Gemv:
+    """``out[m, n] = sum_g scale[n, g] * sum_{k in g} w8[n, k] * x[m, k]`` over groups ``g`` of 32
+    along ``k`` (GGUF's Q8_0): ``x [M, K]`` bfloat16 or float32 (contiguous), ``w8 [N, K]`` int8,
+    ``scale [N, K / 32]`` float16 (the file's own); ``out [M, N]`` in ``x``'s dtype. Float32 sums (each group's
+    products, then times its scale), each row of ``x`` through the same operations whatever ``M``."""
+
+    GROUP = 32
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.mooncake_q8_0_gemv
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        M, K = x.shape if x.dim() == 2 else (0, 0)
+        N = w8.shape[0] if w8.dim() == 2 else 0
+        if (M < 1 or N < 1 or x.dtype not in (torch.bfloat16, torch.float32) or w8.dtype != torch.int8
+                or K % self.GROUP or w8.shape[1] != K or scale.dtype != torch.float16
+                or scale.shape != (N, K // self.GROUP) or x.device.type != "cpu"
+                or not all(t.is_contiguous() for t in (x, w8, scale))):
+            raise ValueError(f"Q8_0 kernel takes contiguous CPU x [M, K] bfloat16/float32 (K a multiple of 32), "
+                             f"w8 [N, K] int8, scale [N, K/32] float16; got {x.dtype} {tuple(x.shape)}, "
+                             f"{w8.dtype} {tuple(w8.shape)}, {scale.dtype} {tuple(scale.shape)}")
+        out = torch.empty(M, N, dtype=x.dtype)
+        rc = self._fn(x.data_ptr(), x.dtype == torch.bfloat16, w8.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                      M, N, K, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"Q8_0 kernel cannot compute [{M}, {K}] x [{N}, {K}]")
+        return out
+
+
 @functools.lru_cache(maxsize=None)
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The kernels' library (built if missing, loaded once per process), or None where it cannot
@@ -121,3 +155,8 @@ def load_int4_kernel(cache_dir: Path | None = None, activations: str = "float") 
     lib = library(cache_dir)
     return Int4Gemv(lib, activations) if lib is not None else None
 
+
+def load_q8_kernel(cache_dir: Path | None = None) -> Q8Gemv | None:
+    """The Q8_0 kernel, or None where it cannot run on this machine."""
+    lib = library(cache_dir)
+    return Q8Gemv(lib) if lib is not None else None

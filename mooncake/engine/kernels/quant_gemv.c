@@ -5,6 +5,8 @@
  *   int4: out[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, g(k)] + zero[n, g(k)])
  *         over groups g of 32 consecutive k, q in 0..15 (GGUF's Q4_1 layout of values); each
  *         group is unpacked to float32 once for up to 4 rows of x, the products summed in float32
+ *   Q8_0: out[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] * w[n, k]   (GGUF's Q8_0: int8
+ *         w and a scale per group of 32; each group's sum in float32, then times its scale)
  *
  * x: [M, K] bfloat16 or float32; int8 w: [N, K], row-major, scale [N] float32; int4 w: [N, K/2]
  * bytes, a group's 16 bytes holding its elements 0-15 in the low nibbles and 16-31 in the high
@@ -236,6 +238,99 @@ int mooncake_int4_gemv(const void *x, int x_is_bf16, const uint8_t *w, const flo
             case 2: block4_2(wr, sc, zr, xm, K, res); break;
             case 3: block4_3(wr, sc, zr, xm, K, res); break;
             default: block4_4(wr, sc, zr, xm, K, res); break;
+            }
+            for (int r = 0; r < ROWS && n0 + r < N; r++)
+                for (int m = 0; m < mm; m++) {
+                    size_t o = (size_t)(m0 + m) * N + n0 + r;
+                    if (x_is_bf16)
+                        ((uint16_t *)out)[o] = f32_to_bf16(res[r][m]);
+                    else
+                        ((float *)out)[o] = res[r][m];
+                }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------- Q8_0: int8, a scale per group of 32 */
+
+#define MAX_M8 4  /* activation rows per pass: a group is converted to float32 once for all of them */
+
+/* res[r][m] = sum_g d[r, g] * sum_{k in g} q[r, k] * x[m, k] for ROWS weight rows and MM rows of x:
+ * per group the 32 products summed in float32 (a multiply, then a fused multiply-add), then one
+ * fused multiply-add by the group's scale into the row's accumulator; the same operations in the
+ * same order for every row of x, whatever MM. */
+#define DEFINE_BLOCK8(MM)                                                                          \
+    static void block8_##MM(const int8_t *const *wr, const uint16_t *const *sc, const float *x, int K, \
+                            float res[ROWS][MAX_M8]) {                                              \
+        __m512 acc[ROWS][MM];                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                              \
+            for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();                           \
+        for (int g = 0; g < K / GROUP; g++) {                                                       \
+            __m512 x0[MM], x1[MM];                                                                  \
+            for (int m = 0; m < MM; m++) {                                                          \
+                x0[m] = _mm512_loadu_ps(x + (size_t)m * K + g * GROUP);                             \
+                x1[m] = _mm512_loadu_ps(x + (size_t)m * K + g * GROUP + 16);                        \
+            }                                                                                       \
+            for (int r = 0; r < ROWS; r++) {                                                        \
+                const int8_t *q = wr[r] + (size_t)g * GROUP;                                        \
+                _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);                            \
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); \
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))); \
+                __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)sc[r][g])); /* float16 -> float32 */ \
+                for (int m = 0; m < MM; m++) {                                                      \
+                    __m512 s = _mm512_fmadd_ps(w1, x1[m], _mm512_mul_ps(w0, x0[m]));                \
+                    acc[r][m] = _mm512_fmadd_ps(s, d, acc[r][m]);                                   \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < ROWS; r++)                                                              \
+            for (int m = 0; m < MM; m++) res[r][m] = _mm512_reduce_add_ps(acc[r][m]);               \
+    }
+
+DEFINE_BLOCK8(1)
+DEFINE_BLOCK8(2)
+DEFINE_BLOCK8(3)
+DEFINE_BLOCK8(4)
+
+/* out[m, n] = sum_g scale[n, g] * sum_{k in g} w[n, k] * x[m, k] (GGUF's Q8_0: w [N, K] int8, scale
+ * [N, K/32] float16, the file's own: 1/16 byte per weight more than int8 rows, float32 scales' 1/8
+ * were slower still at batch 1, where the call is bound by reading them); x [M, K] bfloat16 or float32, out [M, N] in x's
+ * dtype. Returns 0, or -1 when the shapes are not served (K a multiple of 32) or memory is short. */
+int mooncake_q8_0_gemv(const void *x, int x_is_bf16, const int8_t *w, const uint16_t *scale, void *out,
+                       int M, int N, int K, int threads) {
+    if (M < 1 || N < 1 || K < GROUP || K % GROUP) return -1;
+    size_t MK = (size_t)M * K;
+    int groups = K / GROUP;
+    float *xf = NULL;
+    if (x_is_bf16) {
+        xf = (float *)malloc(sizeof(float) * MK);
+        if (!xf) return -1;
+        for (size_t i = 0; i < MK; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xs = x_is_bf16 ? xf : (const float *)x;
+    int blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        int n0 = b * ROWS;
+        const int8_t *wr[ROWS];
+        const uint16_t *sc[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            int n = n0 + r < N ? n0 + r : N - 1;  /* past the last row: repeat it, discard the result */
+            wr[r] = w + (size_t)n * K;
+            sc[r] = scale + (size_t)n * groups;
+        }
+        for (int m0 = 0; m0 < M; m0 += MAX_M8) {
+            int mm = M - m0 < MAX_M8 ? M - m0 : MAX_M8;
+            float res[ROWS][MAX_M8];
+            const float *xm = xs + (size_t)m0 * K;
+            switch (mm) {
+            case 1: block8_1(wr, sc, xm, K, res); break;
+            case 2: block8_2(wr, sc, xm, K, res); break;
+            case 3: block8_3(wr, sc, xm, K, res); break;
+            default: block8_4(wr, sc, xm, K, res); break;
             }
             for (int r = 0; r < ROWS && n0 + r < N; r++)
                 for (int m = 0; m < mm; m++) {

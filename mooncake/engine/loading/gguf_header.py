@@ -15,6 +15,7 @@ from typing import BinaryIO
 FLOAT_FILE_TYPES = (0, 1, 32)  # all F32, mostly F16, mostly BF16
 Q4_0 = 2  # all Q4_0: groups of 32 with a scale each, symmetric (the engine's int4 groups with zero = -8 * scale)
 Q4_1 = 3  # all Q4_1: groups of 32 with a scale and an offset each, as the engine's int4 weights
+Q8_0 = 7  # mostly Q8_0: int8 with a float16 scale per group of 32 (served as stored: ``model/q8.py``)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 

@@ -27,7 +27,7 @@ from mooncake.blocks import scheme_model_id
 from mooncake.config import ModelConfig
 from mooncake.engine.errors import ModelLoadError
 from mooncake.engine.model.families import SUPPORTED_MODEL_TYPES, check_config
-from mooncake.engine.loading.gguf_header import Q4_0, Q4_1, gguf_file_type, gguf_is_quantized
+from mooncake.engine.loading.gguf_header import Q4_0, Q4_1, Q8_0, gguf_file_type, gguf_is_quantized
 from mooncake.engine.loading.hub_cache import is_repo_id, repo_id_of, snapshot_dir
 from mooncake.engine.loading.quantization import refuse_quantized
 
@@ -47,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     quantization: str = "none"  # as resolved: "int8" or "int4", the engine's forward quantizes the weights (mooncake.engine.model.int8, int4)
     kv_codec: str = "none"  # how KV blocks leave the engine's pool (mooncake.kv.codec)
+    gguf: Path | None = None  # the GGUF the weights were converted from (int8/int4 serve its Q8_0 as stored)
 
 
 def default_model_path() -> Path:
@@ -117,6 +118,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         log.info("quantization = \"auto\": %s weights (a quantized GGUF served in %s on a CPU); "
                  "quantization = \"none\" serves them unquantized", quantization, str(dtype).removeprefix("torch."))
     model_dir, name = resolve_model_dir(cfg)  # after the checks: a GGUF may be converted first
+    source = model_source(cfg)[0]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -129,7 +131,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         prefer_sdpa_kernels_without_planning()
     model_id = (f"{weights_id(model_dir, name, cfg.cache_dir)}/{str(dtype).removeprefix('torch.')}"
                 f"{model_variant(cfg, quantization)}")
-    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, quantization, cfg.kv_codec)
+    return LoadedModel(model, tokenizer, model_dir, model_id, name, device, dtype, quantization, cfg.kv_codec,
+                       source if source.is_file() else None)
 
 
 def resolve_quantization(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
@@ -159,11 +162,15 @@ def prefer_sdpa_kernels_without_planning() -> None:
 
 def model_variant(cfg: ModelConfig, quantization: str | None = None) -> str:
     """What follows the dtype in a ``model_id``: ``-int8`` (``-int4``) when quantized (``quantization``: as
-    resolved for the load, default the config's; ``auto`` counts as none), ``+kv_int8`` (``+kv_fp8``)
+    resolved for the load, default the config's; ``auto`` counts as none; then ``+q8_0`` for a mostly-Q8_0
+    GGUF, whose layers are served as the file stores them since they no longer are rounded to int8 rows:
+    ``model/q8.py``), ``+kv_int8`` (``+kv_fp8``)
     when KV blocks travel encoded, ``+xxh3_128`` when blocks hash with xxh3 (each changes what a
     block key means; the hash scheme's suffix stays last, ``blocks.root_hash`` reads it there)."""
     quantization = quantization or cfg.quantization
     quant = "-" + quantization if quantization not in ("none", "auto") else ""
+    if quant and gguf_file_type(model_source(cfg)[0]) == Q8_0:
+        quant += "+q8_0"
     codec = "+kv_" + cfg.kv_codec if cfg.kv_codec != "none" else ""
     return scheme_model_id(quant + codec, cfg.block_hash)
 

@@ -19,6 +19,7 @@ each layer's past to load (``LayerHooks``, see ``mooncake/kv/layers.py``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,13 +39,14 @@ if TYPE_CHECKING:
 
 class DecoderForward:
     def __init__(self, hf_model: Any, max_len: int, block_tokens: int, quantization: str = "none",
-                 native: bool = True, int4_activations: str = "float") -> None:
+                 native: bool = True, int4_activations: str = "float", gguf: Path | None = None) -> None:
         """``native``: the engine's own kernels where they run (``native.py``: int8 or int4 at small batch;
         ``fast_decode.py``: every decode step of a Llama-style model); else torch's. ``int4_activations``:
-        the int4 kernel's (``[engine] int4_activations``)."""
+        the int4 kernel's (``[engine] int4_activations``); ``gguf``: the file the model was converted from
+        (its Q8_0 weights quantized as stored)."""
         self.spec = spec = model_spec(hf_model)
         if quantization in ("int8", "int4"):
-            quantize_spec(spec, native, quantization, int4_activations)
+            quantize_spec(spec, native, quantization, int4_activations, gguf)
         self.num_layers = len(spec.layers)
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
