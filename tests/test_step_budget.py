@@ -118,7 +118,7 @@ async def test_the_role_sizes_each_step_by_the_classes_it_decodes(colocated_work
     chunk = w.host.cfg.engine.prefill_chunk_tokens
     chat_prompt, flex_prompt = _slot("default", 600, prefilled=False).seq, _slot("flex", 600, prefilled=False).seq
     chat_prompt.tokens = flex_prompt.tokens = list(range(600))
-    assert w.step_target_ms == DEFAULT_TBT_TARGET_MS and w.step_tokens == 0
+    assert w.host.step_target_ms == DEFAULT_TBT_TARGET_MS and w.host.step_tokens == 0
     assert w._prompt_budget([], 0, [chat_prompt]) == chunk  # nothing decodes: a whole chunk
     chat = [_slot("default") for _ in range(8)]
     eight = w._prompt_budget(chat, 8000, [chat_prompt])
@@ -135,7 +135,7 @@ async def test_the_role_sizes_each_step_by_the_classes_it_decodes(colocated_work
     assert 24 <= w._prompt_budget([], 0, [short, flex_prompt]) < w.host.cfg.classes.flex_chunk_tokens
     w.host.cfg.classes.default.tbt_slo_ms = 400  # a class's own SLO is its target
     assert w._prompt_budget(chat, 8000, [chat_prompt]) > eight
-    w.step_tokens = 128  # [engine] step_tokens fixes it, less a token per row
+    w.host.step_tokens = 128  # [engine] step_tokens fixes it, less a token per row
     assert w._prompt_budget(chat, 8000, [chat_prompt]) == 120
     await w.close()
 

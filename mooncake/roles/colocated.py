@@ -78,19 +78,19 @@ class ColocatedWorker:
         host = self.host = EngineHost(cfg, self.role)
         self.engine, self.run_engine, self.tracer, self.node_id = host.engine, host.run_engine, host.tracer, host.node_id
         self.batch = DecodeBatch(host, self)
-        self.step_tokens = host.step_tokens = min(cfg.engine.step_tokens, cfg.engine.prefill_chunk_tokens)  # fixed, if configured
+        host.step_tokens = min(cfg.engine.step_tokens, cfg.engine.prefill_chunk_tokens)  # fixed, if configured
         self.budget = step_budget(cfg, host.profile, self.batch.step_cost)
         # what the conductor predicts this instance's steps by: the default class's target
-        self.step_target_ms = host.step_target_ms = tbt_target_ms(P.Sampling(), cfg, self.batch.tbt_default_ms)
+        host.step_target_ms = tbt_target_ms(P.Sampling(), cfg, self.batch.tbt_default_ms)
         self.prompts: dict[str, tuple[Slot, asyncio.Future[PrefillStep]]] = {}  # waiting for their next chunk
         self.inflight = InflightBlocks()  # prompt blocks the prompts here are computing
         self.prefilling: set[str] = set()  # requests whose prompt is being prefilled here
         self.loader = PrefixLoader(self.engine, lambda fn, *args: self.run_engine(fn, *args), host.stores,
                                    host.rejections, self._chunk)
-        if self.step_tokens:
-            log.info("colocated: %d tokens per step while decoding ([engine] step_tokens)", self.step_tokens)
+        if host.step_tokens:
+            log.info("colocated: %d tokens per step while decoding ([engine] step_tokens)", host.step_tokens)
         else:
-            log.info("colocated: prompt tokens per step keep interactive steps within %.0f ms", self.step_target_ms)
+            log.info("colocated: prompt tokens per step keep interactive steps within %.0f ms", host.step_target_ms)
 
     async def start(self) -> None:
         if self.engine.prefix_caching:
@@ -311,8 +311,8 @@ class ColocatedWorker:
         arrives waits behind that much at most). ``[engine] step_tokens``, where set, fixes it instead."""
         joining = [s for s in self.batch.incoming.values() if s.seq.prefilled]  # done, about to decode
         rows, chunk = slots + joining, self.cfg.engine.prefill_chunk_tokens
-        if self.step_tokens:
-            return max(self.engine.block_tokens, self.step_tokens - len(rows)) if rows else chunk
+        if self.host.step_tokens:
+            return max(self.engine.block_tokens, self.host.step_tokens - len(rows)) if rows else chunk
         kv = kv_tokens + sum(s.seq.num_tokens for s in joining)
         target_s = tightest_target_ms((s.seq.sampling for s in rows), self.cfg, self.batch.tbt_default_ms) / 1000
         ctx = prompts[0].num_computed
