@@ -204,19 +204,39 @@ DEFINE_BLOCK4(2)
 DEFINE_BLOCK4(3)
 DEFINE_BLOCK4(4)
 
+/* x [M, K] as float32: x itself, or (bfloat16) a converted copy in *owned (freed by the caller; NULL
+ * when memory is short). */
+static const float *x_as_float(const void *x, int x_is_bf16, size_t MK, float **owned) {
+    *owned = NULL;
+    if (!x_is_bf16) return (const float *)x;
+    float *xf = (float *)malloc(sizeof(float) * MK);
+    if (xf)
+        for (size_t i = 0; i < MK; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    *owned = xf;
+    return xf;
+}
+
+/* A block's results res[r][m] (rows n0.. of the weights, m0.. of x) into out [M, N], in x's dtype. */
+static void store_block(void *out, int x_is_bf16, int N, int n0, int m0, int mm, int max_m, const float *res) {
+    for (int r = 0; r < ROWS && n0 + r < N; r++)
+        for (int m = 0; m < mm; m++) {
+            size_t o = (size_t)(m0 + m) * N + n0 + r;
+            float v = res[r * max_m + m];
+            if (x_is_bf16)
+                ((uint16_t *)out)[o] = f32_to_bf16(v);
+            else
+                ((float *)out)[o] = v;
+        }
+}
+
 /* Returns 0, or -1 when the shapes are not served (K a multiple of 32). */
 int mooncake_int4_gemv(const void *x, int x_is_bf16, const uint8_t *w, const float *scale, const float *zero,
                        void *out, int M, int N, int K, int threads) {
     if (M < 1 || N < 1 || K < GROUP || K % GROUP) return -1;
-    size_t MK = (size_t)M * K;
     int groups = K / GROUP;
-    float *xf = NULL;
-    if (x_is_bf16) {
-        xf = (float *)malloc(sizeof(float) * MK);
-        if (!xf) return -1;
-        for (size_t i = 0; i < MK; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    }
-    const float *xs = x_is_bf16 ? xf : (const float *)x;
+    float *xf;
+    const float *xs = x_as_float(x, x_is_bf16, (size_t)M * K, &xf);
+    if (!xs) return -1;
     int blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int b = 0; b < blocks; b++) {
@@ -239,14 +259,7 @@ int mooncake_int4_gemv(const void *x, int x_is_bf16, const uint8_t *w, const flo
             case 3: block4_3(wr, sc, zr, xm, K, res); break;
             default: block4_4(wr, sc, zr, xm, K, res); break;
             }
-            for (int r = 0; r < ROWS && n0 + r < N; r++)
-                for (int m = 0; m < mm; m++) {
-                    size_t o = (size_t)(m0 + m) * N + n0 + r;
-                    if (x_is_bf16)
-                        ((uint16_t *)out)[o] = f32_to_bf16(res[r][m]);
-                    else
-                        ((float *)out)[o] = res[r][m];
-                }
+            store_block(out, x_is_bf16, N, n0, m0, mm, MAX_M4, &res[0][0]);
         }
     }
     free(xf);
@@ -302,15 +315,10 @@ DEFINE_BLOCK8(4)
 int mooncake_q8_0_gemv(const void *x, int x_is_bf16, const int8_t *w, const uint16_t *scale, void *out,
                        int M, int N, int K, int threads) {
     if (M < 1 || N < 1 || K < GROUP || K % GROUP) return -1;
-    size_t MK = (size_t)M * K;
     int groups = K / GROUP;
-    float *xf = NULL;
-    if (x_is_bf16) {
-        xf = (float *)malloc(sizeof(float) * MK);
-        if (!xf) return -1;
-        for (size_t i = 0; i < MK; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    }
-    const float *xs = x_is_bf16 ? xf : (const float *)x;
+    float *xf;
+    const float *xs = x_as_float(x, x_is_bf16, (size_t)M * K, &xf);
+    if (!xs) return -1;
     int blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int b = 0; b < blocks; b++) {
@@ -332,14 +340,7 @@ int mooncake_q8_0_gemv(const void *x, int x_is_bf16, const int8_t *w, const uint
             case 3: block8_3(wr, sc, xm, K, res); break;
             default: block8_4(wr, sc, xm, K, res); break;
             }
-            for (int r = 0; r < ROWS && n0 + r < N; r++)
-                for (int m = 0; m < mm; m++) {
-                    size_t o = (size_t)(m0 + m) * N + n0 + r;
-                    if (x_is_bf16)
-                        ((uint16_t *)out)[o] = f32_to_bf16(res[r][m]);
-                    else
-                        ((float *)out)[o] = res[r][m];
-                }
+            store_block(out, x_is_bf16, N, n0, m0, mm, MAX_M8, &res[0][0]);
         }
     }
     free(xf);
